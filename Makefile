@@ -1,0 +1,50 @@
+# `make demo` and `make test` set everything up on a fresh machine (Python 3.11+
+# and make are all they need): a virtual environment in .venv with ddtop
+# installed in editable mode, torch and torchvision from pip.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+WORLD_SIZE ?= 8
+
+.PHONY: help install demo test lint typecheck pytest bench clean
+
+help:
+	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset"
+	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
+	@echo "make bench      start-up benchmark (bench/startup.py)"
+	@echo "make clean      remove .venv and caches (runs/ is kept)"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ddtop needs Python 3.11 or newer; run make with PYTHON=python3.11")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "installing ddtop with torch and torchvision into $(VENV) (several GB, a minute or two)..."
+	$(BIN)/python -m pip install --progress-bar off -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ddtrain start --foreground --world-size $(WORLD_SIZE)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# mypy cannot follow the editable install's import hook, so it checks a tree
+# of links that spells the installed names (ddtop.training -> training/, ...).
+typecheck: $(STAMP)
+	rm -rf .typecheck && mkdir -p .typecheck/ddtop
+	for part in training daemon dashboard; do ln -s ../../$$part .typecheck/ddtop/$$part; done
+	cd .typecheck && ../$(BIN)/mypy --config-file ../pyproject.toml -p ddtop
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/startup.py
+
+clean:
+	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache *.egg-info

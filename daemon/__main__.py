@@ -1,0 +1,7 @@
+"""`python -m ddtop.daemon` is `ddtrain`."""
+
+import sys
+
+from ddtop.daemon.cli import main
+
+sys.exit(main())

@@ -1,0 +1,310 @@
+"""Launch one process per rank on this machine and supervise them.
+
+Ranks are started with multiprocessing's forkserver: the forkserver imports
+`ddtop.training.worker` (and torch) once, then forks every rank from itself, so
+start-up does not grow by one torch import per rank (bench/startup.py measures
+it). This module itself never imports torch.
+
+Supervision: each rank's stdout and stderr go to its own log file, which the
+launcher echoes with a `[rank K]` prefix. When a rank fails, the launcher names
+it (exit code or signal, and the error the rank reported), stops the others
+(they would otherwise wait in their next collective until it times out), and
+reports the run as failed.
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from ddtop.daemon.config import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    TrainConfig,
+    UsageError,
+)
+from ddtop.daemon.runs import RunPaths, read_json, write_json_atomic
+
+# Seconds a rank gets to exit after SIGTERM before it is killed.
+TERM_GRACE_S = 5.0
+# Seconds between looks at the ranks' logs while they run.
+POLL_S = 0.1
+# Lines of a failed rank's traceback shown in the failure report.
+TRACEBACK_TAIL_LINES = 8
+WORKER_MODULE = "ddtop.training.worker"
+
+
+class Stopped(Exception):
+    """The launcher was asked to stop (Ctrl-C or SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def choose_port(addr: str, port: int) -> int:
+    """`port` if it can be bound on `addr`, a free one if `port` is 0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except socket.gaierror:
+            raise UsageError(f"--master-addr {addr} is not a valid address") from None
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(f"--master-port {port} is already in use on {addr}: pick "
+                                 "another, or leave --master-port out to use a free one") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise UsageError(f"--master-addr {addr} is not an address of this machine") from None
+            raise
+        chosen: int = s.getsockname()[1]
+        return chosen
+
+
+def _rank_entry(*args: Any) -> None:
+    """Runs in the forked child. Imported by name, so this module stays torch-free."""
+    import importlib
+
+    importlib.import_module(WORKER_MODULE).launched_rank(*args)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class LogTail:
+    """Complete lines appended to a file since the last read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def lines(self, final: bool = False) -> Iterator[str]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        self.offset += len(chunk)
+        *complete, self.partial = (self.partial + chunk).split(b"\n")
+        if final and self.partial:
+            complete.append(self.partial)
+            self.partial = b""
+        for line in complete:
+            yield line.decode(errors="replace")
+
+
+@dataclass
+class Rank:
+    rank: int
+    process: BaseProcess
+    tail: LogTail
+    exitcode: int | None = None
+    stopped_by_us: bool = False
+
+    def record(self) -> dict[str, Any]:
+        code = self.exitcode
+        return {
+            "rank": self.rank,
+            "pid": self.process.pid,
+            "exitcode": code,
+            "signal": signal.Signals(-code).name if code is not None and code < 0 else None,
+            "stopped_by_launcher": self.stopped_by_us,
+        }
+
+
+@dataclass
+class Outcome:
+    status: str  # succeeded | failed | stopped
+    exit_code: int
+    failed_rank: Rank | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class LocalLauncher:
+    def __init__(self, config: TrainConfig, paths: RunPaths, out: TextIO = sys.stdout,
+                 err: TextIO = sys.stderr) -> None:
+        self.config, self.paths, self.out, self.err = config, paths, out, err
+        self.ranks: list[Rank] = []
+        self.started = time.time()
+        self.port = 0
+
+    # -- public ----------------------------------------------------------------
+    def run(self) -> int:
+        self.port = choose_port(self.config.master_addr, self.config.master_port)
+        self.paths.create()
+        write_json_atomic(self.paths.config, self.config.to_dict())
+        self._write_status("running")
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            try:
+                self._start_ranks()
+                outcome = self._supervise()
+            except Stopped as stop:
+                for s in previous:  # a second Ctrl-C must not interrupt the clean-up
+                    signal.signal(s, signal.SIG_IGN)
+                self._stop_all()
+                code = EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 128 + stop.signum
+                outcome = Outcome("stopped", code)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        self._echo_logs(final=True)
+        self._write_status(outcome.status, outcome)
+        self._report(outcome)
+        return outcome.exit_code
+
+    # -- start -----------------------------------------------------------------
+    def _context(self) -> BaseContext:
+        method = self.config.start_method
+        if method not in multiprocessing.get_all_start_methods():
+            raise UsageError(f"--start-method {method} is not available on this platform: "
+                             "use spawn")
+        ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload([WORKER_MODULE])
+        return ctx
+
+    def _start_ranks(self) -> None:
+        # One intra-op thread per rank unless told otherwise (as torchrun does),
+        # set before the forkserver starts so that it and every rank inherit it.
+        os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
+        ctx = self._context()
+        config = self.config.to_dict()
+        for rank in range(self.config.world_size):
+            process = ctx.Process(
+                target=_rank_entry,
+                args=(rank, self.config.world_size, config, str(self.paths.root),
+                      self.config.master_addr, self.port, self.started),
+                name=f"ddtrain-rank-{rank}",
+                daemon=False,
+            )
+            process.start()
+            self.ranks.append(Rank(rank, process, LogTail(self.paths.rank_log(rank))))
+        self._write_status("running")
+
+    # -- supervise -------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        raise Stopped(signum)
+
+    def _supervise(self) -> Outcome:
+        while True:
+            running = [r for r in self.ranks if r.exitcode is None]
+            if not running:
+                return Outcome("succeeded", EXIT_OK)
+            multiprocessing.connection.wait([r.process.sentinel for r in running], timeout=POLL_S)
+            self._echo_logs()
+            failed = []
+            for r in running:
+                if r.process.exitcode is not None:
+                    r.exitcode = r.process.exitcode
+                    if r.exitcode != 0:
+                        failed.append(r)
+            if failed:
+                first = min(failed, key=self._blame_order)
+                self._stop_all()
+                return self._failure(first)
+
+    def _blame_order(self, r: Rank) -> tuple[int, int]:
+        """Among ranks seen failing together, the likely cause comes first: one
+        killed by a signal or with bad input, before peers that only lost it."""
+        report = self._error_report(r)
+        assert r.exitcode is not None
+        cause = 0 if r.exitcode < 0 or report.get("kind") == "usage" else 1
+        return cause, r.rank
+
+    def _stop_all(self) -> None:
+        alive = [r for r in self.ranks if r.process.exitcode is None]
+        for r in alive:
+            r.stopped_by_us = True
+            r.process.terminate()
+        deadline = time.monotonic() + TERM_GRACE_S
+        for r in alive:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+            if r.process.exitcode is None:
+                r.process.kill()
+                r.process.join()
+        for r in self.ranks:
+            r.exitcode = r.process.exitcode
+
+    def _failure(self, rank: Rank) -> Outcome:
+        report = self._error_report(rank)
+        if report.get("kind") == "usage":
+            return Outcome("failed", EXIT_USAGE, rank, report)
+        return Outcome("failed", EXIT_FAILED, rank, report)
+
+    def _error_report(self, rank: Rank) -> dict[str, Any]:
+        path = self.paths.rank_error(rank.rank)
+        try:
+            report: dict[str, Any] = read_json(path)
+        except (OSError, ValueError):
+            return {}
+        return report
+
+    # -- output ----------------------------------------------------------------
+    def _echo_logs(self, final: bool = False) -> None:
+        for r in self.ranks:
+            for line in r.tail.lines(final):
+                print(f"[rank {r.rank}] {line}", file=self.out, flush=True)
+
+    def _write_status(self, status: str, outcome: Outcome | None = None) -> None:
+        record: dict[str, Any] = {
+            "run_id": self.paths.run_id,
+            "status": status,
+            "launcher_pid": os.getpid(),
+            "started": self.started,
+            "ended": time.time() if outcome is not None else None,
+            "master_addr": self.config.master_addr,
+            "master_port": self.port,
+            "world_size": self.config.world_size,
+            "ranks": [r.record() for r in self.ranks],
+        }
+        if outcome is not None:
+            record["exit_code"] = outcome.exit_code
+            if outcome.failed_rank is not None:
+                record["failure"] = {**outcome.failed_rank.record(), **outcome.report}
+        write_json_atomic(self.paths.status, record)
+
+    def _report(self, outcome: Outcome) -> None:
+        rid, seconds = self.paths.run_id, time.time() - self.started
+        if outcome.status == "succeeded":
+            print(f"ddtrain: run {rid} succeeded in {seconds:.1f} s; "
+                  f"checkpoints in {self.paths.checkpoints}", file=self.out, flush=True)
+            return
+        if outcome.status == "stopped":
+            print(f"ddtrain: run {rid} stopped after {seconds:.1f} s; continue it with: "
+                  f"ddtrain start --resume --run-id {rid}", file=self.err, flush=True)
+            return
+        rank = outcome.failed_rank
+        assert rank is not None and rank.exitcode is not None
+        if outcome.exit_code == EXIT_USAGE:
+            print(f"ddtrain: error: {outcome.report.get('message')}", file=self.err, flush=True)
+            return
+        message = outcome.report.get("message")
+        cause = f": {message}" if message else ""
+        lines = [f"ddtrain: run {rid} failed: rank {rank.rank} (pid {rank.process.pid}) "
+                 f"{describe_exit(rank.exitcode)}{cause}"]
+        tb = outcome.report.get("traceback", "").rstrip().splitlines()
+        lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
+        lines.append(f"  log: {self.paths.rank_log(rank.rank)}; continue from the last "
+                     f"checkpoint with: ddtrain start --resume --run-id {rid}")
+        print("\n".join(lines), file=self.err, flush=True)

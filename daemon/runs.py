@@ -1,0 +1,106 @@
+"""Run directories: where a run keeps its config, status, logs and checkpoints.
+
+    runs/<run-id>/
+        config.json           the TrainConfig, as started (rewritten on resume)
+        run.json              status, ranks, exit codes; rewritten atomically
+        metrics.jsonl         global metrics, one object per sync (rank 0)
+        logs/rank-<k>.log     stdout and stderr of rank k
+        logs/rank-<k>.error.json   why rank k failed, written by the rank itself
+        checkpoints/step-<global step>.pt
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddtop.daemon.config import UsageError
+
+
+def new_run_id(now: float | None = None) -> str:
+    """Sortable by start time, unique without coordination: 20261122-145301-3fa2."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def run_id(self) -> str:
+        return self.root.name
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def status(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    def rank_error(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.error.json"
+
+    def create(self) -> RunPaths:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
+    """The run named by id (a unique prefix is enough), or the newest run."""
+    base = Path(runs_dir)
+    runs = sorted(p for p in base.glob("*") if (p / "config.json").is_file()) if base.is_dir() else []
+    if not runs:
+        raise UsageError(f"no runs under {base}/: start one first, or pass --runs-dir")
+    if run_id is None:
+        return RunPaths(runs[-1])
+    matches = [p for p in runs if p.name == run_id] or [p for p in runs if p.name.startswith(run_id)]
+    if not matches:
+        raise UsageError(f"no run {run_id!r} under {base}/: see the folders there for run ids")
+    if len(matches) > 1:
+        names = ", ".join(p.name for p in matches[:4])
+        raise UsageError(f"run id {run_id!r} is ambiguous ({names}): give more of it")
+    return RunPaths(matches[0])
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write, fsync, rename: a reader sees the old file or the new one, never half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> Any:
+    with path.open() as f:
+        return json.load(f)

@@ -1,0 +1,1 @@
+"""ddtop.dashboard: the terminal dashboard. Never imports torch."""

@@ -1,0 +1,99 @@
+"""Checkpoints: everything needed to continue a run exactly where it stopped.
+
+Rank 0 writes them atomically (temporary file, fsync, rename), so a crash while
+writing leaves the previous checkpoint intact. They hold only tensors and plain
+Python values and load with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddtop.daemon.config import TrainConfig, UsageError, resume_mismatch
+
+FORMAT = 1
+PATTERN = "step-*.pt"
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training continues: `step` steps of `epoch` are already done."""
+
+    epoch: int
+    step: int
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    random.setstate(_as_tuple(state["python"]))
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def checkpoint_path(folder: Path, global_step: int) -> Path:
+    return folder / f"step-{global_step:08d}.pt"
+
+
+def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write atomically, then delete all but the `keep` newest (0 keeps all)."""
+    path = checkpoint_path(folder, state["global_step"])
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if keep:
+        for old in sorted(folder.glob(PATTERN))[:-keep]:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def load_newest_valid(folder: Path) -> tuple[Path, dict[str, Any]] | None:
+    """Newest checkpoint that loads and is complete; damaged ones are skipped
+    with a warning, since an older checkpoint is better than none."""
+    for path in sorted(folder.glob(PATTERN), reverse=True):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any damage means "try the previous one"
+            print(f"warning: skipping unreadable checkpoint {path.name}: {e}", file=sys.stderr)
+            continue
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            print(f"warning: skipping {path.name}: not a checkpoint of this version",
+                  file=sys.stderr)
+            continue
+        return path, state
+    return None
+
+
+def check_compatible(path: Path, state: dict[str, Any], config: TrainConfig) -> None:
+    diffs = resume_mismatch(state["config"], config)
+    if diffs:
+        raise UsageError(
+            f"checkpoint {path} was written with different settings ({'; '.join(diffs)}): "
+            "resume with the run's own settings, or start a new run without --resume"
+        )

@@ -1,0 +1,138 @@
+"""What a run prints and records as it goes. Only rank 0 speaks (the others get
+the silent base class), so the loop never asks which rank it is."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sized
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.runs import RunPaths
+from ddtop.training.checkpoint import Position
+from ddtop.training.distributed import RankEnv
+from ddtop.training.metrics import GlobalMetrics
+
+
+class Progress:
+    """Silent: what every rank but rank 0 uses."""
+
+    @staticmethod
+    def for_rank(config: TrainConfig, env: RankEnv, paths: RunPaths,
+                 launch_time: float | None) -> Progress:
+        return RankZeroProgress(config, env, paths, launch_time) if env.is_main else Progress()
+
+    def started(self, backend: str, device: torch.device, model: nn.Module, train_set: Any,
+                val_set: Any, steps_per_epoch: int, position: Position) -> None:
+        pass
+
+    def epoch_started(self, epoch: int) -> None:
+        pass
+
+    def step(self, epoch: int, step: int, steps: int, loss: torch.Tensor, global_step: int) -> None:
+        pass
+
+    def synced(self, epoch: int, step: int, global_step: int, metrics: GlobalMetrics) -> None:
+        pass
+
+    def checkpointed(self, path: Path) -> None:
+        pass
+
+    def epoch_done(self, epoch: int, global_step: int, train: GlobalMetrics,
+                   val: GlobalMetrics) -> None:
+        pass
+
+    def finished(self, global_step: int) -> None:
+        pass
+
+
+class RankZeroProgress(Progress):
+    def __init__(self, config: TrainConfig, env: RankEnv, paths: RunPaths,
+                 launch_time: float | None) -> None:
+        self.config, self.env, self.paths = config, env, paths
+        self.launch_time = launch_time
+        self.start = time.monotonic()
+        self.epoch_start = self.start
+        self.last_print = self.start
+        self.steps_since_print = 0
+        self.loss_since_print: torch.Tensor | None = None
+        self.first_step_reported = False
+
+    def _say(self, line: str) -> None:
+        print(line, flush=True)
+
+    def _record(self, record: dict[str, Any]) -> None:
+        with self.paths.metrics.open("a") as f:
+            f.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+    def started(self, backend: str, device: torch.device, model: nn.Module, train_set: Any,
+                val_set: Any, steps_per_epoch: int, position: Position) -> None:
+        cfg = self.config
+        params = sum(p.numel() for p in model.parameters())
+        sizes = (f"{len(train_set)} train / {len(val_set)} val"
+                 if isinstance(train_set, Sized) and isinstance(val_set, Sized) else "")
+        self._say(
+            f"run {self.paths.run_id}: {cfg.world_size} ranks, backend {backend} on {device.type}, "
+            f"model {cfg.model} ({params / 1e6:.2f}M params), dataset {cfg.dataset} ({sizes}), "
+            f"global batch {cfg.batch_size} ({cfg.batch_per_rank} per rank), "
+            f"{steps_per_epoch} steps per epoch, {cfg.epochs} epochs"
+        )
+
+    def epoch_started(self, epoch: int) -> None:
+        self.epoch_start = self.last_print = time.monotonic()
+        self.steps_since_print = 0
+        self.loss_since_print = None
+
+    def step(self, epoch: int, step: int, steps: int, loss: torch.Tensor, global_step: int) -> None:
+        detached = loss.detach()
+        self.loss_since_print = (detached if self.loss_since_print is None
+                                 else self.loss_since_print + detached)
+        self.steps_since_print += 1
+        now = time.monotonic()
+        if not self.first_step_reported:
+            self.first_step_reported = True
+            if self.launch_time is not None:
+                # DDP's first backward all-reduces across all ranks, so when rank 0
+                # is past it, every rank has started.
+                self._say(f"first step done {time.time() - self.launch_time:.2f} s after launch")
+        if now - self.last_print < self.config.progress_every and step != steps:
+            return
+        # Intentional sync point (CUDA): .item() only when a line is printed.
+        mean_loss = float(self.loss_since_print.item()) / self.steps_since_print
+        rate = self.steps_since_print * self.config.batch_size / max(now - self.last_print, 1e-9)
+        self._say(
+            f"epoch {epoch + 1}/{self.config.epochs} step {step}/{steps} "
+            f"({100 * step / steps:.0f}%) loss {mean_loss:.4f} (rank 0) "
+            f"{rate:,.0f} samples/s"
+        )
+        self.last_print, self.steps_since_print, self.loss_since_print = now, 0, None
+
+    def synced(self, epoch: int, step: int, global_step: int, metrics: GlobalMetrics) -> None:
+        self._say(f"epoch {epoch + 1} step {step}: global train loss {metrics.loss:.4f} "
+                  f"acc {100 * metrics.accuracy:.2f}% over {metrics.samples} samples")
+        self._record({"kind": "sync", "epoch": epoch + 1, "step": step,
+                      "global_step": global_step, "train_loss": metrics.loss,
+                      "train_accuracy": metrics.accuracy, "train_samples": metrics.samples})
+
+    def epoch_done(self, epoch: int, global_step: int, train: GlobalMetrics,
+                   val: GlobalMetrics) -> None:
+        seconds = time.monotonic() - self.epoch_start
+        self._say(
+            f"epoch {epoch + 1}/{self.config.epochs} done in {seconds:.1f} s: "
+            f"train loss {train.loss:.4f} acc {100 * train.accuracy:.2f}% | "
+            f"val loss {val.loss:.4f} acc {100 * val.accuracy:.2f}% "
+            f"(global over {train.samples} + {val.samples} samples)"
+        )
+        self._record({"kind": "epoch", "epoch": epoch + 1, "global_step": global_step,
+                      "train_loss": train.loss, "train_accuracy": train.accuracy,
+                      "train_samples": train.samples, "val_loss": val.loss,
+                      "val_accuracy": val.accuracy, "val_samples": val.samples,
+                      "seconds": seconds})
+
+    def finished(self, global_step: int) -> None:
+        self._say(f"training done: {global_step} steps in {time.monotonic() - self.start:.1f} s")

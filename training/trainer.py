@@ -1,0 +1,215 @@
+"""The training loop of one rank: DDP, metric syncs, checkpoints, resume.
+
+Every collective here (metric syncs, checkpoints, evaluation) happens at the
+same step on every rank, decided only by step counts that all ranks share, so
+no rank can wait in a collective that another rank skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
+from ddtop.training import checkpoint, data
+from ddtop.training.checkpoint import Position
+from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
+from ddtop.training.metrics import GlobalMetrics, Totals, gather_counters
+from ddtop.training.models import build_model
+from ddtop.training.progress import Progress
+
+FAULT_ENV = "DDTOP_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Failure injection for tests and drills: DDTOP_FAULT=RANK:STEP[:SIGNAL|raise]
+    makes that rank, after that global step, kill itself with the signal (default
+    SIGKILL) or raise an exception."""
+
+    step: int
+    action: str
+
+    @classmethod
+    def from_environ(cls, rank: int) -> Fault | None:
+        spec = os.environ.get(FAULT_ENV)
+        if not spec:
+            return None
+        parts = spec.split(":")
+        try:
+            fault_rank, step = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            raise UsageError(f"{FAULT_ENV}={spec!r} must look like RANK:STEP[:SIGNAL|raise]") from None
+        return cls(step, parts[2] if len(parts) > 2 else "SIGKILL") if fault_rank == rank else None
+
+    def fire_at(self, global_step: int) -> None:
+        if global_step != self.step:
+            return
+        if self.action == "raise":
+            raise RuntimeError(f"injected failure at step {global_step} ({FAULT_ENV})")
+        os.kill(os.getpid(), signal.Signals[self.action])
+
+
+def agree_on_run(config: TrainConfig, env: RankEnv) -> TrainConfig:
+    """Every rank uses the run id rank 0 chose (under torchrun nobody chose yet)."""
+    if config.run_id is None:
+        choice: list[str | None] = [None]
+        if env.is_main:
+            choice[0] = (find_run(config.runs_dir, None).run_id if config.resume
+                         else new_run_id())
+        dist.broadcast_object_list(choice, src=0)
+        config = replace(config, run_id=choice[0])
+    if env.is_main:
+        paths = run_paths(config).create()
+        if not paths.config.exists() or not config.resume:
+            write_json_atomic(paths.config, config.to_dict())
+    return config
+
+
+def run_paths(config: TrainConfig) -> RunPaths:
+    assert config.run_id is not None
+    return RunPaths(Path(config.runs_dir) / config.run_id)
+
+
+def train(config: TrainConfig, env: RankEnv, launch_time: float | None = None) -> None:
+    device = resolve_device(config, env)
+    backend = resolve_backend(config, device)
+    torch.set_num_threads(config.threads_per_rank)
+    with process_group(env, backend, device):
+        config = agree_on_run(config, env)
+        Trainer(config, env, device, backend, launch_time).fit()
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, env: RankEnv, device: torch.device, backend: str,
+                 launch_time: float | None) -> None:
+        self.config, self.env, self.device = config, env, device
+        self.paths = run_paths(config)
+        self.train_set, self.val_set, spec = data.build_datasets(config, env)
+        torch.manual_seed(config.seed)  # the same initial weights on every rank
+        self.model = build_model(config.model, spec).to(device)
+        self.position = Position(0, 0)
+        self.global_step = 0
+        self.carried: Counter[str] = Counter()  # epoch totals from before a resume
+        state = self._load_checkpoint() if config.resume else None
+        if state is None:
+            # Different randomness per rank (dropout), reproducible per seed.
+            torch.manual_seed(config.seed + env.rank)
+            random.seed(config.seed + env.rank)
+        # DDP broadcasts rank 0's parameters on construction; device_ids only for CUDA.
+        self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=config.lr, momentum=0.9)
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            checkpoint.set_rng_state(state["rng"][env.rank], device)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.sampler = data.train_sampler(self.train_set, config, env)
+        self.steps_per_epoch = data.steps_per_epoch(self.sampler, config.batch_per_rank)
+        self.pin = device.type == "cuda"
+        self.fault = Fault.from_environ(env.rank)
+        self.progress = Progress.for_rank(config, env, self.paths, launch_time)
+        self.progress.started(backend, device, self.model, self.train_set, self.val_set,
+                              self.steps_per_epoch, self.position)
+
+    def _load_checkpoint(self) -> dict[str, Any]:
+        found = checkpoint.load_newest_valid(self.paths.checkpoints)
+        if found is None:
+            raise UsageError(f"--resume: no valid checkpoint in {self.paths.checkpoints}: "
+                             "start a new run without --resume")
+        path, state = found
+        checkpoint.check_compatible(path, state, self.config)
+        self.model.load_state_dict(state["model"])
+        self.position = Position(state["epoch"], state["step"])
+        self.global_step = state["global_step"]
+        if self.env.is_main:  # rank 0 carries the epoch's global totals so far
+            self.carried = Counter(state["train_totals"])
+        print(f"resumed from {path.name}: epoch {self.position.epoch + 1}, "
+              f"step {self.position.step}", flush=True)
+        return state
+
+    # -- the loop --------------------------------------------------------------
+    def fit(self) -> None:
+        for epoch in range(self.position.epoch, self.config.epochs):
+            resumed = epoch == self.position.epoch
+            self.train_epoch(epoch, self.position.step if resumed else 0,
+                             self.carried if resumed else Counter())
+        self.progress.finished(self.global_step)
+
+    def train_epoch(self, epoch: int, skip: int, carried: Counter[str]) -> None:
+        cfg = self.config
+        self.sampler.set_epoch(epoch)
+        loader = data.train_loader(self.train_set, self.sampler, cfg, self.env, epoch, skip,
+                                   self.pin)
+        totals = Totals(self.device)
+        self.ddp.train()
+        self.progress.epoch_started(epoch)
+        for step, (x, y) in enumerate(loader, start=skip + 1):
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            logits = self.ddp(x)
+            loss = self.loss_fn(logits, y)
+            loss.backward()  # DDP all-reduces (averages) gradients bucket by bucket here
+            self.optimizer.step()
+            totals.add(loss, logits, y)
+            self.global_step += 1
+            self.progress.step(epoch, step, self.steps_per_epoch, loss, self.global_step)
+            if cfg.sync_every and self.global_step % cfg.sync_every == 0:
+                metrics = GlobalMetrics.from_counter(gather_counters(totals.counter() + carried))
+                self.progress.synced(epoch, step, self.global_step, metrics)
+            if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
+                self.save(Position(epoch, step), totals.counter() + carried)
+            if self.fault is not None:
+                self.fault.fire_at(self.global_step)
+        train_metrics = GlobalMetrics.from_counter(gather_counters(totals.counter() + carried))
+        val_metrics = self.evaluate()
+        self.save(Position(epoch + 1, 0), Counter())
+        self.progress.epoch_done(epoch, self.global_step, train_metrics, val_metrics)
+
+    def evaluate(self) -> GlobalMetrics:
+        """Every validation sample exactly once across ranks (see ShardSampler)."""
+        loader = data.val_loader(self.val_set, self.config, self.env, self.pin)
+        totals = Totals(self.device)
+        self.model.eval()
+        with torch.no_grad():
+            for x, y in loader:
+                # The bare module: no DDP collectives, so uneven shards cannot hang.
+                logits = self.model(x.to(self.device, non_blocking=True))
+                y = y.to(self.device, non_blocking=True)
+                totals.add(self.loss_fn(logits, y), logits, y)
+        self.model.train()
+        return GlobalMetrics.from_counter(gather_counters(totals.counter()))
+
+    def save(self, position: Position, epoch_totals: Counter[str]) -> None:
+        """Collective: every rank contributes its RNG state; rank 0 writes."""
+        rngs: list[dict[str, Any] | None] = [None] * self.env.world_size
+        dist.all_gather_object(rngs, checkpoint.rng_state(self.device))
+        totals = gather_counters(epoch_totals)
+        if not self.env.is_main:
+            return
+        path = checkpoint.save(self.paths.checkpoints, {
+            "model": self.ddp.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "epoch": position.epoch,
+            "step": position.step,
+            "sampler_epoch": position.epoch,
+            "global_step": self.global_step,
+            "rng": rngs,
+            "train_totals": dict(totals),
+            "config": self.config.to_dict(),
+            "world_size": self.env.world_size,
+            "time": time.time(),
+        }, keep=self.config.keep_checkpoints)
+        self.progress.checkpointed(path)

@@ -1,0 +1,105 @@
+"""A rank's process: what runs between the launcher's fork and the training loop.
+
+The launcher's forkserver imports this module (and so torch) once; every rank
+is then forked from it, ready to train. `rank_main` is shared with torchrun's
+entry point (`python -m ddtop.training`) and turns every way a rank can fail
+into an exit code and an error report the launcher can show.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch  # noqa: F401 - imported here so the forkserver pays for it once
+
+from ddtop.daemon.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, TrainConfig, UsageError
+from ddtop.daemon.runs import RunPaths
+from ddtop.training.distributed import RankEnv
+from ddtop.training.trainer import train
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a killed
+    launcher never leaves ranks behind (the parent is the forkserver, which
+    itself exits when the launcher is gone)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(EXIT_FAILED)
+
+
+def redirect_output(log: Path) -> None:
+    """Send this process's stdout and stderr (Python's and C's) to its log."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def write_error_report(path: Path | None, report: dict[str, Any]) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as e:
+        print(f"could not write error report {path}: {e}", file=sys.stderr)
+
+
+def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
+              launch_time: float | None = None) -> int:
+    """Train; return the exit code. Never lets an exception escape unreported."""
+    try:
+        train(config, env, launch_time)
+    except UsageError as e:
+        print(f"ddtrain: error: {e}", file=sys.stderr, flush=True)
+        write_error_report(error_report, {"rank": env.rank, "kind": "usage", "message": str(e),
+                                          "time": time.time()})
+        return EXIT_USAGE
+    except BaseException as e:  # noqa: BLE001 - reported below, then the rank exits non-zero
+        if isinstance(e, SystemExit) and e.code in (None, 0):
+            return EXIT_OK
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        write_error_report(error_report, {"rank": env.rank, "kind": "exception",
+                                          "message": f"{type(e).__name__}: {e}",
+                                          "traceback": tb, "time": time.time()})
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,
+                  master_addr: str, master_port: int, launch_time: float) -> None:
+    """Entry of a rank started by ddtrain's launcher (in the forked child)."""
+    die_with_parent()
+    # Ctrl-C reaches the whole terminal's process group; the launcher decides
+    # what it means and stops the ranks itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    paths = RunPaths(Path(run_dir))
+    redirect_output(paths.rank_log(rank))
+    # The same variables torchrun sets, so both launch paths share one code path.
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+    })
+    config = TrainConfig.from_dict(config_dict)
+    code = rank_main(config, RankEnv.from_environ(), paths.rank_error(rank), launch_time)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (and atexit handlers inherited from the
+    # forkserver); everything that matters is flushed and closed.
+    os._exit(code)
