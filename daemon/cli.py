@@ -97,14 +97,12 @@ def cmd_start(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    commands = {"start": cmd_start}
     try:
-        if args.command == "start":
-            return cmd_start(args)
+        return commands[args.command](args)
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    parser.error(f"unknown command {args.command}")
-    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -69,7 +68,8 @@ def choose_port(addr: str, port: int) -> int:
                 raise UsageError(f"--master-port {port} is already in use on {addr}: pick "
                                  "another, or leave --master-port out to use a free one") from None
             if e.errno == errno.EADDRNOTAVAIL:
-                raise UsageError(f"--master-addr {addr} is not an address of this machine") from None
+                raise UsageError(f"--master-addr {addr} is not an address of this machine"
+                                 ) from None
             raise
         chosen: int = s.getsockname()[1]
         return chosen
@@ -174,7 +174,7 @@ class LocalLauncher:
         return outcome.exit_code
 
     # -- start -----------------------------------------------------------------
-    def _context(self) -> BaseContext:
+    def _context(self) -> Any:  # multiprocessing's context classes are not typed alike
         method = self.config.start_method
         if method not in multiprocessing.get_all_start_methods():
             raise UsageError(f"--start-method {method} is not available on this platform: "

@@ -72,12 +72,13 @@ class RunPaths:
 def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
     """The run named by id (a unique prefix is enough), or the newest run."""
     base = Path(runs_dir)
-    runs = sorted(p for p in base.glob("*") if (p / "config.json").is_file()) if base.is_dir() else []
+    runs = sorted(p for p in base.glob("*") if (p / "config.json").is_file())
     if not runs:
         raise UsageError(f"no runs under {base}/: start one first, or pass --runs-dir")
     if run_id is None:
         return RunPaths(runs[-1])
-    matches = [p for p in runs if p.name == run_id] or [p for p in runs if p.name.startswith(run_id)]
+    matches = [p for p in runs if p.name == run_id]
+    matches = matches or [p for p in runs if p.name.startswith(run_id)]
     if not matches:
         raise UsageError(f"no run {run_id!r} under {base}/: see the folders there for run ids")
     if len(matches) > 1:

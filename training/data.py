@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.training.distributed import RankEnv
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (images, labels)
 
 
 @dataclass(frozen=True)
@@ -81,29 +81,29 @@ def torchvision_dataset(name: str, root: Path, train: bool, download: bool) -> D
     try:
         dataset: Dataset[Batch] = cls(root=str(root), train=train, download=download,
                                       transform=transform)
-    except RuntimeError as e:
-        if "not found" not in str(e).lower():
-            raise
+    except (RuntimeError, OSError) as e:
+        # torchvision raises RuntimeError both for missing files and for failed
+        # downloads (after trying every mirror), OSError for unreadable files.
+        if download:
+            raise UsageError(
+                f"could not download {name} into {root}: {e}; put the files in "
+                f"{root / folder} by hand and run again without --download"
+            ) from None
         raise UsageError(
-            f"{name} not found or incomplete in {root / folder}: pass --download, "
+            f"{name} not found or unreadable in {root / folder} ({e}): pass --download, "
             f"or point --data-dir at the folder that holds {folder}/"
-        ) from None
-    except OSError as e:  # the download itself failed (no network, disk full, ...)
-        raise UsageError(
-            f"could not download {name} into {root}: {e}; put the files there by hand "
-            "and run again without --download"
         ) from None
     return dataset
 
 
-def build_datasets(config: TrainConfig, env: RankEnv) -> tuple[Dataset[Batch], Dataset[Batch], DataSpec]:
+def build_datasets(config: TrainConfig,
+                   env: RankEnv) -> tuple[Dataset[Batch], Dataset[Batch], DataSpec]:
     """(train, val, spec). With --download, local rank 0 fetches and the others wait."""
     if config.dataset == "synthetic":
-        return (
-            synthetic_dataset(config.synthetic_train_samples, config.seed, "train"),
-            synthetic_dataset(config.synthetic_val_samples, config.seed, "val"),
-            SYNTHETIC_SPEC,
-        )
+        train: Dataset[Batch] = synthetic_dataset(config.synthetic_train_samples, config.seed,
+                                                  "train")
+        val: Dataset[Batch] = synthetic_dataset(config.synthetic_val_samples, config.seed, "val")
+        return train, val, SYNTHETIC_SPEC
     root = Path(config.data_dir)
     spec = TORCHVISION[config.dataset][2]
     if config.download:
@@ -140,7 +140,7 @@ class ShardSampler(Sampler[int]):
 class SkipSampler(Sampler[int]):
     """The first `skip` indices of a sampler left out: how a resumed epoch picks up."""
 
-    def __init__(self, sampler: DistributedSampler[Batch], skip: int) -> None:
+    def __init__(self, sampler: DistributedSampler[int], skip: int) -> None:
         self.sampler, self.skip = sampler, skip
 
     def __iter__(self) -> Iterator[int]:
@@ -150,16 +150,17 @@ class SkipSampler(Sampler[int]):
         return max(0, len(self.sampler) - self.skip)
 
 
-def train_sampler(dataset: Dataset[Batch], config: TrainConfig, env: RankEnv) -> DistributedSampler[Batch]:
+def train_sampler(dataset: Dataset[Batch], config: TrainConfig,
+                  env: RankEnv) -> DistributedSampler[int]:
     return DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
                               shuffle=True, seed=config.seed, drop_last=False)
 
 
-def steps_per_epoch(sampler: DistributedSampler[Batch], batch_per_rank: int) -> int:
+def steps_per_epoch(sampler: DistributedSampler[int], batch_per_rank: int) -> int:
     return -(-len(sampler) // batch_per_rank)
 
 
-def train_loader(dataset: Dataset[Batch], sampler: DistributedSampler[Batch], config: TrainConfig,
+def train_loader(dataset: Dataset[Batch], sampler: DistributedSampler[int], config: TrainConfig,
                  env: RankEnv, epoch: int, skip_steps: int, pin: bool) -> DataLoader[Batch]:
     """This epoch's loader: `sampler.set_epoch(epoch)` must already have been called."""
     order: Sampler[int] = SkipSampler(sampler, skip_steps * config.batch_per_rank)

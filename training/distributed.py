@@ -31,7 +31,8 @@ class RankEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> RankEnv:
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
+        required = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        missing = [k for k in required if k not in environ]
         if missing:
             raise UsageError(
                 f"{', '.join(missing)} not set: run `python -m ddtop.training` under torchrun, "
@@ -51,20 +52,22 @@ class RankEnv:
 
 
 def resolve_device(config: TrainConfig, env: RankEnv) -> torch.device:
-    """cuda:<local rank> when every local rank can have its own GPU, else cpu."""
+    """cuda:<local rank> when every local rank can have its own GPU, else cpu.
+
+    nccl needs a GPU per local rank; gloo can share GPUs (`--device cuda` with
+    fewer GPUs than ranks puts rank k on GPU k mod count).
+    """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    enough = gpus >= env.local_world_size
-    wants_cuda = config.device == "cuda" or config.backend == "nccl"
-    if wants_cuda and not enough:
-        flag = "--backend nccl" if config.backend == "nccl" else "--device cuda"
+    if config.backend == "nccl" and gpus < env.local_world_size:
         raise UsageError(
-            f"{flag} needs one GPU per local rank, but {gpus} GPU(s) are visible for "
-            f"{env.local_world_size} local rank(s): use --backend gloo --device cpu, "
-            "or fewer ranks"
+            f"--backend nccl needs one GPU per local rank, but {gpus} GPU(s) are visible for "
+            f"{env.local_world_size} local rank(s): use --backend gloo, or fewer ranks"
         )
-    if config.device == "cpu" or (config.device == "auto" and not enough):
+    if config.device == "cuda" and gpus == 0:
+        raise UsageError("--device cuda, but no GPU is visible: use --device cpu")
+    if config.device == "cpu" or (config.device == "auto" and gpus < env.local_world_size):
         return torch.device("cpu")
-    return torch.device("cuda", env.local_rank)
+    return torch.device("cuda", env.local_rank % gpus)
 
 
 def resolve_backend(config: TrainConfig, device: torch.device) -> str:

@@ -51,7 +51,8 @@ class Fault:
         try:
             fault_rank, step = int(parts[0]), int(parts[1])
         except (IndexError, ValueError):
-            raise UsageError(f"{FAULT_ENV}={spec!r} must look like RANK:STEP[:SIGNAL|raise]") from None
+            raise UsageError(f"{FAULT_ENV}={spec!r} must look like RANK:STEP[:SIGNAL|raise]"
+                             ) from None
         return cls(step, parts[2] if len(parts) > 2 else "SIGKILL") if fault_rank == rank else None
 
     def fire_at(self, global_step: int) -> None:
@@ -153,7 +154,7 @@ class Trainer:
         loader = data.train_loader(self.train_set, self.sampler, cfg, self.env, epoch, skip,
                                    self.pin)
         totals = Totals(self.device)
-        self.ddp.train()
+        self.model.train()
         self.progress.epoch_started(epoch)
         for step, (x, y) in enumerate(loader, start=skip + 1):
             x = x.to(self.device, non_blocking=True)

@@ -1,0 +1,98 @@
+"""Running ddtrain (and torchrun) as real processes, with a timeout, and proving
+that nothing they started is left behind.
+
+Every process a test starts gets a unique DDTOP_TEST_TAG in its environment.
+The launcher's forkserver and every rank inherit that environment, so scanning
+/proc for the tag finds everything a run started, however it ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+DDTRAIN = str(BIN / "ddtrain")
+TORCHRUN = str(BIN / "torchrun")
+RUN_TIMEOUT_S = 120
+# How long processes may take to disappear after their launcher exits.
+CLEANUP_TIMEOUT_S = 10.0
+TAG_VAR = "DDTOP_TEST_TAG"
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    leftovers: list[int]
+
+
+def tagged_pids(tag: str) -> list[int]:
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or a zombie
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(tag: str, timeout: float = CLEANUP_TIMEOUT_S) -> list[int]:
+    """Pids still alive with the tag after `timeout` seconds (then killed)."""
+    deadline = time.monotonic() + timeout
+    while (pids := tagged_pids(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def tagged_env(tag: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDTOP_")}
+    return {**env, TAG_VAR: tag, **(extra or {})}
+
+
+def start(cmd: list[str], cwd: Path, env_extra: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen[str], str]:
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=cwd, env=tagged_env(tag, env_extra), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, tag
+
+
+def finish(proc: subprocess.Popen[str], tag: str, timeout: float = RUN_TIMEOUT_S) -> Run:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        wait_until_gone(tag, 0)
+        raise AssertionError(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
+    return Run(proc.returncode, out, err, wait_until_gone(tag))
+
+
+def ddtrain(*args: str, cwd: Path, env: dict[str, str] | None = None,
+            timeout: float = RUN_TIMEOUT_S) -> Run:
+    proc, tag = start([DDTRAIN, *args], cwd, env)
+    return finish(proc, tag, timeout)
+
+
+def torchrun(*args: str, cwd: Path, timeout: float = RUN_TIMEOUT_S) -> Run:
+    proc, tag = start([TORCHRUN, *args], cwd)
+    return finish(proc, tag, timeout)
