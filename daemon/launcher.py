@@ -194,7 +194,7 @@ class LocalLauncher:
             process = ctx.Process(
                 target=_rank_entry,
                 args=(rank, self.config.world_size, config, str(self.paths.root),
-                      self.config.master_addr, self.port, self.started),
+                      self.config.master_addr, self.port, self.started, os.getpid()),
                 name=f"ddtrain-rank-{rank}",
                 daemon=False,
             )

@@ -8,6 +8,7 @@ The launcher's forkserver and every rank inherit that environment, so scanning
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -55,10 +56,8 @@ def wait_until_gone(tag: str, timeout: float = CLEANUP_TIMEOUT_S) -> list[int]:
     while (pids := tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return pids
 
 
@@ -83,7 +82,8 @@ def finish(proc: subprocess.Popen[str], tag: str, timeout: float = RUN_TIMEOUT_S
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         wait_until_gone(tag, 0)
-        raise AssertionError(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
+        raise AssertionError(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}"
+                             ) from None
     return Run(proc.returncode, out, err, wait_until_gone(tag))
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -26,18 +28,46 @@ from ddtop.training.distributed import RankEnv
 from ddtop.training.trainer import train
 
 PR_SET_PDEATHSIG = 1
+# Seconds between liveness checks of the launcher where pidfds are unavailable.
+LAUNCHER_POLL_S = 1.0
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a killed
-    launcher never leaves ranks behind (the parent is the forkserver, which
-    itself exits when the launcher is gone)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl took effect
+def die_with_launcher(launcher_pid: int) -> None:
+    """Exit at once (SIGKILL) when the launcher dies, so that a killed launcher
+    never leaves ranks behind.
+
+    The launcher is not this process's parent under forkserver (the forkserver
+    is, and it outlives the launcher while ranks hold its pipe), so a daemon
+    thread waits on a pidfd of the launcher itself; PDEATHSIG covers the parent.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # already gone
         os._exit(EXIT_FAILED)
+    except (AttributeError, OSError):
+        pidfd = None
+    threading.Thread(target=_wait_for_exit, args=(launcher_pid, pidfd), daemon=True,
+                     name="ddtrain-launcher-watch").start()
+
+
+def _wait_for_exit(pid: int, pidfd: int | None) -> None:
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable once the process has exited
+    else:
+        while _alive(pid):
+            time.sleep(LAUNCHER_POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def redirect_output(log: Path) -> None:
@@ -82,9 +112,10 @@ def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
 
 
 def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,
-                  master_addr: str, master_port: int, launch_time: float) -> None:
+                  master_addr: str, master_port: int, launch_time: float,
+                  launcher_pid: int) -> None:
     """Entry of a rank started by ddtrain's launcher (in the forked child)."""
-    die_with_parent()
+    die_with_launcher(launcher_pid)
     # Ctrl-C reaches the whole terminal's process group; the launcher decides
     # what it means and stops the ranks itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

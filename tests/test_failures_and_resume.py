@@ -1,0 +1,135 @@
+"""Ranks that die, launchers that are stopped, and runs that resume.
+
+Failures are real: DDTOP_FAULT makes a rank SIGKILL itself (or raise) after a
+given step; Ctrl-C and SIGKILL are real signals sent to the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import DDTRAIN, ddtrain, finish, start, tagged_pids, wait_until_gone
+
+# CNN has dropout, so resuming also has to restore every rank's RNG state.
+RUN_ARGS = (
+    "--world-size", "2", "--model", "cnn", "--epochs", "2", "--batch-size", "32",
+    "--synthetic-train-samples", "256", "--synthetic-val-samples", "64", "--seed", "7",
+)
+
+
+def final_state(root: Path) -> dict[str, torch.Tensor]:
+    newest = sorted((root / "checkpoints").glob("step-*.pt"))[-1]
+    state = torch.load(newest, weights_only=True)
+    assert state["global_step"] == 16
+    weights: dict[str, torch.Tensor] = state["model"]
+    return weights
+
+
+def epochs(root: Path) -> dict[int, dict[str, float]]:
+    records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    # A run that resumed may repeat an epoch's record; the last one counts.
+    return {r["epoch"]: r for r in records if r["kind"] == "epoch"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cwd = tmp_path_factory.mktemp("whole")
+    run = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "whole", cwd=cwd)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return cwd / "runs" / "whole"
+
+
+def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
+        tmp_path: Path, uninterrupted: Path) -> None:
+    # Rank 1 is SIGKILLed after global step 11 (epoch 2, step 3); the newest
+    # checkpoint is then step 9, mid-epoch.
+    crash = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "crash",
+                    "--checkpoint-every", "3", cwd=tmp_path, env={"DDTOP_FAULT": "1:11:SIGKILL"})
+    assert crash.returncode == 1, crash.stdout + crash.stderr
+    assert "rank 1" in crash.stderr and "killed by SIGKILL" in crash.stderr
+    assert "ddtrain start --resume --run-id crash" in crash.stderr
+    assert crash.leftovers == []
+    root = tmp_path / "runs" / "crash"
+    status = json.loads((root / "run.json").read_text())
+    assert status["status"] == "failed"
+    assert status["failure"]["rank"] == 1 and status["failure"]["signal"] == "SIGKILL"
+    assert sorted(p.name for p in (root / "checkpoints").glob("*.pt"))[-1] == "step-00000009.pt"
+
+    resumed = ddtrain("start", "--foreground", "--resume", "--run-id", "crash", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from step-00000009.pt: epoch 2, step 1" in resumed.stdout
+    assert resumed.leftovers == []
+
+    want, got = final_state(uninterrupted), final_state(root)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name  # exactly, not approximately
+    want_epochs, got_epochs = epochs(uninterrupted), epochs(root)
+    for epoch in (1, 2):
+        for key in ("train_loss", "val_loss"):
+            assert math.isclose(got_epochs[epoch][key], want_epochs[epoch][key], rel_tol=1e-12)
+        for key in ("train_accuracy", "train_samples", "val_accuracy", "val_samples"):
+            assert got_epochs[epoch][key] == want_epochs[epoch][key]
+
+
+def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
+    run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
+                  "--synthetic-train-samples", "256", "--run-id", "boom", cwd=tmp_path,
+                  env={"DDTOP_FAULT": "0:2:raise"})
+    assert run.returncode == 1
+    assert "rank 0 (pid" in run.stderr and "exited with code 1" in run.stderr
+    assert "RuntimeError: injected failure at step 2" in run.stderr
+    assert "  | RuntimeError: injected failure" in run.stderr  # the traceback's tail
+    assert run.leftovers == []
+    report = json.loads((tmp_path / "runs/boom/logs/rank-0.error.json").read_text())
+    assert report["kind"] == "exception" and "fire_at" in report["traceback"]
+
+
+def wait_for_line(proc_stdout_path: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc_stdout_path.exists() and text in proc_stdout_path.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} did not appear in {proc_stdout_path} within {timeout} s")
+
+
+LONG_RUN = ("start", "--foreground", "-n", "2", "--epochs", "50", "--run-id", "long",
+            "--synthetic-train-samples", "4096", "--checkpoint-every", "20")
+
+
+def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path: Path) -> None:
+    proc, tag = start([DDTRAIN, *LONG_RUN], tmp_path)
+    log = tmp_path / "runs/long/logs/rank-0.log"
+    try:
+        wait_for_line(log, "loss")  # a progress line: training is under way
+        os.kill(proc.pid, signal.SIGINT)
+        run = finish(proc, tag, timeout=30)
+    finally:
+        wait_until_gone(tag, 0)
+    assert run.returncode == 130, run.stdout + run.stderr
+    assert "stopped" in run.stderr and "--resume --run-id long" in run.stderr
+    assert run.leftovers == []
+    status = json.loads((tmp_path / "runs/long/run.json").read_text())
+    assert status["status"] == "stopped"
+
+
+def test_killing_the_launcher_leaves_no_rank_behind(tmp_path: Path) -> None:
+    proc, tag = start([DDTRAIN, *LONG_RUN], tmp_path)
+    try:
+        wait_for_line(tmp_path / "runs/long/logs/rank-0.log", "first step done")
+        assert len(tagged_pids(tag)) >= 4  # launcher, forkserver, 2 ranks
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        leftovers = wait_until_gone(tag, timeout=5)
+    finally:
+        proc.communicate()
+        wait_until_gone(tag, 0)
+    assert leftovers == []
