@@ -9,6 +9,7 @@ The launcher's forkserver and every rank inherit that environment, so scanning
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 DDTRAIN = str(BIN / "ddtrain")
@@ -96,3 +98,9 @@ def ddtrain(*args: str, cwd: Path, env: dict[str, str] | None = None,
 def torchrun(*args: str, cwd: Path, timeout: float = RUN_TIMEOUT_S) -> Run:
     proc, tag = start([TORCHRUN, *args], cwd)
     return finish(proc, tag, timeout)
+
+
+def metric_records(run_root: Path, kind: str = "epoch") -> list[dict[str, Any]]:
+    """The run's metrics.jsonl records of one kind, in order."""
+    lines = (run_root / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]

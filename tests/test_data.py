@@ -3,14 +3,12 @@ real on-disk formats, and how samples are shared out between ranks."""
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
+from dataset_files import write_cifar, write_mnist_like
 from torch import nn
 from torch.utils.data import DistributedSampler
 
@@ -99,23 +97,6 @@ def test_skip_sampler_resumes_mid_epoch() -> None:
 
 # -- torchvision datasets in their real on-disk formats ------------------------------
 
-def write_idx(path: Path, array: torch.Tensor) -> None:
-    """The IDX format of MNIST: magic (0, 0, dtype 0x08 = ubyte, ndim), dims, data."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim()) + b"".join(
-        struct.pack(">I", d) for d in array.shape)
-    path.write_bytes(header + array.to(torch.uint8).numpy().tobytes())
-
-
-def write_mnist_like(root: Path, folder: str, n_train: int = 20, n_test: int = 10) -> None:
-    g = torch.Generator().manual_seed(0)
-    raw = root / folder / "raw"
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        write_idx(raw / f"{prefix}-images-idx3-ubyte",
-                  torch.randint(0, 256, (n, 28, 28), generator=g))
-        write_idx(raw / f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
-
-
 @pytest.mark.parametrize(("dataset", "folder"), [("mnist", "MNIST"),
                                                  ("fashion-mnist", "FashionMNIST")])
 def test_mnist_formats_load_through_torchvision(tmp_path: Path, dataset: str, folder: str) -> None:
@@ -127,23 +108,6 @@ def test_mnist_formats_load_through_torchvision(tmp_path: Path, dataset: str, fo
     assert image.shape == (1, 28, 28) and image.dtype == torch.float32
     assert label == 3 and spec.channels == 1
     assert image.min() < 0  # normalised with the dataset's mean and std
-
-
-def write_cifar(root: Path, n: int = 4) -> dict[str, str]:
-    """CIFAR-10's python pickles (data: N x 3072 uint8, labels: list); returns md5s."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    md5 = {}
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    for i, name in enumerate(names):
-        batch = {"data": torch.full((n, 3072), i * 10, dtype=torch.uint8).numpy(),
-                 "labels": [(i + j) % 10 for j in range(n)]}
-        (folder / name).write_bytes(pickle.dumps(batch))
-        md5[name] = hashlib.md5((folder / name).read_bytes()).hexdigest()
-    meta = {"label_names": [f"class{i}" for i in range(10)]}
-    (folder / "batches.meta").write_bytes(pickle.dumps(meta))
-    md5["batches.meta"] = hashlib.md5((folder / "batches.meta").read_bytes()).hexdigest()
-    return md5
 
 
 def test_cifar10_format_loads_through_torchvision(tmp_path: Path,

@@ -7,7 +7,6 @@ step, and the same global metrics, as 2 ranks with B/2 each.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ReferenceRun
+from helpers import metric_records
 from torch import nn
 
 from ddtop.training.data import SYNTHETIC_SPEC, synthetic_dataset
@@ -27,11 +27,6 @@ def load_weights(root: Path, global_step: int) -> dict[str, torch.Tensor]:
     state = torch.load(root / "checkpoints" / f"step-{global_step:08d}.pt", weights_only=True)
     weights: dict[str, torch.Tensor] = state["model"]
     return weights
-
-
-def epoch_records(root: Path) -> list[dict[str, Any]]:
-    lines = (root / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "epoch"]
 
 
 class SingleProcess:
@@ -103,7 +98,7 @@ def test_two_ranks_equal_one_process_step_for_step(compared: tuple[int, list[Any
 def test_global_metrics_equal_single_process(reference_run: ReferenceRun,
                                              compared: tuple[int, list[dict[str, float]]]) -> None:
     _, expected = compared
-    records = epoch_records(reference_run.root)
+    records = metric_records(reference_run.root)
     assert [r["epoch"] for r in records] == list(range(1, EPOCHS + 1))
     for got, want in zip(records, expected, strict=True):
         assert got["train_samples"] == TRAIN_N

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DDTRAIN, ddtrain, finish, start, tagged_pids, wait_until_gone
+from helpers import DDTRAIN, ddtrain, finish, metric_records, start, tagged_pids, wait_until_gone
 
 # CNN has dropout, so resuming also has to restore every rank's RNG state.
 RUN_ARGS = (
@@ -33,9 +33,8 @@ def final_state(root: Path) -> dict[str, torch.Tensor]:
 
 
 def epochs(root: Path) -> dict[int, dict[str, float]]:
-    records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     # A run that resumed may repeat an epoch's record; the last one counts.
-    return {r["epoch"]: r for r in records if r["kind"] == "epoch"}
+    return {r["epoch"]: r for r in metric_records(root)}
 
 
 @pytest.fixture(scope="module")

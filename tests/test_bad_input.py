@@ -1,0 +1,76 @@
+"""Bad input: one clear line on stderr naming the flag, exit code 2, no
+traceback, and no process left behind."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Run, ddtrain
+
+SMALL = ("--epochs", "1", "--synthetic-train-samples", "64")
+
+
+def assert_usage_error(run: Run, *fragments: str) -> None:
+    assert run.returncode == 2, run.stdout + run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("ddtrain"), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in run.stdout + run.stderr
+    assert run.leftovers == []
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (("--world-size", "0"), ("--world-size must be at least 1",)),
+    (("--world-size", "-3"), ("--world-size must be at least 1",)),
+    (("-n", "3", "--batch-size", "64"), ("--batch-size 64", "--world-size 3", "63 or 66")),
+    (("--model", "vit"), ("--model", "invalid choice: 'vit'")),
+    (("--dataset", "imagenet"), ("--dataset", "invalid choice")),
+    (("--epochs", "two"), ("--epochs", "invalid int value")),
+    (("--dataset", "mnist", "--data-dir", "no/such/dir"), ("--data-dir no/such/dir", "--download")),
+    (("--lr", "0"), ("--lr must be positive",)),
+    (("--run-id", "../escape"), ("--run-id",)),
+    (("--backend", "nccl", "--device", "cpu"), ("--backend gloo",)),
+    (("--resume",), ("no runs under runs/",)),
+])
+def test_rejected_before_any_rank_starts(tmp_path: Path, args: tuple[str, ...],
+                                         fragments: tuple[str, ...]) -> None:
+    run = ddtrain("start", "--foreground", *args, cwd=tmp_path, timeout=30)
+    assert_usage_error(run, *fragments)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_port_already_in_use(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        run = ddtrain("start", "--foreground", "--master-port", str(port), *SMALL, cwd=tmp_path,
+                      timeout=30)
+    assert_usage_error(run, f"--master-port {port} is already in use")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_nccl_without_gpus_is_named_by_the_ranks(tmp_path: Path) -> None:
+    run = ddtrain("start", "--foreground", "-n", "2", "--backend", "nccl", *SMALL, cwd=tmp_path)
+    assert_usage_error(run, "--backend nccl needs one GPU per local rank", "--backend gloo")
+
+
+def test_dataset_missing_from_data_dir_is_named_by_the_ranks(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    run = ddtrain("start", "--foreground", "-n", "2", "--dataset", "fashion-mnist", *SMALL,
+                  cwd=tmp_path)
+    assert_usage_error(run, "fashion-mnist not found", "--download")
+
+
+def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
+    first = ddtrain("start", "--foreground", "-n", "2", *SMALL, "--run-id", "r1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    run = ddtrain("start", "--foreground", "--resume", "-n", "4", cwd=tmp_path, timeout=30)
+    assert_usage_error(run, "run r1 cannot be resumed", "--world-size 2 -> 4")
+    again = ddtrain("start", "--foreground", "--run-id", "r1", *SMALL, cwd=tmp_path, timeout=30)
+    assert_usage_error(again, "run r1 already exists", "--resume")

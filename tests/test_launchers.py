@@ -1,0 +1,65 @@
+"""The two ways ranks start: ddtrain's forkserver launcher (here at world size
+8, the demo's size) and torchrun running `python -m ddtop.training`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from dataset_files import write_mnist_like
+from helpers import ddtrain, metric_records, torchrun
+
+
+@pytest.mark.slow
+def test_eight_ranks(tmp_path: Path) -> None:
+    run = ddtrain("start", "--foreground", "--world-size", "8", "--epochs", "1",
+                  "--synthetic-train-samples", "1024", "--synthetic-val-samples", "100",
+                  "--run-id", "w8", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "8 ranks, backend gloo on cpu" in run.stdout
+    for rank in range(8):
+        assert (tmp_path / f"runs/w8/logs/rank-{rank}.log").is_file()
+    (record,) = metric_records(tmp_path / "runs/w8")
+    assert (record["train_samples"], record["val_samples"]) == (1024, 100)
+    status = json.loads((tmp_path / "runs/w8/run.json").read_text())
+    assert [r["exitcode"] for r in status["ranks"]] == [0] * 8
+    assert re.search(r"first step done [\d.]+ s after launch", run.stdout)
+
+
+def test_torchrun_runs_the_training_module(tmp_path: Path) -> None:
+    run = torchrun("--standalone", "--nproc-per-node", "2", "-m", "ddtop.training",
+                   "--epochs", "1", "--synthetic-train-samples", "256",
+                   "--synthetic-val-samples", "50", "--batch-size", "32", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    (root,) = (tmp_path / "runs").iterdir()  # one run id, agreed by both ranks
+    config = json.loads((root / "config.json").read_text())
+    assert config["world_size"] == 2  # taken from torchrun's WORLD_SIZE
+    (record,) = metric_records(root)
+    assert (record["train_samples"], record["val_samples"]) == (256, 50)
+    assert [p.name for p in (root / "checkpoints").iterdir()] == ["step-00000008.pt"]
+
+
+def test_training_module_outside_torchrun_says_how_to_launch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "ddtop.training"], cwd=tmp_path, text=True,
+                         capture_output=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2
+    assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set" in run.stderr
+    assert "torchrun" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_mnist_files_train_end_to_end(tmp_path: Path) -> None:
+    write_mnist_like(tmp_path / "data", "MNIST", n_train=64, n_test=30)
+    run = ddtrain("start", "--foreground", "-n", "2", "--dataset", "mnist", "--model", "cnn",
+                  "--data-dir", "data", "--epochs", "1", "--batch-size", "16", "--run-id", "m",
+                  cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (record,) = metric_records(tmp_path / "runs/m")
+    assert (record["train_samples"], record["val_samples"]) == (64, 30)
