@@ -20,7 +20,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch  # noqa: F401 - imported here so the forkserver pays for it once
+# Imported here so that the forkserver pays for them once, not every rank:
+import torch  # noqa: F401
+import torch._dynamo  # noqa: F401 - DDP's constructor imports it (~1 s, 900 modules)
 
 from ddtop.daemon.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, TrainConfig, UsageError
 from ddtop.daemon.runs import RunPaths
