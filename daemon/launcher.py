@@ -182,7 +182,29 @@ class LocalLauncher:
         ctx = multiprocessing.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload([WORKER_MODULE])
+            self._start_forkserver()
         return ctx
+
+    def _start_forkserver(self) -> None:
+        """Start the forkserver (and multiprocessing's resource tracker) with
+        their output going to logs/forkserver.log rather than our terminal: they
+        outlive this process by the second it takes to unload torch, and a pipe
+        reading our output would otherwise stay open until they are gone."""
+        from multiprocessing import forkserver, resource_tracker
+
+        saved = [os.dup(1), os.dup(2)]
+        log = os.open(self.paths.logs / "forkserver.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                      0o644)
+        try:
+            for fd in (1, 2):
+                os.dup2(log, fd)
+            resource_tracker.ensure_running()
+            forkserver.ensure_running()
+        finally:
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+            os.close(log)
 
     def _start_ranks(self) -> None:
         # One intra-op thread per rank unless told otherwise (as torchrun does),

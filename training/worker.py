@@ -20,9 +20,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# Imported here so that the forkserver pays for them once, not every rank:
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401 - DDP's constructor imports it (~1 s, 900 modules)
+# Imported here so that the forkserver pays for torch once, not every rank;
+# torch._dynamo too, which DDP's constructor imports (~1 s, 900 modules).
+import torch._dynamo  # noqa: F401
 
 from ddtop.daemon.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, TrainConfig, UsageError
 from ddtop.daemon.runs import RunPaths
