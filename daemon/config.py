@@ -67,7 +67,7 @@ class TrainConfig:
     """Passes over the training set."""
     batch_size: int = 64
     """Global batch size, split evenly across ranks (must divide by --world-size)."""
-    lr: float = 0.01
+    lr: float = 0.003
     """Learning rate of SGD with momentum 0.9."""
     seed: int = 0
     """Seed for data order, model initialisation and the synthetic dataset."""

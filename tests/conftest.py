@@ -10,11 +10,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import Run, ddtrain
 
 # A small run shared by several tests: 2 ranks, 2 epochs of 8 steps, a
-# checkpoint after every step, and a validation set that does not split evenly.
+# checkpoint after every step, global metrics every 4 steps, and a validation
+# set that does not split evenly.
 REFERENCE_ARGS = (
     "--world-size", "2", "--epochs", "2", "--batch-size", "32", "--lr", "0.05", "--seed", "3",
     "--synthetic-train-samples", "256", "--synthetic-val-samples", "101",
-    "--checkpoint-every", "1", "--keep-checkpoints", "0",
+    "--checkpoint-every", "1", "--keep-checkpoints", "0", "--sync-every", "4",
 )
 
 

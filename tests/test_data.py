@@ -40,7 +40,7 @@ def test_synthetic_is_deterministic_by_seed() -> None:
 def test_synthetic_loss_falls_within_the_first_epoch() -> None:
     config = TrainConfig()
     torch.manual_seed(0)
-    x, y = synthetic_dataset(16384, 0, "train").tensors  # half an epoch of the default
+    x, y = synthetic_dataset(config.synthetic_train_samples, 0, "train").tensors  # one epoch
     model = build_model("mlp", SYNTHETIC_SPEC)
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     losses = []

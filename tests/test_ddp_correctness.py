@@ -20,7 +20,7 @@ from torch import nn
 from ddtop.training.data import SYNTHETIC_SPEC, synthetic_dataset
 from ddtop.training.models import build_model
 
-SEED, LR, BATCH, EPOCHS, TRAIN_N, VAL_N = 3, 0.05, 32, 2, 256, 101
+SEED, LR, BATCH, EPOCHS, TRAIN_N, VAL_N, SYNC_EVERY = 3, 0.05, 32, 2, 256, 101, 4
 
 
 def load_weights(root: Path, global_step: int) -> dict[str, torch.Tensor]:
@@ -38,6 +38,8 @@ class SingleProcess:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
         self.train = synthetic_dataset(TRAIN_N, SEED, "train").tensors
         self.val = synthetic_dataset(VAL_N, SEED, "val").tensors
+        self.syncs: list[dict[str, float]] = []  # what --sync-every should report
+        self.per_epoch: list[dict[str, float]] = []
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         # The shuffle DistributedSampler documents: randperm seeded by seed + epoch.
@@ -62,6 +64,10 @@ class SingleProcess:
                 correct += int((logits.argmax(1) == y).sum())
                 step += 1
                 on_step(step, self.model.state_dict())
+                if step % SYNC_EVERY == 0:
+                    seen = start + len(y)
+                    self.syncs.append({"global_step": step, "train_loss": loss_sum / seen,
+                                       "train_accuracy": correct / seen, "train_samples": seen})
             with torch.no_grad():
                 logits = self.model(self.val[0])
                 val_loss = nn.functional.cross_entropy(logits, self.val[1], reduction="sum").item()
@@ -74,7 +80,7 @@ class SingleProcess:
 
 
 @pytest.fixture(scope="module")
-def compared(reference_run: ReferenceRun) -> tuple[int, list[dict[str, float]]]:
+def compared(reference_run: ReferenceRun) -> tuple[int, SingleProcess]:
     steps_checked = 0
 
     def check(step: int, expected: dict[str, torch.Tensor]) -> None:
@@ -85,24 +91,38 @@ def compared(reference_run: ReferenceRun) -> tuple[int, list[dict[str, float]]]:
                                        msg=lambda m, n=name: f"step {step}, {n}: {m}")
         steps_checked += 1
 
-    per_epoch = SingleProcess().run(check)
-    return steps_checked, per_epoch
+    single = SingleProcess()
+    single.per_epoch = single.run(check)
+    return steps_checked, single
 
 
-def test_two_ranks_equal_one_process_step_for_step(compared: tuple[int, list[Any]]) -> None:
+def test_two_ranks_equal_one_process_step_for_step(compared: tuple[int, SingleProcess]) -> None:
     # check() raised on any mismatch; make sure it saw every step of both epochs.
     steps_checked, _ = compared
     assert steps_checked == EPOCHS * TRAIN_N // BATCH
 
 
+def assert_metrics_close(got: dict[str, Any], want: dict[str, float]) -> None:
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), (key, got, want)
+
+
 def test_global_metrics_equal_single_process(reference_run: ReferenceRun,
-                                             compared: tuple[int, list[dict[str, float]]]) -> None:
-    _, expected = compared
+                                             compared: tuple[int, SingleProcess]) -> None:
+    expected = compared[1].per_epoch
     records = metric_records(reference_run.root)
     assert [r["epoch"] for r in records] == list(range(1, EPOCHS + 1))
     for got, want in zip(records, expected, strict=True):
         assert got["train_samples"] == TRAIN_N
         assert got["val_samples"] == VAL_N  # every validation sample exactly once
-        for key, value in want.items():
-            assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), (key, got, want)
+        assert_metrics_close(got, want)
+
+
+def test_sync_every_reports_the_epoch_so_far(reference_run: ReferenceRun,
+                                             compared: tuple[int, SingleProcess]) -> None:
+    expected = compared[1].syncs
+    records = metric_records(reference_run.root, kind="sync")
+    assert [r["global_step"] for r in records] == [4, 8, 12, 16]
+    for got, want in zip(records, expected, strict=True):
+        assert_metrics_close(got, want)
 
