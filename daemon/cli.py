@@ -16,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ddtop.daemon.config import (
+    EXIT_INTERRUPTED,
     EXIT_USAGE,
     OneLineParser,
     TrainConfig,
@@ -68,7 +69,11 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
                              "continue it, or pick another --run-id")
         return TrainConfig(**{**config.to_dict(), "run_id": run_id}), paths
     paths = find_run(runs_dir, overrides.get("run_id"))
-    saved = read_json(paths.config)
+    try:
+        saved = read_json(paths.config)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {paths.config} ({e}): the run cannot be resumed; "
+                         "start a new run") from None
     merged = {**saved, **overrides, "runs_dir": runs_dir, "run_id": paths.run_id, "resume": True}
     config = TrainConfig.from_dict(merged).validate()
     diffs = resume_mismatch(saved, config)
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # before any rank started; afterwards the launcher handles it
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

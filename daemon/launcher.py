@@ -151,9 +151,13 @@ class LocalLauncher:
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
         self.port = choose_port(self.config.master_addr, self.config.master_port)
-        self.paths.create()
-        write_json_atomic(self.paths.config, self.config.to_dict())
-        self._write_status("running")
+        try:
+            self.paths.create()
+            write_json_atomic(self.paths.config, self.config.to_dict())
+            self._write_status("running")
+        except OSError as e:
+            raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
+                             "pick another --runs-dir") from None
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
@@ -306,6 +310,12 @@ class LocalLauncher:
                 record["failure"] = {**outcome.failed_rank.record(), **outcome.report}
         write_json_atomic(self.paths.status, record)
 
+    def _resume_hint(self) -> str:
+        if any(self.paths.checkpoints.glob("step-*.pt")):
+            return ("continue from the last checkpoint with: ddtrain start --resume --run-id "
+                    f"{self.paths.run_id}")
+        return "no checkpoint was written yet, so it cannot be resumed"
+
     def _report(self, outcome: Outcome) -> None:
         rid, seconds = self.paths.run_id, time.time() - self.started
         if outcome.status == "succeeded":
@@ -313,8 +323,8 @@ class LocalLauncher:
                   f"checkpoints in {self.paths.checkpoints}", file=self.out, flush=True)
             return
         if outcome.status == "stopped":
-            print(f"ddtrain: run {rid} stopped after {seconds:.1f} s; continue it with: "
-                  f"ddtrain start --resume --run-id {rid}", file=self.err, flush=True)
+            print(f"ddtrain: run {rid} stopped after {seconds:.1f} s; {self._resume_hint()}",
+                  file=self.err, flush=True)
             return
         rank = outcome.failed_rank
         assert rank is not None and rank.exitcode is not None
@@ -327,6 +337,5 @@ class LocalLauncher:
                  f"{describe_exit(rank.exitcode)}{cause}"]
         tb = outcome.report.get("traceback", "").rstrip().splitlines()
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
-        lines.append(f"  log: {self.paths.rank_log(rank.rank)}; continue from the last "
-                     f"checkpoint with: ddtrain start --resume --run-id {rid}")
+        lines.append(f"  log: {self.paths.rank_log(rank.rank)}; {self._resume_hint()}")
         print("\n".join(lines), file=self.err, flush=True)

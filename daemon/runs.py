@@ -70,9 +70,12 @@ class RunPaths:
 
 
 def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
-    """The run named by id (a unique prefix is enough), or the newest run."""
+    """The run named by id (a unique prefix is enough), or the newest run: the
+    one whose config was written last (started or resumed last; run ids of the
+    user's choosing do not sort by time)."""
     base = Path(runs_dir)
-    runs = sorted(p for p in base.glob("*") if (p / "config.json").is_file())
+    configs = [p / "config.json" for p in base.glob("*") if (p / "config.json").is_file()]
+    runs = [c.parent for c in sorted(configs, key=lambda c: (c.stat().st_mtime_ns, c.parent.name))]
     if not runs:
         raise UsageError(f"no runs under {base}/: start one first, or pass --runs-dir")
     if run_id is None:

@@ -74,3 +74,16 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
     assert_usage_error(run, "run r1 cannot be resumed", "--world-size 2 -> 4")
     again = ddtrain("start", "--foreground", "--run-id", "r1", *SMALL, cwd=tmp_path, timeout=30)
     assert_usage_error(again, "run r1 already exists", "--resume")
+
+
+def test_runs_dir_that_cannot_be_written(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    run = ddtrain("start", "--foreground", "--runs-dir", "afile", *SMALL, cwd=tmp_path, timeout=30)
+    assert_usage_error(run, "cannot write the run directory afile/", "--runs-dir")
+
+
+def test_resume_of_a_damaged_run_config(tmp_path: Path) -> None:
+    (tmp_path / "runs/r1").mkdir(parents=True)
+    (tmp_path / "runs/r1/config.json").write_text("{truncated")
+    run = ddtrain("start", "--foreground", "--resume", cwd=tmp_path, timeout=30)
+    assert_usage_error(run, "cannot read runs/r1/config.json", "start a new run")

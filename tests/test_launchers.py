@@ -59,6 +59,7 @@ def test_mnist_files_train_end_to_end(tmp_path: Path) -> None:
     write_mnist_like(tmp_path / "data", "MNIST", n_train=64, n_test=30)
     run = ddtrain("start", "--foreground", "-n", "2", "--dataset", "mnist", "--model", "cnn",
                   "--data-dir", "data", "--epochs", "1", "--batch-size", "16", "--run-id", "m",
+                  "--workers", "2",  # one data-loader worker process per rank
                   cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     (record,) = metric_records(tmp_path / "runs/m")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -45,14 +46,19 @@ def test_resume_mismatch_lists_changed_flags() -> None:
         "--model mlp -> cnn", "--world-size 2 -> 4"]
 
 
-def make_run(base: Path, name: str) -> None:
-    RunPaths(base / name).create().config.write_text("{}")
+def make_run(base: Path, name: str, written: int) -> None:
+    config = RunPaths(base / name).create().config
+    config.write_text("{}")
+    os.utime(config, (written, written))
 
 
 def test_find_run_newest_prefix_and_ambiguity(tmp_path: Path) -> None:
-    for name in ("20260101-000000-aaaa", "20260102-000000-bbbb", "20260102-000000-bbcc"):
-        make_run(tmp_path, name)
+    for i, name in enumerate(("20260101-000000-aaaa", "20260102-000000-bbbb",
+                              "20260102-000000-bbcc")):
+        make_run(tmp_path, name, written=1_000_000 + i)
     assert find_run(tmp_path, None).run_id == "20260102-000000-bbcc"
+    make_run(tmp_path, "my-run", written=2_000_000)  # newest, though it sorts first by name
+    assert find_run(tmp_path, None).run_id == "my-run"
     assert find_run(tmp_path, "20260101").run_id == "20260101-000000-aaaa"
     with pytest.raises(UsageError, match="ambiguous"):
         find_run(tmp_path, "20260102-000000-bb")
