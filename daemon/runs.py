@@ -16,9 +16,11 @@ import os
 import secrets
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ddtop.daemon.config import UsageError
 
@@ -90,19 +92,26 @@ def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
     return RunPaths(matches[0])
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write, fsync, rename: a reader sees the old file or the new one, never half."""
+@contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Write to a temporary file beside `path`, fsync, rename: a reader sees the
+    old file or the new one, never half of one; on error the old one stays."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         Path(tmp).replace(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    with atomic_file(path) as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def read_json(path: Path) -> Any:

@@ -7,10 +7,8 @@ Python values and load with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import torch
 
 from ddtop.daemon.config import TrainConfig, UsageError, resume_mismatch
+from ddtop.daemon.runs import atomic_file
 
 FORMAT = 1
 PATTERN = "step-*.pt"
@@ -57,16 +56,8 @@ def checkpoint_path(folder: Path, global_step: int) -> Path:
 def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     """Write atomically, then delete all but the `keep` newest (0 keeps all)."""
     path = checkpoint_path(folder, state["global_step"])
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "wb") as f:
+        torch.save({"format": FORMAT, **state}, f)
     if keep:
         for old in sorted(folder.glob(PATTERN))[:-keep]:
             old.unlink(missing_ok=True)
