@@ -21,14 +21,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.config import EXIT_FAILED, EXIT_USAGE, TrainConfig, UsageError
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import checkpoint, data
 from ddtop.training.checkpoint import Position
+from ddtop.training.commtimer import CommTimer
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
 from ddtop.training.metrics import GlobalMetrics, Totals, gather_counters
 from ddtop.training.models import build_model
 from ddtop.training.progress import Progress
+from ddtop.training.telemetry import Telemetry, open_telemetry
 
 FAULT_ENV = "DDTOP_FAULT"
 
@@ -90,13 +92,22 @@ def train(config: TrainConfig, env: RankEnv, launch_time: float | None = None) -
     torch.set_num_threads(config.threads_per_rank)
     with process_group(env, backend, device):
         config = agree_on_run(config, env)
-        Trainer(config, env, device, backend, launch_time).fit()
+        telemetry = open_telemetry(config, env.rank, env.local_rank, env.world_size, device,
+                                   backend)
+        try:
+            Trainer(config, env, device, backend, launch_time, telemetry).fit()
+        except BaseException as e:
+            telemetry.error(e)
+            telemetry.close(EXIT_USAGE if isinstance(e, UsageError) else EXIT_FAILED)
+            raise
+        telemetry.close(0)
 
 
 class Trainer:
     def __init__(self, config: TrainConfig, env: RankEnv, device: torch.device, backend: str,
-                 launch_time: float | None) -> None:
+                 launch_time: float | None, telemetry: Telemetry) -> None:
         self.config, self.env, self.device = config, env, device
+        self.telemetry = telemetry
         self.paths = run_paths(config)
         self.train_set, self.val_set, spec = data.build_datasets(config, env)
         torch.manual_seed(config.seed)  # the same initial weights on every rank
@@ -111,6 +122,9 @@ class Trainer:
             random.seed(config.seed + env.rank)
         # DDP broadcasts rank 0's parameters on construction; device_ids only for CUDA.
         self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.comm_timer = CommTimer(telemetry, cuda=device.type == "cuda")
+        if telemetry.live:  # set-up only: the loop itself never asks
+            self.comm_timer.attach(self.ddp)
         self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=config.lr, momentum=0.9)
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -138,6 +152,9 @@ class Trainer:
             self.carried = Counter(state["train_totals"])
         print(f"resumed from {path.name}: epoch {self.position.epoch + 1}, "
               f"step {self.position.step}", flush=True)
+        self.telemetry.event("resumed", f"resumed from {path.name}", checkpoint=path.name,
+                             epoch=self.position.epoch, step=self.position.step,
+                             global_step=self.global_step)
         return state
 
     # -- the loop --------------------------------------------------------------
@@ -149,40 +166,64 @@ class Trainer:
         self.progress.finished(self.global_step)
 
     def train_epoch(self, epoch: int, skip: int, carried: Counter[str]) -> None:
-        cfg = self.config
+        cfg, tel = self.config, self.telemetry
         self.sampler.set_epoch(epoch)
         loader = data.train_loader(self.train_set, self.sampler, cfg, self.env, epoch, skip,
                                    self.pin)
         totals = Totals(self.device)
         self.model.train()
         self.progress.epoch_started(epoch)
-        for step, (x, y) in enumerate(loader, start=skip + 1):
+        batches = iter(loader)
+        lr = self.optimizer.param_groups[0]["lr"]
+        for step in range(skip + 1, self.steps_per_epoch + 1):
+            tel.phase("data")
+            x, y = next(batches)
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
+            tel.phase("forward")
             self.optimizer.zero_grad(set_to_none=True)
             logits = self.ddp(x)
             loss = self.loss_fn(logits, y)
+            tel.phase("backward")
             loss.backward()  # DDP all-reduces (averages) gradients bucket by bucket here
+            tel.phase("optimizer")
             self.optimizer.step()
             totals.add(loss, logits, y)
             self.global_step += 1
+            tel.step_done(epoch, step, self.steps_per_epoch, self.global_step, loss,
+                          y.shape[0], lr)
+            self.comm_timer.harvest()
             self.progress.step(epoch, step, self.steps_per_epoch, loss, self.global_step)
             if cfg.sync_every and self.global_step % cfg.sync_every == 0:
-                metrics = GlobalMetrics.from_counter(gather_counters(totals.counter() + carried))
+                metrics = self.gather_metrics(totals.counter() + carried)
                 self.progress.synced(epoch, step, self.global_step, metrics)
+                tel.aggregate("sync", epoch, self.global_step, train_loss=metrics.loss,
+                              train_accuracy=metrics.accuracy, train_samples=metrics.samples)
             if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
                 self.save(Position(epoch, step), totals.counter() + carried)
             if self.fault is not None:
                 self.fault.fire_at(self.global_step)
-        train_metrics = GlobalMetrics.from_counter(gather_counters(totals.counter() + carried))
+        train_metrics = self.gather_metrics(totals.counter() + carried)
         val_metrics = self.evaluate()
         self.save(Position(epoch + 1, 0), Counter())
         self.progress.epoch_done(epoch, self.global_step, train_metrics, val_metrics)
+        tel.aggregate("epoch", epoch, self.global_step, train_loss=train_metrics.loss,
+                      train_accuracy=train_metrics.accuracy, train_samples=train_metrics.samples,
+                      val_loss=val_metrics.loss, val_accuracy=val_metrics.accuracy,
+                      val_samples=val_metrics.samples)
+        tel.event("epoch_end", f"epoch {epoch + 1} done", epoch=epoch,
+                  global_step=self.global_step)
+
+    def gather_metrics(self, local: Counter[str]) -> GlobalMetrics:
+        self.telemetry.phase("metric_sync")
+        with self.telemetry.collective("all_gather_object"):
+            return GlobalMetrics.from_counter(gather_counters(local))
 
     def evaluate(self) -> GlobalMetrics:
         """Every validation sample exactly once across ranks (see ShardSampler)."""
         loader = data.val_loader(self.val_set, self.config, self.env, self.pin)
         totals = Totals(self.device)
+        self.telemetry.phase("evaluation")
         self.model.eval()
         with torch.no_grad():
             for x, y in loader:
@@ -191,13 +232,15 @@ class Trainer:
                 y = y.to(self.device, non_blocking=True)
                 totals.add(self.loss_fn(logits, y), logits, y)
         self.model.train()
-        return GlobalMetrics.from_counter(gather_counters(totals.counter()))
+        return self.gather_metrics(totals.counter())
 
     def save(self, position: Position, epoch_totals: Counter[str]) -> None:
         """Collective: every rank contributes its RNG state; rank 0 writes."""
+        self.telemetry.phase("checkpoint")
         rngs: list[dict[str, Any] | None] = [None] * self.env.world_size
-        dist.all_gather_object(rngs, checkpoint.rng_state(self.device))
-        totals = gather_counters(epoch_totals)
+        with self.telemetry.collective("all_gather_object"):
+            dist.all_gather_object(rngs, checkpoint.rng_state(self.device))
+            totals = gather_counters(epoch_totals)
         if not self.env.is_main:
             return
         path = checkpoint.save(self.paths.checkpoints, {
@@ -214,3 +257,6 @@ class Trainer:
             "time": time.time(),
         }, keep=self.config.keep_checkpoints)
         self.progress.checkpointed(path)
+        self.telemetry.event("checkpoint", f"saved {path.name}", path=str(path),
+                             epoch=position.epoch, step=position.step,
+                             global_step=self.global_step)

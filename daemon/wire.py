@@ -1,0 +1,191 @@
+"""The telemetry wire: every message kind, and `encode` / `decode` to ZeroMQ frames.
+
+One frame per message: a msgpack map (msgspec), never pickle. Every message
+carries the schema version `v`, the run id, the sender's rank, its per-rank
+sequence number `seq` (gaps are telemetry loss) and its wall-clock time `t`.
+Field meanings and units are documented in docs/telemetry.md; change the two
+together, and bump SCHEMA_VERSION for any change a reader would misread.
+
+`decode` trusts nothing: malformed, oversized, wrong-version and wrong-run
+frames raise a `WireError` subclass, which callers count and drop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+# Larger frames are refused unread; error events keep their traceback under it.
+MAX_FRAME_BYTES = 64 * 1024
+MAX_TRACEBACK_CHARS = 16 * 1024
+
+Phase = Literal["setup", "data", "forward", "backward", "optimizer", "metric_sync",
+                "checkpoint", "evaluation", "done"]
+
+
+class Collective(msgspec.Struct, frozen=True, kw_only=True):
+    """One collective call of a rank: its per-rank sequence number, op, payload."""
+
+    seq: int
+    op: str
+    bytes: int
+
+
+class _Header(msgspec.Struct, kw_only=True):
+    v: int = SCHEMA_VERSION
+    run: str
+    rank: int
+    seq: int = 0
+    t: float = 0.0
+    dropped: int = 0  # messages this rank failed to send since its last one that went out
+
+
+class Hello(_Header, tag="hello", tag_field="kind", kw_only=True):
+    local_rank: int
+    host: str
+    pid: int
+    device: str
+    backend: str
+    world_size: int
+    config_digest: str
+    model: str
+    dataset: str
+    epochs: int
+    global_batch: int
+
+
+class Step(_Header, tag="step", tag_field="kind", kw_only=True):
+    """Every step since the previous Step message of this rank, summed."""
+
+    epoch: int
+    step: int
+    steps_per_epoch: int
+    global_step: int
+    steps: int
+    samples: int
+    loss_sum: float
+    lr: float
+    step_s: float
+    data_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float
+    comm_bytes: int
+    comm_ops: int
+    algbw_gbps: float
+    busbw_gbps: float
+    sync_wait_s: float
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    rss: int | None = None
+
+
+class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):
+    phase: Phase
+    epoch: int
+    global_step: int
+    phase_s: float
+    coll_started: Collective | None = None
+    coll_completed: Collective | None = None
+
+
+class Aggregate(_Header, tag="aggregate", tag_field="kind", kw_only=True):
+    """Global metrics every rank derived from all_gather_object."""
+
+    scope: Literal["sync", "epoch"]
+    epoch: int
+    global_step: int
+    train_loss: float
+    train_accuracy: float
+    train_samples: int
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    val_samples: int | None = None
+
+
+class Event(_Header, tag="event", tag_field="kind", kw_only=True):
+    type: Literal["checkpoint", "epoch_end", "warning", "error", "resumed", "info"]
+    message: str
+    data: dict[str, str | int | float | bool | None] = {}
+    traceback: str | None = None
+
+
+class Bye(_Header, tag="bye", tag_field="kind", kw_only=True):
+    exit_code: int
+
+
+Message = Hello | Step | Heartbeat | Aggregate | Event | Bye
+KINDS = {cls.__struct_config__.tag: cls for cls in (Hello, Step, Heartbeat, Aggregate, Event, Bye)}
+
+
+class WireError(ValueError):
+    """A frame that is dropped (and counted) rather than trusted."""
+
+    reason = "malformed"
+
+
+class Malformed(WireError):
+    reason = "malformed"
+
+
+class Oversized(WireError):
+    reason = "oversized"
+
+
+class WrongVersion(WireError):
+    reason = "wrong_version"
+
+
+class WrongRun(WireError):
+    reason = "wrong_run"
+
+
+class _Envelope(msgspec.Struct):
+    """What is read first: enough to refuse a frame before trusting its shape."""
+
+    v: Any = None
+    run: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> list[bytes]:
+    """The ZeroMQ frames of one message."""
+    return [_encoder.encode(message)]
+
+
+def decode(frames: list[bytes], run: str | None = None) -> Message:
+    """One message from its frames; `run`, if given, is the only run accepted."""
+    if len(frames) != 1:
+        raise Malformed(f"expected 1 frame, got {len(frames)}")
+    frame = frames[0]
+    if len(frame) > MAX_FRAME_BYTES:
+        raise Oversized(f"{len(frame)} bytes > {MAX_FRAME_BYTES}")
+    try:
+        envelope = _envelope.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise Malformed(str(e)) from None
+    if envelope.v != SCHEMA_VERSION:
+        raise WrongVersion(f"schema version {envelope.v!r}, expected {SCHEMA_VERSION}")
+    if run is not None and envelope.run != run:
+        raise WrongRun(f"run {envelope.run!r}, expected {run!r}")
+    try:
+        message: Message = _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise Malformed(str(e)) from None
+    return message
+
+
+def algbw_busbw(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """All-reduce bandwidths in GB/s as nccl-tests defines them:
+    algbw = bytes / time; busbw = algbw * 2(n-1)/n."""
+    if seconds <= 0:
+        return 0.0, 0.0
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * 2 * (world_size - 1) / world_size

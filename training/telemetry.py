@@ -1,0 +1,319 @@
+"""What a rank tells the outside world while it trains, over ZeroMQ.
+
+The training loop talks to a `Telemetry` object and never asks whether
+telemetry is on: without an endpoint it gets the base class, whose methods do
+nothing. With `DDTOP_TELEMETRY=tcp://host:port` it gets `LiveTelemetry`:
+
+- The loop only records: which phase it is in (`phase`), what a finished step
+  added (`step_done`), which collective it waits in (`collective`). Each is a
+  few attribute updates; nothing is encoded or sent on the training thread.
+- One sender thread owns the PUSH socket (ZeroMQ sockets are not thread-safe).
+  Every SEND_INTERVAL_S it sends the steps accumulated since its last Step
+  message as one message (sums and counts, so nothing is lost by coalescing);
+  every HEARTBEAT_INTERVAL_S a heartbeat with the current phase and the last
+  collective started and completed, so a rank stuck in a collective still says
+  where; events as soon as they are queued, never coalesced.
+- Sends never block (NOBLOCK, small high-water mark): when nobody listens or
+  the queue is full, the message is dropped, counted, and the count rides on
+  the next message that gets through. Every attempt takes a sequence number, so
+  a receiver sees each loss as a gap.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from ddtop.daemon import wire
+from ddtop.daemon.config import TrainConfig
+
+ENDPOINT_ENV = "DDTOP_TELEMETRY"
+SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
+HEARTBEAT_INTERVAL_S = 1.0
+SEND_HWM = 64  # messages ZeroMQ may queue before sends fail (and are counted)
+MAX_QUEUED_EVENTS = 1000
+CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on exit
+CLOSE_TIMEOUT_S = 2.0
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+STATM = Path("/proc/self/statm")
+
+
+@dataclass
+class StepWindow:
+    """Sums over the steps since the last Step message was taken."""
+
+    steps: int = 0
+    samples: int = 0
+    loss_sum: Any = 0.0  # float on CPU; a device tensor on CUDA (no sync per step)
+    step_s: float = 0.0
+    phase_s: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    sync_wait_s: float = 0.0
+    comm_s: float = 0.0
+    comm_bytes: int = 0
+    comm_ops: int = 0
+    epoch: int = 0
+    step: int = 0
+    steps_per_epoch: int = 0
+    global_step: int = 0
+    lr: float = 0.0
+
+
+class Telemetry:
+    """Telemetry switched off: every method does nothing."""
+
+    live = False
+
+    def phase(self, name: wire.Phase) -> None:
+        pass
+
+    def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
+                  loss: torch.Tensor, samples: int, lr: float) -> None:
+        pass
+
+    @contextmanager
+    def collective(self, op: str, nbytes: int = 0) -> Iterator[None]:
+        yield
+
+    def collective_started(self, op: str, nbytes: int) -> wire.Collective | None:
+        return None
+
+    def collective_completed(self, coll: wire.Collective | None) -> None:
+        pass
+
+    def comm_done(self, seconds: float, nbytes: int) -> None:
+        pass
+
+    def aggregate(self, scope: str, epoch: int, global_step: int, **metrics: Any) -> None:
+        pass
+
+    def event(self, type: str, message: str, traceback: str | None = None,
+              **data: str | int | float | bool | None) -> None:
+        pass
+
+    def error(self, exc: BaseException) -> None:
+        pass
+
+    def close(self, exit_code: int) -> None:
+        pass
+
+
+def open_telemetry(config: TrainConfig, rank: int, local_rank: int, world_size: int,
+                   device: torch.device, backend: str) -> Telemetry:
+    endpoint = os.environ.get(ENDPOINT_ENV)
+    if not endpoint:
+        return Telemetry()
+    assert config.run_id is not None
+    hello = wire.Hello(
+        run=config.run_id, rank=rank, local_rank=local_rank, host=socket.gethostname(),
+        pid=os.getpid(), device=str(device), backend=backend, world_size=world_size,
+        config_digest=config.digest(), model=config.model, dataset=config.dataset,
+        epochs=config.epochs, global_batch=config.batch_size,
+    )
+    return LiveTelemetry(endpoint, hello, device)
+
+
+class LiveTelemetry(Telemetry):
+    live = True
+
+    def __init__(self, endpoint: str, hello: wire.Hello, device: torch.device) -> None:
+        self.endpoint, self.run, self.rank = endpoint, hello.run, hello.rank
+        self.world_size = hello.world_size
+        self.cuda = device.type == "cuda"
+        self.device = device
+        # State the training thread writes and the sender thread reads (plain
+        # attribute stores, atomic under the GIL).
+        self._phase: wire.Phase = "setup"
+        self._phase_since = time.perf_counter()
+        self._epoch = 0
+        self._global_step = 0
+        self._coll_seq = 0
+        self._coll_started: wire.Collective | None = None
+        self._coll_completed: wire.Collective | None = None
+        self._step_start = time.perf_counter()
+        # The step window is swapped out by the sender under this lock.
+        self._lock = threading.Lock()
+        self._window = StepWindow()
+        self._events: collections.deque[wire.Message] = collections.deque([hello])
+        self._queue_dropped = 0
+        self._bye: wire.Bye | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._thread = threading.Thread(target=self._run, name="ddtop-telemetry", daemon=True)
+        self._thread.start()
+
+    # -- called from the training thread ----------------------------------------
+    def phase(self, name: wire.Phase) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self._window.phase_s[self._phase] += now - self._phase_since
+        self._phase, self._phase_since = name, now
+        if name == "data":  # a step starts by waiting for its batch
+            self._step_start = now
+
+    def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
+                  loss: torch.Tensor, samples: int, lr: float) -> None:
+        now = time.perf_counter()
+        loss_sum = loss.detach() * samples if self.cuda else float(loss) * samples
+        with self._lock:
+            w = self._window
+            w.steps += 1
+            w.samples += samples
+            w.loss_sum = w.loss_sum + loss_sum
+            w.step_s += now - self._step_start
+            w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch
+            w.global_step, w.lr = global_step, lr
+        self._epoch, self._global_step = epoch, global_step
+
+    @contextmanager
+    def collective(self, op: str, nbytes: int = 0) -> Iterator[None]:
+        """Around a blocking collective (metric sync, barrier): time waited in it."""
+        coll = self.collective_started(op, nbytes)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            waited = time.perf_counter() - start
+            with self._lock:
+                self._window.sync_wait_s += waited
+            self.collective_completed(coll)
+
+    def collective_started(self, op: str, nbytes: int) -> wire.Collective:
+        self._coll_seq += 1
+        coll = wire.Collective(seq=self._coll_seq, op=op, bytes=nbytes)
+        self._coll_started = coll
+        return coll
+
+    def collective_completed(self, coll: wire.Collective | None) -> None:
+        self._coll_completed = coll
+
+    def comm_done(self, seconds: float, nbytes: int) -> None:
+        """One gradient all-reduce finished (called by the DDP comm hook)."""
+        with self._lock:
+            w = self._window
+            w.comm_s += seconds
+            w.comm_bytes += nbytes
+            w.comm_ops += 1
+
+    def aggregate(self, scope: str, epoch: int, global_step: int, **metrics: Any) -> None:
+        self._queue(wire.Aggregate(run=self.run, rank=self.rank, scope=scope,  # type: ignore[arg-type]
+                                   epoch=epoch, global_step=global_step, **metrics))
+
+    def event(self, type: str, message: str, traceback: str | None = None,
+              **data: str | int | float | bool | None) -> None:
+        self._queue(wire.Event(run=self.run, rank=self.rank, type=type,  # type: ignore[arg-type]
+                               message=message, traceback=traceback, data=data))
+
+    def error(self, exc: BaseException) -> None:
+        tb = "".join(traceback.format_exception(exc))[-wire.MAX_TRACEBACK_CHARS:]
+        self.event("error", f"{type(exc).__name__}: {exc}"[:1000], traceback=tb,
+                   phase=self._phase, global_step=self._global_step)
+
+    def close(self, exit_code: int) -> None:
+        """Send what is pending and a bye, then stop; never waits long."""
+        self.phase("done")
+        self._bye = wire.Bye(run=self.run, rank=self.rank, exit_code=exit_code)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(CLOSE_TIMEOUT_S)
+
+    def _queue(self, message: wire.Message) -> None:
+        if len(self._events) >= MAX_QUEUED_EVENTS:
+            self._queue_dropped += 1  # counted: the receiver sees the loss
+            return
+        self._events.append(message)
+        self._wake.set()
+
+    # -- the sender thread ----------------------------------------------------------
+    def _run(self) -> None:
+        sock = self._context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._seq = 0
+        self._dropped = 0
+        try:
+            sock.connect(self.endpoint)
+            next_step = next_beat = time.monotonic()
+            while True:
+                stopping = self._stop.is_set()
+                while self._events:
+                    self._send(sock, self._events.popleft())
+                now = time.monotonic()
+                if now >= next_step or stopping:
+                    self._send_window(sock)
+                    next_step = now + SEND_INTERVAL_S
+                if now >= next_beat:
+                    self._send(sock, self._heartbeat())
+                    next_beat = now + HEARTBEAT_INTERVAL_S
+                if stopping:
+                    if self._bye is not None:
+                        self._send(sock, self._bye)
+                    break
+                self._wake.wait(max(0.0, min(next_step, next_beat) - time.monotonic()))
+                self._wake.clear()
+        except Exception as e:  # noqa: BLE001 - telemetry must never take training down
+            print(f"warning: telemetry to {self.endpoint} stopped: {e}", file=sys.stderr)
+        finally:
+            sock.close(linger=CLOSE_LINGER_MS)
+            self._context.term()
+
+    def _send(self, sock: zmq.Socket[bytes], message: wire.Message) -> None:
+        message.seq, message.t = self._seq, time.time()
+        self._seq += 1
+        message.dropped = self._dropped + self._queue_dropped
+        try:
+            sock.send_multipart(wire.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped += 1
+            return
+        self._dropped = 0
+        self._queue_dropped = 0
+
+    def _heartbeat(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            run=self.run, rank=self.rank, phase=self._phase, epoch=self._epoch,
+            global_step=self._global_step, phase_s=time.perf_counter() - self._phase_since,
+            coll_started=self._coll_started, coll_completed=self._coll_completed,
+        )
+
+    def _send_window(self, sock: zmq.Socket[bytes]) -> None:
+        with self._lock:
+            if self._window.steps == 0:
+                return
+            w, self._window = self._window, StepWindow()
+        algbw, busbw = wire.algbw_busbw(w.comm_bytes, w.comm_s, self.world_size)
+        cuda_allocated, cuda_reserved, rss = self._memory()
+        self._send(sock, wire.Step(
+            run=self.run, rank=self.rank, epoch=w.epoch, step=w.step,
+            steps_per_epoch=w.steps_per_epoch, global_step=w.global_step, steps=w.steps,
+            samples=w.samples, loss_sum=float(w.loss_sum), lr=w.lr, step_s=w.step_s,
+            data_s=w.phase_s["data"], forward_s=w.phase_s["forward"],
+            backward_s=w.phase_s["backward"], optimizer_s=w.phase_s["optimizer"],
+            comm_s=w.comm_s, comm_bytes=w.comm_bytes, comm_ops=w.comm_ops,
+            algbw_gbps=algbw, busbw_gbps=busbw, sync_wait_s=w.sync_wait_s,
+            cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
+        ))
+
+    def _memory(self) -> tuple[int | None, int | None, int | None]:
+        """(CUDA allocated, CUDA reserved, process RSS) in bytes; None where absent."""
+        if self.cuda:
+            return (torch.cuda.memory_allocated(self.device),
+                    torch.cuda.memory_reserved(self.device), None)
+        try:
+            pages = int(STATM.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            return None, None, None
+        return None, None, pages * PAGE_SIZE
