@@ -169,7 +169,7 @@ def decode(frames: list[bytes], run: str | None = None) -> Message:
         raise Oversized(f"{len(frame)} bytes > {MAX_FRAME_BYTES}")
     try:
         envelope = _envelope.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.MsgspecError, ValueError) as e:  # bad utf-8 raises UnicodeDecodeError
         raise Malformed(str(e)) from None
     if envelope.v != SCHEMA_VERSION:
         raise WrongVersion(f"schema version {envelope.v!r}, expected {SCHEMA_VERSION}")
@@ -177,7 +177,7 @@ def decode(frames: list[bytes], run: str | None = None) -> Message:
         raise WrongRun(f"run {envelope.run!r}, expected {run!r}")
     try:
         message: Message = _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.MsgspecError, ValueError) as e:  # bad utf-8 raises UnicodeDecodeError
         raise Malformed(str(e)) from None
     return message
 

@@ -79,6 +79,9 @@ class Telemetry:
     def phase(self, name: wire.Phase) -> None:
         pass
 
+    def begin_epoch(self, epoch: int) -> None:
+        pass
+
     def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
                   loss: torch.Tensor, samples: int, lr: float) -> None:
         pass
@@ -146,6 +149,7 @@ class LiveTelemetry(Telemetry):
         # The step window is swapped out by the sender under this lock.
         self._lock = threading.Lock()
         self._window = StepWindow()
+        self._finished: list[StepWindow] = []  # windows closed at an epoch boundary
         self._events: collections.deque[wire.Message] = collections.deque([hello])
         self._queue_dropped = 0
         self._bye: wire.Bye | None = None
@@ -163,6 +167,13 @@ class LiveTelemetry(Telemetry):
         self._phase, self._phase_since = name, now
         if name == "data":  # a step starts by waiting for its batch
             self._step_start = now
+
+    def begin_epoch(self, epoch: int) -> None:
+        """A Step message never spans two epochs, so per-epoch sums stay exact."""
+        with self._lock:
+            if self._window.steps:
+                self._finished.append(self._window)
+                self._window = StepWindow()
 
     def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
                   loss: torch.Tensor, samples: int, lr: float) -> None:
@@ -291,9 +302,14 @@ class LiveTelemetry(Telemetry):
 
     def _send_window(self, sock: zmq.Socket[bytes]) -> None:
         with self._lock:
-            if self._window.steps == 0:
-                return
-            w, self._window = self._window, StepWindow()
+            windows, self._finished = self._finished, []
+            if self._window.steps:
+                windows.append(self._window)
+                self._window = StepWindow()
+        for w in windows:
+            self._send_step(sock, w)
+
+    def _send_step(self, sock: zmq.Socket[bytes], w: StepWindow) -> None:
         algbw, busbw = wire.algbw_busbw(w.comm_bytes, w.comm_s, self.world_size)
         cuda_allocated, cuda_reserved, rss = self._memory()
         self._send(sock, wire.Step(

@@ -37,9 +37,10 @@ FAULT_ENV = "DDTOP_FAULT"
 
 @dataclass(frozen=True)
 class Fault:
-    """Failure injection for tests and drills: DDTOP_FAULT=RANK:STEP[:SIGNAL|raise]
-    makes that rank, after that global step, kill itself with the signal (default
-    SIGKILL) or raise an exception."""
+    """Failure injection for tests and drills: DDTOP_FAULT=RANK:STEP[:ACTION]
+    makes that rank, after that global step, kill itself with a signal (ACTION
+    SIGKILL, the default, SIGTERM, ...), raise an exception (`raise`) or stall
+    for N seconds (`sleepN`), as a straggler or a hung rank would."""
 
     step: int
     action: str
@@ -53,7 +54,7 @@ class Fault:
         try:
             fault_rank, step = int(parts[0]), int(parts[1])
         except (IndexError, ValueError):
-            raise UsageError(f"{FAULT_ENV}={spec!r} must look like RANK:STEP[:SIGNAL|raise]"
+            raise UsageError(f"{FAULT_ENV}={spec!r} must look like RANK:STEP[:ACTION]"
                              ) from None
         return cls(step, parts[2] if len(parts) > 2 else "SIGKILL") if fault_rank == rank else None
 
@@ -62,6 +63,9 @@ class Fault:
             return
         if self.action == "raise":
             raise RuntimeError(f"injected failure at step {global_step} ({FAULT_ENV})")
+        if self.action.startswith("sleep"):
+            time.sleep(float(self.action[len("sleep"):]))
+            return
         os.kill(os.getpid(), signal.Signals[self.action])
 
 
@@ -173,6 +177,7 @@ class Trainer:
         totals = Totals(self.device)
         self.model.train()
         self.progress.epoch_started(epoch)
+        tel.begin_epoch(epoch)
         batches = iter(loader)
         lr = self.optimizer.param_groups[0]["lr"]
         for step in range(skip + 1, self.steps_per_epoch + 1):
