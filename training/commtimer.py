@@ -3,9 +3,12 @@
 (No `from __future__ import annotations` here: DDP checks the hook's
 annotations at run time against the real `dist.GradBucket` and `Future` types.)
 
-The hook is torch's own `allreduce_hook` (divide by the world size, all-reduce,
-exactly what DDP does without a hook) with a clock around it, so training gives
-the same weights with and without it (tested).
+The hook does what torch's own `allreduce_hook` does (divide the bucket by the
+world size in place, all-reduce it, hand back the result: exactly what DDP does
+without a hook), with a clock around the all-reduce alone, so training gives the
+same weights with and without it (tested). The division is local compute and is
+not charged as communication (for a 16.8 MB bucket on this CPU it is ~1 ms, 10%
+of the all-reduce).
 
 - CPU / gloo: the time from launching a bucket's all-reduce to its future
   completing. Buckets queue behind each other on one process group, so each
@@ -22,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.training.telemetry import Telemetry
@@ -53,14 +55,15 @@ class CommTimer:
                bucket: Any) -> torch.futures.Future[torch.Tensor]:  # a dist.GradBucket
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
+        buffer.div_(process_group.size())  # as allreduce_hook: divide first, then sum
         coll = self.telemetry.collective_started("allreduce", nbytes)
         if self.cuda:
             start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start_ev.record()
         start = time.perf_counter()
-        fut = allreduce_hook(process_group, bucket)
+        fut = dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
 
-        def finished(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        def finished(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             if self.cuda:
                 end_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 end_ev.record()  # on the stream the reduced gradients are ready on
@@ -73,7 +76,7 @@ class CommTimer:
                     self._last_end = end
                 self.telemetry.comm_done(charged, nbytes)
             self.telemetry.collective_completed(coll)
-            return f.value()
+            return f.value()[0]
 
         return fut.then(finished)
 

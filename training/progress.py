@@ -135,4 +135,4 @@ class RankZeroProgress(Progress):
                       "seconds": seconds})
 
     def finished(self, global_step: int) -> None:
-        self._say(f"training done: {global_step} steps in {time.monotonic() - self.start:.1f} s")
+        self._say(f"training done: {global_step} steps in {time.monotonic() - self.start:.2f} s")

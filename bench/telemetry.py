@@ -1,0 +1,251 @@
+"""What telemetry costs the training loop, and whether its comm timing is right.
+
+    .venv/bin/python bench/telemetry.py [--repeats 5] [--samples 65536] [--only comm]
+
+1. Throughput: the same 2-rank run (`ddtrain start --foreground`), telemetry
+   off / on with a listener / on with nobody listening, interleaved, `--repeats`
+   runs each; steps per second from rank 0's "training done" line; median and
+   ratio to "off" (target: at least 0.99).
+2. Cost on the training thread of one step's telemetry calls (4 phase changes
+   and step_done), in microseconds, with a live sender thread and listener.
+3. The DDP comm hook's all-reduce time against `dist.all_reduce` of the same
+   bytes on the same gloo group, timed side by side in the same 2 processes
+   (target: within 10%). Per iteration the faster of the two ranks' figures
+   is taken for both: that rank arrived last and waited for nobody.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+DDTRAIN = str(Path(sys.executable).parent / "ddtrain")
+DONE = re.compile(r"training done: (\d+) steps in ([\d.]+) s")
+
+
+class Listener:
+    """A PULL socket drained by a thread, as the daemon would."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PULL)
+        self.socket.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.count = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while not self.stop.is_set():
+            if self.socket.poll(100):
+                self.socket.recv_multipart()
+                self.count += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+def steps_per_second(samples: int, env: dict[str, str], runs_dir: str) -> float:
+    cmd = [DDTRAIN, "start", "--foreground", "-n", "2", "--epochs", "1",
+           "--synthetic-train-samples", str(samples), "--synthetic-val-samples", "256",
+           "--progress-every", "1000", "--runs-dir", runs_dir]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **env}, check=False)
+    match = DONE.search(run.stdout)
+    if run.returncode or not match:
+        sys.exit(f"run failed:\n{run.stdout}\n{run.stderr}")
+    return int(match.group(1)) / float(match.group(2))
+
+
+def throughput(repeats: int, samples: int) -> None:
+    listener = Listener()
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = zmq.Context().socket(zmq.PULL)
+        deaf = f"tcp://127.0.0.1:{probe.bind_to_random_port('tcp://127.0.0.1')}"
+        probe.close(linger=0)  # nobody listens there from now on
+        configs = {"off": {}, "on, listener": {"DDTOP_TELEMETRY": listener.endpoint},
+                   "on, no listener": {"DDTOP_TELEMETRY": deaf}}
+        rates: dict[str, list[float]] = {name: [] for name in configs}
+        for i in range(repeats):
+            order = list(configs) if i % 2 == 0 else list(reversed(configs))
+            for name in order:
+                rates[name].append(steps_per_second(samples, configs[name], tmp))
+                print(f"  run {i + 1} {name:<16} {rates[name][-1]:8.1f} steps/s",
+                      file=sys.stderr)
+    listener.close()
+    base = statistics.median(rates["off"])
+    print(f"\n1. Throughput, 2 ranks, {samples // 64} steps per run, median of {repeats}")
+    print(f"{'telemetry':<17} | {'steps/s':>8} | {'min':>8} | {'max':>8} | {'ratio':>6}")
+    print("-" * 58)
+    for name, values in rates.items():
+        med = statistics.median(values)
+        print(f"{name:<17} | {med:8.1f} | {min(values):8.1f} | {max(values):8.1f} | "
+              f"{med / base:6.3f}")
+    print(f"(the listener received {listener.count} messages)")
+
+
+def publish_cost() -> None:
+    import torch
+
+    from ddtop.daemon import wire
+    from ddtop.training.telemetry import LiveTelemetry, Telemetry
+
+    listener = Listener()
+    hello = wire.Hello(run="bench", rank=0, local_rank=0, host="h", pid=1, device="cpu",
+                       backend="gloo", world_size=2, config_digest="x", model="mlp",
+                       dataset="synthetic", epochs=1, global_batch=64)
+    loss = torch.tensor(2.3)
+    n = 100_000
+    results = {}
+    for name, tel in (("off (null object)", Telemetry()),
+                      ("on", LiveTelemetry(listener.endpoint, hello, torch.device("cpu")))):
+        start = time.perf_counter()
+        for i in range(n):
+            tel.phase("data")
+            tel.phase("forward")
+            tel.phase("backward")
+            tel.phase("optimizer")
+            tel.step_done(0, i, n, i, loss, 32, 0.1)
+        results[name] = (time.perf_counter() - start) / n * 1e6
+        tel.close(0)
+    step = wire.Step(run="r", rank=0, epoch=0, step=1, steps_per_epoch=2, global_step=1,
+                     steps=1, samples=8, loss_sum=1.0, lr=0.1, step_s=0.1, data_s=0,
+                     forward_s=0, backward_s=0, optimizer_s=0, comm_s=0, comm_bytes=0,
+                     comm_ops=0, algbw_gbps=0, busbw_gbps=0, sync_wait_s=0, rss=1)
+    start = time.perf_counter()
+    for _ in range(n):
+        wire.encode(step)
+    encode_us = (time.perf_counter() - start) / n * 1e6
+    listener.close()
+    print("\n2. Cost of one step's telemetry calls on the training thread")
+    print(f"{'telemetry':<20} | {'us per step':>11}")
+    print("-" * 35)
+    for name, us in results.items():
+        print(f"{name:<20} | {us:11.2f}")
+    print(f"(encoding a Step message, done on the sender thread: {encode_us:.2f} us)")
+
+
+def _comm_rank(rank: int, port: int, steps: int, width: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddtop.training.commtimer import CommTimer
+    from ddtop.training.telemetry import Telemetry
+
+    class Recording(Telemetry):
+        def __init__(self) -> None:
+            self.ops: list[tuple[float, int]] = []
+
+        def comm_done(self, seconds: float, nbytes: int) -> None:
+            self.ops.append((seconds, nbytes))
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    # One weight matrix: one gradient bucket, ready when backward ends, so the
+    # hook times the all-reduce alone (nothing else computes meanwhile).
+    ddp = DDP(nn.Linear(width, width, bias=False), bucket_cap_mb=1024)
+    recording = Recording()
+    CommTimer(recording, cuda=False).attach(ddp)
+    x = torch.randn(8, width)
+    tensor = torch.zeros(width * width)
+    direct = []
+    for i in range(steps):
+        def ddp_step() -> None:
+            dist.barrier()
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+
+        def direct_step() -> None:
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            direct.append(time.perf_counter() - start)
+
+        first, second = (ddp_step, direct_step) if i % 2 == 0 else (direct_step, ddp_step)
+        first()
+        second()
+    # Per iteration, the rank that reached the collective last waited for
+    # nobody: its time is the transfer alone. Take that (the minimum over
+    # ranks) for both measurements, so compute skew between the ranks does
+    # not count against either.
+    mine = ([s for s, _ in recording.ops], direct)
+    both: list[tuple[list[float], list[float]]] = [([], [])] * 2
+    dist.all_gather_object(both, mine)
+    warm = steps // 10
+    if rank == 0:
+        hook = [min(a, b) for a, b in zip(both[0][0], both[1][0], strict=True)][warm:]
+        plain = [min(a, b) for a, b in zip(both[0][1], both[1][1], strict=True)][warm:]
+        nbytes = recording.ops[-1][1]
+        Path(out).write_text(f"{nbytes} {statistics.median(hook)} {statistics.median(plain)}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def comm_timing(steps: int, widths: list[int]) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from ddtop.daemon.wire import algbw_busbw
+
+    print(f"\n3. All-reduce of one gradient bucket, 2 gloo ranks, DDP comm hook vs "
+          f"dist.all_reduce interleaved, median of {steps - steps // 10} each")
+    print(f"{'bucket':>8} | {'hook ms':>8} | {'direct ms':>9} | {'hook busbw':>10} | "
+          f"{'direct busbw':>12} | {'hook/direct':>11}")
+    print("-" * 75)
+    for width in widths:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+            mp.start_processes(_comm_rank, args=(port, steps, width, out.name), nprocs=2,
+                               start_method="spawn")
+            nbytes_s, hook_s, direct_s = Path(out.name).read_text().split()
+        nbytes, hook, direct = int(nbytes_s), float(hook_s), float(direct_s)
+        hook_bus = algbw_busbw(nbytes, hook, 2)[1]
+        direct_bus = algbw_busbw(nbytes, direct, 2)[1]
+        print(f"{nbytes / 1e6:5.1f} MB | {hook * 1e3:8.3f} | {direct * 1e3:9.3f} | "
+              f"{hook_bus:6.2f} GB/s | {direct_bus:8.2f} GB/s | {hook / direct:11.3f}")
+    print("(target: hook/direct within 0.9 .. 1.1)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=65536)
+    parser.add_argument("--comm-steps", type=int, default=200)
+    parser.add_argument("--comm-widths", type=int, nargs="+", default=[1024, 2048],
+                        help="each bucket is a width x width float32 gradient "
+                             "(1024: 4.2 MB, 2048: 16.8 MB)")
+    parser.add_argument("--only", choices=["throughput", "publish", "comm"],
+                        help="run one part only")
+    args = parser.parse_args()
+    if args.only in (None, "throughput"):
+        throughput(args.repeats, args.samples)
+    if args.only in (None, "publish"):
+        publish_cost()
+    if args.only in (None, "comm"):
+        comm_timing(args.comm_steps, args.comm_widths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
