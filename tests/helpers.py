@@ -14,11 +14,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import zmq
+
+from ddtop.daemon import wire
 
 BIN = Path(sys.executable).parent
 DDTRAIN = str(BIN / "ddtrain")
@@ -95,8 +101,9 @@ def ddtrain(*args: str, cwd: Path, env: dict[str, str] | None = None,
     return finish(proc, tag, timeout)
 
 
-def torchrun(*args: str, cwd: Path, timeout: float = RUN_TIMEOUT_S) -> Run:
-    proc, tag = start([TORCHRUN, *args], cwd)
+def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None,
+             timeout: float = RUN_TIMEOUT_S) -> Run:
+    proc, tag = start([TORCHRUN, *args], cwd, env)
     return finish(proc, tag, timeout)
 
 
@@ -104,3 +111,49 @@ def metric_records(run_root: Path, kind: str = "epoch") -> list[dict[str, Any]]:
     """The run's metrics.jsonl records of one kind, in order."""
     lines = (run_root / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+POLL_MS = 100
+
+
+class Collector:
+    """A PULL socket bound on a free loopback port, drained by a thread."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.messages: list[wire.Message] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            if self.socket.poll(POLL_MS):
+                try:
+                    self.messages.append(wire.decode(self.socket.recv_multipart()))
+                except wire.WireError:
+                    self.errors += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.socket.close()
+        self.context.term()
+
+    def of(self, kind: type, rank: int | None = None) -> list:  # type: ignore[type-arg]
+        return [m for m in self.messages
+                if isinstance(m, kind) and (rank is None or m.rank == rank)]
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[Collector]:
+    collector = Collector()
+    try:
+        yield collector
+    finally:
+        collector.close()

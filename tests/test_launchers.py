@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 from dataset_files import write_mnist_like
-from helpers import ddtrain, metric_records, torchrun
+from helpers import collecting, ddtrain, metric_records, torchrun
+
+from ddtop.daemon import wire
 
 
 @pytest.mark.slow
@@ -30,9 +32,11 @@ def test_eight_ranks(tmp_path: Path) -> None:
 
 
 def test_torchrun_runs_the_training_module(tmp_path: Path) -> None:
-    run = torchrun("--standalone", "--nproc-per-node", "2", "-m", "ddtop.training",
-                   "--epochs", "1", "--synthetic-train-samples", "256",
-                   "--synthetic-val-samples", "50", "--batch-size", "32", cwd=tmp_path)
+    with collecting() as telemetry:  # DDTOP_TELEMETRY set by hand, as a torchrun user would
+        run = torchrun("--standalone", "--nproc-per-node", "2", "-m", "ddtop.training",
+                       "--epochs", "1", "--synthetic-train-samples", "256",
+                       "--synthetic-val-samples", "50", "--batch-size", "32", cwd=tmp_path,
+                       env={"DDTOP_TELEMETRY": telemetry.endpoint})
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     (root,) = (tmp_path / "runs").iterdir()  # one run id, agreed by both ranks
@@ -41,6 +45,10 @@ def test_torchrun_runs_the_training_module(tmp_path: Path) -> None:
     (record,) = metric_records(root)
     assert (record["train_samples"], record["val_samples"]) == (256, 50)
     assert [p.name for p in (root / "checkpoints").iterdir()] == ["step-00000008.pt"]
+    for rank in (0, 1):  # every rank published, start to finish, under the shared run id
+        assert [m.run for m in telemetry.of(wire.Hello, rank)] == [root.name]
+        assert sum(m.steps for m in telemetry.of(wire.Step, rank)) == 8
+        assert [m.exit_code for m in telemetry.of(wire.Bye, rank)] == [0]
 
 
 def test_training_module_outside_torchrun_says_how_to_launch(tmp_path: Path) -> None:

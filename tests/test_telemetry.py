@@ -3,63 +3,14 @@
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-import zmq
 from conftest import REFERENCE_ARGS, ReferenceRun
-from helpers import Run, ddtrain, metric_records
+from helpers import Collector, Run, collecting, ddtrain, metric_records
 
 from ddtop.daemon import wire
-
-POLL_MS = 100
-
-
-class Collector:
-    """A PULL socket bound on a free loopback port, drained by a thread."""
-
-    def __init__(self) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PULL)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind("tcp://127.0.0.1:*")
-        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.messages: list[wire.Message] = []
-        self.errors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drain, daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        while not self._stop.is_set():
-            if self.socket.poll(POLL_MS):
-                try:
-                    self.messages.append(wire.decode(self.socket.recv_multipart()))
-                except wire.WireError:
-                    self.errors += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.socket.close()
-        self.context.term()
-
-    def of(self, kind: type, rank: int | None = None) -> list:  # type: ignore[type-arg]
-        return [m for m in self.messages
-                if isinstance(m, kind) and (rank is None or m.rank == rank)]
-
-
-@contextmanager
-def collecting() -> Iterator[Collector]:
-    collector = Collector()
-    try:
-        yield collector
-    finally:
-        collector.close()
 
 
 @pytest.fixture(scope="module")
