@@ -1,31 +1,56 @@
-"""`ddtrain`: start distributed training runs.
+"""`ddtrain`: start, watch and stop distributed training runs.
 
-    ddtrain start --foreground --world-size 8          built-in dataset, 8 ranks
-    ddtrain start --foreground -n 2 --model cnn --dataset mnist --data-dir data --download
-    ddtrain start --foreground --resume                continue the newest run
+    ddtrain start --world-size 8          a detached daemon runs the job; returns at once
+    ddtrain start --foreground -n 2       the same daemon, in this terminal
+    ddtrain status [RUN] [--json]         ranks, progress, exit codes
+    ddtrain list                          every run under ./runs
+    ddtrain logs [RUN] [--rank K] [-f]    the ranks' output
+    ddtrain stop [RUN] [--timeout S]      finish the step, checkpoint, exit
+
+RUN is a run id (a unique prefix is enough) or a run directory; without it,
+the newest run under --runs-dir ($DDTOP_RUNS_DIR, else ./runs).
 
 Exit codes: 0 the run succeeded, 1 a rank failed (named in the last lines),
-2 bad input, 130 stopped with Ctrl-C.
+2 bad input, 130 stopped (Ctrl-C or `ddtrain stop`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
+from ddtop.daemon import control
 from ddtop.daemon.config import (
+    EXIT_FAILED,
     EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_USAGE,
+    RUNS_DIR_ENV,
     OneLineParser,
     TrainConfig,
     UsageError,
     add_train_arguments,
+    default_runs_dir,
     explicit_overrides,
     resume_mismatch,
 )
-from ddtop.daemon.runs import RunPaths, find_run, new_run_id, read_json
+from ddtop.daemon.runinfo import RunInfo, list_runs, pid_alive
+from ddtop.daemon.runs import RunPaths, find_run, new_run_id, read_json, write_json_atomic
+
+EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
+              "130 stopped (Ctrl-C or ddtrain stop).")
+# A detached start waits this long for every rank to say hello (or the run to fail).
+START_WATCH_S = 20.0
+DAEMON_READY_S = 30.0
+FOLLOW_POLL_S = 0.2
 
 
 def _version() -> str:
@@ -38,28 +63,69 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="ddtrain",
-        description="Start and supervise distributed PyTorch training runs.",
-        epilog="Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, 130 stopped by Ctrl-C.",
+        description="Start, watch and stop distributed PyTorch training runs.",
+        epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"ddtrain {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     start = commands.add_parser(
         "start",
         help="launch a run: one process per rank, DDP over gloo or nccl",
-        description="Launch one process per rank and train with DistributedDataParallel. "
-        "Writes runs/<run-id>/ (config, per-rank logs, metrics, checkpoints).",
-        epilog="Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, 130 stopped by Ctrl-C.",
+        description="Launch one process per rank and train with DistributedDataParallel, "
+        "supervised by a daemon that relays the ranks' telemetry. Writes runs/<run-id>/ "
+        "(config, run.json, per-rank logs, telemetry journal, metrics, checkpoints). "
+        "Without --foreground the daemon detaches and this command returns once the "
+        "ranks are up.",
+        epilog=EXIT_CODES,
     )
     start.add_argument("--foreground", action="store_true",
-                       help="run in this terminal, printing progress (currently the only mode)")
+                       help="run the daemon in this terminal, printing the ranks' output; "
+                       "exit with the run's outcome")
     add_train_arguments(start)
+
+    def with_run(p: argparse.ArgumentParser) -> None:
+        p.add_argument("run", nargs="?", metavar="RUN",
+                       help="run id, unique prefix, or run directory (default: the newest run)")
+        p.add_argument("--runs-dir", default=None, metavar="DIR",
+                       help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
+
+    status = commands.add_parser("status", help="a run's state, rank by rank",
+                                 description="Show a run's status, progress and every rank's "
+                                 "pid, state and exit code or signal.")
+    with_run(status)
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    listing = commands.add_parser("list", help="every run under the runs directory",
+                                  description="List the runs under the runs directory, live "
+                                  "or not, oldest first.")
+    listing.add_argument("--runs-dir", default=None, metavar="DIR",
+                         help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
+    listing.add_argument("--json", action="store_true", help="one JSON array, for scripts")
+    stop = commands.add_parser(
+        "stop", help="stop a run gracefully",
+        description="Stop a run: every rank finishes its current step, rank 0 writes a "
+        "checkpoint, the ranks exit (resume later with ddtrain start --resume). Ranks still "
+        "running after --timeout seconds are terminated.")
+    with_run(stop)
+    stop.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                      help="seconds to wait for a graceful stop before terminating (default 30)")
+    logs = commands.add_parser("logs", help="the ranks' output",
+                               description="Print the ranks' stdout and stderr, each line "
+                               "prefixed with its rank and host.")
+    with_run(logs)
+    logs.add_argument("--rank", type=int, default=None, metavar="K", help="only rank K")
+    logs.add_argument("-f", "--follow", action="store_true",
+                      help="keep printing new lines until the run ends")
+    serve = commands.add_parser("serve")  # the detached daemon; not for people
+    serve.add_argument("run_dir")
     return parser
 
 
+# -- start --------------------------------------------------------------------------
 def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
     """The run's config and directory: a new run, or the run being resumed."""
     overrides = explicit_overrides(args)
-    runs_dir = overrides.get("runs_dir", TrainConfig.runs_dir)
+    runs_dir = overrides.get("runs_dir") or default_runs_dir()
+    overrides["runs_dir"] = runs_dir
     if not overrides.get("resume"):
         config = TrainConfig(**overrides).validate()
         run_id = config.run_id or new_run_id()
@@ -69,6 +135,10 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
                              "continue it, or pick another --run-id")
         return TrainConfig(**{**config.to_dict(), "run_id": run_id}), paths
     paths = find_run(runs_dir, overrides.get("run_id"))
+    info = RunInfo.load(paths)
+    if info.live:
+        raise UsageError(f"run {paths.run_id} is still running (daemon pid {info.daemon_pid}): "
+                         f"stop it first with: ddtrain stop {paths.run_id}")
     try:
         saved = read_json(paths.config)
     except (OSError, ValueError) as e:
@@ -88,27 +158,284 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
 
 def cmd_start(args: argparse.Namespace) -> int:
     config, paths = resolve_start(args)
-    if not args.foreground:
-        print("ddtrain: note: detached runs are not available yet; running in the "
-              "foreground (Ctrl-C stops the run)", file=sys.stderr)
+    verb = "resuming" if config.resume else "starting"
+    if args.foreground:
+        from ddtop.daemon.launcher import LocalLauncher
+
+        print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks in "
+              f"{paths.root} (Ctrl-C stops it)", flush=True)
+        return LocalLauncher(config, paths).run()
+    return start_detached(config, paths)
+
+
+def start_detached(config: TrainConfig, paths: RunPaths) -> int:
+    try:
+        paths.create()
+        write_json_atomic(paths.config, config.to_dict())
+        log = paths.daemon_log.open("ab")
+    except OSError as e:
+        raise UsageError(f"cannot write the run directory {paths.root}: {e.strerror}; "
+                         "pick another --runs-dir") from None
+    with log:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "ddtop.daemon", "serve", str(paths.root)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True,  # its own session and process group: no terminal signals
+        )
+    deadline = time.monotonic() + DAEMON_READY_S
+    while RunInfo.load(paths).record.get("daemon_pid") != daemon.pid:
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            return _start_failed(daemon, paths)
+        time.sleep(0.05)
+    up = _wait_for_ranks(daemon, RunInfo.load(paths), config.world_size)
+    if daemon.poll() is not None and daemon.returncode != 0:
+        return _start_failed(daemon, paths)
+    rid = paths.run_id
+    state = ("all ranks up" if up else
+             "ranks still starting" if daemon.poll() is None else "already finished")
+    print(f"ddtrain: started run {rid}: {config.world_size} ranks ({state}), "
+          f"daemon pid {daemon.pid}\n"
+          f"  directory  {paths.root}\n"
+          f"  watch      ddtrain status {rid}   |   ddtrain logs -f {rid}\n"
+          f"  stop       ddtrain stop {rid}", flush=True)
+    return EXIT_OK
+
+
+def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, world_size: int) -> bool:
+    """Until every rank has said hello (True), the daemon exits, or START_WATCH_S."""
+    deadline = time.monotonic() + START_WATCH_S
+    while time.monotonic() < deadline and daemon.poll() is None and info.control:
+        try:
+            reply = control.request(info.control, "status", 1.0)
+        except control.Unreachable:
+            continue
+        ranks = reply.get("summary", {}).get("ranks", [])
+        if len(ranks) == world_size and all(r["state"] != "starting" for r in ranks):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
+    if daemon.poll() is None:
+        daemon.kill()
+        daemon.wait()
+        print(f"ddtrain: error: the daemon did not come up within {DAEMON_READY_S:g} s; "
+              f"see {paths.daemon_log}", file=sys.stderr)
+        return EXIT_FAILED
+    lines = paths.daemon_log.read_text(errors="replace").strip().splitlines()
+    errors = [line for line in lines if line.startswith("ddtrain: error:")]
+    if errors:
+        print(errors[-1], file=sys.stderr)
+    else:
+        print("\n".join(lines[-12:]), file=sys.stderr)
+        print(f"ddtrain: run {paths.run_id} failed while starting; its daemon's output is in "
+              f"{paths.daemon_log}", file=sys.stderr)
+    return daemon.returncode if daemon.returncode in (EXIT_USAGE, EXIT_FAILED) else EXIT_FAILED
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The detached daemon: the same launcher as --foreground, output to daemon.log."""
     from ddtop.daemon.launcher import LocalLauncher
 
-    verb = "resuming" if config.resume else "starting"
-    print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks in {paths.root} "
-          "(Ctrl-C stops it)", flush=True)
-    return LocalLauncher(config, paths).run()
+    paths = RunPaths(Path(args.run_dir))
+    config = TrainConfig.from_dict(read_json(paths.config)).validate()
+    print(f"ddtrain: daemon pid {os.getpid()} for run {paths.run_id} "
+          f"({config.world_size} ranks)", flush=True)
+    return LocalLauncher(config, paths, echo=False).run()
 
 
+# -- status, list -----------------------------------------------------------------
+def run_of(args: argparse.Namespace) -> RunPaths:
+    runs_dir = args.runs_dir or default_runs_dir()
+    if args.run and Path(args.run).is_dir() and (Path(args.run) / "config.json").is_file():
+        return RunPaths(Path(args.run))
+    return find_run(runs_dir, args.run)
+
+
+def _fmt(value: Any, spec: str = "", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    info = RunInfo.load(run_of(args))
+    summary = info.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        return EXIT_OK
+    done, total = summary.get("global_step", 0), summary.get("total_steps", 0)
+    pct = f" ({100 * done / total:.1f}%)" if total else ""
+    daemon = (f"daemon pid {info.daemon_pid}" if info.live
+              else "daemon gone" if info.status == "lost" else "finished")
+    print(f"run {info.paths.run_id}: {summary['status']} ({daemon}; "
+          f"{summary.get('world_size') or len(summary['ranks'])} ranks; "
+          f"{summary['restarts']} restarts)")
+    if summary.get("model"):
+        print(f"  {summary.get('model')} on {summary.get('dataset')}, {summary.get('backend')}; "
+              f"step {done}/{total}{pct}; {summary.get('samples_per_s', 0):,.0f} samples/s")
+    metrics = summary.get("metrics")
+    if metrics:
+        val = (f", val loss {metrics['val_loss']:.4f} acc {100 * metrics['val_accuracy']:.2f}%"
+               if metrics.get("val_loss") is not None else "")
+        print(f"  global (epoch {metrics['epoch'] + 1}, step {metrics['global_step']}): train "
+              f"loss {metrics['train_loss']:.4f} acc {100 * metrics['train_accuracy']:.2f}%{val}")
+    if summary.get("hang"):
+        print(f"  hang: {summary['hang']}")
+    if summary.get("stragglers"):
+        print(f"  stragglers: {', '.join(map(str, summary['stragglers']))} "
+              f"(skew {1000 * summary['skew_s']:.1f} ms per step)")
+    print(f"{'RANK':>4}  {'PID':>7}  {'STATE':<9} {'EPOCH':>5}  {'STEP':>7}  {'LOSS':>8}  "
+          f"{'SAMPLES/S':>9}  EXIT")
+    for r in summary["ranks"]:
+        exit_ = (r.get("signal") or _fmt(r.get("exit_code")))
+        if r.get("stopped_by_daemon") and exit_ not in ("-", "0"):
+            exit_ += " (stopped)"
+        epoch = r.get("epoch")
+        print(f"{r['rank']:>4}  {_fmt(r.get('pid')):>7}  {r['state']:<9} "
+              f"{_fmt(None if epoch is None else epoch + 1):>5}  "
+              f"{_fmt(r.get('global_step')):>7}  {_fmt(r.get('loss'), '.4f'):>8}  "
+              f"{_fmt(r.get('samples_per_s'), ',.0f'):>9}  {exit_}")
+    failure = summary.get("failure")
+    if failure and summary["status"] in ("failed", "lost"):
+        how = (f"killed by {failure['signal']}" if failure.get("signal")
+               else f"exit code {failure.get('exit_code', failure.get('exitcode'))}")
+        print(f"failure: rank {failure.get('rank')} {how}"
+              + (f": {failure['message']}" if failure.get("message") else ""))
+        for line in (failure.get("traceback") or "").rstrip().splitlines()[-8:]:
+            print(f"  | {line}")
+    for entry in summary.get("timeline", []):
+        print(f"restart {entry['restart']}: rank {entry['rank']} {entry['reason']} at step "
+              f"{entry['global_step']}; from {entry['checkpoint'] or 'the start'}")
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    runs_dir = Path(args.runs_dir or default_runs_dir())
+    runs = list_runs(runs_dir)
+    rows = []
+    for info in runs:
+        started, ended = info.record.get("started"), info.record.get("ended")
+        end = ended or (time.time() if info.live else None)
+        rows.append({
+            "run_id": info.paths.run_id, "status": info.status,
+            "world_size": info.config.get("world_size"), "model": info.config.get("model"),
+            "dataset": info.config.get("dataset"), "started": started,
+            "seconds": None if not started or not end else end - started,
+            "restarts": info.record.get("restarts", 0), "daemon_pid": info.daemon_pid,
+            "dir": str(info.paths.root),
+        })
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    if not rows:
+        print(f"no runs under {runs_dir}/ (start one with: ddtrain start)")
+        return EXIT_OK
+    print(f"{'RUN':<26} {'STATUS':<10} {'RANKS':>5}  {'MODEL':<8} {'DATASET':<13} "
+          f"{'STARTED':<19} {'TIME':>8}")
+    for r in rows:
+        started = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"]))
+                   if r["started"] else "-")
+        seconds = f"{r['seconds']:.0f} s" if r["seconds"] is not None else "-"
+        print(f"{r['run_id']:<26} {r['status']:<10} {_fmt(r['world_size']):>5}  "
+              f"{_fmt(r['model']):<8} {_fmt(r['dataset']):<13} {started:<19} {seconds:>8}")
+    return EXIT_OK
+
+
+# -- stop -------------------------------------------------------------------------
+def cmd_stop(args: argparse.Namespace) -> int:
+    if args.timeout < 0:
+        raise UsageError(f"--timeout must be >= 0 seconds (got {args.timeout:g})")
+    info = RunInfo.load(run_of(args))
+    rid, pid = info.paths.run_id, info.daemon_pid
+    if not info.live:
+        print(f"ddtrain: run {rid} is not running ({info.status})")
+        return EXIT_OK
+    assert pid is not None
+    try:
+        if info.control is None:
+            raise control.Unreachable("no control endpoint in run.json")
+        reply = control.request(info.control, "stop", 5.0, timeout=args.timeout)
+        if not reply.get("ok"):
+            raise control.Unreachable(str(reply.get("error")))
+        print(f"ddtrain: stopping run {rid}: ranks finish their step and rank 0 checkpoints "
+              f"(up to {args.timeout:g} s)...", flush=True)
+    except control.Unreachable as e:
+        print(f"ddtrain: the daemon (pid {pid}) does not answer ({e}); terminating it, "
+              "which stops its ranks at once", flush=True)
+        os.kill(pid, signal.SIGTERM)
+    # The daemon escalates by itself after the timeout; this is only a backstop.
+    deadline = time.monotonic() + args.timeout + 15.0
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            print(f"ddtrain: the daemon (pid {pid}) is still there; killing it", flush=True)
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    final = RunInfo.load(info.paths)
+    checkpoints = sorted(info.paths.checkpoints.glob("step-*.pt"))
+    hint = (f"; resume with: ddtrain start --resume --run-id {rid}" if checkpoints
+            and final.status != "succeeded" else "")
+    print(f"ddtrain: run {rid} {final.status}{hint}")
+    return EXIT_OK
+
+
+# -- logs -------------------------------------------------------------------------
+def cmd_logs(args: argparse.Namespace) -> int:
+    paths = run_of(args)
+    info = RunInfo.load(paths)
+    world = info.config.get("world_size") or len(list(paths.logs.glob("rank-*.log")))
+    if args.rank is not None and not 0 <= args.rank < world:
+        raise UsageError(f"--rank {args.rank} is not a rank of run {paths.run_id} "
+                         f"(ranks 0..{world - 1})")
+    ranks = [args.rank] if args.rank is not None else list(range(world))
+    host = info.record.get("host", "")
+    offsets = dict.fromkeys(ranks, 0)
+    partial = dict.fromkeys(ranks, b"")
+
+    def pump(final: bool) -> None:
+        for k in ranks:
+            try:
+                with paths.rank_log(k).open("rb") as f:
+                    f.seek(offsets[k])
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            offsets[k] += len(chunk)
+            *lines, partial[k] = (partial[k] + chunk).split(b"\n")
+            if final and partial[k]:
+                lines.append(partial[k])
+                partial[k] = b""
+            for line in lines:
+                sys.stdout.write(f"[rank {k} {host}] {line.decode(errors='replace')}\n")
+        sys.stdout.flush()
+
+    try:
+        if not args.follow:
+            pump(final=True)
+            return EXIT_OK
+        while True:
+            alive = RunInfo.load(paths).live
+            pump(final=not alive)
+            if not alive:
+                return EXIT_OK
+            time.sleep(FOLLOW_POLL_S)
+    except BrokenPipeError:  # `ddtrain logs | head`
+        sys.stdout = Path(os.devnull).open("w")  # noqa: SIM115 - nothing more is written
+        return EXIT_OK
+
+
+# -- main -------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    commands = {"start": cmd_start}
+    commands = {"start": cmd_start, "serve": cmd_serve, "status": cmd_status,
+                "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs}
     try:
         return commands[args.command](args)
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # before any rank started; afterwards the launcher handles it
+    except KeyboardInterrupt:  # outside the launcher, which handles Ctrl-C itself
         return EXIT_INTERRUPTED
 
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +27,12 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+# Where runs live when --runs-dir is not given (default ./runs).
+RUNS_DIR_ENV = "DDTOP_RUNS_DIR"
+
+
+def default_runs_dir() -> str:
+    return os.environ.get(RUNS_DIR_ENV) or "runs"
 
 # Settings that change the numbers a run produces: a resumed run must keep them,
 # or it would not continue the run it claims to continue. Epochs may grow.
@@ -99,6 +106,8 @@ class TrainConfig:
     """How ranks are started: forkserver imports torch once and forks each rank."""
     progress_every: float = 2.0
     """Seconds between progress lines printed by rank 0."""
+    max_restarts: int = 0
+    """After a rank fails, restart all ranks from the newest checkpoint, up to K times."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Reserved for settings of later versions; kept so old configs still load."""
 
@@ -124,6 +133,7 @@ class TrainConfig:
         _at_least("--threads-per-rank", self.threads_per_rank, 1)
         _at_least("--synthetic-train-samples", self.synthetic_train_samples, 1)
         _at_least("--synthetic-val-samples", self.synthetic_val_samples, 1)
+        _at_least("--max-restarts", self.max_restarts, 0)
         if not 0 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be between 0 and 65535 (got {self.master_port})")
         if not self.lr > 0:
@@ -241,7 +251,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"seconds between progress lines (default {d.progress_every})")
     r = parser.add_argument_group("run")
     r.add_argument("--runs-dir", default=s, metavar="DIR",
-                   help=f"folder of run directories (default ./{d.runs_dir})")
+                   help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./{d.runs_dir})")
+    r.add_argument("--max-restarts", type=int, default=s, metavar="K",
+                   help="after a rank fails, restart every rank from the newest checkpoint, "
+                   "up to K times (default 0)")
     r.add_argument("--run-id", default=s, metavar="ID",
                    help="run id (default: new, timestamped)")
     r.add_argument("--master-addr", default=s, metavar="ADDR",

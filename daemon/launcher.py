@@ -1,34 +1,43 @@
-"""Launch one process per rank on this machine and supervise them.
+"""The daemon's core: launch one process per rank on this machine, supervise
+them, and relay their telemetry.
 
 Ranks are started with multiprocessing's forkserver: the forkserver imports
 `ddtop.training.worker` (and torch) once, then forks every rank from itself, so
 start-up does not grow by one torch import per rank (bench/startup.py measures
 it). This module itself never imports torch.
 
-Supervision: each rank's stdout and stderr go to its own log file, which the
-launcher echoes with a `[rank K]` prefix. When a rank fails, the launcher names
-it (exit code or signal, and the error the rank reported), stops the others
-(they would otherwise wait in their next collective until it times out), and
-reports the run as failed.
+Supervision: each rank's stdout and stderr go to its own log file (echoed with
+a `[rank K]` prefix in the foreground). One loop waits on the ranks' process
+sentinels and the relay's sockets together. When a rank fails, the launcher
+names it (exit code or signal, and the error the rank reported), stops the
+others (they would otherwise wait in their next collective until it times
+out), and either restarts every rank from the newest checkpoint
+(`--max-restarts`) or reports the run as failed.
+
+Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank gets
+SIGUSR1, the ranks agree on a step to stop after, rank 0 checkpoints, they exit;
+whatever is still running after the timeout is terminated. SIGTERM (or a second
+Ctrl-C) stops at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from ddtop.daemon import wire
 from ddtop.daemon.config import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -37,6 +46,7 @@ from ddtop.daemon.config import (
     TrainConfig,
     UsageError,
 )
+from ddtop.daemon.relay import Relay
 from ddtop.daemon.runs import RunPaths, read_json, write_json_atomic
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.
@@ -46,6 +56,9 @@ POLL_S = 0.1
 # Lines of a failed rank's traceback shown in the failure report.
 TRACEBACK_TAIL_LINES = 8
 WORKER_MODULE = "ddtop.training.worker"
+TELEMETRY_ENV = "DDTOP_TELEMETRY"  # "off": ranks publish nothing; an endpoint: there instead
+# Seconds ranks get to stop gracefully after the first Ctrl-C.
+INTERRUPT_STOP_TIMEOUT_S = 30.0
 
 
 class Stopped(Exception):
@@ -80,6 +93,13 @@ def _rank_entry(*args: Any) -> None:
     import importlib
 
     importlib.import_module(WORKER_MODULE).launched_rank(*args)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def describe_exit(code: int) -> str:
@@ -120,14 +140,24 @@ class Rank:
     tail: LogTail
     exitcode: int | None = None
     stopped_by_us: bool = False
+    noted: bool = False  # its exit was reported to the relay
+
+    @property
+    def signal_name(self) -> str | None:
+        code = self.exitcode
+        if code is None or code >= 0:
+            return None
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
 
     def record(self) -> dict[str, Any]:
-        code = self.exitcode
         return {
             "rank": self.rank,
             "pid": self.process.pid,
-            "exitcode": code,
-            "signal": signal.Signals(-code).name if code is not None and code < 0 else None,
+            "exitcode": self.exitcode,
+            "signal": self.signal_name,
             "stopped_by_launcher": self.stopped_by_us,
         }
 
@@ -142,11 +172,17 @@ class Outcome:
 
 class LocalLauncher:
     def __init__(self, config: TrainConfig, paths: RunPaths, out: TextIO = sys.stdout,
-                 err: TextIO = sys.stderr) -> None:
+                 err: TextIO = sys.stderr, echo: bool = True) -> None:
         self.config, self.paths, self.out, self.err = config, paths, out, err
+        self.echo = echo  # echo rank logs (foreground); a detached daemon does not
         self.ranks: list[Rank] = []
         self.started = time.time()
         self.port = 0
+        self.relay: Relay | None = None
+        self.restarts = 0
+        self.timeline: list[dict[str, Any]] = []
+        self.stopping: float | None = None  # deadline of a graceful stop in progress
+        self.interrupted = False  # the stop came from Ctrl-C
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
@@ -154,19 +190,20 @@ class LocalLauncher:
         try:
             self.paths.create()
             write_json_atomic(self.paths.config, self.config.to_dict())
-            self._write_status("running")
+            self.relay = Relay(self.paths.run_id, self.paths.journal)
+            self._write_status("starting")
         except OSError as e:
             raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
-                self._start_ranks()
-                outcome = self._supervise()
+                outcome = self._attempts()
             except Stopped as stop:
                 for s in previous:  # a second Ctrl-C must not interrupt the clean-up
                     signal.signal(s, signal.SIG_IGN)
                 self._stop_all()
+                self._note_exits()
                 code = EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 128 + stop.signum
                 outcome = Outcome("stopped", code)
         finally:
@@ -174,8 +211,50 @@ class LocalLauncher:
                 signal.signal(s, handler)
         self._echo_logs(final=True)
         self._write_status(outcome.status, outcome)
+        self._emit(wire.RunStatus(run="", rank=0, status=outcome.status,  # type: ignore[arg-type]
+                                  world_size=self.config.world_size, restarts=self.restarts,
+                                  message=self._summary_line(outcome)))
         self._report(outcome)
+        self.relay.close()
         return outcome.exit_code
+
+    def _attempts(self) -> Outcome:
+        """Run the ranks; after a failure restart them, up to --max-restarts times."""
+        while True:
+            self._start_ranks()
+            outcome = self._supervise()
+            if (outcome.status != "failed" or outcome.exit_code == EXIT_USAGE
+                    or self.restarts >= self.config.max_restarts or self.stopping is not None):
+                return outcome
+            self._restart(outcome)
+
+    def _restart(self, outcome: Outcome) -> None:
+        rank = outcome.failed_rank
+        assert rank is not None and rank.exitcode is not None and self.relay is not None
+        self.restarts += 1
+        newest = self._newest_checkpoint()
+        view = self.relay.state.ranks.get(rank.rank)
+        entry: dict[str, Any] = {
+            "restart": self.restarts, "rank": rank.rank, "pid": rank.process.pid,
+            "reason": describe_exit(rank.exitcode), "exit_code": rank.exitcode,
+            "signal": rank.signal_name, "global_step": view.global_step if view else None,
+            "checkpoint": newest.name if newest else None, "time": time.time(),
+        }
+        self.timeline.append(entry)
+        source = f"from {newest.name}" if newest else "from the start (no checkpoint yet)"
+        message = (f"restart {self.restarts}/{self.config.max_restarts}: rank {rank.rank} "
+                   f"{entry['reason']} at step {entry['global_step']}; restarting {source}")
+        print(f"ddtrain: {message}", file=self.err, flush=True)
+        self._emit(wire.Event(run="", rank=0, type="restart", message=message, data=entry))
+        self._emit(wire.RunStatus(run="", rank=0, status="restarting",
+                                  world_size=self.config.world_size, restarts=self.restarts,
+                                  message=message))
+        self.config = replace(self.config, resume=newest is not None)
+        self.ranks = []
+
+    def _newest_checkpoint(self) -> Path | None:
+        found = sorted(self.paths.checkpoints.glob("step-*.pt"))
+        return found[-1] if found else None
 
     # -- start -----------------------------------------------------------------
     def _context(self) -> Any:  # multiprocessing's context classes are not typed alike
@@ -211,44 +290,117 @@ class LocalLauncher:
             os.close(log)
 
     def _start_ranks(self) -> None:
-        # One intra-op thread per rank unless told otherwise (as torchrun does),
-        # set before the forkserver starts so that it and every rank inherit it.
+        # Set before the forkserver starts, so that it and every rank inherit
+        # them: one intra-op thread per rank unless told otherwise (as torchrun
+        # does), and where to send telemetry (this daemon, unless the user said).
         os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
+        assert self.relay is not None
+        if not os.environ.get(TELEMETRY_ENV):
+            os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
         ctx = self._context()
         config = self.config.to_dict()
+        if self.restarts:  # a restart after a failure: the port may be held by the dead group
+            self.port = choose_port(self.config.master_addr, 0)
         for rank in range(self.config.world_size):
             process = ctx.Process(
                 target=_rank_entry,
                 args=(rank, self.config.world_size, config, str(self.paths.root),
-                      self.config.master_addr, self.port, self.started, os.getpid()),
+                      self.config.master_addr, self.port, self.started, os.getpid(),
+                      self.restarts),
                 name=f"ddtrain-rank-{rank}",
                 daemon=False,
             )
             process.start()
-            self.ranks.append(Rank(rank, process, LogTail(self.paths.rank_log(rank))))
+            tail = LogTail(self.paths.rank_log(rank))
+            tail.offset = _size(self.paths.rank_log(rank))  # echo this attempt's lines only
+            self.ranks.append(Rank(rank, process, tail))
         self._write_status("running")
+        self._emit(wire.RunStatus(run="", rank=0, status="running",
+                                  world_size=self.config.world_size, restarts=self.restarts,
+                                  message=f"{self.config.world_size} ranks started"))
 
     # -- supervise -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.stopping is None and self.ranks:
+            self.interrupted = True  # the first Ctrl-C: graceful; the loop acts on it
+            assert self.relay is not None
+            self.relay.stop_request = INTERRUPT_STOP_TIMEOUT_S
+            return
         raise Stopped(signum)
 
     def _supervise(self) -> Outcome:
+        assert self.relay is not None
         while True:
             running = [r for r in self.ranks if r.exitcode is None]
             if not running:
+                if self.stopping is not None:
+                    code = EXIT_INTERRUPTED
+                    return Outcome("stopped", code)
                 return Outcome("succeeded", EXIT_OK)
-            multiprocessing.connection.wait([r.process.sentinel for r in running], timeout=POLL_S)
+            self.relay.serve(POLL_S, [r.process.sentinel for r in running])
+            self._check_stop()
             self._echo_logs()
             failed = []
             for r in running:
                 if r.process.exitcode is not None:
                     r.exitcode = r.process.exitcode
+                    r.noted = True
+                    self._note_exit(r)
                     if r.exitcode != 0:
                         failed.append(r)
             if failed:
                 first = min(failed, key=self._blame_order)
                 self._stop_all()
+                self._note_exits()
                 return self._failure(first)
+
+    def _check_stop(self) -> None:
+        assert self.relay is not None
+        if self.stopping is None and self.relay.stop_request is not None:
+            timeout = self.relay.stop_request
+            self.stopping = time.monotonic() + timeout
+            how = "Ctrl-C" if self.interrupted else "a stop request"
+            message = (f"stopping on {how}: ranks finish their step, rank 0 checkpoints; "
+                       f"anything left after {timeout:g} s is terminated")
+            if self.interrupted:
+                message += " (Ctrl-C again to stop at once)"
+            print(f"ddtrain: {message}", file=self.err, flush=True)
+            self._emit(wire.Event(run="", rank=0, type="stop_requested", message=message))
+            self._emit(wire.RunStatus(run="", rank=0, status="stopping",
+                                      world_size=self.config.world_size, restarts=self.restarts,
+                                      message=message))
+            self._write_status("stopping")
+            for r in self.ranks:
+                if r.process.exitcode is None and r.process.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(r.process.pid, signal.SIGUSR1)
+        elif self.stopping is not None and time.monotonic() > self.stopping:
+            print("ddtrain: ranks did not stop in time; terminating them", file=self.err,
+                  flush=True)
+            self._stop_all()
+
+    def _note_exit(self, r: Rank) -> None:
+        """Tell the relay (state, journal, dashboards) that a rank's process exited."""
+        assert r.exitcode is not None and r.process.pid is not None
+        report = self._error_report(r) if r.exitcode else {}
+        tb = report.get("traceback", "").rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
+        self._emit(wire.RankExit(
+            run="", rank=0, exited=r.rank, pid=r.process.pid,
+            exit_code=r.exitcode if r.exitcode >= 0 else None, signal=r.signal_name,
+            stopped_by_daemon=r.stopped_by_us, message=report.get("message"),
+            traceback="\n".join(tb) or None))
+
+    def _note_exits(self) -> None:
+        """After _stop_all: every rank not yet reported."""
+        for r in self.ranks:
+            if r.exitcode is not None and not r.noted:
+                r.noted = True
+                self._note_exit(r)
+
+    def _emit(self, message: wire.Message) -> None:
+        if self.relay is not None:
+            message.run = self.paths.run_id
+            self.relay.emit(message)
 
     def _blame_order(self, r: Rank) -> tuple[int, int]:
         """Among ranks seen failing together, the likely cause comes first: one
@@ -288,6 +440,8 @@ class LocalLauncher:
 
     # -- output ----------------------------------------------------------------
     def _echo_logs(self, final: bool = False) -> None:
+        if not self.echo:
+            return
         for r in self.ranks:
             for line in r.tail.lines(final):
                 print(f"[rank {r.rank}] {line}", file=self.out, flush=True)
@@ -302,6 +456,12 @@ class LocalLauncher:
             "master_addr": self.config.master_addr,
             "master_port": self.port,
             "world_size": self.config.world_size,
+            "daemon_pid": os.getpid(),
+            "host": socket.gethostname(),
+            "endpoints": self.relay.endpoints if self.relay is not None else {},
+            "restarts": self.restarts,
+            "max_restarts": self.config.max_restarts,
+            "timeline": self.timeline,
             "ranks": [r.record() for r in self.ranks],
         }
         if outcome is not None:
@@ -315,6 +475,15 @@ class LocalLauncher:
             return ("continue from the last checkpoint with: ddtrain start --resume --run-id "
                     f"{self.paths.run_id}")
         return "no checkpoint was written yet, so it cannot be resumed"
+
+    def _summary_line(self, outcome: Outcome) -> str:
+        seconds = time.time() - self.started
+        if outcome.status == "failed" and outcome.failed_rank is not None:
+            rank = outcome.failed_rank
+            assert rank.exitcode is not None
+            how = describe_exit(rank.exitcode)
+            return f"run failed after {seconds:.1f} s: rank {rank.rank} {how}"
+        return f"run {outcome.status} after {seconds:.1f} s"
 
     def _report(self, outcome: Outcome) -> None:
         rid, seconds = self.paths.run_id, time.time() - self.started

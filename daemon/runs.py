@@ -2,8 +2,10 @@
 
     runs/<run-id>/
         config.json           the TrainConfig, as started (rewritten on resume)
-        run.json              status, ranks, exit codes; rewritten atomically
+        run.json              status, ranks, exit codes, endpoints, restarts; rewritten atomically
         metrics.jsonl         global metrics, one object per sync (rank 0)
+        telemetry.journal     every telemetry message the daemon accepted (daemon/journal.py)
+        daemon.log            the daemon's own output (detached runs)
         logs/rank-<k>.log     stdout and stderr of rank k
         logs/rank-<k>.error.json   why rank k failed, written by the rank itself
         checkpoints/step-<global step>.pt
@@ -50,6 +52,14 @@ class RunPaths:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def journal(self) -> Path:
+        return self.root / "telemetry.journal"
+
+    @property
+    def daemon_log(self) -> Path:
+        return self.root / "daemon.log"
 
     @property
     def logs(self) -> Path:

@@ -107,7 +107,8 @@ class Aggregate(_Header, tag="aggregate", tag_field="kind", kw_only=True):
 
 
 class Event(_Header, tag="event", tag_field="kind", kw_only=True):
-    type: Literal["checkpoint", "epoch_end", "warning", "error", "resumed", "info"]
+    type: Literal["checkpoint", "epoch_end", "warning", "error", "resumed", "info", "stopped",
+                  "restart", "stop_requested"]
     message: str
     data: dict[str, str | int | float | bool | None] = {}
     traceback: str | None = None
@@ -117,8 +118,34 @@ class Bye(_Header, tag="bye", tag_field="kind", kw_only=True):
     exit_code: int
 
 
-Message = Hello | Step | Heartbeat | Aggregate | Event | Bye
-KINDS = {cls.__struct_config__.tag: cls for cls in (Hello, Step, Heartbeat, Aggregate, Event, Bye)}
+class RankExit(_Header, tag="rank_exit", tag_field="kind", kw_only=True):
+    """From the daemon (rank -1): a rank's process has exited; what the OS said."""
+
+    exited: int  # the rank whose process exited
+    pid: int
+    exit_code: int | None  # None when killed by a signal
+    signal: str | None  # e.g. "SIGKILL"
+    stopped_by_daemon: bool = False
+    message: str | None = None  # the rank's own error report, when it wrote one
+    traceback: str | None = None  # its last lines
+
+
+class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):
+    """From the daemon (rank -1): the run as a whole changed state."""
+
+    status: Literal["starting", "running", "stopping", "restarting", "succeeded", "failed",
+                    "stopped"]
+    world_size: int
+    restarts: int = 0
+    message: str = ""
+
+
+# The `rank` the daemon uses for what it says itself (RankExit, RunStatus, Event).
+DAEMON_RANK = -1
+
+Message = Hello | Step | Heartbeat | Aggregate | Event | Bye | RankExit | RunStatus
+KINDS = {cls.__struct_config__.tag: cls
+         for cls in (Hello, Step, Heartbeat, Aggregate, Event, Bye, RankExit, RunStatus)}
 
 
 class WireError(ValueError):
@@ -189,3 +216,21 @@ def algbw_busbw(nbytes: int, seconds: float, world_size: int) -> tuple[float, fl
         return 0.0, 0.0
     algbw = nbytes / seconds / 1e9
     return algbw, algbw * 2 * (world_size - 1) / world_size
+
+
+# -- relayed frames (daemon PUB -> dashboards) ------------------------------------
+# The daemon re-publishes every message it accepted as two frames: its relay
+# sequence number (8 bytes, big-endian; 1, 2, 3, ... per run, as in the
+# journal) and the message frame exactly as received.
+RELAY_TOPIC = b""  # dashboards subscribe to everything
+
+
+def relay_frames(relay_seq: int, frame: bytes) -> list[bytes]:
+    return [relay_seq.to_bytes(8, "big"), frame]
+
+
+def decode_relayed(frames: list[bytes], run: str | None = None) -> tuple[int, Message]:
+    """(relay sequence number, message) from the daemon's PUB socket."""
+    if len(frames) != 2 or len(frames[0]) != 8:
+        raise Malformed(f"expected [8-byte sequence, message], got {len(frames)} frame(s)")
+    return int.from_bytes(frames[0], "big"), decode(frames[1:], run)

@@ -27,6 +27,7 @@ class ReferenceRun:
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRun:
     cwd = tmp_path_factory.mktemp("reference")
-    run = ddtrain("start", "--foreground", *REFERENCE_ARGS, "--run-id", "ref", cwd=cwd)
+    run = ddtrain("start", "--foreground", *REFERENCE_ARGS, "--run-id", "ref", cwd=cwd,
+                  env={"DDTOP_TELEMETRY": "off"})  # no comm hook: the baseline
     assert run.returncode == 0, run.stdout + run.stderr
     return ReferenceRun(run, cwd / "runs" / "ref")

@@ -14,11 +14,13 @@ from ddtop.daemon.config import (
     add_train_arguments,
     explicit_overrides,
 )
+from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.worker import rank_main
 
 
 def main(argv: list[str] | None = None) -> int:
+    stopping.install()  # SIGUSR1: stop gracefully after a step all ranks agree on
     parser = OneLineParser(
         prog="python -m ddtop.training",
         description="Train one rank; run under torchrun (e.g. torchrun --standalone "

@@ -116,7 +116,7 @@ class Telemetry:
 def open_telemetry(config: TrainConfig, rank: int, local_rank: int, world_size: int,
                    device: torch.device, backend: str) -> Telemetry:
     endpoint = os.environ.get(ENDPOINT_ENV)
-    if not endpoint:
+    if not endpoint or endpoint == "off":
         return Telemetry()
     assert config.run_id is not None
     hello = wire.Hello(
@@ -178,7 +178,8 @@ class LiveTelemetry(Telemetry):
     def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
                   loss: torch.Tensor, samples: int, lr: float) -> None:
         now = time.perf_counter()
-        loss_sum = loss.detach() * samples if self.cuda else float(loss) * samples
+        loss = loss.detach()
+        loss_sum = loss * samples if self.cuda else float(loss) * samples
         with self._lock:
             w = self._window
             w.steps += 1

@@ -30,9 +30,11 @@ from ddtop.training.distributed import RankEnv, process_group, resolve_backend, 
 from ddtop.training.metrics import GlobalMetrics, Totals, gather_counters
 from ddtop.training.models import build_model
 from ddtop.training.progress import Progress
+from ddtop.training.stopping import StopAgreement
 from ddtop.training.telemetry import Telemetry, open_telemetry
 
 FAULT_ENV = "DDTOP_FAULT"
+ATTEMPT_ENV = "DDTOP_ATTEMPT"  # restarts so far, set by the launcher
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class Fault:
     """Failure injection for tests and drills: DDTOP_FAULT=RANK:STEP[:ACTION]
     makes that rank, after that global step, kill itself with a signal (ACTION
     SIGKILL, the default, SIGTERM, ...), raise an exception (`raise`) or stall
-    for N seconds (`sleepN`), as a straggler or a hung rank would."""
+    for N seconds (`sleepN`), as a straggler or a hung rank would. Only in the
+    first attempt: a run restarted after the fault (--max-restarts) goes on."""
 
     step: int
     action: str
@@ -48,7 +51,7 @@ class Fault:
     @classmethod
     def from_environ(cls, rank: int) -> Fault | None:
         spec = os.environ.get(FAULT_ENV)
-        if not spec:
+        if not spec or os.environ.get(ATTEMPT_ENV, "0") != "0":
             return None
         parts = spec.split(":")
         try:
@@ -138,6 +141,7 @@ class Trainer:
         self.steps_per_epoch = data.steps_per_epoch(self.sampler, config.batch_per_rank)
         self.pin = device.type == "cuda"
         self.fault = Fault.from_environ(env.rank)
+        self.stop = StopAgreement(env.is_main)
         self.progress = Progress.for_rank(config, env, self.paths, launch_time)
         self.progress.started(backend, device, self.model, self.train_set, self.val_set,
                               self.steps_per_epoch, self.position)
@@ -165,11 +169,13 @@ class Trainer:
     def fit(self) -> None:
         for epoch in range(self.position.epoch, self.config.epochs):
             resumed = epoch == self.position.epoch
-            self.train_epoch(epoch, self.position.step if resumed else 0,
-                             self.carried if resumed else Counter())
+            if not self.train_epoch(epoch, self.position.step if resumed else 0,
+                                    self.carried if resumed else Counter()):
+                return
         self.progress.finished(self.global_step)
 
-    def train_epoch(self, epoch: int, skip: int, carried: Counter[str]) -> None:
+    def train_epoch(self, epoch: int, skip: int, carried: Counter[str]) -> bool:
+        """One epoch from step `skip`; False when a graceful stop ended it early."""
         cfg, tel = self.config, self.telemetry
         self.sampler.set_epoch(epoch)
         loader = data.train_loader(self.train_set, self.sampler, cfg, self.env, epoch, skip,
@@ -181,6 +187,9 @@ class Trainer:
         batches = iter(loader)
         lr = self.optimizer.param_groups[0]["lr"]
         for step in range(skip + 1, self.steps_per_epoch + 1):
+            if self.stop.due(self.global_step):
+                self.stopped(Position(epoch, step - 1), totals.counter() + carried)
+                return False
             tel.phase("data")
             x, y = next(batches)
             x = x.to(self.device, non_blocking=True)
@@ -218,6 +227,17 @@ class Trainer:
                       val_samples=val_metrics.samples)
         tel.event("epoch_end", f"epoch {epoch + 1} done", epoch=epoch,
                   global_step=self.global_step)
+        return True
+
+    def stopped(self, position: Position, epoch_totals: Counter[str]) -> None:
+        """A graceful stop: every rank is here after the same step; checkpoint."""
+        self.save(position, epoch_totals)
+        message = (f"stopped as asked after step {self.global_step} (epoch "
+                   f"{position.epoch + 1}, step {position.step}); checkpoint written")
+        if self.env.is_main:
+            print(message, flush=True)
+        self.telemetry.event("stopped", message, epoch=position.epoch, step=position.step,
+                             global_step=self.global_step)
 
     def gather_metrics(self, local: Counter[str]) -> GlobalMetrics:
         self.telemetry.phase("metric_sync")

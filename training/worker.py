@@ -26,8 +26,9 @@ import torch._dynamo  # noqa: F401
 
 from ddtop.daemon.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, TrainConfig, UsageError
 from ddtop.daemon.runs import RunPaths
+from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
-from ddtop.training.trainer import train
+from ddtop.training.trainer import ATTEMPT_ENV, train
 
 PR_SET_PDEATHSIG = 1
 # Seconds between liveness checks of the launcher where pidfds are unavailable.
@@ -115,8 +116,10 @@ def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
 
 def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,
                   master_addr: str, master_port: int, launch_time: float,
-                  launcher_pid: int) -> None:
-    """Entry of a rank started by ddtrain's launcher (in the forked child)."""
+                  launcher_pid: int, attempt: int = 0) -> None:
+    """Entry of a rank started by ddtrain's launcher (in the forked child);
+    `attempt` counts restarts after failures (0: the first start)."""
+    stopping.install()
     die_with_launcher(launcher_pid)
     # Ctrl-C reaches the whole terminal's process group; the launcher decides
     # what it means and stops the ranks itself.
@@ -128,6 +131,7 @@ def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_d
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        ATTEMPT_ENV: str(attempt),
     })
     config = TrainConfig.from_dict(config_dict)
     code = rank_main(config, RankEnv.from_environ(), paths.rank_error(rank), launch_time)

@@ -1,0 +1,171 @@
+"""The daemon's sockets: ranks in, dashboards out, requests answered.
+
+    PULL   bound, ranks PUSH their telemetry here (DDTOP_TELEMETRY)
+    PUB    bound, every accepted message re-published with its relay sequence number
+    ROUTER bound, requests: status, snapshot, stop, ping
+
+Every accepted message is folded into the RunState, appended to the journal
+and re-published, in that order, under one relay sequence number. A dashboard
+subscribes first, then asks for a snapshot (the state and the relay sequence
+number it includes) and applies only the live messages newer than that.
+
+Nothing a socket receives can stop the daemon: undecodable, oversized,
+wrong-version and wrong-run frames are counted in `RunState.rejected` and
+dropped; a flood is read in bounded batches so requests are still answered.
+All three sockets belong to the thread that calls `serve` (the daemon's main
+thread); ZeroMQ sockets are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from ddtop.daemon import wire
+from ddtop.daemon.journal import JournalWriter
+from ddtop.daemon.state import RunState, encode_snapshot
+
+LOOPBACK = "127.0.0.1"
+# Frames larger than this make ZeroMQ drop the connection unread (memory bound);
+# frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
+SOCKET_MAX_BYTES = 1 << 20
+BATCH = 2000  # messages read per socket per serve() call, so no socket starves another
+MAX_REQUEST_BYTES = 4096
+
+
+class Relay:
+    def __init__(self, run: str, journal: Path, host: str = LOOPBACK) -> None:
+        self.run = run
+        self.state = RunState(run=run)
+        self.seq = 0  # relay sequence number of the newest accepted message
+        self.daemon_seq = 0
+        self.stop_request: float | None = None  # a `stop` request's timeout, once asked
+        self.context = zmq.Context()
+        self.pull = self._bind(zmq.PULL, host)
+        self.pub = self._bind(zmq.PUB, host)
+        self.router = self._bind(zmq.ROUTER, host)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
+        self.router.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.poller.register(self.router, zmq.POLLIN)
+        self.journal = JournalWriter(journal)
+
+    def _bind(self, kind: int, host: str) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{host}:*")
+        return sock
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return {"telemetry": self.pull.getsockopt_string(zmq.LAST_ENDPOINT),
+                "publish": self.pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                "control": self.router.getsockopt_string(zmq.LAST_ENDPOINT)}
+
+    # -- the loop --------------------------------------------------------------------
+    def serve(self, timeout_s: float, fds: list[int] = ()) -> list[int]:  # type: ignore[assignment]
+        """Wait up to `timeout_s` for the sockets or `fds` (e.g. process
+        sentinels); handle what arrived; return the fds that are ready."""
+        for fd in fds:
+            self.poller.register(fd, zmq.POLLIN)
+        try:
+            ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        finally:
+            for fd in fds:
+                self.poller.unregister(fd)
+        if self.pull in ready:
+            self._drain_pull()
+        if self.router in ready:
+            self._drain_router()
+        self.journal.flush()
+        return [fd for fd in fds if fd in ready]
+
+    def _drain_pull(self) -> None:
+        for _ in range(BATCH):
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            received = time.time()
+            try:
+                message = wire.decode(frames, self.run)
+            except wire.WireError as e:
+                self._reject(e.reason)
+                continue
+            if message.rank == wire.DAEMON_RANK:
+                self._reject("forged")  # only the daemon speaks as the daemon
+                continue
+            self._accept(message, frames[0], received)
+
+    def _reject(self, reason: str) -> None:
+        self.state.rejected[reason] = self.state.rejected.get(reason, 0) + 1
+
+    def _accept(self, message: wire.Message, frame: bytes, received: float) -> None:
+        if not self.state.apply(message, received):
+            return  # a duplicate (counted by the state), or a rank out of range
+        self.seq += 1
+        self.journal.append(self.seq, received, frame)
+        self.pub.send_multipart(wire.relay_frames(self.seq, frame), zmq.NOBLOCK)
+
+    def emit(self, message: wire.Message) -> None:
+        """Fold, journal and publish a message of the daemon's own (rank -1)."""
+        message.rank, message.seq, message.t = wire.DAEMON_RANK, self.daemon_seq, time.time()
+        self.daemon_seq += 1
+        self._accept(message, wire.encode(message)[0], message.t)
+        self.journal.flush()
+
+    # -- requests --------------------------------------------------------------------
+    def _drain_router(self) -> None:
+        for _ in range(BATCH):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # [identity, b"", request] from REQ; [identity, request] from DEALER.
+            if len(frames) < 2:
+                self._reject("bad_request")
+                continue
+            envelope, body = frames[:-1], frames[-1]
+            reply = self._answer(body)
+            with contextlib.suppress(zmq.ZMQError):  # the asker is gone
+                self.router.send_multipart([*envelope, msgspec.msgpack.encode(reply)],
+                                           zmq.NOBLOCK)
+
+    def _answer(self, body: bytes) -> dict[str, Any]:
+        if len(body) > MAX_REQUEST_BYTES:
+            self._reject("bad_request")
+            return {"ok": False, "error": "request too large"}
+        try:
+            request = msgspec.msgpack.decode(body)
+            op = request["op"]
+        except (msgspec.DecodeError, TypeError, KeyError, IndexError):
+            self._reject("bad_request")
+            return {"ok": False, "error": "expected a msgpack map with an 'op'"}
+        if op == "ping":
+            return {"ok": True, "run": self.run, "seq": self.seq}
+        if op == "status":
+            return {"ok": True, "seq": self.seq, "summary": self.state.summary(time.time())}
+        if op == "snapshot":
+            return {"ok": True, "seq": self.seq, "state": encode_snapshot(self.state)}
+        if op == "stop":
+            timeout = request.get("timeout", 30.0)
+            if not isinstance(timeout, int | float) or timeout < 0:
+                return {"ok": False, "error": "timeout must be a number of seconds >= 0"}
+            if self.stop_request is None:
+                self.stop_request = float(timeout)
+            return {"ok": True, "status": "stopping"}
+        self._reject("bad_request")
+        return {"ok": False, "error": f"unknown op {op!r}: ping, status, snapshot or stop"}
+
+    def close(self) -> None:
+        self.journal.close()
+        for sock in (self.pull, self.pub, self.router):
+            sock.close(linger=0)
+        self.context.term()
