@@ -201,8 +201,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view = self.ranks.get(message.rank)
         if view is None:
             view = self.ranks[message.rank] = RankView(rank=message.rank)
-        if isinstance(message, wire.Hello) and view.max_seq >= 0 and (
-                message.pid != view.pid or message.seq <= view.max_seq):
+        if isinstance(message, wire.Hello) and view.max_seq >= 0 and message.pid != view.pid:
             self._new_incarnation(view)
         late = self._sequence(view, message.seq)
         if late is None:

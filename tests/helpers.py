@@ -157,3 +157,57 @@ def collecting() -> Iterator[Collector]:
         yield collector
     finally:
         collector.close()
+
+
+class Detached:
+    """A run started with `ddtrain start` (no --foreground): its daemon outlives
+    the command, so its processes are found by tag, and killed at the end."""
+
+    def __init__(self, cwd: Path, tag: str, started: Run) -> None:
+        self.cwd, self.tag, self.started = cwd, tag, started
+
+    def cli(self, *args: str, timeout: float = 60) -> Run:
+        proc = subprocess.Popen([DDTRAIN, *args], cwd=self.cwd, env=tagged_env(self.tag),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"ddtrain {' '.join(args)} timed out\n{out}\n{err}") from None
+        return Run(proc.returncode, out, err, [])
+
+    def status(self, run: str) -> dict[str, Any]:
+        result = self.cli("status", run, "--json")
+        assert result.returncode == 0, result.stderr
+        status: dict[str, Any] = json.loads(result.stdout)
+        return status
+
+    def wait_for(self, run: str, predicate: Any, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status(run)
+            if predicate(status):
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting; last status: {status}")
+            time.sleep(0.2)
+
+    def leftovers(self, timeout: float = CLEANUP_TIMEOUT_S) -> list[int]:
+        return wait_until_gone(self.tag, timeout)
+
+
+@contextlib.contextmanager
+def detached(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Iterator[Detached]:
+    """`ddtrain start ARGS` (detached); every process it left is killed afterwards."""
+    proc, tag = start([DDTRAIN, "start", *args], cwd, env)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        yield Detached(cwd, tag, Run(proc.returncode, out, err, []))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in tagged_pids(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -87,3 +87,32 @@ def test_resume_of_a_damaged_run_config(tmp_path: Path) -> None:
     (tmp_path / "runs/r1/config.json").write_text("{truncated")
     run = ddtrain("start", "--foreground", "--resume", cwd=tmp_path, timeout=30)
     assert_usage_error(run, "cannot read runs/r1/config.json", "start a new run")
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (("status",), ("no runs under runs/",)),
+    (("stop", "nope"), ("no runs under runs/",)),
+    (("logs", "-f"), ("no runs under runs/",)),
+    (("status", "--runs-dir", "elsewhere"), ("no runs under elsewhere/",)),
+    (("stop", "--timeout", "soon"), ("--timeout", "invalid float value")),
+    (("explode",), ("invalid choice: 'explode'",)),
+])
+def test_commands_without_a_run(tmp_path: Path, args: tuple[str, ...],
+                                fragments: tuple[str, ...]) -> None:
+    assert_usage_error(ddtrain(*args, cwd=tmp_path, timeout=30), *fragments)
+
+
+def test_unknown_run_and_ambiguous_prefix(tmp_path: Path) -> None:
+    for rid in ("20261122-100000-aaaa", "20261122-100000-bbbb"):
+        (tmp_path / "runs" / rid).mkdir(parents=True)
+        (tmp_path / "runs" / rid / "config.json").write_text("{}")
+    assert_usage_error(ddtrain("status", "nope", cwd=tmp_path, timeout=30), "no run 'nope'")
+    assert_usage_error(ddtrain("logs", "2026", cwd=tmp_path, timeout=30), "ambiguous")
+    listed = ddtrain("list", cwd=tmp_path, timeout=30)  # damaged runs are listed, not fatal
+    assert listed.returncode == 0 and listed.stdout.count("lost") + listed.stdout.count(
+        "unknown") == 2
+
+
+def test_detached_start_reports_bad_input_at_once(tmp_path: Path) -> None:
+    run = ddtrain("start", "-n", "3", "--batch-size", "64", cwd=tmp_path, timeout=30)
+    assert_usage_error(run, "--batch-size 64")

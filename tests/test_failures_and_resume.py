@@ -78,6 +78,26 @@ def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
             assert got_epochs[epoch][key] == want_epochs[epoch][key]
 
 
+def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
+        tmp_path: Path, uninterrupted: Path) -> None:
+    run = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "again", "--max-restarts", "1",
+                  "--checkpoint-every", "3", cwd=tmp_path, env={"DDTOP_FAULT": "1:11:SIGKILL"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr
+    assert "restarting from step-00000009.pt" in run.stderr
+    assert "resumed from step-00000009.pt: epoch 2, step 1" in run.stdout
+    assert run.leftovers == []
+    root = tmp_path / "runs" / "again"
+    status = json.loads((root / "run.json").read_text())
+    assert (status["status"], status["restarts"]) == ("succeeded", 1)
+    (entry,) = status["timeline"]
+    assert (entry["rank"], entry["signal"], entry["checkpoint"]) == (1, "SIGKILL",
+                                                                     "step-00000009.pt")
+    want, got = final_state(uninterrupted), final_state(root)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
 def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
                   "--synthetic-train-samples", "256", "--run-id", "boom", cwd=tmp_path,
@@ -114,6 +134,8 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path: Path) -> No
     finally:
         wait_until_gone(tag, 0)
     assert run.returncode == 130, run.stdout + run.stderr
+    assert "stopping on Ctrl-C: ranks finish their step, rank 0 checkpoints" in run.stderr
+    assert "stopped as asked after step" in run.stdout  # graceful: the ranks agreed
     assert "stopped" in run.stderr and "--resume --run-id long" in run.stderr
     assert run.leftovers == []
     status = json.loads((tmp_path / "runs/long/run.json").read_text())

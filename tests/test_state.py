@@ -1,0 +1,227 @@
+"""The RunState fold on recorded message sequences: order, loss, duplicates,
+restarts, and every state a rank can be shown in. No sockets, no clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from ddtop.daemon import journal, state, wire
+from ddtop.daemon.state import RunState
+
+RUN = "r1"
+
+
+def hello(rank: int, seq: int = 0, pid: int | None = None) -> wire.Hello:
+    return wire.Hello(run=RUN, rank=rank, seq=seq, t=100.0, local_rank=rank, host="node",
+                      pid=pid or 1000 + rank, device="cpu", backend="gloo", world_size=2,
+                      config_digest="d", model="mlp", dataset="synthetic", epochs=2,
+                      global_batch=64)
+
+
+def step(rank: int, seq: int, global_step: int, steps: int = 10, *, t: float | None = None,
+         step_s: float = 0.1, comm_s: float = 0.02, loss: float = 2.0) -> wire.Step:
+    return wire.Step(run=RUN, rank=rank, seq=seq, t=t if t is not None else 100.0 + seq,
+                     epoch=0, step=global_step, steps_per_epoch=100, global_step=global_step,
+                     steps=steps, samples=32 * steps, loss_sum=loss * 32 * steps, lr=0.1,
+                     step_s=step_s * steps, data_s=0.01 * steps, forward_s=0.03 * steps,
+                     backward_s=0.05 * steps, optimizer_s=0.01 * steps, comm_s=comm_s * steps,
+                     comm_bytes=1_000_000 * steps, comm_ops=steps, algbw_gbps=1.0,
+                     busbw_gbps=1.0, sync_wait_s=0.0, rss=10**8)
+
+
+def beat(rank: int, seq: int, phase: str, global_step: int, phase_s: float = 0.0,
+         started: int | None = None, completed: int | None = None) -> wire.Heartbeat:
+    def coll(n: int | None) -> wire.Collective | None:
+        return None if n is None else wire.Collective(seq=n, op="allreduce", bytes=4_000_000)
+
+    return wire.Heartbeat(run=RUN, rank=rank, seq=seq, t=100.0 + seq, phase=phase,  # type: ignore[arg-type]
+                          epoch=0, global_step=global_step, phase_s=phase_s,
+                          coll_started=coll(started), coll_completed=coll(completed))
+
+
+def fold(*messages: wire.Message, at: float = 100.0) -> RunState:
+    s = RunState(run=RUN)
+    for m in messages:
+        s.apply(m, at)
+    return s
+
+
+def test_in_order_steps_sum_and_show_the_newest() -> None:
+    s = fold(hello(0), step(0, 1, 10), step(0, 2, 20, loss=1.5))
+    v = s.ranks[0]
+    assert (v.global_step, v.samples, v.received, v.lost) == (20, 640, 3, 0)
+    assert v.loss == pytest.approx(1.5)
+    assert v.step_time_s == pytest.approx(0.1) and v.comm_share == pytest.approx(0.2)
+    assert v.samples_per_s == pytest.approx(320 / 1.0)  # 320 samples, 1 s apart (sender clock)
+    assert [p.global_step for p in v.history] == [10, 20]
+    assert s.world_size == 2 and s.model == "mlp" and s.status == "running"
+
+
+def test_gaps_count_as_lost_until_they_arrive_late() -> None:
+    s = fold(hello(0), step(0, 1, 10), step(0, 4, 40))
+    assert s.ranks[0].lost == 2
+    assert s.telemetry_loss() == pytest.approx(2 / 5)
+    s.apply(step(0, 2, 20, loss=9.0), 101.0)  # late: counted, but does not overwrite
+    v = s.ranks[0]
+    assert (v.lost, v.samples, v.global_step) == (1, 320 * 3, 40)
+    assert v.loss == pytest.approx(2.0)
+
+
+def test_duplicates_are_ignored() -> None:
+    s = fold(hello(0), step(0, 1, 10))
+    assert s.apply(step(0, 1, 10), 101.0) is False
+    assert s.apply(hello(0), 101.0) is False  # the same pid and seq: the same message
+    v = s.ranks[0]
+    assert (v.duplicates, v.samples, v.received) == (2, 320, 2)
+
+
+def test_out_of_order_delivery_ends_in_the_same_state() -> None:
+    messages = [hello(0), step(0, 1, 10), step(0, 2, 20), step(0, 3, 30), hello(1),
+                step(1, 1, 10), step(1, 2, 20)]
+    ordered = fold(*messages)
+    shuffled = fold(*[messages[i] for i in (0, 4, 3, 1, 6, 2, 5)])
+    for rank in (0, 1):
+        a, b = ordered.ranks[rank], shuffled.ranks[rank]
+        assert (a.samples, a.global_step, a.lost, a.received) == (
+            b.samples, b.global_step, b.lost, b.received)
+
+
+def test_a_restarted_rank_starts_a_new_sequence() -> None:
+    s = fold(hello(0), step(0, 1, 10), step(0, 2, 20))
+    s.apply(wire.RankExit(run=RUN, rank=wire.DAEMON_RANK, seq=0, exited=0, pid=1000,
+                          exit_code=None, signal="SIGKILL"), 101.0)
+    assert s.rank_states(101.0)[0] == state.DEAD
+    s.apply(hello(0, pid=2000), 102.0)
+    s.apply(step(0, 1, 15), 102.0)
+    v = s.ranks[0]
+    assert (v.pid, v.lost, v.duplicates, v.exited) == (2000, 0, 0, False)
+    assert s.rank_states(102.0)[0] == state.RUNNING
+
+
+def test_states_running_silent_finished() -> None:
+    s = fold(hello(0), hello(1), beat(0, 1, "forward", 5), beat(1, 1, "forward", 5))
+    assert s.rank_states(101.0) == {0: state.RUNNING, 1: state.RUNNING}
+    s.apply(beat(0, 2, "forward", 6), 110.0)
+    assert s.rank_states(110.0) == {0: state.RUNNING, 1: state.SILENT}
+    s.apply(wire.Bye(run=RUN, rank=0, seq=3, exit_code=0), 111.0)
+    assert s.rank_states(111.0)[0] == state.FINISHED
+    assert s.rank_states(1000.0)[0] == state.FINISHED  # finished ranks never go silent
+
+
+def test_a_rank_not_heard_from_is_starting_then_silent() -> None:
+    s = fold(hello(0))
+    assert s.rank_states(100.0) == {0: state.RUNNING, 1: state.STARTING}
+    assert s.rank_states(200.0)[1] == state.SILENT
+
+
+def test_stalled_in_a_collective_names_who_everyone_waits_for() -> None:
+    # Rank 0 entered all-reduce #41 and has waited 30 s; rank 1 sits in forward.
+    s = fold(hello(0), hello(1), step(0, 1, 40), step(1, 1, 40),
+             beat(0, 2, "backward", 40, phase_s=30.0, started=41, completed=40),
+             beat(1, 2, "forward", 40, phase_s=30.0, started=40, completed=40))
+    states = s.rank_states(100.5)
+    assert states == {0: state.STALLED, 1: state.STALLED}
+    assert s.hang(100.5) == "rank 0 wait in allreduce #41; rank 1 is in forward of step 41"
+    assert s.ranks[0].where() == "in allreduce #41 (4.0 MB)"
+    assert s.summary(100.5)["hang"] == s.hang(100.5)
+
+
+def test_a_slow_phase_is_not_a_stall() -> None:
+    s = fold(hello(0), beat(0, 1, "evaluation", 10, phase_s=60.0))
+    assert s.rank_states(100.0)[0] == state.RUNNING
+    assert s.hang(100.0) is None
+
+
+def test_dead_with_signal_becomes_the_failure() -> None:
+    s = fold(hello(0), hello(1), step(1, 1, 11),
+             wire.Event(run=RUN, rank=1, seq=2, type="error", message="RuntimeError: boom",
+                        traceback="Traceback...\nRuntimeError: boom"))
+    s.apply(wire.RankExit(run=RUN, rank=wire.DAEMON_RANK, seq=0, exited=1, pid=1001,
+                          exit_code=None, signal="SIGKILL"), 101.0)
+    s.apply(wire.RankExit(run=RUN, rank=wire.DAEMON_RANK, seq=1, exited=0, pid=1000,
+                          exit_code=None, signal="SIGTERM", stopped_by_daemon=True), 101.0)
+    assert s.rank_states(101.0) == {0: state.DEAD, 1: state.DEAD}
+    assert s.failure is not None
+    assert (s.failure["rank"], s.failure["signal"], s.failure["global_step"]) == (1, "SIGKILL", 11)
+    assert s.failure["message"] == "RuntimeError: boom"
+    assert [e["message"] for e in s.events if e["type"] == "error"][-1] == (
+        "rank 1 (pid 1001) was killed by SIGKILL")
+
+
+def test_straggler_is_the_rank_that_computes_longest() -> None:
+    # Every rank takes 0.1 s per step (DDP keeps them in lockstep), but rank 2
+    # computes for 0.09 s of it while the others wait for it in the all-reduce.
+    s = fold(*(hello(r) for r in range(4)),
+             step(0, 1, 10, comm_s=0.06), step(1, 1, 10, comm_s=0.06),
+             step(2, 1, 10, comm_s=0.01), step(3, 1, 10, comm_s=0.06))
+    slowest, skew, slow = s.stragglers()
+    assert (slowest, slow) == (2, [2])
+    assert skew == pytest.approx(0.05)
+
+
+def test_aggregates_from_every_rank_count_once() -> None:
+    def agg(rank: int) -> wire.Aggregate:
+        return wire.Aggregate(run=RUN, rank=rank, seq=1, scope="epoch", epoch=0, global_step=100,
+                              train_loss=1.0, train_accuracy=0.5, train_samples=3200,
+                              val_loss=0.9, val_accuracy=0.6, val_samples=100)
+
+    s = fold(hello(0), hello(1), agg(0), agg(1))
+    assert len(s.epochs_done) == 1 and s.aggregate == agg(0)
+    assert sum(e["type"] == "epoch_end" for e in s.events) == 1
+
+
+def test_restart_timeline_and_status_from_the_daemon() -> None:
+    entry = {"restart": 1, "rank": 1, "reason": "was killed by SIGKILL", "global_step": 11,
+             "checkpoint": "step-00000009.pt"}
+    s = fold(hello(0), wire.Event(run=RUN, rank=-1, seq=0, type="restart", message="restart 1",
+                                  data=entry),
+             wire.RunStatus(run=RUN, rank=-1, seq=1, status="restarting", world_size=2,
+                            restarts=1))
+    assert s.timeline == [entry] and (s.status, s.restarts) == ("restarting", 1)
+
+
+def test_snapshot_round_trip_keeps_folding_identically() -> None:
+    s = fold(hello(0), step(0, 1, 10), step(0, 3, 30))
+    copy = state.decode_snapshot(state.encode_snapshot(s))
+    assert copy == s
+    for target in (s, copy):
+        target.apply(step(0, 2, 20), 101.0)
+        target.apply(step(0, 4, 40), 101.0)
+    assert copy == s
+
+
+def test_bounded_history_and_events() -> None:
+    s = fold(hello(0), *(step(0, i, i) for i in range(1, 400)))
+    assert len(s.ranks[0].history) == state.HISTORY_POINTS
+    for i in range(state.MAX_EVENTS + 10):
+        s.apply(wire.Event(run=RUN, rank=0, seq=400 + i, type="info", message=str(i)), 100.0)
+    assert len(s.events) == state.MAX_EVENTS and s.events[-1]["message"] == str(
+        state.MAX_EVENTS + 9)
+
+
+def test_journal_replay_stops_quietly_at_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "telemetry.journal"
+    writer = journal.JournalWriter(path)
+    messages = [hello(0), step(0, 1, 10), step(0, 2, 20)]
+    for i, m in enumerate(messages, 1):
+        writer.append(i, 100.0 + i, wire.encode(m)[0])
+    writer.close()
+    whole, last = journal.replay(path, RUN)
+    assert last == 3 and whole.ranks[0].global_step == 20
+    with path.open("ab") as f:
+        f.write(journal.LENGTH.pack(500) + b"\x93partial")  # killed mid-write
+    replayed, last = journal.replay(path, RUN)
+    assert last == 3 and replayed.ranks[0].samples == whole.ranks[0].samples
+    upto, last = journal.replay(path, RUN, upto=2)
+    assert last == 2 and upto.ranks[0].global_step == 10
+
+
+def test_summary_is_plain_data() -> None:
+    s = fold(hello(0), hello(1), step(0, 1, 10), step(1, 1, 10))
+    summary = s.summary(100.5)
+    assert msgspec.json.decode(msgspec.json.encode(summary)) == summary
+    assert [r["state"] for r in summary["ranks"]] == ["running", "running"]
+    assert summary["global_step"] == 10 and summary["total_steps"] == 200
