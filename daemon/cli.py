@@ -419,9 +419,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
             if not alive:
                 return EXIT_OK
             time.sleep(FOLLOW_POLL_S)
-    except BrokenPipeError:  # `ddtrain logs | head`
-        sys.stdout = Path(os.devnull).open("w")  # noqa: SIM115 - nothing more is written
-        return EXIT_OK
+    finally:
+        sys.stdout.flush()
 
 
 # -- main -------------------------------------------------------------------------
@@ -437,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:  # outside the launcher, which handles Ctrl-C itself
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `ddtrain status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

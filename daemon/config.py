@@ -21,6 +21,7 @@ DEVICES = ("auto", "cuda", "cpu")
 MODELS = ("mlp", "cnn", "resnet18")
 DATASETS = ("synthetic", "mnist", "fashion-mnist", "cifar10")
 START_METHODS = ("forkserver", "spawn", "fork")
+LAUNCHERS = ("local", "torchrun")
 
 # Exit codes shared by `ddtrain` and the ranks (documented in docs/cli.md).
 EXIT_OK = 0
@@ -106,6 +107,8 @@ class TrainConfig:
     """How ranks are started: forkserver imports torch once and forks each rank."""
     progress_every: float = 2.0
     """Seconds between progress lines printed by rank 0."""
+    launcher: Literal["local", "torchrun"] = "local"
+    """How the daemon starts ranks: its own forkserver, or torchrun --standalone."""
     max_restarts: int = 0
     """After a rank fails, restart all ranks from the newest checkpoint, up to K times."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -252,6 +255,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("run")
     r.add_argument("--runs-dir", default=s, metavar="DIR",
                    help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./{d.runs_dir})")
+    r.add_argument("--launcher", choices=LAUNCHERS, default=s,
+                   help="local: ranks forked from one process that imported torch; torchrun: "
+                   "the daemon runs torchrun --standalone (default local)")
     r.add_argument("--max-restarts", type=int, default=s, metavar="K",
                    help="after a rank fails, restart every rank from the newest checkpoint, "
                    "up to K times (default 0)")

@@ -23,19 +23,21 @@ Ctrl-C) stops at once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import multiprocessing
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from ddtop.daemon import wire
 from ddtop.daemon.config import (
@@ -56,6 +58,14 @@ POLL_S = 0.1
 # Lines of a failed rank's traceback shown in the failure report.
 TRACEBACK_TAIL_LINES = 8
 WORKER_MODULE = "ddtop.training.worker"
+# Read by `python -m ddtop.training` when the daemon starts it through torchrun.
+CONFIG_ENV = "DDTOP_CONFIG"
+LAUNCHER_PID_ENV = "DDTOP_LAUNCHER_PID"
+ATTEMPT_ENV = "DDTOP_ATTEMPT"
+AGENT = -1  # the `rank` of the torchrun agent process in `LocalLauncher.ranks`
+# torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
+TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
+                              r"(-?\d+) \(pid: (\d+)\)")
 TELEMETRY_ENV = "DDTOP_TELEMETRY"  # "off": ranks publish nothing; an endpoint: there instead
 # Seconds ranks get to stop gracefully after the first Ctrl-C.
 INTERRUPT_STOP_TIMEOUT_S = 30.0
@@ -133,10 +143,73 @@ class LogTail:
             yield line.decode(errors="replace")
 
 
+class Process(Protocol):
+    """What supervision needs of a process: multiprocessing's, or AgentProcess."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class AgentProcess:
+    """A subprocess (the torchrun agent) with multiprocessing's Process interface:
+    exit codes are negative signal numbers, the sentinel is a pidfd."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.sentinel = os.pidfd_open(popen.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+
+class ExitedProcess:
+    """A rank torchrun started and saw exit: known by pid and exit code only."""
+
+    def __init__(self, pid: int | None, exitcode: int) -> None:
+        self.pid, self.exitcode, self.sentinel = pid, exitcode, -1
+
+    def terminate(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class Rank:
     rank: int
-    process: BaseProcess
+    process: Process
     tail: LogTail
     exitcode: int | None = None
     stopped_by_us: bool = False
@@ -176,6 +249,8 @@ class LocalLauncher:
         self.config, self.paths, self.out, self.err = config, paths, out, err
         self.echo = echo  # echo rank logs (foreground); a detached daemon does not
         self.ranks: list[Rank] = []
+        self.rank_tails: list[tuple[int, LogTail]] = []  # torchrun: the ranks' own logs
+        self.agent_log_start = 0
         self.started = time.time()
         self.port = 0
         self.relay: Relay | None = None
@@ -297,6 +372,40 @@ class LocalLauncher:
         assert self.relay is not None
         if not os.environ.get(TELEMETRY_ENV):
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
+        if self.config.launcher == "torchrun":
+            self._start_torchrun()
+        else:
+            self._start_local()
+        self._write_status("running")
+        self._emit(wire.RunStatus(run="", rank=0, status="running",
+                                  world_size=self.config.world_size, restarts=self.restarts,
+                                  message=f"{self.config.world_size} ranks started"))
+
+    def _start_torchrun(self) -> None:
+        """torchrun --standalone runs `python -m ddtop.training` once per rank; the
+        ranks read this run's config.json, write their own logs, and exit when
+        this daemon does."""
+        write_json_atomic(self.paths.config, self.config.to_dict())
+        log_path = self.paths.logs / "torchrun.log"
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(self.config.world_size), "--max-restarts", "0",
+                 "-m", "ddtop.training"],
+                env={**os.environ, CONFIG_ENV: str(self.paths.config),
+                     LAUNCHER_PID_ENV: str(os.getpid()), ATTEMPT_ENV: str(self.restarts)},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent,
+            )
+        tail = LogTail(log_path)
+        tail.offset = self.agent_log_start = _size(log_path)
+        self.ranks.append(Rank(AGENT, AgentProcess(popen), tail))
+        self.rank_tails = []
+        for rank in range(self.config.world_size):
+            rank_tail = LogTail(self.paths.rank_log(rank))
+            rank_tail.offset = _size(self.paths.rank_log(rank))
+            self.rank_tails.append((rank, rank_tail))
+
+    def _start_local(self) -> None:
         ctx = self._context()
         config = self.config.to_dict()
         if self.restarts:  # a restart after a failure: the port may be held by the dead group
@@ -314,10 +423,6 @@ class LocalLauncher:
             tail = LogTail(self.paths.rank_log(rank))
             tail.offset = _size(self.paths.rank_log(rank))  # echo this attempt's lines only
             self.ranks.append(Rank(rank, process, tail))
-        self._write_status("running")
-        self._emit(wire.RunStatus(run="", rank=0, status="running",
-                                  world_size=self.config.world_size, restarts=self.restarts,
-                                  message=f"{self.config.world_size} ranks started"))
 
     # -- supervise -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -370,18 +475,55 @@ class LocalLauncher:
                                       world_size=self.config.world_size, restarts=self.restarts,
                                       message=message))
             self._write_status("stopping")
-            for r in self.ranks:
-                if r.process.exitcode is None and r.process.pid is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(r.process.pid, signal.SIGUSR1)
+            for pid in self._rank_pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
         elif self.stopping is not None and time.monotonic() > self.stopping:
             print("ddtrain: ranks did not stop in time; terminating them", file=self.err,
                   flush=True)
             self._stop_all()
 
+    def _rank_pids(self) -> list[int]:
+        """The live ranks' pids: our children, or torchrun's (from their hello)."""
+        if self.config.launcher == "torchrun":
+            assert self.relay is not None
+            return [v.pid for v in self.relay.state.ranks.values()
+                    if v.pid is not None and not v.exited and v.bye_code is None]
+        return [r.process.pid for r in self.ranks
+                if r.process.exitcode is None and r.process.pid is not None]
+
+    def _torchrun_ranks(self, agent: Rank) -> list[Rank]:
+        """After torchrun exited: each rank's exit, from torchrun's failure summary
+        (exit code or signal, pid), the ranks' error reports, and their hellos."""
+        assert self.relay is not None and agent.exitcode is not None
+        with agent.tail.path.open("rb") as f:  # this attempt's part of torchrun's log
+            f.seek(self.agent_log_start)
+            log = f.read().decode(errors="replace")
+        failed = {int(m[1]): (int(m[2]), int(m[3])) for m in TORCHRUN_FAILURE.finditer(log)}
+        ranks = []
+        for k in range(self.config.world_size):
+            view = self.relay.state.ranks.get(k)
+            pid = view.pid if view is not None else None
+            if k in failed:
+                code, pid = failed[k]
+            elif agent.exitcode == 0 or (view is not None and view.bye_code == 0):
+                code = 0
+            else:  # torchrun stopped it when another rank failed
+                code = -signal.SIGTERM
+            # SIGTERM is how torchrun stops the others once one rank failed.
+            stopped = code == -signal.SIGTERM
+            rank = Rank(k, ExitedProcess(pid, code), LogTail(self.paths.rank_log(k)),
+                        exitcode=code, stopped_by_us=stopped, noted=True)
+            ranks.append(rank)
+        return ranks
+
     def _note_exit(self, r: Rank) -> None:
         """Tell the relay (state, journal, dashboards) that a rank's process exited."""
         assert r.exitcode is not None and r.process.pid is not None
+        if r.rank == AGENT:
+            for rank in self._torchrun_ranks(r):
+                self._note_exit(rank)
+            return
         report = self._error_report(r) if r.exitcode else {}
         tb = report.get("traceback", "").rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
         self._emit(wire.RankExit(
@@ -425,6 +567,10 @@ class LocalLauncher:
             r.exitcode = r.process.exitcode
 
     def _failure(self, rank: Rank) -> Outcome:
+        if rank.rank == AGENT:  # name the rank that failed, not torchrun
+            ranks = self._torchrun_ranks(rank)
+            culprits = [r for r in ranks if r.exitcode and not r.stopped_by_us] or ranks
+            rank = min(culprits, key=self._blame_order)
         report = self._error_report(rank)
         if report.get("kind") == "usage":
             return Outcome("failed", EXIT_USAGE, rank, report)
@@ -442,9 +588,11 @@ class LocalLauncher:
     def _echo_logs(self, final: bool = False) -> None:
         if not self.echo:
             return
-        for r in self.ranks:
-            for line in r.tail.lines(final):
-                print(f"[rank {r.rank}] {line}", file=self.out, flush=True)
+        tails = [(r.rank, r.tail) for r in self.ranks] + self.rank_tails
+        for rank, tail in tails:
+            prefix = "[torchrun]" if rank == AGENT else f"[rank {rank}]"
+            for line in tail.lines(final):
+                print(f"{prefix} {line}", file=self.out, flush=True)
 
     def _write_status(self, status: str, outcome: Outcome | None = None) -> None:
         record: dict[str, Any] = {
@@ -462,13 +610,26 @@ class LocalLauncher:
             "restarts": self.restarts,
             "max_restarts": self.config.max_restarts,
             "timeline": self.timeline,
-            "ranks": [r.record() for r in self.ranks],
+            "ranks": self._rank_records(),
         }
         if outcome is not None:
             record["exit_code"] = outcome.exit_code
             if outcome.failed_rank is not None:
                 record["failure"] = {**outcome.failed_rank.record(), **outcome.report}
         write_json_atomic(self.paths.status, record)
+
+    def _rank_records(self) -> list[dict[str, Any]]:
+        agent = next((r for r in self.ranks if r.rank == AGENT), None)
+        if agent is None:
+            return [r.record() for r in self.ranks]
+        if agent.process.exitcode is not None:
+            agent.exitcode = agent.process.exitcode
+            return [r.record() for r in self._torchrun_ranks(agent)]
+        assert self.relay is not None
+        views = self.relay.state.ranks
+        return [{"rank": k, "pid": views[k].pid if k in views else None, "exitcode": None,
+                 "signal": None, "stopped_by_launcher": False}
+                for k in range(self.config.world_size)]
 
     def _resume_hint(self) -> str:
         if any(self.paths.checkpoints.glob("step-*.pt")):

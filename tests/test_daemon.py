@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from helpers import Detached, detached
+from helpers import Detached, ddtrain, detached
 
 from ddtop.daemon import control, journal, state, wire
 
@@ -31,8 +31,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Detached]:
 
 
 def run_json(run: Detached, rid: str = "live") -> dict:  # type: ignore[type-arg]
-    data: dict = json.loads((run.cwd / "runs" / rid / "run.json").read_text())  # type: ignore[type-arg]
-    return data
+    return run_json_at(run.cwd / "runs" / rid)
 
 
 def test_start_detaches_and_says_how_to_watch_and_stop(live: Detached) -> None:
@@ -205,3 +204,39 @@ def test_killing_the_daemon_leaves_no_rank_behind(tmp_path: Path) -> None:
     assert status["status"] == "lost"
     assert {r["state"] for r in status["ranks"]} == {"lost"}
     assert "orphans" in listed.stdout and "lost" in listed.stdout
+
+
+def test_torchrun_launcher_restarts_a_killed_rank(tmp_path: Path) -> None:
+    run = ddtrain("start", "--foreground", "--launcher", "torchrun", "-n", "2", "--epochs", "2",
+                  "--synthetic-train-samples", "4096", "--checkpoint-every", "20",
+                  "--max-restarts", "1", "--run-id", "tr", cwd=tmp_path,
+                  env={"DDTOP_FAULT": "1:40:SIGKILL"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr
+    assert "restarting from step-00000040.pt" in run.stderr
+    assert "[rank 0] resumed from step-00000040.pt" in run.stdout  # the ranks' logs, echoed
+    record = run_json_at(tmp_path / "runs" / "tr")
+    assert (record["status"], record["restarts"]) == ("succeeded", 1)
+    assert [(r["rank"], r["exitcode"]) for r in record["ranks"]] == [(0, 0), (1, 0)]
+    (entry,) = record["timeline"]
+    assert (entry["rank"], entry["signal"]) == (1, "SIGKILL")
+
+
+def test_torchrun_launcher_stops_gracefully(tmp_path: Path) -> None:
+    with detached("--launcher", "torchrun", "-n", "2", "--epochs", "50", "--run-id", "trs",
+                  cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        run.wait_for("trs", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+        stopped = run.cli("stop", "trs")
+        assert stopped.returncode == 0 and "run trs stopped" in stopped.stdout
+        assert run.leftovers() == []
+    record = run_json_at(tmp_path / "runs" / "trs")
+    assert record["status"] == "stopped"
+    assert [r["exitcode"] for r in record["ranks"]] == [0, 0]
+    assert "stopped as asked" in (tmp_path / "runs/trs/logs/rank-0.log").read_text()
+
+
+def run_json_at(root: Path) -> dict:  # type: ignore[type-arg]
+    data: dict = json.loads((root / "run.json").read_text())  # type: ignore[type-arg]
+    return data

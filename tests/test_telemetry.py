@@ -50,11 +50,15 @@ def test_steps_cover_every_step_exactly_once(observed: tuple[Run, Path, Collecto
         assert sum(s.steps for s in steps) == 16
         assert sum(s.samples for s in steps) == 2 * 128  # 128 samples per rank per epoch
         assert steps[-1].global_step == 16 and steps[-1].steps_per_epoch == 8
-        assert all(s.comm_ops >= s.steps and s.comm_bytes > 0 and s.comm_s > 0 for s in steps)
+        # A message's phase and comm times may include a part of the step that
+        # the next message counts (the sender takes a window between the two);
+        # over all messages nothing is lost or counted twice.
+        assert sum(s.comm_ops for s in steps) >= 16 and sum(s.comm_s for s in steps) > 0
         # One MLP's gradients (float32) all-reduced per step.
         params = 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
         assert sum(s.comm_bytes for s in steps) == 16 * params * 4
-        assert all(s.step_s >= s.forward_s + s.backward_s + s.optimizer_s for s in steps)
+        assert sum(s.step_s for s in steps) >= sum(
+            s.forward_s + s.backward_s + s.optimizer_s for s in steps)
         assert all(s.rss and s.rss > 10**8 for s in steps)
     # Loss sums from both ranks, per epoch, give the global training loss.
     for epoch, record in enumerate(epochs):

@@ -4,7 +4,10 @@ training flags. See the package docstring for launch commands."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+from pathlib import Path
 
 from ddtop.daemon.config import (
     EXIT_USAGE,
@@ -14,9 +17,11 @@ from ddtop.daemon.config import (
     add_train_arguments,
     explicit_overrides,
 )
+from ddtop.daemon.launcher import CONFIG_ENV, LAUNCHER_PID_ENV
+from ddtop.daemon.runs import RunPaths, read_json
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
-from ddtop.training.worker import rank_main
+from ddtop.training.worker import die_with_launcher, rank_main, redirect_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,16 +33,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_train_arguments(parser)
     overrides = explicit_overrides(parser.parse_args(argv))
+    error_report = None
     try:
         env = RankEnv.from_environ()
+        if os.environ.get(CONFIG_ENV):  # started by ddtrain's daemon through torchrun
+            error_report = daemon_started_rank(env)
+            overrides = {**read_json(Path(os.environ[CONFIG_ENV])), **overrides}
         if overrides.get("world_size", env.world_size) != env.world_size:
             raise UsageError(f"--world-size {overrides['world_size']} disagrees with torchrun's "
                              f"WORLD_SIZE {env.world_size}: leave --world-size out")
-        config = TrainConfig(**{**overrides, "world_size": env.world_size}).validate()
+        config = TrainConfig.from_dict({**overrides, "world_size": env.world_size}).validate()
     except UsageError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    return rank_main(config, env, error_report=None)
+    return rank_main(config, env, error_report)
+
+
+def daemon_started_rank(env: RankEnv) -> Path:
+    """Under ddtrain's daemon: exit with it, ignore Ctrl-C (the daemon decides),
+    write output and error report into the run directory. Returns the report's path."""
+    die_with_launcher(int(os.environ[LAUNCHER_PID_ENV]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    paths = RunPaths(Path(os.environ[CONFIG_ENV]).parent)
+    redirect_output(paths.rank_log(env.rank))
+    return paths.rank_error(env.rank)
 
 
 if __name__ == "__main__":

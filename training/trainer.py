@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.daemon.config import EXIT_FAILED, EXIT_USAGE, TrainConfig, UsageError
+from ddtop.daemon.launcher import ATTEMPT_ENV  # restarts so far, set by the daemon
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import checkpoint, data
 from ddtop.training.checkpoint import Position
@@ -34,7 +35,7 @@ from ddtop.training.stopping import StopAgreement
 from ddtop.training.telemetry import Telemetry, open_telemetry
 
 FAULT_ENV = "DDTOP_FAULT"
-ATTEMPT_ENV = "DDTOP_ATTEMPT"  # restarts so far, set by the launcher
+
 
 
 @dataclass(frozen=True)

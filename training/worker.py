@@ -25,10 +25,11 @@ from typing import Any
 import torch._dynamo  # noqa: F401
 
 from ddtop.daemon.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, TrainConfig, UsageError
+from ddtop.daemon.launcher import ATTEMPT_ENV
 from ddtop.daemon.runs import RunPaths
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
-from ddtop.training.trainer import ATTEMPT_ENV, train
+from ddtop.training.trainer import train
 
 PR_SET_PDEATHSIG = 1
 # Seconds between liveness checks of the launcher where pidfds are unavailable.
