@@ -44,6 +44,7 @@ from ddtop.daemon.config import (
 )
 from ddtop.daemon.runinfo import RunInfo, list_runs, pid_alive
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, read_json, write_json_atomic
+from ddtop.daemon.state import RunState
 
 EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
               "130 stopped (Ctrl-C or ddtrain stop).")
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--foreground", action="store_true",
                        help="run the daemon in this terminal, printing the ranks' output; "
                        "exit with the run's outcome")
+    start.add_argument("--headless", action="store_true",
+                       help="with --foreground: print progress lines from the run's telemetry "
+                       "(or --format jsonl) instead of the ranks' output; for CI")
+    from ddtop.dashboard.headless import add_output_arguments
+
+    add_output_arguments(start)
     add_train_arguments(start)
 
     def with_run(p: argparse.ArgumentParser) -> None:
@@ -159,6 +166,8 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
 def cmd_start(args: argparse.Namespace) -> int:
     config, paths = resolve_start(args)
     verb = "resuming" if config.resume else "starting"
+    if args.headless:
+        return start_headless(args, config, paths)
     if args.foreground:
         from ddtop.daemon.launcher import LocalLauncher
 
@@ -166,6 +175,39 @@ def cmd_start(args: argparse.Namespace) -> int:
               f"{paths.root} (Ctrl-C stops it)", flush=True)
         return LocalLauncher(config, paths).run()
     return start_detached(config, paths)
+
+
+def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:
+    """--foreground --headless: the daemon in this process, and the headless printer
+    reading its RunState after every poll; ranks' output stays in their log files,
+    ddtrain's own lines go to stderr, stdout has only the printer's lines."""
+    from ddtop.daemon.launcher import LocalLauncher
+    from ddtop.dashboard.feed import StateFeed
+    from ddtop.dashboard.headless import Printer, check_output_arguments
+
+    if not args.foreground:
+        raise UsageError("--headless prints a run in this terminal: add --foreground (a "
+                         "detached run is watched with: ddtop --headless)")
+    problem = check_output_arguments(args)
+    if problem is not None:
+        raise UsageError(problem)
+    printers: list[Printer] = []
+
+    def tick(state: RunState) -> None:
+        if not printers:
+            printers.append(Printer(StateFeed(state), args.format, args.interval,
+                                    summary_json=args.summary_json))
+        printers[0].tick()
+
+    verb = "resuming" if config.resume else "starting"
+    print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks in "
+          f"{paths.root} (Ctrl-C stops it; rank output in {paths.logs})", file=sys.stderr,
+          flush=True)
+    code = LocalLauncher(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
+    if printers:
+        printers[0].feed.finished = True
+        printers[0].finish()
+    return code
 
 
 def start_detached(config: TrainConfig, paths: RunPaths) -> int:

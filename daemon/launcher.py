@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -50,6 +50,7 @@ from ddtop.daemon.config import (
 )
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.runs import RunPaths, read_json, write_json_atomic
+from ddtop.daemon.state import RunState
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.
 TERM_GRACE_S = 5.0
@@ -245,9 +246,13 @@ class Outcome:
 
 class LocalLauncher:
     def __init__(self, config: TrainConfig, paths: RunPaths, out: TextIO = sys.stdout,
-                 err: TextIO = sys.stderr, echo: bool = True) -> None:
+                 err: TextIO = sys.stderr, echo: bool = True,
+                 on_tick: Callable[[RunState], None] | None = None) -> None:
         self.config, self.paths, self.out, self.err = config, paths, out, err
         self.echo = echo  # echo rank logs (foreground); a detached daemon does not
+        # Called with the RunState after every poll of the sockets (about 10 times a
+        # second) and once at the end: `ddtrain start --foreground --headless` prints from it.
+        self.on_tick = on_tick
         self.ranks: list[Rank] = []
         self.rank_tails: list[tuple[int, LogTail]] = []  # torchrun: the ranks' own logs
         self.agent_log_start = 0
@@ -267,6 +272,10 @@ class LocalLauncher:
             write_json_atomic(self.paths.config, self.config.to_dict())
             self.relay = Relay(self.paths.run_id, self.paths.journal)
             self._write_status("starting")
+            self._emit(wire.RunStatus(run="", rank=0, status="starting",
+                                      world_size=self.config.world_size,
+                                      message=f"run {self.paths.run_id} starting "
+                                      f"{self.config.world_size} ranks"))
         except OSError as e:
             raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
@@ -289,6 +298,8 @@ class LocalLauncher:
         self._emit(wire.RunStatus(run="", rank=0, status=outcome.status,  # type: ignore[arg-type]
                                   world_size=self.config.world_size, restarts=self.restarts,
                                   message=self._summary_line(outcome)))
+        if self.on_tick is not None:
+            self.on_tick(self.relay.state)
         self._report(outcome)
         self.relay.close()
         return outcome.exit_code
@@ -443,6 +454,8 @@ class LocalLauncher:
                     return Outcome("stopped", code)
                 return Outcome("succeeded", EXIT_OK)
             self.relay.serve(POLL_S, [r.process.sentinel for r in running])
+            if self.on_tick is not None:
+                self.on_tick(self.relay.state)
             self._check_stop()
             self._echo_logs()
             failed = []

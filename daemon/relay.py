@@ -149,7 +149,7 @@ class Relay:
             self._reject("bad_request")
             return {"ok": False, "error": "expected a msgpack map with an 'op'"}
         if op == "ping":
-            return {"ok": True, "run": self.run, "seq": self.seq}
+            return {"ok": True, "run": self.run, "seq": self.seq, "endpoints": self.endpoints}
         if op == "status":
             return {"ok": True, "seq": self.seq, "summary": self.state.summary(time.time())}
         if op == "snapshot":

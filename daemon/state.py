@@ -52,6 +52,15 @@ class Point(msgspec.Struct, array_like=True):
     comm_share: float
 
 
+class GlobalPoint(msgspec.Struct, array_like=True):
+    """One metric sync's global numbers, for charts."""
+
+    t: float
+    global_step: int
+    train_loss: float
+    train_accuracy: float
+
+
 class RankView(msgspec.Struct, kw_only=True):
     rank: int
     # From hello.
@@ -71,6 +80,7 @@ class RankView(msgspec.Struct, kw_only=True):
     samples_per_s: float | None = None
     comm_s: float | None = None  # per step
     comm_bytes: int | None = None  # per step
+    comm_ops: int | None = None  # collectives per step (gradient buckets)
     algbw_gbps: float | None = None
     busbw_gbps: float | None = None
     sync_wait_s: float = 0.0  # total
@@ -181,7 +191,9 @@ class RunState(msgspec.Struct, kw_only=True):
     ranks: dict[int, RankView] = {}
     aggregate: wire.Aggregate | None = None  # newest global metrics
     epochs_done: list[wire.Aggregate] = []
-    events: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []  # the newest MAX_EVENTS
+    event_count: int = 0  # events ever recorded: readers print those after the last they saw
+    global_history: list[GlobalPoint] = []  # metric syncs, newest HISTORY_POINTS
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
 
@@ -286,6 +298,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.samples_per_s = rate
         view.comm_s = m.comm_s / steps
         view.comm_bytes = m.comm_bytes // steps
+        view.comm_ops = m.comm_ops // steps
         view.algbw_gbps, view.busbw_gbps = m.algbw_gbps, m.busbw_gbps
         view.sync_wait_s += m.sync_wait_s
         view.phase_split = {"data": m.data_s / steps, "forward": m.forward_s / steps,
@@ -312,6 +325,10 @@ class RunState(msgspec.Struct, kw_only=True):
             return
         if current is None or m.global_step >= current.global_step:
             self.aggregate = m
+            self.global_history.append(GlobalPoint(m.t, m.global_step, m.train_loss,
+                                                   m.train_accuracy))
+            if len(self.global_history) > HISTORY_POINTS:
+                del self.global_history[: len(self.global_history) - HISTORY_POINTS]
         if m.scope == "epoch" and all(e.epoch != m.epoch or e.global_step != m.global_step
                                       for e in self.epochs_done):
             self.epochs_done.append(m)
@@ -364,6 +381,7 @@ class RunState(msgspec.Struct, kw_only=True):
                data: dict[str, Any] | None = None, traceback: str | None = None) -> None:
         self.events.append({"t": t, "rank": rank, "type": type, "message": message,
                             "data": dict(data or {}), "traceback": traceback})
+        self.event_count += 1
         if len(self.events) > MAX_EVENTS:
             del self.events[: len(self.events) - MAX_EVENTS]
 
@@ -452,13 +470,16 @@ class RunState(msgspec.Struct, kw_only=True):
             "telemetry_loss": self.telemetry_loss(), "rejected": dict(self.rejected),
             "slowest_rank": slowest, "skew_s": skew, "stragglers": slow,
             "hang": self.hang(now),
-            "metrics": None if agg is None else msgspec.to_builtins(agg),
+            "metrics": None if agg is None else {
+                k: v for k, v in msgspec.to_builtins(agg).items()
+                if k not in ("kind", "v", "run", "rank", "seq", "dropped")},
             "ranks": [{
                 "rank": r, "state": state,
                 "host": (v := self.ranks.get(r, RankView(rank=r))).host, "pid": v.pid,
                 "epoch": v.epoch, "step": v.step, "global_step": v.global_step,
                 "loss": v.loss, "samples_per_s": v.samples_per_s, "comm_share": v.comm_share,
                 "exit_code": v.exit_code, "signal": v.signal, "phase": v.phase,
+                "stopped_by_daemon": v.stopped_by_daemon,
                 "last_seen_s": None if v.last_seen is None else max(0.0, now - v.last_seen),
                 "lost": v.lost,
             } for r, state in states.items()],

@@ -1,27 +1,146 @@
-"""`ddtop`: the live dashboard of a run (not built yet: see the README)."""
+"""`ddtop`: watch a ddtrain run live, in a terminal dashboard or as log lines.
+
+    ddtop                          the newest live run under ./runs (else the newest run)
+    ddtop RUN                      a run id (a unique prefix is enough) or a run directory
+    ddtop --connect tcp://H:P      a daemon's control endpoint (run.json: endpoints.control)
+    ddtop --replay RUN [--speed X] a run's journal played back (0: at once)
+    ddtop --headless [RUN]         log lines (or --format jsonl) and the run's exit code
+
+Quitting (q) leaves the run going; `x` stops it, after asking.
+Exit codes: 0 the run succeeded (or the dashboard was quit), 1 the run failed,
+130 it was stopped, 2 bad input or no run reachable within --wait.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
-from ddtop.daemon.config import EXIT_USAGE, OneLineParser
+from ddtop.daemon.config import (
+    EXIT_USAGE,
+    RUNS_DIR_ENV,
+    OneLineParser,
+    UsageError,
+    default_runs_dir,
+)
+from ddtop.daemon.runinfo import list_runs
+from ddtop.daemon.runs import RunPaths, find_run
+
+EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it failed, "
+              "130 it was stopped, 2 bad input or no run reachable within --wait.")
+DEFAULT_WAIT_S = 10.0
+DEFAULT_FPS = 5.0
+FIND_POLL_S = 0.2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return OneLineParser(
+    from ddtop.dashboard.headless import add_output_arguments
+
+    parser = OneLineParser(
         prog="ddtop",
-        description="Live terminal dashboard for ddtrain runs. Not available in this version: "
-        "follow a run with `ddtrain start --foreground`, whose output shows progress and "
-        "each epoch's global metrics.",
+        description="Live dashboard of a ddtrain run: every rank's progress, loss, throughput "
+        "and communication time, with stragglers, hangs and crashes named. Keys: q quit "
+        "(the run goes on), ? help, s sort, / filter, p pause, Enter rank detail, x stop the run.",
+        epilog=EXIT_CODES,
     )
+    parser.add_argument("run", nargs="?", metavar="RUN",
+                        help="run id, unique prefix, or run directory (default: the newest "
+                        "live run, else the newest run)")
+    parser.add_argument("--runs-dir", default=None, metavar="DIR",
+                        help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
+    parser.add_argument("--connect", default=None, metavar="ENDPOINT",
+                        help="attach to a daemon by its control endpoint, tcp://HOST:PORT")
+    parser.add_argument("--replay", action="store_true",
+                        help="play RUN's telemetry journal back instead of attaching live")
+    parser.add_argument("--speed", type=float, default=None, metavar="X",
+                        help="replay speed: X times real time, 0 for all at once "
+                        "(default 1; with --headless 0)")
+    parser.add_argument("--headless", action="store_true",
+                        help="print progress lines instead of the dashboard (also when "
+                        "there is no terminal)")
+    add_output_arguments(parser)
+    parser.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="S",
+                        help="seconds to wait for a run to appear and its daemon to answer "
+                        f"(default {DEFAULT_WAIT_S:g})")
+    parser.add_argument("--fps", type=float, default=DEFAULT_FPS, metavar="N",
+                        help=f"dashboard redraws per second (default {DEFAULT_FPS:g})")
+    return parser
+
+
+def resolve(args: argparse.Namespace) -> RunPaths:
+    """The run directory to watch: named, or the newest live run (waiting up to --wait
+    for one to appear), else the newest run."""
+    runs_dir = Path(args.runs_dir or default_runs_dir())
+    if args.run:
+        given = Path(args.run)
+        if given.is_dir() and (given / "config.json").is_file():
+            return RunPaths(given)
+        return find_run(runs_dir, args.run)
+    deadline = time.monotonic() + (0 if args.replay else args.wait)
+    while True:
+        runs = list_runs(runs_dir)
+        live = [info for info in runs if info.live]
+        if live:
+            return live[-1].paths
+        if runs or time.monotonic() >= deadline:
+            return find_run(runs_dir, None)  # the newest run, or the error that there is none
+        time.sleep(FIND_POLL_S)
+
+
+def check(args: argparse.Namespace) -> None:
+    from ddtop.dashboard.headless import check_output_arguments
+
+    problem = check_output_arguments(args)
+    if problem is None and args.wait < 0:
+        problem = f"--wait must be >= 0 seconds (got {args.wait:g})"
+    if problem is None and args.speed is not None and args.speed < 0:
+        problem = f"--speed must be >= 0 (got {args.speed:g}); 0 replays at once"
+    if problem is None and not args.fps > 0:
+        problem = f"--fps must be > 0 (got {args.fps:g})"
+    if problem is None and args.connect is not None:
+        if args.run or args.replay:
+            problem = "--connect names the run itself: drop RUN and --replay"
+        elif not args.connect.startswith("tcp://") or ":" not in args.connect[6:]:
+            problem = f"--connect {args.connect!r}: expected tcp://HOST:PORT"
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(argv)
-    print("ddtop: the live dashboard is not available in this version; "
-          "`ddtrain start --foreground` prints a run's progress", file=sys.stderr)
-    return EXIT_USAGE
+    args = build_parser().parse_args(argv)
+    try:
+        check(args)
+        from ddtop.dashboard.feed import LiveFeed, ReplayFeed, open_feed
+
+        headless = args.headless or not (sys.stdout.isatty() and sys.stdin.isatty())
+        if args.connect is not None:
+            feed = open_feed(args.connect)
+        else:
+            paths = resolve(args)
+            speed = args.speed if args.speed is not None else (0.0 if headless else 1.0)
+            feed = open_feed(paths, replay=args.replay, speed=speed)
+    except UsageError as e:
+        print(f"ddtop: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_USAGE
+    try:
+        if headless:
+            from ddtop.dashboard.headless import Printer, watch
+
+            printer = Printer(feed, args.format, args.interval, summary_json=args.summary_json)
+            return watch(feed, printer, args.wait)
+        from ddtop.dashboard.app import DashboardApp
+
+        app = DashboardApp(feed, fps=args.fps, wait_s=args.wait,
+                           replay=isinstance(feed, ReplayFeed) and args.replay)
+        app.run()
+        return app.exit_code
+    finally:
+        if isinstance(feed, LiveFeed):
+            feed.close()
 
 
 if __name__ == "__main__":

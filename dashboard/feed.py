@@ -1,0 +1,339 @@
+"""Where a dashboard's RunState comes from: a live daemon, a journal, or in-process.
+
+    LiveFeed     SUB to the daemon's PUB, then a snapshot from its ROUTER (the
+                 Clone pattern): apply only relayed messages newer than the
+                 snapshot; a gap in the relay sequence (the PUB dropped messages
+                 for a slow reader) asks for a fresh snapshot. When the daemon
+                 goes quiet it is pinged; when it is gone the run directory says
+                 how the run ended (its journal is replayed), or that it was lost.
+    ReplayFeed   a run's journal played back at a chosen speed (0: at once).
+    StateFeed    a RunState someone else folds (`ddtrain start --foreground --headless`).
+
+Every feed folds into `feed.state` under `feed.lock` and tells the time with
+`feed.now()`: wall-clock time while a run is live, the journal's time in a
+replay, and the time of the last message once a run is over (so that a finished
+run does not age into "silent"). `pump()` is called in a loop by one thread (a
+Textual worker, or the headless printer); readers in other threads hold the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import zmq
+
+from ddtop.daemon import control, journal, wire
+from ddtop.daemon.runinfo import FINAL, RunInfo
+from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.state import RunState, decode_snapshot
+
+BATCH = 5000  # messages folded per pump() at most, so a flood never starves the reader
+PING_AFTER_S = 3.0  # no relayed message for this long: ask the daemon whether it is there
+RETRY_S = 1.0  # between attempts to reach a daemon that does not answer
+REQUEST_TIMEOUT_S = 2.0
+RCVHWM = 200_000  # relayed messages queued for this reader before ZeroMQ drops (then resync)
+
+CONNECTING, LIVE, GONE, ENDED, REPLAY = "connecting", "live", "gone", "ended", "replay"
+
+
+class Feed:
+    """What every feed offers; see the module docstring."""
+
+    def __init__(self, run: str) -> None:
+        self.state = RunState(run=run)
+        self.lock = threading.Lock()
+        self.connection = CONNECTING  # connecting | live | gone | ended | replay
+        self.detail = ""  # a line for the banner: what is wrong, what is being tried
+        self.finished = False  # nothing more will come: the run is over or its journal played
+        self.paths: RunPaths | None = None
+
+    def pump(self, timeout_s: float) -> int:
+        """Fold what arrives within `timeout_s`; the number of messages folded."""
+        raise NotImplementedError
+
+    def now(self) -> float:
+        return time.time()
+
+    def close(self) -> None:
+        pass
+
+
+class StateFeed(Feed):
+    """A RunState folded by its owner (the launcher) in the same thread."""
+
+    def __init__(self, state: RunState) -> None:
+        super().__init__(state.run)
+        self.state = state
+        self.connection = LIVE
+
+    def pump(self, timeout_s: float) -> int:
+        self.finished = self.state.status in FINAL
+        return 0
+
+    def now(self) -> float:
+        return (self.state.updated or time.time()) if self.finished else time.time()
+
+
+def conclude(state: RunState, paths: RunPaths) -> RunState:
+    """Complete a state folded from a run's journal with what run.json knows once
+    the daemon is gone: a run whose journal never reached a final status was lost."""
+    info = RunInfo.load(paths)
+    if state.status not in FINAL:
+        state.status = info.status if info.status in FINAL else "lost"
+        if state.status == "lost":
+            state.status_message = (f"the daemon (pid {info.daemon_pid}) is gone and the run "
+                                    "did not finish: it was killed")
+    if state.failure is None and isinstance(info.record.get("failure"), dict):
+        state.failure = dict(info.record["failure"])
+    state.world_size = state.world_size or int(info.config.get("world_size") or 0)
+    return state
+
+
+class LiveFeed(Feed):
+    """A live run's daemon, found through its run directory or a control endpoint."""
+
+    def __init__(self, paths: RunPaths | None = None, connect: str | None = None) -> None:
+        super().__init__(paths.run_id if paths else "?")
+        if paths is None and connect is None:
+            raise ValueError("LiveFeed needs a run directory or an endpoint")
+        self.paths, self.connect_to = paths, connect
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sub: zmq.Socket[bytes] | None = None
+        self.control: str | None = None
+        self.seq = 0  # relay sequence number of the newest message folded
+        self.resyncs = 0
+        self.last_heard = time.monotonic()
+        self.next_try = 0.0
+
+    # -- connecting ------------------------------------------------------------------
+    def _endpoints(self) -> tuple[str, str] | None:
+        """(control, publish) endpoints, or None when they cannot be known yet."""
+        if self.connect_to is not None:
+            reply = control.request(self.connect_to, "ping", REQUEST_TIMEOUT_S)
+            publish = str(reply.get("endpoints", {}).get("publish", ""))
+            host = urlsplit(self.connect_to).hostname
+            port = urlsplit(publish).port
+            if not reply.get("ok") or port is None:
+                raise control.Unreachable(f"{self.connect_to} is not a ddtrain daemon")
+            self.state.run = str(reply.get("run", self.state.run))
+            return self.connect_to, f"tcp://{host}:{port}"
+        assert self.paths is not None
+        info = RunInfo.load(self.paths)
+        if not info.live:
+            self._end()
+            return None
+        endpoints = info.record.get("endpoints") or {}
+        if not endpoints.get("control") or not endpoints.get("publish"):
+            self.detail = f"waiting for the daemon of run {self.paths.run_id} to start"
+            return None
+        return endpoints["control"], endpoints["publish"]
+
+    def _connect(self) -> None:
+        self.next_try = time.monotonic() + RETRY_S
+        try:
+            found = self._endpoints()
+            if found is None:
+                return
+            self.control, publish = found
+            self._close_sub()
+            sub: zmq.Socket[bytes] = self.context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, RCVHWM)
+            sub.setsockopt(zmq.SUBSCRIBE, wire.RELAY_TOPIC)
+            sub.connect(publish)
+            self.sub = sub  # subscribed before the snapshot: nothing falls between the two
+            self._snapshot()
+        except control.Unreachable as e:
+            self._close_sub()
+            self.connection = CONNECTING if self.connection == CONNECTING else GONE
+            self.detail = f"the daemon does not answer ({e}); retrying"
+
+    def _snapshot(self) -> None:
+        assert self.control is not None
+        reply = control.request(self.control, "snapshot", REQUEST_TIMEOUT_S)
+        if not reply.get("ok"):
+            raise control.Unreachable(str(reply.get("error")))
+        state = decode_snapshot(reply["state"])
+        with self.lock:
+            self.state, self.seq = state, int(reply["seq"])
+        self.connection, self.detail = LIVE, ""
+        self.last_heard = time.monotonic()
+        self.finished = state.status in FINAL
+
+    def _end(self) -> None:
+        """The daemon is gone: the run directory has the rest of the story."""
+        assert self.paths is not None
+        state = RunState(run=self.paths.run_id)
+        if self.paths.journal.exists():
+            state, _ = journal.replay(self.paths.journal, self.paths.run_id)
+        with self.lock:
+            self.state = conclude(state, self.paths)
+        self.connection, self.finished = ENDED, True
+        self.detail = state.status_message if state.status == "lost" else ""
+        self._close_sub()
+
+    # -- receiving -------------------------------------------------------------------
+    def pump(self, timeout_s: float) -> int:
+        if self.finished:
+            time.sleep(timeout_s)
+            return 0
+        if self.sub is None:
+            if time.monotonic() >= self.next_try:
+                self._connect()
+            if self.sub is None:
+                time.sleep(min(timeout_s, max(0.0, self.next_try - time.monotonic())))
+                return 0
+        assert self.sub is not None
+        folded = 0
+        if self.sub.poll(int(timeout_s * 1000)):
+            folded = self._drain()
+        if self.state.status in FINAL:
+            self.finished = True
+            self._close_sub()
+        elif time.monotonic() - self.last_heard > PING_AFTER_S:
+            self._check_daemon()
+        return folded
+
+    def _drain(self) -> int:
+        assert self.sub is not None
+        folded = 0
+        with self.lock:
+            for _ in range(BATCH):
+                try:
+                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    seq, message = wire.decode_relayed(frames, self.state.run)
+                except wire.WireError:
+                    continue  # counted by nobody: the daemon sends only what it accepted
+                if seq <= self.seq:
+                    continue  # already in the snapshot
+                if seq != self.seq + 1:
+                    self.resyncs += 1
+                    self.lock.release()
+                    try:
+                        self._snapshot()  # the PUB dropped messages for us: start over
+                    except control.Unreachable:
+                        pass
+                    finally:
+                        self.lock.acquire()
+                    continue
+                self.seq = seq
+                self.state.apply(message, time.time())
+                folded += 1
+        self.last_heard = time.monotonic()
+        return folded
+
+    def _check_daemon(self) -> None:
+        assert self.control is not None
+        try:
+            control.request(self.control, "ping", REQUEST_TIMEOUT_S)
+            self.last_heard = time.monotonic()
+            if self.connection == GONE:
+                self._snapshot()  # back: what was missed comes with the snapshot
+        except control.Unreachable as e:
+            if self.paths is not None and not RunInfo.load(self.paths).live:
+                self._end()
+                return
+            self.connection = GONE
+            self.detail = f"the daemon does not answer ({e}); retrying"
+
+    def now(self) -> float:
+        if self.finished:
+            return self.state.updated or time.time()
+        return time.time()
+
+    def _close_sub(self) -> None:
+        if self.sub is not None:
+            self.sub.close(linger=0)
+            self.sub = None
+
+    def close(self) -> None:
+        self._close_sub()
+        self.context.term()
+
+
+class ReplayFeed(Feed):
+    """A journal played back: `speed` times real time; 0 folds it all at once."""
+
+    def __init__(self, paths: RunPaths, speed: float = 1.0) -> None:
+        super().__init__(paths.run_id)
+        self.paths = paths
+        self.records: Iterator[journal.Record] = (
+            journal.read(paths.journal) if paths.journal.exists() else iter(()))
+        self.pending: journal.Record | None = next(self.records, None)
+        self.speed = speed
+        self.paused = False
+        self.connection = REPLAY
+        first = self.pending.received if self.pending is not None else time.time()
+        self._anchor(first)
+        if self.pending is None:
+            self._finish()
+
+    def _anchor(self, replay_t: float) -> None:
+        self.anchor_replay, self.anchor_wall = replay_t, time.monotonic()
+
+    def now(self) -> float:
+        if self.finished:
+            return self.state.updated or self.anchor_replay
+        if self.paused or self.speed == 0:
+            return self.anchor_replay
+        return self.anchor_replay + (time.monotonic() - self.anchor_wall) * self.speed
+
+    def set_speed(self, speed: float) -> None:
+        self._anchor(self.now())
+        self.speed = max(0.0, speed)
+
+    def set_paused(self, paused: bool) -> None:
+        self._anchor(self.now())
+        self.paused = paused
+
+    def pump(self, timeout_s: float) -> int:
+        if self.finished or self.paused:
+            time.sleep(timeout_s)
+            return 0
+        horizon = float("inf") if self.speed == 0 else self.now()
+        folded = 0
+        with self.lock:
+            while self.pending is not None and folded < BATCH:
+                record = self.pending
+                if record.received > horizon:
+                    break
+                try:
+                    self.state.apply(wire.decode([record.frame], self.state.run), record.received)
+                    folded += 1
+                except wire.WireError:
+                    pass  # the journal holds only accepted frames; a damaged one is skipped
+                self.pending = next(self.records, None)
+                if self.speed == 0:
+                    self.anchor_replay = record.received
+        if self.pending is None:
+            self._finish()
+        elif not folded and self.speed:
+            wait = (self.pending.received - self.now()) / self.speed
+            time.sleep(max(0.0, min(timeout_s, wait)))
+        return folded
+
+    def _finish(self) -> None:
+        assert self.paths is not None
+        with self.lock:
+            state = conclude(self.state, self.paths)
+        self.finished = True
+        self.detail = state.status_message if state.status == "lost" else ""
+
+
+def open_feed(target: RunPaths | str, replay: bool = False, speed: float = 1.0) -> Feed:
+    """The feed for a run directory (live daemon, or its journal once finished),
+    a replay of it, or a control endpoint (tcp://HOST:PORT)."""
+    if isinstance(target, str):
+        return LiveFeed(connect=target)
+    if replay:
+        return ReplayFeed(target, speed)
+    if RunInfo.load(target).live:
+        return LiveFeed(paths=target)
+    return ReplayFeed(target, speed=0)
+

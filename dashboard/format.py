@@ -1,0 +1,231 @@
+"""Numbers as a person reads them, and the rows of the ranks table, from a RunState.
+
+Pure functions shared by the Textual app and the headless printer: what each
+column means is decided once, here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ddtop.daemon.state import (
+    DEAD,
+    FINISHED,
+    RUNNING,
+    SILENT,
+    STALLED,
+    STARTING,
+    RankView,
+    RunState,
+)
+
+PROBLEM_STATES = (STALLED, SILENT, DEAD)
+FINAL_STATUSES = ("succeeded", "failed", "stopped", "lost")
+
+
+def num(value: float | None, spec: str = ".3f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def seconds(s: float | None) -> str:
+    """1.2 s, 3m05s, 2h01m."""
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"
+
+
+def millis(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{1000 * s:.1f}" if s < 0.1 else f"{1000 * s:.0f}"
+
+
+def size(nbytes: float | None) -> str:
+    if nbytes is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(nbytes) < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return "-"  # unreachable: GB ends the loop
+
+
+def clock(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def stamp(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def bar(fraction: float, width: int) -> str:
+    """A text progress bar: '█████▌    '."""
+    fraction = min(1.0, max(0.0, fraction))
+    eighths = int(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    partial = " ▏▎▍▌▋▊▉"[part] if part and full < width else ""
+    return ("█" * full + partial).ljust(width)
+
+
+def eta(state: RunState, now: float) -> float | None:
+    """Seconds left at the current global rate (steps of the slowest rank)."""
+    done, total = state.progress()
+    rate = state.throughput(now)
+    if not total or done >= total or rate <= 0 or not state.global_batch:
+        return None
+    return (total - done) * state.global_batch / rate
+
+
+def elapsed(state: RunState, now: float) -> float:
+    return max(0.0, now - state.started) if state.started is not None else 0.0
+
+
+def nodes(state: RunState) -> int:
+    return len({v.host for v in state.ranks.values() if v.host}) or 1
+
+
+# -- the ranks table ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Column:
+    key: str
+    title: str
+    width: int
+    right: bool = True
+
+
+COLUMNS = (
+    Column("rank", "RANK", 5),
+    Column("host", "HOST", 12, right=False),
+    Column("device", "DEVICE", 7, right=False),
+    Column("state", "STATE", 9, right=False),
+    Column("epoch", "EPOCH", 5),
+    Column("step", "STEP", 11),
+    Column("progress", "PROGRESS", 10, right=False),
+    Column("loss", "LOSS", 7),
+    Column("rate", "SAMPLES/S", 9),
+    Column("step_ms", "STEP ms", 7),
+    Column("comm_ms", "COMM ms", 7),
+    Column("comm_share", "COMM%", 5),
+    Column("busbw", "BUSBW", 6),
+    Column("sync", "SYNC s", 6),
+    Column("memory", "MEM", 8),
+    Column("seen", "SEEN", 5),
+)
+# The columns `s` cycles through, and what each sorts by.
+SORT_KEYS = ("rank", "state", "step", "loss", "rate", "step_ms", "comm_share", "seen")
+STATE_ORDER = {DEAD: 0, STALLED: 1, SILENT: 2, STARTING: 3, RUNNING: 4, FINISHED: 5}
+
+
+@dataclass
+class Row:
+    """One rank, every cell already text, plus what sorting and colour need."""
+
+    rank: int
+    state: str
+    cells: dict[str, str]
+    sort: dict[str, Any]
+    slowest: bool = False
+    straggler: bool = False
+    progress: float = 0.0
+
+    @property
+    def problem(self) -> bool:
+        return self.state in PROBLEM_STATES or self.straggler
+
+
+def rank_rows(state: RunState, now: float) -> list[Row]:
+    """A row per rank of the world (ranks not heard from yet included), by rank."""
+    states = state.rank_states(now)
+    slowest, _, slow = state.stragglers()
+    stragglers = set(slow)
+    rows = []
+    for rank, st in states.items():
+        v = state.ranks.get(rank) or RankView(rank=rank)
+        seen = None if v.last_seen is None else max(0.0, now - v.last_seen)
+        spe = v.steps_per_epoch
+        fraction = (v.step / spe) if spe else 0.0
+        sync_per_step = v.sync_wait_s / v.global_step if v.global_step else None
+        cells = {
+            "rank": str(rank), "host": v.host or "-", "device": v.device or "-",
+            "state": _state_text(v, st), "epoch": str(v.epoch + 1) if v.last_seen else "-",
+            "step": f"{v.step}/{spe}" if spe else str(v.step),
+            "progress": bar(fraction, 10), "loss": num(v.loss, ".4f"),
+            "rate": num(v.samples_per_s, ",.0f"), "step_ms": millis(v.step_time_s),
+            "comm_ms": millis(v.comm_s),
+            "comm_share": num(None if v.comm_share is None else 100 * v.comm_share, ".0f"),
+            "busbw": num(v.busbw_gbps, ".2f"), "sync": num(v.sync_wait_s, ".1f"),
+            "memory": size(v.memory), "seen": "-" if seen is None else f"{seen:.0f}s",
+        }
+        sort = {
+            "rank": rank, "state": STATE_ORDER.get(st, 9), "step": v.global_step,
+            "loss": v.loss if v.loss is not None else float("inf"),
+            "rate": v.samples_per_s or 0.0, "step_ms": v.step_time_s or 0.0,
+            "comm_share": v.comm_share or 0.0, "seen": seen if seen is not None else 1e9,
+            "sync": sync_per_step or 0.0,
+        }
+        rows.append(Row(rank, st, cells, sort, slowest=rank == slowest,
+                        straggler=rank in stragglers, progress=fraction))
+    return rows
+
+
+def _state_text(v: RankView, st: str) -> str:
+    if st == DEAD:
+        return v.signal or (f"exit {v.exit_code}" if v.exit_code is not None else DEAD)
+    return st
+
+
+def sort_rows(rows: list[Row], key: str, reverse: bool = False) -> list[Row]:
+    # Descending is the useful default for rates and times: the worst first.
+    descending = key in ("step_ms", "comm_share", "seen", "loss")
+    return sorted(rows, key=lambda r: (r.sort[key], r.rank), reverse=descending != reverse)
+
+
+def filter_rows(rows: list[Row], text: str, problems_only: bool) -> list[Row]:
+    if problems_only:
+        rows = [r for r in rows if r.problem]
+    text = text.strip().lower()
+    if not text:
+        return rows
+    return [r for r in rows if text == r.cells["rank"] or text in r.cells["host"].lower()
+            or text in r.state or (text == "straggler" and r.straggler)]
+
+
+def format_line(row: Row) -> str:
+    """The row as fixed-width text (the headless printer's and the tests' view)."""
+    return " ".join(_cell(c, row.cells[c.key]) for c in COLUMNS)
+
+
+def header_line() -> str:
+    return " ".join(_cell(c, c.title) for c in COLUMNS)
+
+
+def _cell(column: Column, text: str) -> str:
+    text = text[: column.width]
+    return text.rjust(column.width) if column.right else text.ljust(column.width)
+
+
+# -- events -----------------------------------------------------------------------
+def event_source(event: dict[str, Any]) -> str:
+    if event["type"] == "epoch_end":
+        return "global"  # every rank derived the same metrics; one of them is shown
+    return "daemon" if event["rank"] < 0 else f"rank {event['rank']}"
+
+
+def new_events(state: RunState, seen: int) -> tuple[list[dict[str, Any]], int]:
+    """Events recorded after the first `seen` (as many as are still kept), and the new count."""
+    fresh = state.event_count - seen
+    if fresh <= 0:
+        return [], state.event_count
+    return state.events[-min(fresh, len(state.events)):], state.event_count
+
+
+def traceback_tail(text: str | None, lines: int = 8) -> list[str]:
+    return (text or "").rstrip().splitlines()[-lines:]
