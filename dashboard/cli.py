@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             return watch(feed, printer, args.wait)
         from ddtop.dashboard.app import DashboardApp
 
-        app = DashboardApp(feed, fps=args.fps, wait_s=args.wait,
+        app = DashboardApp(feed, fps=args.fps,
                            replay=isinstance(feed, ReplayFeed) and args.replay)
         app.run()
         return app.exit_code

@@ -1,0 +1,273 @@
+"""The Textual dashboard: the App routes, the widgets display, the feed folds.
+
+A thread worker pumps the feed (sockets or journal) into its RunState and posts
+`FeedChanged`, which collapses to the latest when the app is busy. The app
+redraws on a timer at a fixed frame rate (never once per message): under the
+feed's lock it builds the header, the rows and the panels from the RunState,
+then hands them to the widgets.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import ClassVar
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Footer, Input, Sparkline, Static
+from textual.worker import get_current_worker
+
+from ddtop.daemon import control
+from ddtop.dashboard import format as fmt
+from ddtop.dashboard import panels
+from ddtop.dashboard.feed import Feed as FeedBase
+from ddtop.dashboard.feed import LiveFeed, ReplayFeed
+from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
+from ddtop.dashboard.widgets import RankTable
+
+PUMP_S = 0.05
+CHART_POINTS = 120
+SAMPLE_EVERY_S = 1.0  # run-wide chart points, in the feed's time
+EVENT_LINES = 8
+STOP_TIMEOUT_S = 30.0
+
+
+class FeedChanged(Message):
+    """The worker folded new messages (or the connection changed)."""
+
+    def __init__(self, folded: int) -> None:
+        super().__init__()
+        self.folded = folded
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, FeedChanged)
+
+
+class DashboardApp(App[None]):
+    CSS_PATH = "ddtop.tcss"
+    TITLE = "ddtop"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("q", "quit", "quit"),
+        Binding("question_mark", "help", "help"),
+        Binding("s", "sort", "sort"),
+        Binding("S", "sort(True)", "reverse", show=False),
+        Binding("slash", "filter", "filter"),
+        Binding("f", "problems", "problems only"),
+        Binding("p", "pause", "pause"),
+        Binding("x", "stop_run", "stop run"),
+        Binding("plus,equals_sign", "speed(2.0)", "faster", show=False),
+        Binding("minus", "speed(0.5)", "slower", show=False),
+        Binding("escape", "clear_filter", show=False),
+    ]
+
+    def __init__(self, feed: FeedBase, fps: float = 5.0, replay: bool = False) -> None:
+        super().__init__()
+        self.feed, self.fps, self.replay = feed, fps, replay
+        self.exit_code = 0
+        self.paused = False
+        self.dirty = True
+        self.sort_index, self.sort_reverse = 0, False
+        self.filter_text, self.problems_only = "", False
+        self.frames = 0
+        self.run_rate: deque[float] = deque(maxlen=CHART_POINTS)
+        self.run_comm: deque[float] = deque(maxlen=CHART_POINTS)
+        self.last_sample: float | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="header")
+        yield Static(id="banner")
+        yield RankTable(id="ranks")
+        with Horizontal(id="lower"):
+            with Vertical(id="charts"):
+                yield Static("loss: global", id="loss-title", classes="chart-title")
+                yield Sparkline([], id="loss-global")
+                yield Static("loss: selected rank", id="rank-loss-title", classes="chart-title")
+                yield Sparkline([], id="loss-rank")
+                yield Static("samples/s", id="rate-title", classes="chart-title")
+                yield Sparkline([], id="rate")
+                yield Static("comm share", id="comm-title", classes="chart-title")
+                yield Sparkline([], id="comm-share")
+            yield Static(id="comm")
+            yield Static(id="events")
+        yield Input(placeholder="filter: rank, host, state or 'straggler'; Enter applies, "
+                    "empty clears", id="filter")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(RankTable).focus()
+        self.query_one("#filter", Input).display = False
+        self.pump()
+        self.render_view()
+        self.set_interval(1 / self.fps, self.render_view)
+
+    # -- the worker: sockets or journal -> RunState -------------------------------------
+    @work(thread=True, exclusive=True, exit_on_error=False)
+    def pump(self) -> None:
+        worker = get_current_worker()
+        while not worker.is_cancelled:
+            folded = self.feed.pump(PUMP_S)
+            if folded or not self.feed.finished:
+                self.post_message(FeedChanged(folded))
+            if self.feed.finished and not folded:
+                self.post_message(FeedChanged(0))
+                return
+
+    def on_feed_changed(self, message: FeedChanged) -> None:
+        self.dirty = True
+
+    # -- one frame ---------------------------------------------------------------------
+    def render_view(self) -> None:
+        if self.paused:
+            return
+        table = self.query_one(RankTable)
+        with self.feed.lock:
+            state, now = self.feed.state, self.feed.now()
+            self._sample(now)
+            note = self._note()
+            header = panels.header(state, now, note)
+            banner = panels.banner(state, now, self.feed.connection, self.feed.detail)
+            rows = fmt.rank_rows(state, now)
+            rows = fmt.filter_rows(rows, self.filter_text, self.problems_only)
+            rows = fmt.sort_rows(rows, fmt.SORT_KEYS[self.sort_index], self.sort_reverse)
+            selected = table.selected_rank
+            view = state.ranks.get(selected) if selected is not None else None
+            rank_loss = [p.loss for p in view.history] if view is not None else []
+            global_loss = [p.train_loss for p in state.global_history]
+            comm = panels.comm(state, now, selected, max(4, self._height("#comm")))
+            events = panels.events(state, max(3, self._height("#events") - 1))
+        self.query_one("#header", Static).update(header)
+        banner_widget = self.query_one("#banner", Static)
+        banner_widget.display = banner is not None
+        if banner is not None:
+            banner_widget.update(banner)
+        table.set_rows(rows)
+        self.query_one("#loss-global", Sparkline).data = global_loss
+        self.query_one("#loss-rank", Sparkline).data = rank_loss
+        self.query_one("#rank-loss-title", Static).update(
+            f"loss: rank {selected}" if selected is not None else "loss: selected rank")
+        self.query_one("#rate", Sparkline).data = list(self.run_rate)
+        self.query_one("#comm-share", Sparkline).data = list(self.run_comm)
+        self.query_one("#comm", Static).update(comm)
+        self.query_one("#events", Static).update(events)
+        self.frames += 1
+        self.dirty = False
+
+    def _height(self, selector: str) -> int:
+        return self.query_one(selector).size.height
+
+    def _note(self) -> str:
+        parts = []
+        if isinstance(self.feed, ReplayFeed) and self.replay:
+            speed = "max" if self.feed.speed == 0 else f"{self.feed.speed:g}x"
+            parts.append(f"replay {speed} (+/- speed)")
+        if self.feed.finished and not self.replay:
+            parts.append("the run is over: showing its final state")
+        if self.filter_text or self.problems_only:
+            what = ", ".join(filter(None, [self.filter_text and f"'{self.filter_text}'",
+                                           self.problems_only and "problems only"]))
+            parts.append(f"filter: {what}")
+        if self.paused:
+            parts.append("PAUSED")
+        return " · ".join(parts)
+
+    def _sample(self, now: float) -> None:
+        """Run-wide throughput and comm share, one chart point per second of feed time."""
+        if self.last_sample is not None and now - self.last_sample < SAMPLE_EVERY_S:
+            return
+        self.last_sample = now
+        state = self.feed.state
+        if not state.ranks:
+            return
+        self.run_rate.append(state.throughput(now))
+        shares = [v.comm_share for v in state.ranks.values() if v.comm_share is not None]
+        self.run_comm.append(sum(shares) / len(shares) if shares else 0.0)
+
+    # -- keys ------------------------------------------------------------------------
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_sort(self, reverse: bool = False) -> None:
+        if reverse:
+            self.sort_reverse = not self.sort_reverse
+        else:
+            self.sort_index = (self.sort_index + 1) % len(fmt.SORT_KEYS)
+            self.sort_reverse = False
+        key = fmt.SORT_KEYS[self.sort_index]
+        self.query_one(RankTable).set_sort_key(key)
+        self.notify(f"sorted by {key}{' (reversed)' if self.sort_reverse else ''}", timeout=2)
+        self.render_view()
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.value = self.filter_text
+        box.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.filter_text = event.value.strip()
+        self._close_filter()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        if box.display:
+            self._close_filter()
+
+    def _close_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = False
+        self.query_one(RankTable).focus()
+        self.render_view()
+
+    def action_problems(self) -> None:
+        self.problems_only = not self.problems_only
+        self.render_view()
+
+    def action_pause(self) -> None:
+        if isinstance(self.feed, ReplayFeed) and self.replay:
+            self.feed.set_paused(not self.paused)
+        self.paused = not self.paused
+        if not self.paused:
+            self.render_view()
+        else:
+            with self.feed.lock:
+                header = panels.header(self.feed.state, self.feed.now(), self._note())
+            self.query_one("#header", Static).update(header)
+
+    def action_speed(self, factor: float) -> None:
+        if isinstance(self.feed, ReplayFeed) and self.replay:
+            current = self.feed.speed or 64.0
+            self.feed.set_speed(min(1024.0, max(0.125, current * factor)))
+            self.render_view()
+
+    def on_rank_table_selected(self, message: RankTable.Selected) -> None:
+        paths = self.feed.paths
+        log = paths.rank_log(message.rank) if paths is not None else None
+        self.push_screen(RankDetail(self.feed, message.rank, log, self.fps))
+
+    def action_stop_run(self) -> None:
+        feed = self.feed
+        if not isinstance(feed, LiveFeed) or feed.finished or feed.control is None:
+            self.notify("this run is not live: there is nothing to stop", severity="warning")
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._request_stop()
+
+        self.push_screen(ConfirmStop(feed.state.run), answered)
+
+    def _request_stop(self) -> None:
+        feed = self.feed
+        assert isinstance(feed, LiveFeed) and feed.control is not None
+        try:
+            reply = control.request(feed.control, "stop", 5.0, timeout=STOP_TIMEOUT_S)
+        except control.Unreachable as e:
+            self.notify(f"the daemon did not answer: {e}", severity="error")
+            return
+        if reply.get("ok"):
+            self.notify("stopping: ranks finish their step, rank 0 checkpoints")
+        else:
+            self.notify(f"the daemon refused: {reply.get('error')}", severity="error")

@@ -1,0 +1,174 @@
+"""What each panel of the dashboard says, as rich Text built from a RunState.
+
+Pure functions (state in, Text out): the app calls them under the feed's lock
+once per frame and hands the results to its widgets, which only display.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from rich.text import Text
+
+from ddtop.daemon.state import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING, RunState
+from ddtop.dashboard import format as fmt
+
+STATE_STYLE = {RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta", DEAD: "bold red",
+               FINISHED: "blue", STARTING: "dim", "lost": "bold red"}
+STATUS_STYLE = {"starting": "dim", "running": "bold green", "stopping": "yellow",
+                "restarting": "bold yellow", "succeeded": "bold blue", "failed": "bold red",
+                "stopped": "yellow", "lost": "bold red"}
+EVENT_STYLE = {"error": "bold red", "warning": "yellow", "exit": "red", "restart": "bold yellow",
+               "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
+               "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
+BAR_WIDTH = 30
+
+
+def header(state: RunState, now: float, note: str = "") -> Text:
+    done, total = state.progress()
+    fraction = done / total if total else 0.0
+    world = state.world_size or len(state.ranks)
+    n_nodes = fmt.nodes(state)
+    text = Text()
+    text.append("ddtop ", "bold")
+    text.append(f"run {state.run}  ")
+    text.append(f" {state.status} ", f"reverse {STATUS_STYLE.get(state.status, '')}")
+    if note:
+        text.append(f"  {note}", "bold yellow")
+    text.append(f"\n{state.model or '?'} on {state.dataset or '?'} · {state.backend or '?'} · "
+                f"{world} ranks on {n_nodes} node{'s' if n_nodes != 1 else ''} · "
+                f"restarts {state.restarts} · telemetry loss {100 * state.telemetry_loss():.2f}%")
+    text.append("\n")
+    text.append(fmt.bar(fraction, BAR_WIDTH), "green")
+    epochs = f" · epoch {max((v.epoch for v in state.ranks.values()), default=0) + 1}/" \
+             f"{state.epochs}" if state.epochs else ""
+    eta = fmt.eta(state, now)
+    text.append(f" step {done}/{total or '?'} ({100 * fraction:.1f}%){epochs} · "
+                f"{state.throughput(now):,.0f} samples/s · elapsed "
+                f"{fmt.seconds(fmt.elapsed(state, now))}"
+                f"{' · ETA ' + fmt.seconds(eta) if eta is not None else ''}")
+    agg = state.aggregate
+    text.append("\nglobal: ")
+    if agg is None:
+        text.append("no metric sync yet", "dim")
+    else:
+        text.append(f"loss {agg.train_loss:.4f} acc {100 * agg.train_accuracy:.2f}%", "bold")
+        if agg.val_loss is not None and agg.val_accuracy is not None:
+            text.append(f" · val loss {agg.val_loss:.4f} acc {100 * agg.val_accuracy:.2f}%")
+        text.append(f" (step {agg.global_step})", "dim")
+    slowest, skew, slow = state.stragglers()
+    if slowest is not None:
+        text.append(f" · slowest rank {slowest} (+{1000 * skew:.1f} ms/step)")
+    if slow:
+        text.append(f" · stragglers: {', '.join(map(str, slow[:8]))}"
+                    f"{'…' if len(slow) > 8 else ''}", "bold yellow")
+    return text
+
+
+def banner(state: RunState, now: float, connection: str, detail: str) -> Text | None:
+    """The one thing that needs attention, or None."""
+    if connection in ("connecting", "gone") and detail:
+        return Text(f"⚠ {detail}", "bold yellow")
+    if state.status == "lost":
+        return Text(f"✖ run lost: {state.status_message}", "bold red")
+    failure = state.failure
+    if failure is not None and state.status in ("failed", "running", "stopping"):
+        how = (f"killed by {failure.get('signal')}" if failure.get("signal")
+               else f"exit code {failure.get('exit_code')}")
+        msg = f": {failure['message']}" if failure.get("message") else ""
+        return Text(f"✖ rank {failure.get('rank')} {how}{msg}", "bold red")
+    hang = state.hang(now)
+    if hang:
+        return Text(f"⏸ hang: {hang}", "bold yellow")
+    return None
+
+
+def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
+    """Gradient all-reduce per step (median over ranks), the selected rank's numbers,
+    and each rank's last collective, laggards first: who the others wait for."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    views = [v for v in state.ranks.values() if v.comm_s is not None]
+    if views:
+        med = statistics.median
+        ops = med([v.comm_ops or 0 for v in views])
+        nbytes = med([v.comm_bytes or 0 for v in views])
+        secs = med([v.comm_s or 0.0 for v in views])
+        per_op = nbytes / ops if ops else 0
+        text.append("all-reduce/step ", "bold")
+        text.append(f"{ops:.0f} ops of {fmt.size(per_op)} = {fmt.size(nbytes)} in "
+                    f"{fmt.millis(secs)} ms; algbw {med([v.algbw_gbps or 0 for v in views]):.2f}"
+                    f" busbw {med([v.busbw_gbps or 0 for v in views]):.2f} GB/s\n")
+    else:
+        text.append("no step reported yet\n", "dim")
+    v = state.ranks.get(selected) if selected is not None else None
+    if v is not None and v.comm_s is not None:
+        share = 100 * (v.comm_share or 0)
+        text.append(f"rank {v.rank}: ", "bold")
+        text.append(f"{v.comm_ops or 0} ops, {fmt.size(v.comm_bytes)}, {fmt.millis(v.comm_s)} ms "
+                    f"({share:.0f}% of step), busbw {fmt.num(v.busbw_gbps, '.2f')} GB/s, "
+                    f"sync wait {v.sync_wait_s:.2f} s\n")
+    text.append("last collective (started / completed), laggards first\n", "dim")
+    # The rank that has not yet started the collective the others are in comes first.
+    ordered = sorted(state.ranks.values(), key=lambda r: (
+        r.coll_started.seq if r.coll_started else -1,
+        r.coll_completed.seq if r.coll_completed else -1, r.rank))
+    for r in ordered[:max(0, lines - len(text.plain.splitlines()))]:
+        started = f"{r.coll_started.op} #{r.coll_started.seq}" if r.coll_started else "-"
+        completed = f"#{r.coll_completed.seq}" if r.coll_completed else "-"
+        style = "bold yellow" if r.in_collective and r.phase_elapsed(now) > 1 else ""
+        text.append(f"rank {r.rank:>4}: {started} / {completed}"
+                    f"{'  (inside)' if r.in_collective else ''}\n", style)
+    return text
+
+
+def events(state: RunState, lines: int, rank: int | None = None, title: str = "events") -> Text:
+    text = Text(f"{title}\n", "bold", no_wrap=True, overflow="ellipsis")
+    chosen = [e for e in state.events if rank is None or e["rank"] == rank]
+    for event in chosen[-lines:]:
+        text.append(f"{fmt.clock(event['t'])} ", "dim")
+        text.append(f"{event['message']}", EVENT_STYLE.get(event["type"], ""))
+        tail = fmt.traceback_tail(event.get("traceback"), 1)
+        if tail:
+            text.append(f"  | {tail[0]}", "red")
+        text.append("\n")
+    if not chosen:
+        text.append("no events yet", "dim")
+    return text
+
+
+def detail(state: RunState, rank: int, now: float) -> Text:
+    v = state.ranks.get(rank)
+    text = Text()
+    st = state.rank_states(now).get(rank, STARTING)
+    text.append(f"rank {rank} ", "bold")
+    text.append(f" {st} ", f"reverse {STATE_STYLE.get(st, '')}")
+    if v is None:
+        text.append("\nnot heard from yet", "dim")
+        return text
+    text.append(f"  {v.host or '?'} pid {v.pid or '?'} · {v.device or '?'} · {v.backend or '?'}"
+                f" · local rank {v.local_rank}\n")
+    text.append(f"epoch {v.epoch + 1} step {v.step}/{v.steps_per_epoch} (global {v.global_step})"
+                f" · now {v.where()} for {v.phase_elapsed(now):.1f} s · last message "
+                f"{fmt.seconds(None if v.last_seen is None else now - v.last_seen)} ago\n")
+    text.append(f"loss {fmt.num(v.loss, '.4f')} · {fmt.num(v.samples_per_s, ',.0f')} samples/s · "
+                f"lr {fmt.num(v.lr, '.2e')} · memory {fmt.size(v.memory)} · messages "
+                f"{v.received} received, {v.lost} lost, {v.duplicates} duplicates, "
+                f"{v.sender_dropped} dropped by the rank\n")
+    if v.exited or v.bye_code is not None:
+        how = (f"killed by {v.signal}" if v.signal else
+               f"exit code {v.exit_code if v.exit_code is not None else v.bye_code}")
+        text.append(f"ended: {how}{' (stopped by the daemon)' if v.stopped_by_daemon else ''}"
+                    f"{': ' + v.error if v.error else ''}\n", "bold red" if st == DEAD else "")
+    text.append("\nper step (ms)\n", "bold")
+    parts: list[tuple[str, Any]] = [*v.phase_split.items(), ("all-reduce", v.comm_s)]
+    step = v.step_time_s or 0.0
+    for name, value in parts:
+        share = (value or 0.0) / step if step else 0.0
+        text.append(f"{name:>10} {fmt.millis(value):>7} ")
+        text.append(fmt.bar(share, 20), "cyan")
+        text.append(f" {100 * share:4.0f}%\n")
+    text.append(f"{'step':>10} {fmt.millis(v.step_time_s):>7}\n")
+    for line in fmt.traceback_tail(v.traceback, 12):
+        text.append(f"  | {line}\n", "red")
+    return text

@@ -1,0 +1,133 @@
+"""Screens over the main view: a rank's detail, the help, the stop confirmation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Sparkline, Static
+
+from ddtop.dashboard import panels
+from ddtop.dashboard.feed import Feed
+
+LOG_TAIL_LINES = 15
+LOG_TAIL_BYTES = 16 * 1024
+
+HELP = """\
+[b]ddtop keys[/b]
+
+  [b]q[/b]        quit the dashboard (the run goes on; ddtop re-attaches)
+  [b]?[/b]        this help
+  [b]s[/b] / [b]S[/b]    sort by the next column / reverse the order
+  [b]/[/b]        filter ranks: a rank number, part of a host name, or a state
+           (running, stalled, silent, dead, finished, straggler); empty clears
+  [b]f[/b]        problems only: stalled, silent, dead and straggling ranks
+  [b]p[/b]        pause the view (telemetry is still read, nothing is lost)
+  [b]Enter[/b]    the selected rank's detail: charts, step breakdown, events, log
+  [b]x[/b]        stop the run (asks first): ranks finish the step, rank 0 checkpoints
+  [b]+[/b] / [b]-[/b]    replay faster / slower (with --replay)
+
+[b]Ranks table[/b]
+  [yellow]▲[/yellow] the slowest rank (most compute per step: the one the others wait for)
+  [yellow]![/yellow] a straggler: more than 25% slower than the median rank
+  STATE  [green]running[/green]  [yellow]stalled[/yellow] (no progress, heartbeats still come)
+         [magenta]silent[/magenta] (no message for 5 s)  [red]dead[/red] (exit code or signal)
+         [blue]finished[/blue]
+  COMM%  share of the step spent in the gradient all-reduce
+  BUSBW  all-reduce bus bandwidth, GB/s (nccl-tests' definition)
+  SYNC s time spent waiting in metric syncs (all_gather_object), in total
+  SEEN   seconds since the rank's last message
+
+Press Escape or ? to close."""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "dismiss", "close")]
+
+    def compose(self) -> ComposeResult:
+        yield Static(HELP, id="help")
+
+
+class ConfirmStop(ModalScreen[bool]):
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("y", "answer(True)", "yes, stop it"),
+                Binding("n,escape", "answer(False)", "no")]
+
+    def __init__(self, run: str) -> None:
+        super().__init__()
+        self.run = run
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"Stop run [b]{self.run}[/b]?\n\nEvery rank finishes its step, rank 0 "
+                     "writes a checkpoint, and the ranks exit (resume later with "
+                     f"ddtrain start --resume --run-id {self.run}).\n\n"
+                     "[b]y[/b] stop it    [b]n[/b] keep it running", id="confirm")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class RankDetail(Screen[None]):
+    """One rank: its numbers, step breakdown, charts, events and log tail."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,enter,backspace", "app.pop_screen", "back"),
+        Binding("q", "app.quit", "quit"),
+    ]
+
+    def __init__(self, feed: Feed, rank: int, log: Path | None, fps: float) -> None:
+        super().__init__()
+        self.feed, self.rank, self.log, self.fps = feed, rank, log, fps
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="detail-top"):
+            yield Static(id="detail-info")
+            with Vertical(id="detail-charts"):
+                yield Static("loss", classes="chart-title")
+                yield Sparkline([], id="detail-loss")
+                yield Static("samples/s", classes="chart-title")
+                yield Sparkline([], id="detail-rate")
+                yield Static("comm share of step", classes="chart-title")
+                yield Sparkline([], id="detail-comm")
+        with Horizontal(id="detail-bottom"):
+            yield Static(id="detail-events")
+            yield Static(id="detail-log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.refresh_view()
+        self.set_interval(1 / self.fps, self.refresh_view)
+
+    def refresh_view(self) -> None:
+        with self.feed.lock:
+            state, now = self.feed.state, self.feed.now()
+            info = panels.detail(state, self.rank, now)
+            events = panels.events(state, 12, rank=self.rank, title="events of this rank")
+            view = state.ranks.get(self.rank)
+            history = list(view.history) if view is not None else []
+        self.query_one("#detail-info", Static).update(info)
+        self.query_one("#detail-events", Static).update(events)
+        self.query_one("#detail-loss", Sparkline).data = [p.loss for p in history]
+        self.query_one("#detail-rate", Sparkline).data = [p.samples_per_s for p in history]
+        self.query_one("#detail-comm", Sparkline).data = [p.comm_share for p in history]
+        self.query_one("#detail-log", Static).update(self._log_tail())
+
+    def _log_tail(self) -> Text:
+        text = Text(f"log {self.log or '(not available when attached by --connect)'}\n", "bold")
+        if self.log is None:
+            return text
+        try:
+            with self.log.open("rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+                data = f.read().decode(errors="replace")
+        except OSError as e:
+            return text.append(f"cannot read it: {e.strerror}", "dim")
+        for line in data.splitlines()[-LOG_TAIL_LINES:]:
+            text.append(line + "\n")
+        return text
+

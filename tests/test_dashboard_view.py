@@ -1,0 +1,130 @@
+"""What the dashboard shows for each state a rank can be in, from the fold:
+the ranks table's rows (state, marks, filter, sort) and the banner, header and
+comm panels, on hand-made message sequences. No UI, no sockets, no clock."""
+
+from __future__ import annotations
+
+from test_state import RUN, beat, fold, hello, step
+
+from ddtop.daemon import wire
+from ddtop.daemon.state import RunState
+from ddtop.dashboard import format as fmt
+from ddtop.dashboard import panels
+
+
+def rows_by_rank(state: RunState, now: float) -> dict[int, fmt.Row]:
+    return {row.rank: row for row in fmt.rank_rows(state, now)}
+
+
+def two_running() -> RunState:
+    return fold(hello(0), hello(1), step(0, 1, 10), step(1, 1, 10),
+                beat(0, 2, "forward", 10), beat(1, 2, "forward", 10))
+
+
+def test_running_ranks_show_their_numbers() -> None:
+    rows = rows_by_rank(two_running(), now=101.0)
+    row = rows[0]
+    assert row.state == "running" and not row.problem
+    assert row.cells["state"] == "running" and row.cells["step"] == "10/100"
+    assert row.cells["loss"] == "2.0000" and row.cells["comm_share"] == "20"
+    assert row.cells["step_ms"] == "100" and row.cells["comm_ms"] == "20.0"
+    assert row.cells["memory"] == "100.0 MB" and row.cells["host"] == "node"
+    assert fmt.format_line(row).split()[0] == "0"
+
+
+def test_stalled_rank_names_the_collective_the_others_wait_in() -> None:
+    # Rank 0 sits in all-reduce #7 for 60 s; rank 1 is still in forward of step 11.
+    s = fold(hello(0), hello(1), step(0, 1, 10), step(1, 1, 10),
+             beat(0, 2, "backward", 10, phase_s=60.0, started=7, completed=6),
+             beat(1, 2, "forward", 10, phase_s=60.0, started=6, completed=6))
+    rows = rows_by_rank(s, now=100.5)
+    assert rows[0].state == "stalled" and rows[1].state == "stalled"
+    assert all(r.problem for r in rows.values())
+    text = panels.banner(s, 100.5, "live", "")
+    assert text is not None
+    assert "rank 0 wait in allreduce #7" in text.plain
+    assert "rank 1 is in forward of step 11" in text.plain
+    comm = panels.comm(s, 100.5, 0, 20).plain
+    assert "rank    1: allreduce #6 / #6" in comm.splitlines()[3]  # laggards first
+    assert "(inside)" in comm
+
+
+def test_silent_rank_after_no_message_for_a_while() -> None:
+    s = two_running()
+    s.apply(beat(0, 3, "forward", 11), 110.0)
+    rows = rows_by_rank(s, now=110.5)
+    assert rows[0].state == "running" and rows[1].state == "silent"
+    assert rows[1].cells["seen"] == "10s" and rows[1].problem
+    assert [r.rank for r in fmt.filter_rows(list(rows.values()), "", True)] == [1]
+
+
+def test_dead_rank_shows_its_signal_and_the_failure_banner() -> None:
+    s = two_running()
+    s.apply(wire.RankExit(run=RUN, rank=wire.DAEMON_RANK, seq=0, t=102.0, exited=1, pid=1001,
+                          exit_code=None, signal="SIGKILL", traceback="Traceback...\nBoom"),
+            102.0)
+    rows = rows_by_rank(s, now=102.0)
+    assert rows[1].state == "dead" and rows[1].cells["state"] == "SIGKILL"
+    banner = panels.banner(s, 102.0, "live", "")
+    assert banner is not None and banner.plain == "✖ rank 1 killed by SIGKILL"
+    assert fmt.sort_rows(list(rows.values()), "state")[0].rank == 1  # problems first
+
+
+def test_straggler_is_marked_and_the_slowest_named() -> None:
+    # Rank 2 computes for 150 ms per step, the others 80 ms: it is the one they wait for.
+    msgs: list[wire.Message] = [hello(r) for r in range(3)]
+    for r in range(3):
+        slow = r == 2
+        msgs.append(step(r, 1, 10, step_s=0.2, comm_s=0.05 if slow else 0.12))
+    s = fold(*msgs)
+    rows = rows_by_rank(s, now=100.5)
+    assert rows[2].slowest and rows[2].straggler and rows[2].problem
+    assert not rows[0].straggler and not rows[1].straggler
+    assert [r.rank for r in fmt.filter_rows(list(rows.values()), "straggler", False)] == [2]
+    assert "slowest rank 2 (+70.0 ms/step) · stragglers: 2" in panels.header(s, 100.5).plain
+
+
+def test_finished_ranks_and_the_header_of_a_finished_run() -> None:
+    s = two_running()
+    for r in (0, 1):
+        s.apply(wire.Bye(run=RUN, rank=r, seq=5, t=103.0, exit_code=0), 103.0)
+    s.apply(wire.RunStatus(run=RUN, rank=wire.DAEMON_RANK, seq=1, t=103.0, status="succeeded",
+                           world_size=2, message="run succeeded after 3.0 s"), 103.0)
+    rows = rows_by_rank(s, now=103.0)
+    assert {r.state for r in rows.values()} == {"finished"}
+    header = panels.header(s, 103.0).plain
+    assert "succeeded" in header and "2 ranks on 1 node" in header
+    assert "elapsed 3.0 s" in header
+    assert panels.banner(s, 103.0, "ended", "") is None
+
+
+def test_ranks_not_heard_from_yet_are_listed() -> None:
+    s = fold(hello(0))
+    rows = rows_by_rank(s, now=100.0)
+    assert sorted(rows) == [0, 1] and rows[1].state == "starting"
+    assert rows[1].cells["loss"] == "-"
+
+
+def test_sorting_and_filtering() -> None:
+    msgs: list[wire.Message] = [hello(r) for r in range(4)]
+    msgs += [step(r, 1, 10 + r, loss=4.0 - r) for r in range(4)]
+    rows = fmt.rank_rows(fold(*msgs), 100.5)
+    assert [r.rank for r in fmt.sort_rows(rows, "loss")] == [0, 1, 2, 3]  # worst loss first
+    assert [r.rank for r in fmt.sort_rows(rows, "loss", reverse=True)] == [3, 2, 1, 0]
+    assert [r.rank for r in fmt.sort_rows(rows, "step")] == [0, 1, 2, 3]
+    assert [r.rank for r in fmt.filter_rows(rows, "2", False)] == [2]
+    assert len(fmt.filter_rows(rows, "node", False)) == 4
+
+
+def test_new_events_survive_the_bounded_event_list() -> None:
+    s = fold(hello(0))
+    events, seen = fmt.new_events(s, 0)
+    assert [e["type"] for e in events] == ["join"] and seen == 1
+    assert fmt.new_events(s, seen) == ([], 1)
+
+
+def test_numbers_for_people() -> None:
+    assert fmt.seconds(3.21) == "3.2 s" and fmt.seconds(185) == "3m05s"
+    assert fmt.seconds(7300) == "2h01m"
+    assert fmt.size(940_600) == "940.6 KB" and fmt.size(12) == "12 B"
+    assert fmt.bar(0.5, 4) == "██  " and fmt.bar(1.5, 2) == "██"
