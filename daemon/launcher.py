@@ -271,6 +271,9 @@ class LocalLauncher:
             self.paths.create()
             write_json_atomic(self.paths.config, self.config.to_dict())
             self.relay = Relay(self.paths.run_id, self.paths.journal)
+            if not self.config.master_port:
+                # Chosen again once the relay's own ports are bound, so it cannot be one of them.
+                self.port = choose_port(self.config.master_addr, 0)
             self._write_status("starting")
             self._emit(wire.RunStatus(run="", rank=0, status="starting",
                                       world_size=self.config.world_size,

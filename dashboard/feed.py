@@ -34,6 +34,7 @@ BATCH = 5000  # messages folded per pump() at most, so a flood never starves the
 PING_AFTER_S = 3.0  # no relayed message for this long: ask the daemon whether it is there
 RETRY_S = 1.0  # between attempts to reach a daemon that does not answer
 REQUEST_TIMEOUT_S = 2.0
+INSTANT_STEP_S = 0.1  # journal time folded per pump() of a replay at speed 0
 RCVHWM = 200_000  # relayed messages queued for this reader before ZeroMQ drops (then resync)
 
 CONNECTING, LIVE, GONE, ENDED, REPLAY = "connecting", "live", "gone", "ended", "replay"
@@ -260,8 +261,10 @@ class LiveFeed(Feed):
 class ReplayFeed(Feed):
     """A journal played back: `speed` times real time; 0 folds it all at once."""
 
-    def __init__(self, paths: RunPaths, speed: float = 1.0) -> None:
+    def __init__(self, paths: RunPaths, speed: float = 1.0,
+                 instant_step_s: float = INSTANT_STEP_S) -> None:
         super().__init__(paths.run_id)
+        self.instant_step_s = instant_step_s
         self.paths = paths
         self.records: Iterator[journal.Record] = (
             journal.read(paths.journal) if paths.journal.exists() else iter(()))
@@ -296,7 +299,10 @@ class ReplayFeed(Feed):
         if self.finished or self.paused:
             time.sleep(timeout_s)
             return 0
-        horizon = float("inf") if self.speed == 0 else self.now()
+        # At speed 0 each pump folds the next INSTANT_STEP_S of the journal's time, so
+        # that readers that print per interval of run time still see every interval.
+        horizon = (self.anchor_replay + self.instant_step_s if self.speed == 0
+                   else self.now())
         folded = 0
         with self.lock:
             while self.pending is not None and folded < BATCH:
@@ -309,8 +315,8 @@ class ReplayFeed(Feed):
                 except wire.WireError:
                     pass  # the journal holds only accepted frames; a damaged one is skipped
                 self.pending = next(self.records, None)
-                if self.speed == 0:
-                    self.anchor_replay = record.received
+            if self.speed == 0:
+                self.anchor_replay = horizon
         if self.pending is None:
             self._finish()
         elif not folded and self.speed:
@@ -335,5 +341,5 @@ def open_feed(target: RunPaths | str, replay: bool = False, speed: float = 1.0) 
         return ReplayFeed(target, speed)
     if RunInfo.load(target).live:
         return LiveFeed(paths=target)
-    return ReplayFeed(target, speed=0)
+    return ReplayFeed(target, speed=0, instant_step_s=float("inf"))  # a finished run: at once
 

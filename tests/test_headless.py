@@ -1,0 +1,146 @@
+"""Headless output for CI and scripts, with real runs: `ddtrain start --foreground
+--headless` and `ddtop --headless` attached to a detached run, a killed rank,
+replays of recorded journals, summary files, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers import BIN, RUN_TIMEOUT_S, ddtrain, detached, tagged_env
+
+DDTOP = str(BIN / "ddtop")
+FIXTURES = Path(__file__).parent / "fixtures" / "runs"
+SHORT = ("-n", "2", "--epochs", "1")
+
+
+def jsonl(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def ddtop(*args: str, cwd: Path, env: dict[str, str] | None = None,
+          timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DDTOP, *args], cwd=cwd, env=tagged_env("ddtop", env), text=True,
+                          capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+def test_foreground_headless_jsonl_ends_with_a_summary_and_exit_0(tmp_path: Path) -> None:
+    run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "--interval", "0.5",
+                  "--run-id", "ok", "--summary-json", str(tmp_path / "summary.json"), *SHORT,
+                  cwd=tmp_path, env={"GITHUB_STEP_SUMMARY": str(tmp_path / "step.md")})
+    assert run.returncode == 0, run.stderr
+    assert run.leftovers == []
+    lines = jsonl(run.stdout)  # stdout holds JSON lines only; ddtrain's own lines go to stderr
+    kinds = [line["kind"] for line in lines]
+    assert kinds[-1] == "summary" and kinds.count("summary") == 1
+    assert "progress" in kinds and "event" in kinds
+    summary = lines[-1]
+    assert summary["status"] == "succeeded" and summary["exit_code"] == 0
+    assert summary["global_step"] == summary["total_steps"] == 512
+    assert [r["state"] for r in summary["ranks"]] == ["finished", "finished"]
+    assert summary["metrics"]["epoch"] == 0 and 0 < summary["metrics"]["train_loss"] < 3
+    progress = next(line for line in lines if line["kind"] == "progress")
+    assert {r["rank"] for r in progress["ranks"]} == {0, 1}
+    assert set(progress["ranks"][0]) >= {"rank", "state", "epoch", "step", "loss",
+                                         "samples_per_s", "comm_share"}
+    types = [line["type"] for line in lines if line["kind"] == "event"]
+    assert "join" in types and "epoch_end" in types and "checkpoint" in types
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    markdown = (tmp_path / "step.md").read_text()
+    assert "run `ok` succeeded" in markdown and "| 1 | finished | 512 |" in markdown
+    assert "succeeded" in run.stderr  # the daemon's own closing line
+
+
+def test_killed_rank_fails_the_headless_run_naming_rank_and_signal(tmp_path: Path) -> None:
+    run = ddtrain("start", "--foreground", "--headless", "--run-id", "bad", *SHORT,
+                  cwd=tmp_path, env={"DDTOP_FAULT": "1:40:SIGKILL"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.leftovers == []
+    out = run.stdout.splitlines()
+    assert any("[rank 1] error: rank 1" in line and "SIGKILL" in line for line in out)
+    assert any(line.startswith("  failure: rank 1 killed by SIGKILL") for line in out)
+    assert time.strftime("%Y-%m-%d") in out[0]  # lines start with a timestamp
+    # The same run, read back from its journal by ddtop --headless: same verdict.
+    again = ddtop("--headless", "--format", "jsonl", "bad", cwd=tmp_path)
+    assert again.returncode == 1, again.stderr
+    summary = jsonl(again.stdout)[-1]
+    assert summary["status"] == "failed"
+    assert summary["failure"]["rank"] == 1 and summary["failure"]["signal"] == "SIGKILL"
+    assert summary["ranks"][1]["signal"] == "SIGKILL"
+
+
+def test_ddtop_headless_follows_a_detached_run_to_its_end(tmp_path: Path) -> None:
+    with detached("-n", "2", "--epochs", "3", "--run-id", "bg", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        watch = ddtop("--headless", "--interval", "1", cwd=tmp_path)  # the newest live run
+        assert watch.returncode == 0, watch.stdout + watch.stderr
+        lines = watch.stdout.splitlines()
+        assert any(" running: step " in line for line in lines)  # interval lines
+        assert any("epoch 3 done" in line for line in lines)
+        assert "run bg succeeded" in lines[-4]
+        assert run.leftovers() == []
+
+
+def test_replay_of_a_recorded_journal(tmp_path: Path) -> None:
+    shutil.copytree(FIXTURES, tmp_path / "runs")
+    ok = ddtop("--headless", "--replay", "--format", "jsonl", "recorded-ok", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    lines = jsonl(ok.stdout)
+    summary = lines[-1]
+    assert summary["status"] == "succeeded" and summary["global_step"] == 1024
+    assert round(summary["metrics"]["train_accuracy"], 4) == 0.8211
+    assert sum(1 for line in lines if line.get("type") == "epoch_end") == 2
+    # Replayed in journal time: a progress line per 10 s of the run would be none here;
+    # at --interval 0.5 there are a few.
+    fast = ddtop("--headless", "--replay", "--format", "jsonl", "--interval", "0.5",
+                 str(tmp_path / "runs" / "recorded-ok"), cwd=tmp_path)
+    assert [line["kind"] for line in jsonl(fast.stdout)].count("progress") >= 2
+    failed = ddtop("--headless", "--replay", "recorded-failed", cwd=tmp_path)
+    assert failed.returncode == 1
+    assert "failure: rank 1 killed by SIGKILL" in failed.stdout
+
+
+def test_no_run_to_watch_is_exit_2_within_wait(tmp_path: Path) -> None:
+    started = time.monotonic()
+    none = ddtop("--headless", "--wait", "0.5", cwd=tmp_path)
+    assert none.returncode == 2 and time.monotonic() - started < 10
+    assert none.stderr.startswith("ddtop: error: no runs under runs/")
+    assert len(none.stderr.strip().splitlines()) == 1
+
+
+def test_unreachable_daemon_is_exit_2(tmp_path: Path) -> None:
+    nobody = ddtop("--headless", "--connect", "tcp://127.0.0.1:9", "--wait", "1", cwd=tmp_path)
+    assert nobody.returncode == 2
+    assert "cannot be reached within 1 s" in nobody.stderr
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    for args, says in [
+        (["--interval", "0"], "--interval must be"),
+        (["--format", "xml"], "invalid choice"),
+        (["--speed", "-1"], "--speed must be"),
+        (["--connect", "localhost:5"], "expected tcp://HOST:PORT"),
+        (["--summary-json", "/nonexistent/dir/s.json"], "does not exist"),
+        (["nosuchrun", "--runs-dir", str(tmp_path)], "no runs under"),
+    ]:
+        result = ddtop("--headless", *args, cwd=tmp_path, timeout=30)
+        assert result.returncode == 2, (args, result.stderr)
+        assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, args
+        assert "Traceback" not in result.stderr
+    nofg = ddtrain("start", "--headless", *SHORT, cwd=tmp_path, timeout=30)
+    assert nofg.returncode == 2 and "add --foreground" in nofg.stderr
+
+
+def test_ddtop_help_is_quick_and_imports_no_torch_or_textual() -> None:
+    code = ("import sys, time; t = time.perf_counter(); from ddtop.dashboard.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'textual'))\n"
+            "sys.stderr.write(repr(bad)); sys.exit(1 if bad else 0)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "--headless" in run.stdout and "Exit codes" in run.stdout
