@@ -289,7 +289,9 @@ class RunState(msgspec.Struct, kw_only=True):
         steps = m.steps
         rate = m.samples / m.step_s if m.step_s > 0 else None
         if view.last_step_t is not None and m.t > view.last_step_t:
-            rate = m.samples / (m.t - view.last_step_t)  # wall clock: includes syncs
+            # Wall clock, so syncs count; never less than the steps took (a message sent
+            # right after the previous one, at an epoch end, would otherwise spike).
+            rate = m.samples / max(m.t - view.last_step_t, m.step_s)
         view.last_step_t = m.t
         view.epoch, view.step, view.steps_per_epoch = m.epoch, m.step, m.steps_per_epoch
         view.global_step = max(view.global_step, m.global_step)

@@ -9,7 +9,7 @@ then hands them to the widgets.
 
 from __future__ import annotations
 
-from collections import deque
+import time
 from typing import ClassVar
 
 from textual import work
@@ -30,7 +30,7 @@ from ddtop.dashboard.widgets import RankTable
 
 PUMP_S = 0.05
 CHART_POINTS = 120
-SAMPLE_EVERY_S = 1.0  # run-wide chart points, in the feed's time
+SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
 EVENT_LINES = 8
 STOP_TIMEOUT_S = 30.0
 
@@ -63,18 +63,18 @@ class DashboardApp(App[None]):
         Binding("escape", "clear_filter", show=False),
     ]
 
-    def __init__(self, feed: FeedBase, fps: float = 5.0, replay: bool = False) -> None:
+    def __init__(self, feed: FeedBase, fps: float = 5.0) -> None:
         super().__init__()
-        self.feed, self.fps, self.replay = feed, fps, replay
+        self.feed, self.fps = feed, fps
+        self.replay = isinstance(feed, ReplayFeed) and feed.replaying
         self.exit_code = 0
         self.paused = False
         self.dirty = True
         self.sort_index, self.sort_reverse = 0, False
         self.filter_text, self.problems_only = "", False
         self.frames = 0
-        self.run_rate: deque[float] = deque(maxlen=CHART_POINTS)
-        self.run_comm: deque[float] = deque(maxlen=CHART_POINTS)
-        self.last_sample: float | None = None
+        self.series: tuple[list[float], list[float]] = ([], [])  # run-wide rate, comm share
+        self.series_at, self.series_folded = 0.0, -1
 
     def compose(self) -> ComposeResult:
         yield Static(id="header")
@@ -125,7 +125,10 @@ class DashboardApp(App[None]):
         table = self.query_one(RankTable)
         with self.feed.lock:
             state, now = self.feed.state, self.feed.now()
-            self._sample(now)
+            if state.folded != self.series_folded and (
+                    self.feed.finished or time.monotonic() - self.series_at >= SERIES_EVERY_S):
+                self.series = panels.run_series(state, CHART_POINTS)
+                self.series_at, self.series_folded = time.monotonic(), state.folded
             note = self._note()
             header = panels.header(state, now, note)
             banner = panels.banner(state, now, self.feed.connection, self.feed.detail)
@@ -148,8 +151,8 @@ class DashboardApp(App[None]):
         self.query_one("#loss-rank", Sparkline).data = rank_loss
         self.query_one("#rank-loss-title", Static).update(
             f"loss: rank {selected}" if selected is not None else "loss: selected rank")
-        self.query_one("#rate", Sparkline).data = list(self.run_rate)
-        self.query_one("#comm-share", Sparkline).data = list(self.run_comm)
+        self.query_one("#rate", Sparkline).data = self.series[0]
+        self.query_one("#comm-share", Sparkline).data = self.series[1]
         self.query_one("#comm", Static).update(comm)
         self.query_one("#events", Static).update(events)
         self.frames += 1
@@ -160,30 +163,18 @@ class DashboardApp(App[None]):
 
     def _note(self) -> str:
         parts = []
-        if isinstance(self.feed, ReplayFeed) and self.replay:
+        if isinstance(self.feed, ReplayFeed) and self.feed.replaying:
             speed = "max" if self.feed.speed == 0 else f"{self.feed.speed:g}x"
             parts.append(f"replay {speed} (+/- speed)")
         if self.feed.finished and not self.replay:
             parts.append("the run is over: showing its final state")
         if self.filter_text or self.problems_only:
-            what = ", ".join(filter(None, [self.filter_text and f"'{self.filter_text}'",
-                                           self.problems_only and "problems only"]))
+            what = ", ".join(([f"'{self.filter_text}'"] if self.filter_text else [])
+                             + (["problems only"] if self.problems_only else []))
             parts.append(f"filter: {what}")
         if self.paused:
             parts.append("PAUSED")
         return " · ".join(parts)
-
-    def _sample(self, now: float) -> None:
-        """Run-wide throughput and comm share, one chart point per second of feed time."""
-        if self.last_sample is not None and now - self.last_sample < SAMPLE_EVERY_S:
-            return
-        self.last_sample = now
-        state = self.feed.state
-        if not state.ranks:
-            return
-        self.run_rate.append(state.throughput(now))
-        shares = [v.comm_share for v in state.ranks.values() if v.comm_share is not None]
-        self.run_comm.append(sum(shares) / len(shares) if shares else 0.0)
 
     # -- keys ------------------------------------------------------------------------
     def action_help(self) -> None:
@@ -226,7 +217,7 @@ class DashboardApp(App[None]):
         self.render_view()
 
     def action_pause(self) -> None:
-        if isinstance(self.feed, ReplayFeed) and self.replay:
+        if isinstance(self.feed, ReplayFeed) and self.feed.replaying:
             self.feed.set_paused(not self.paused)
         self.paused = not self.paused
         if not self.paused:
@@ -237,7 +228,7 @@ class DashboardApp(App[None]):
             self.query_one("#header", Static).update(header)
 
     def action_speed(self, factor: float) -> None:
-        if isinstance(self.feed, ReplayFeed) and self.replay:
+        if isinstance(self.feed, ReplayFeed) and self.feed.replaying:
             current = self.feed.speed or 64.0
             self.feed.set_speed(min(1024.0, max(0.125, current * factor)))
             self.render_view()

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check(args)
-        from ddtop.dashboard.feed import LiveFeed, ReplayFeed, open_feed
+        from ddtop.dashboard.feed import LiveFeed, open_feed
 
         headless = args.headless or not (sys.stdout.isatty() and sys.stdin.isatty())
         if args.connect is not None:
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             return watch(feed, printer, args.wait)
         from ddtop.dashboard.app import DashboardApp
 
-        app = DashboardApp(feed, fps=args.fps,
-                           replay=isinstance(feed, ReplayFeed) and args.replay)
+        app = DashboardApp(feed, fps=args.fps)
         app.run()
         return app.exit_code
     finally:

@@ -262,9 +262,10 @@ class ReplayFeed(Feed):
     """A journal played back: `speed` times real time; 0 folds it all at once."""
 
     def __init__(self, paths: RunPaths, speed: float = 1.0,
-                 instant_step_s: float = INSTANT_STEP_S) -> None:
+                 instant_step_s: float = INSTANT_STEP_S, replaying: bool = True) -> None:
         super().__init__(paths.run_id)
         self.instant_step_s = instant_step_s
+        self.replaying = replaying  # False: a finished run read at once, not played back
         self.paths = paths
         self.records: Iterator[journal.Record] = (
             journal.read(paths.journal) if paths.journal.exists() else iter(()))
@@ -341,5 +342,6 @@ def open_feed(target: RunPaths | str, replay: bool = False, speed: float = 1.0) 
         return ReplayFeed(target, speed)
     if RunInfo.load(target).live:
         return LiveFeed(paths=target)
-    return ReplayFeed(target, speed=0, instant_step_s=float("inf"))  # a finished run: at once
+    # A finished run: its journal at once.
+    return ReplayFeed(target, speed=0, instant_step_s=float("inf"), replaying=False)
 

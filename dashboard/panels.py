@@ -116,9 +116,10 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
     for r in ordered[:max(0, lines - len(text.plain.splitlines()))]:
         started = f"{r.coll_started.op} #{r.coll_started.seq}" if r.coll_started else "-"
         completed = f"#{r.coll_completed.seq}" if r.coll_completed else "-"
-        style = "bold yellow" if r.in_collective and r.phase_elapsed(now) > 1 else ""
+        inside = r.in_collective and not r.exited and r.bye_code is None
+        style = "bold yellow" if inside and r.phase_elapsed(now) > 1 else ""
         text.append(f"rank {r.rank:>4}: {started} / {completed}"
-                    f"{'  (inside)' if r.in_collective else ''}\n", style)
+                    f"{'  (inside)' if inside else ''}\n", style)
     return text
 
 
@@ -148,14 +149,16 @@ def detail(state: RunState, rank: int, now: float) -> Text:
         return text
     text.append(f"  {v.host or '?'} pid {v.pid or '?'} · {v.device or '?'} · {v.backend or '?'}"
                 f" · local rank {v.local_rank}\n")
+    ended = v.exited or v.bye_code is not None
+    where = "" if ended else f" · now {v.where()} for {v.phase_elapsed(now):.1f} s"
     text.append(f"epoch {v.epoch + 1} step {v.step}/{v.steps_per_epoch} (global {v.global_step})"
-                f" · now {v.where()} for {v.phase_elapsed(now):.1f} s · last message "
+                f"{where} · last message "
                 f"{fmt.seconds(None if v.last_seen is None else now - v.last_seen)} ago\n")
     text.append(f"loss {fmt.num(v.loss, '.4f')} · {fmt.num(v.samples_per_s, ',.0f')} samples/s · "
                 f"lr {fmt.num(v.lr, '.2e')} · memory {fmt.size(v.memory)} · messages "
                 f"{v.received} received, {v.lost} lost, {v.duplicates} duplicates, "
                 f"{v.sender_dropped} dropped by the rank\n")
-    if v.exited or v.bye_code is not None:
+    if ended:
         how = (f"killed by {v.signal}" if v.signal else
                f"exit code {v.exit_code if v.exit_code is not None else v.bye_code}")
         text.append(f"ended: {how}{' (stopped by the daemon)' if v.stopped_by_daemon else ''}"
@@ -172,3 +175,19 @@ def detail(state: RunState, rank: int, now: float) -> Text:
     for line in fmt.traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text
+
+
+def run_series(state: RunState, points: int) -> tuple[list[float], list[float]]:
+    """Run-wide throughput (sum over ranks) and comm share (mean) over the ranks'
+    recent step readings, aligned from the newest: each rank's i-th newest reading
+    is taken together with the others'."""
+    histories = [v.history for v in state.ranks.values() if v.history]
+    if not histories:
+        return [], []
+    n = min(points, max(len(h) for h in histories))
+    rate, share = [], []
+    for i in range(n, 0, -1):
+        readings = [h[-i] for h in histories if len(h) >= i]
+        rate.append(sum(p.samples_per_s for p in readings) * len(histories) / len(readings))
+        share.append(sum(p.comm_share for p in readings) / len(readings))
+    return rate, share

@@ -81,7 +81,7 @@ class RankDetail(Screen[None]):
 
     def __init__(self, feed: Feed, rank: int, log: Path | None, fps: float) -> None:
         super().__init__()
-        self.feed, self.rank, self.log, self.fps = feed, rank, log, fps
+        self.feed, self.rank, self.log_path, self.fps = feed, rank, log, fps
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="detail-top"):
@@ -117,11 +117,11 @@ class RankDetail(Screen[None]):
         self.query_one("#detail-log", Static).update(self._log_tail())
 
     def _log_tail(self) -> Text:
-        text = Text(f"log {self.log or '(not available when attached by --connect)'}\n", "bold")
-        if self.log is None:
-            return text
+        if self.log_path is None:
+            return Text("log: not available when attached by --connect", "bold")
+        text = Text(f"log {self.log_path.name}  ({self.log_path.parent})\n", "bold")
         try:
-            with self.log.open("rb") as f:
+            with self.log_path.open("rb") as f:
                 f.seek(0, 2)
                 f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
                 data = f.read().decode(errors="replace")

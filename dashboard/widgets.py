@@ -32,7 +32,8 @@ CURSOR_STYLE = Style(bgcolor="grey35", bold=True)
 def fit_columns(width: int) -> list[fmt.Column]:
     """The columns that fit in `width` cells, in table order."""
     by_key = {c.key: c for c in fmt.COLUMNS}
-    chosen, used = set(), MARK_WIDTH
+    chosen: set[str] = set()
+    used = MARK_WIDTH
     for key in PRIORITY:
         need = by_key[key].width + 1
         if used + need <= width or not chosen:

@@ -1,0 +1,208 @@
+"""The real Textual app, driven with App.run_test(): attached to a live 2-rank run
+(rows advance, sort, detail, quit while the run goes on, stop it with `x`), and
+on recorded journals (keys, filters, screens, and snapshots of the main screen).
+
+Snapshots are the screen's text; after a deliberate change of the layout,
+rewrite them with DDTOP_UPDATE_SNAPSHOTS=1 and review the diff."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import detached
+from rich.console import Console
+from textual.pilot import Pilot
+
+from ddtop.daemon.runinfo import RunInfo
+from ddtop.daemon.runs import RunPaths
+from ddtop.dashboard.app import DashboardApp
+from ddtop.dashboard.feed import Feed, LiveFeed, open_feed
+from ddtop.dashboard.screens import HelpScreen, RankDetail
+from ddtop.dashboard.widgets import RankTable
+
+FIXTURES = Path(__file__).parent / "fixtures" / "runs"
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE = os.environ.get("DDTOP_UPDATE_SNAPSHOTS") == "1"
+
+
+@pytest.fixture(autouse=True)
+def utc() -> Iterator[None]:
+    """Event times print in local time: pin it, so snapshots match anywhere."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    yield
+    if before is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+@pytest.fixture
+def recorded(tmp_path: Path) -> Path:
+    shutil.copytree(FIXTURES, tmp_path / "runs")
+    return tmp_path / "runs"
+
+
+def screen_text(app: DashboardApp) -> str:
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True,
+                      color_system=None, legacy_windows=False)
+    console.print(app.screen._compositor.render_update(full=True))
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines())
+
+
+def drive(feed: Feed, size: tuple[int, int],
+          script: Callable[[DashboardApp, Pilot[None]], Awaitable[None]]) -> DashboardApp:
+    app = DashboardApp(feed, fps=10)
+
+    async def main() -> None:
+        async with app.run_test(size=size) as pilot:
+            await script(app, pilot)
+
+    try:
+        asyncio.run(main())
+    finally:
+        if isinstance(feed, LiveFeed):
+            feed.close()
+    return app
+
+
+async def until(pilot: Pilot[None], predicate: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s")
+        await pilot.pause(0.05)
+
+
+async def settled(app: DashboardApp, pilot: Pilot[None]) -> None:
+    """The journal is folded and a frame drawn from the end of it."""
+    await until(pilot, lambda: app.feed.finished)
+    frames = app.frames
+    await until(pilot, lambda: app.frames > frames + 1)
+
+
+def table(app: DashboardApp) -> list[str]:
+    return [line for line in app.query_one(RankTable).visible_text() if line]
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+def test_snapshot_of_a_finished_run(recorded: Path, size: tuple[int, int]) -> None:
+    shots: list[str] = []
+
+    async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await settled(app, pilot)
+        shots.append(screen_text(app))
+
+    drive(open_feed(RunPaths(recorded / "recorded-ok")), size, script)
+    expected = SNAPSHOTS / f"finished-{size[0]}x{size[1]}.txt"
+    if UPDATE or not expected.exists():
+        expected.parent.mkdir(exist_ok=True)
+        expected.write_text(shots[0] + "\n")
+        if not UPDATE:
+            pytest.fail(f"wrote the missing snapshot {expected.name}; check it and rerun")
+    assert shots[0] + "\n" == expected.read_text()
+
+
+def test_keys_on_a_recorded_failed_run(recorded: Path) -> None:
+    async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await settled(app, pilot)
+        text = screen_text(app)
+        assert "✖ rank 1 killed by SIGKILL" in text and " failed " in text
+        rows = table(app)[1:]
+        assert " SIGTERM " in rows[0] and " SIGKILL " in rows[1]
+        await pilot.press("s")  # by state: problems first, then by rank
+        await pilot.pause(0.1)
+        assert "STATE▼" in table(app)[0]
+        await pilot.press("s", "s", "s")  # step, loss, samples/s
+        assert "SAMPLES/S▼" in table(app)[0]
+        await pilot.press("slash", "1", "enter")
+        await until(pilot, lambda: len(table(app)) == 2)
+        assert table(app)[1].split()[0] == "1" and "filter: '1'" in screen_text(app)
+        await pilot.press("slash", "backspace", "enter")
+        await until(pilot, lambda: len(table(app)) == 3)
+        await pilot.press("f")  # problems only: both ranks are dead
+        await until(pilot, lambda: "problems only" in screen_text(app))
+        assert len(table(app)) == 3
+        await pilot.press("f", "question_mark")
+        assert isinstance(app.screen, HelpScreen) and "straggler" in screen_text(app)
+        await pilot.press("escape")
+        await pilot.press("x")  # nothing to stop: the run is over
+        await pilot.pause(0.1)
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("s", "s", "s", "s")  # around to rank order
+        assert "RANK▼" in table(app)[0]
+        await pilot.press("home", "enter")
+        await until(pilot, lambda: isinstance(app.screen, RankDetail))
+        await until(pilot, lambda: "training done" in screen_text(app)
+                    or "step" in screen_text(app))
+        detail = screen_text(app)
+        assert "rank 0" in detail and "stopped by the daemon" in detail
+        assert "rank-0.log" in detail and "per step (ms)" in detail
+        await pilot.press("escape")
+        assert isinstance(app.screen.query_one(RankTable), RankTable)
+        await pilot.press("q")
+
+    drive(open_feed(RunPaths(recorded / "recorded-failed")), (120, 40), script)
+
+
+def test_replay_plays_the_journal_in_its_own_time(recorded: Path) -> None:
+    feed = open_feed(RunPaths(recorded / "recorded-ok"), replay=True, speed=4.0)
+
+    async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await until(pilot, lambda: "replay 4x" in screen_text(app))
+        await pilot.press("plus")
+        await until(pilot, lambda: "replay 8x" in screen_text(app))
+        await until(pilot, lambda: app.feed.finished, timeout=20)
+        await until(pilot, lambda: " succeeded " in screen_text(app))
+
+    drive(feed, (120, 40), script)
+
+
+@pytest.mark.timeout(180)
+def test_live_run_rows_advance_quit_leaves_it_running_and_x_stops_it(tmp_path: Path) -> None:
+    with detached("-n", "2", "--epochs", "40", "--run-id", "tui", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        paths = RunPaths(tmp_path / "runs" / "tui")
+
+        def steps(app: DashboardApp) -> list[int]:
+            return [int(line.split()[4].split("/")[0]) for line in table(app)[1:]]
+
+        async def watch_then_quit(app: DashboardApp, pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: len(table(app)) == 3 and min(steps(app)) > 0)
+            first = steps(app)
+            await until(pilot, lambda: all(b > a for a, b in zip(first, steps(app), strict=True)))
+            assert " running " in screen_text(app) and "2 ranks on 1 node" in screen_text(app)
+            await pilot.press("s")
+            assert "STATE▼" in table(app)[0]
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, RankDetail))
+            await until(pilot, lambda: "samples/s" in screen_text(app))
+            await pilot.press("escape")
+            await pilot.press("q")
+
+        drive(LiveFeed(paths=paths), (120, 40), watch_then_quit)
+        assert RunInfo.load(paths).live  # quitting the dashboard left the run alone
+
+        async def stop_it(app: DashboardApp, pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: app.feed.connection == "live")
+            await pilot.press("x")
+            await until(pilot, lambda: "Stop run" in screen_text(app))
+            await pilot.press("y")
+            await until(pilot, lambda: app.feed.finished, timeout=60)
+            await until(pilot, lambda: " stopped " in screen_text(app))
+            await pilot.press("q")
+
+        drive(LiveFeed(paths=paths), (120, 40), stop_it)
+        status = run.status("tui")
+        assert status["status"] == "stopped"
+        assert run.leftovers() == []
