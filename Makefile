@@ -10,9 +10,9 @@ WORLD_SIZE ?= 8
 .PHONY: help install demo test lint typecheck pytest bench clean
 
 help:
-	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset"
+	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset and watch them in ddtop"
 	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
-	@echo "make bench      start-up benchmark (bench/startup.py)"
+	@echo "make bench      benchmarks: start-up, telemetry, dashboard (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
 $(STAMP): pyproject.toml
@@ -24,8 +24,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# In a terminal: a detached 8-rank run and the dashboard on it (q leaves the run
+# going). Without one (CI, a pipe): the same run in the foreground, headless.
 demo: $(STAMP)
-	$(BIN)/ddtrain start --foreground --world-size $(WORLD_SIZE)
+	@if [ -t 0 ] && [ -t 1 ]; then \
+		$(BIN)/ddtrain start --world-size $(WORLD_SIZE) && \
+		echo "opening ddtop: q detaches (the run goes on), x stops the run, ? for help" && \
+		sleep 1 && $(BIN)/ddtop; \
+		echo "re-attach: $(BIN)/ddtop    status: $(BIN)/ddtrain status    stop: $(BIN)/ddtrain stop"; \
+	else \
+		$(BIN)/ddtrain start --foreground --headless --world-size $(WORLD_SIZE); \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -44,6 +53,8 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python bench/startup.py
+	$(BIN)/python bench/telemetry.py
+	$(BIN)/python bench/dashboard.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -31,6 +31,9 @@ STALL_STEPS = 20
 SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
 STRAGGLER_FACTOR = 1.25  # compute time per step this far above the median: straggler
 STRAGGLER_MIN_S = 0.001
+# ... and by more than this share of the median step time: jitter of a few per cent
+# between ranks on a busy machine is not a straggler.
+STRAGGLER_STEP_SHARE = 0.10
 HISTORY_POINTS = 120  # per rank
 MAX_EVENTS = 500
 MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
@@ -80,7 +83,7 @@ class RankView(msgspec.Struct, kw_only=True):
     samples_per_s: float | None = None
     comm_s: float | None = None  # per step
     comm_bytes: int | None = None  # per step
-    comm_ops: int | None = None  # collectives per step (gradient buckets)
+    comm_ops: float | None = None  # collectives per step (gradient buckets), averaged
     algbw_gbps: float | None = None
     busbw_gbps: float | None = None
     sync_wait_s: float = 0.0  # total
@@ -300,7 +303,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.samples_per_s = rate
         view.comm_s = m.comm_s / steps
         view.comm_bytes = m.comm_bytes // steps
-        view.comm_ops = m.comm_ops // steps
+        view.comm_ops = m.comm_ops / steps
         view.algbw_gbps, view.busbw_gbps = m.algbw_gbps, m.busbw_gbps
         view.sync_wait_s += m.sync_wait_s
         view.phase_split = {"data": m.data_s / steps, "forward": m.forward_s / steps,
@@ -409,8 +412,10 @@ class RunState(msgspec.Struct, kw_only=True):
         slowest = max(values, key=lambda r: values[r])
         skew = values[slowest] - min(values.values())
         median = statistics.median(values.values())
+        step = statistics.median(v.step_time_s or 0.0 for r, v in self.ranks.items() if r in busy)
+        margin = max(STRAGGLER_MIN_S, STRAGGLER_STEP_SHARE * step)
         slow = [r for r, b in sorted(values.items())
-                if b > median * STRAGGLER_FACTOR and b - median > STRAGGLER_MIN_S]
+                if b > median * STRAGGLER_FACTOR and b - median > margin]
         return slowest, skew, slow
 
     def hang(self, now: float) -> str | None:

@@ -105,7 +105,8 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
     if v is not None and v.comm_s is not None:
         share = 100 * (v.comm_share or 0)
         text.append(f"rank {v.rank}: ", "bold")
-        text.append(f"{v.comm_ops or 0} ops, {fmt.size(v.comm_bytes)}, {fmt.millis(v.comm_s)} ms "
+        text.append(f"{v.comm_ops or 0:.1f} ops, {fmt.size(v.comm_bytes)}, "
+                    f"{fmt.millis(v.comm_s)} ms "
                     f"({share:.0f}% of step), busbw {fmt.num(v.busbw_gbps, '.2f')} GB/s, "
                     f"sync wait {v.sync_wait_s:.2f} s\n")
     text.append("last collective (started / completed), laggards first\n", "dim")

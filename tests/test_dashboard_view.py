@@ -128,3 +128,13 @@ def test_numbers_for_people() -> None:
     assert fmt.seconds(7300) == "2h01m"
     assert fmt.size(940_600) == "940.6 KB" and fmt.size(12) == "12 B"
     assert fmt.bar(0.5, 4) == "██  " and fmt.bar(1.5, 2) == "██"
+
+
+def test_jitter_of_a_few_per_cent_of_the_step_is_not_a_straggler() -> None:
+    # Compute 10, 10, 13 ms in 100 ms steps: 30% above the median, but 3% of the step.
+    msgs: list[wire.Message] = [hello(r) for r in range(3)]
+    msgs += [step(r, 1, 10, step_s=0.1, comm_s=0.087 if r == 2 else 0.09) for r in range(3)]
+    s = fold(*msgs)
+    slowest, _, slow = s.stragglers()
+    assert slowest == 2 and slow == []
+    assert not any(r.straggler for r in fmt.rank_rows(s, 100.5))
