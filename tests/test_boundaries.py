@@ -10,7 +10,8 @@ import pytest
 from helpers import DDTRAIN
 
 TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.launcher", "ddtop.daemon.config",
-              "ddtop.daemon.runs", "ddtop.dashboard.cli"]
+              "ddtop.daemon.runs", "ddtop.dashboard.cli", "ddtop.dashboard.app",
+              "ddtop.dashboard.headless", "ddtop.dashboard.feed"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
