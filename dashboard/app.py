@@ -187,8 +187,17 @@ class DashboardApp(App[None]):
             self.sort_index = (self.sort_index + 1) % len(fmt.SORT_KEYS)
             self.sort_reverse = False
         key = fmt.SORT_KEYS[self.sort_index]
-        self.query_one(RankTable).set_sort_key(key)
+        self.query_one(RankTable).set_sort_key(key, self.sort_reverse)
         self.notify(f"sorted by {key}{' (reversed)' if self.sort_reverse else ''}", timeout=2)
+        self.render_view()
+
+    def on_rank_table_sort_requested(self, message: RankTable.SortRequested) -> None:
+        index = fmt.SORT_KEYS.index(message.key)
+        if index == self.sort_index:
+            self.action_sort(reverse=True)  # a second click on the same title reverses
+            return
+        self.sort_index, self.sort_reverse = index, False
+        self.query_one(RankTable).set_sort_key(message.key)
         self.render_view()
 
     def action_filter(self) -> None:

@@ -119,8 +119,9 @@ COLUMNS = (
     Column("memory", "MEM", 8),
     Column("seen", "SEEN", 5),
 )
-# The columns `s` cycles through, and what each sorts by.
-SORT_KEYS = ("rank", "state", "step", "loss", "rate", "step_ms", "comm_share", "seen")
+# Every column sorts (`s` cycles through them in this order; a click on a title picks one).
+SORT_KEYS = ("rank", "state", "step", "loss", "rate", "step_ms", "comm_share", "seen", "comm_ms",
+             "busbw", "sync", "memory", "epoch", "progress", "host", "device")
 STATE_ORDER = {DEAD: 0, STALLED: 1, SILENT: 2, STARTING: 3, RUNNING: 4, FINISHED: 5}
 
 
@@ -169,7 +170,9 @@ def rank_rows(state: RunState, now: float) -> list[Row]:
             "loss": v.loss if v.loss is not None else float("inf"),
             "rate": v.samples_per_s or 0.0, "step_ms": v.step_time_s or 0.0,
             "comm_share": v.comm_share or 0.0, "seen": seen if seen is not None else 1e9,
-            "sync": sync_per_step or 0.0,
+            "sync": sync_per_step or 0.0, "comm_ms": v.comm_s or 0.0,
+            "busbw": v.busbw_gbps or 0.0, "memory": v.memory or 0, "epoch": v.epoch,
+            "progress": fraction, "host": v.host, "device": v.device,
         }
         rows.append(Row(rank, st, cells, sort, slowest=rank == slowest,
                         straggler=rank in stragglers, progress=fraction))
@@ -183,8 +186,8 @@ def _state_text(v: RankView, st: str) -> str:
 
 
 def sort_rows(rows: list[Row], key: str, reverse: bool = False) -> list[Row]:
-    # Descending is the useful default for rates and times: the worst first.
-    descending = key in ("step_ms", "comm_share", "seen", "loss")
+    # Descending where the worst is the largest: times, shares, loss, memory.
+    descending = key in ("step_ms", "comm_share", "seen", "loss", "comm_ms", "sync", "memory")
     return sorted(rows, key=lambda r: (r.sort[key], r.rank), reverse=descending != reverse)
 
 

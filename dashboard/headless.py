@@ -113,18 +113,20 @@ class Printer:
 
     def _bar(self, state: RunState, now: float) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, Progress, TextColumn
 
         done, total = state.progress()
         if self.progress_bar is None:
             self.progress_bar = Progress(
                 TextColumn("[bold]{task.fields[run]}"), BarColumn(),
-                TextColumn("{task.description}"), TimeElapsedColumn(),
-                console=Console(file=self.out), transient=False)
+                TextColumn("{task.description}"), console=Console(file=self.out),
+                transient=False)
             self.progress_bar.start()
             self.task = self.progress_bar.add_task("", total=total or None, run=state.run)
-        self.progress_bar.update(self.task, completed=done, total=total or None,
-                                 description=progress_text(state, now, short=True))
+        self.progress_bar.update(
+            self.task, completed=done, total=total or None,
+            description=f"{progress_text(state, now, short=True)}; "
+                        f"{fmt.seconds(fmt.elapsed(state, now))}")
 
     # -- the end ---------------------------------------------------------------------
     def finish(self) -> int:

@@ -60,12 +60,19 @@ class RankTable(Widget, can_focus=True):
             super().__init__()
             self.rank = rank
 
+    class SortRequested(Message):
+        """A column title was clicked."""
+
+        def __init__(self, key: str) -> None:
+            super().__init__()
+            self.key = key
+
     def __init__(self, id: str | None = None) -> None:
         super().__init__(id=id)
         self.rows: list[fmt.Row] = []
         self.cursor = 0
         self.top = 0  # index of the first row shown
-        self.sort_key = "rank"
+        self.sort_key, self.sort_reverse = "rank", False
         self._strips: dict[int, Strip] = {}  # row index -> strip, for this frame's rows
         self._columns: list[fmt.Column] = []
         self._header: Strip | None = None
@@ -120,7 +127,21 @@ class RankTable(Widget, can_focus=True):
     def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:
         self.action_move(-3)
 
+    def column_at(self, x: int) -> str | None:
+        """The key of the column drawn at cell `x`."""
+        left = MARK_WIDTH
+        for c in self._columns:
+            if left <= x < left + c.width + 1:
+                return c.key
+            left += c.width + 1
+        return None
+
     def on_click(self, event: events.Click) -> None:
+        if event.y == 0:
+            key = self.column_at(event.x)
+            if key is not None:
+                self.post_message(self.SortRequested(key))
+            return
         index = self.top + event.y - 1
         if event.y >= 1 and 0 <= index < len(self.rows):
             self.cursor = index
@@ -155,7 +176,8 @@ class RankTable(Widget, can_focus=True):
     def _header_strip(self, width: int) -> Strip:
         titles = []
         for c in self._columns:
-            title = c.title + ("▼" if c.key == self.sort_key else "")
+            arrow = ("▲" if self.sort_reverse else "▼") if c.key == self.sort_key else ""
+            title = c.title + arrow
             titles.append(title[-c.width:].rjust(c.width) if c.right else title.ljust(c.width))
         text = " " * MARK_WIDTH + " ".join(titles)
         return Strip([Segment(text, HEADER_STYLE)]).adjust_cell_length(width, HEADER_STYLE)
@@ -185,8 +207,8 @@ class RankTable(Widget, can_focus=True):
         self._strips.clear()
         self.refresh()
 
-    def set_sort_key(self, key: str) -> None:
-        self.sort_key = key
+    def set_sort_key(self, key: str, reverse: bool = False) -> None:
+        self.sort_key, self.sort_reverse = key, reverse
         self._header = None
         self.refresh()
 

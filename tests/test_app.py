@@ -11,6 +11,7 @@ import asyncio
 import io
 import os
 import shutil
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -139,8 +140,15 @@ def test_keys_on_a_recorded_failed_run(recorded: Path) -> None:
         await pilot.press("x")  # nothing to stop: the run is over
         await pilot.pause(0.1)
         assert not isinstance(app.screen, HelpScreen)
-        await pilot.press("s", "s", "s", "s")  # around to rank order
-        assert "RANK▼" in table(app)[0]
+        rank_table = app.query_one(RankTable)
+        loss_x = next(x for x in range(120) if rank_table.column_at(x) == "loss")
+        await pilot.click(RankTable, offset=(loss_x, 0))  # a click on a title sorts by it
+        await until(pilot, lambda: "LOSS▼" in table(app)[0])
+        await pilot.click(RankTable, offset=(loss_x, 0))  # ... a second reverses
+        await until(pilot, lambda: "LOSS▲" in table(app)[0])
+        rank_x = next(x for x in range(120) if rank_table.column_at(x) == "rank")
+        await pilot.click(RankTable, offset=(rank_x, 0))
+        await until(pilot, lambda: "RANK▼" in table(app)[0])
         await pilot.press("home", "enter")
         await until(pilot, lambda: isinstance(app.screen, RankDetail))
         await until(pilot, lambda: "training done" in screen_text(app)
@@ -206,3 +214,38 @@ def test_live_run_rows_advance_quit_leaves_it_running_and_x_stops_it(tmp_path: P
         status = run.status("tui")
         assert status["status"] == "stopped"
         assert run.leftovers() == []
+
+
+def test_a_daemon_that_does_not_answer_gets_a_banner_and_retries() -> None:
+    feed = LiveFeed(connect="tcp://127.0.0.1:9")  # nothing listens there
+
+    async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await until(pilot, lambda: "the daemon does not answer" in screen_text(app))
+        tries = feed.next_try
+        await until(pilot, lambda: feed.next_try > tries)  # still trying, still drawing
+        frames = app.frames
+        await until(pilot, lambda: app.frames > frames)
+        await pilot.press("q")
+
+    drive(feed, (100, 30), script)
+
+
+@pytest.mark.timeout(120)
+def test_killed_daemon_shows_the_run_lost(tmp_path: Path) -> None:
+    with detached("-n", "2", "--epochs", "40", "--run-id", "gone", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        paths = RunPaths(tmp_path / "runs" / "gone")
+        pid = RunInfo.load(paths).daemon_pid
+        assert pid is not None
+
+        async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: app.feed.connection == "live" and " running " in
+                        screen_text(app))
+            os.kill(pid, signal.SIGKILL)
+            await until(pilot, lambda: "run lost" in screen_text(app), timeout=30)
+            text = screen_text(app)
+            assert " lost " in text and f"daemon (pid {pid}) is gone" in text
+            await pilot.press("q")
+
+        drive(LiveFeed(paths=paths), (120, 40), script)
+        assert run.leftovers() == []  # the ranks died with their daemon

@@ -5,6 +5,7 @@ replays of recorded journals, summary files, and bad input."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -144,3 +145,36 @@ def test_ddtop_help_is_quick_and_imports_no_torch_or_textual() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "--headless" in run.stdout and "Exit codes" in run.stdout
+
+
+def test_on_a_terminal_text_output_is_a_progress_bar(tmp_path: Path) -> None:
+    """Under a pseudo-terminal, --headless draws a rich progress bar (not repeated
+    progress lines) with the events above it, then the summary."""
+    import os
+    import pty
+
+    shutil.copytree(FIXTURES, tmp_path / "runs")
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([DDTOP, "--headless", "--replay", "--speed", "8", "recorded-ok"],
+                            cwd=tmp_path, env=tagged_env("tty", {"COLUMNS": "120"}),
+                            stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the other side closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
+    out = b"".join(chunks).decode(errors="replace")
+    assert "━" in out and "step 1024/1024" in out  # the bar, filled
+    assert not re.search(r"\d\d:\d\d:\d\d running: step", out)  # no interval lines
+    assert "epoch 2 done" in out and "run recorded-ok succeeded" in out
