@@ -33,6 +33,7 @@ CHART_POINTS = 120
 SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
 EVENT_LINES = 8
 STOP_TIMEOUT_S = 30.0
+IDLE_REDRAW_S = 1.0
 
 
 class FeedChanged(Message):
@@ -70,6 +71,8 @@ class DashboardApp(App[None]):
         self.exit_code = 0
         self.paused = False
         self.dirty = True
+        self.shown_run = False
+        self.last_render = 0.0
         self.sort_index, self.sort_reverse = 0, False
         self.filter_text, self.problems_only = "", False
         self.frames = 0
@@ -101,22 +104,33 @@ class DashboardApp(App[None]):
         self.query_one("#filter", Input).display = False
         self.pump()
         self.render_view()
-        self.set_interval(1 / self.fps, self.render_view)
+        self.set_interval(1 / self.fps, self.tick)
+
+    def tick(self) -> None:
+        """A frame when something was folded since the last one, else once a second
+        (ages and states move on with the clock alone)."""
+        if self.dirty or time.monotonic() - self.last_render >= IDLE_REDRAW_S:
+            self.render_view()
 
     # -- the worker: sockets or journal -> RunState -------------------------------------
     @work(thread=True, exclusive=True, exit_on_error=False)
     def pump(self) -> None:
         worker = get_current_worker()
+        seen: tuple[str, str, bool] | None = None
         while not worker.is_cancelled:
             folded = self.feed.pump(PUMP_S)
-            if folded or not self.feed.finished:
+            now = (self.feed.connection, self.feed.detail, self.feed.finished)
+            if folded or now != seen:
+                seen = now
                 self.post_message(FeedChanged(folded))
             if self.feed.finished and not folded:
-                self.post_message(FeedChanged(0))
                 return
 
     def on_feed_changed(self, message: FeedChanged) -> None:
         self.dirty = True
+        if not self.shown_run and self.feed.state.ranks:
+            self.shown_run = True
+            self.render_view()  # the first data on screen at once, not at the next tick
 
     # -- one frame ---------------------------------------------------------------------
     def render_view(self) -> None:
@@ -157,6 +171,7 @@ class DashboardApp(App[None]):
         self.query_one("#events", Static).update(events)
         self.frames += 1
         self.dirty = False
+        self.last_render = time.monotonic()
 
     def _height(self, selector: str) -> int:
         return self.query_one(selector).size.height
