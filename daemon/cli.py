@@ -238,7 +238,8 @@ def start_detached(config: TrainConfig, paths: RunPaths) -> int:
     print(f"ddtrain: started run {rid}: {config.world_size} ranks ({state}), "
           f"daemon pid {daemon.pid}\n"
           f"  directory  {paths.root}\n"
-          f"  watch      ddtop {rid}   |   ddtrain status {rid}   |   ddtrain logs -f {rid}\n"
+          f"  watch      ddtop {rid}\n"
+          f"  status     ddtrain status {rid}   |   ddtrain logs -f {rid}\n"
           f"  stop       ddtrain stop {rid}", flush=True)
     return EXIT_OK
 

@@ -347,8 +347,8 @@ class RunState(msgspec.Struct, kw_only=True):
             view.error, view.traceback = m.message, m.traceback
         if m.type == "epoch_end":
             return  # shown from the aggregate, with the global metrics
-        if m.type in ("checkpoint", "resumed") and m.rank != 0:
-            return  # rank 0 speaks for the checkpoint
+        if m.type in ("checkpoint", "resumed", "stopped") and m.rank != 0:
+            return  # rank 0 speaks for the run: every rank says the same
         self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
     def _apply_daemon(self, m: wire.Message, received: float) -> None:

@@ -34,7 +34,8 @@ HELP = """\
 
 [b]Ranks table[/b]
   [yellow]▲[/yellow] the slowest rank (most compute per step: the one the others wait for)
-  [yellow]![/yellow] a straggler: more than 25% slower than the median rank
+  [yellow]![/yellow] a straggler: computes over 25% longer per step than the median rank
+    (and by over 10% of a step: jitter on a busy machine is not flagged)
   STATE  [green]running[/green]  [yellow]stalled[/yellow] (no progress, heartbeats still come)
          [magenta]silent[/magenta] (no message for 5 s)  [red]dead[/red] (exit code or signal)
          [blue]finished[/blue]
