@@ -1,0 +1,272 @@
+"""Does ddtop keep up with hundreds of ranks? Synthetic telemetry at 10 Hz per rank.
+
+    .venv/bin/python bench/dashboard.py [--ranks 256 1024] [--seconds 10] [--fps 5]
+
+For each world size N, every rank sends 10 Step messages and 1 Heartbeat per
+second (11 N messages/s offered), and the script measures:
+
+- fold: wire.decode + RunState.apply in one thread, no sockets: messages/s, and
+  that rate over the offered load (how many times faster than needed);
+- frame: one frame's work from a RunState of N ranks: the rows (all N, sorted
+  and filtered), header, banner, comm panel, events and run-wide charts
+  (median and p95 ms); and `DashboardApp.render_view()` in the real app
+  (App.run_test at 120x40), i.e. the same plus handing it to the widgets;
+- live: end to end. A feeder process runs a real daemon relay (PULL/PUB/
+  ROUTER) and pushes the synthetic telemetry into it in real time; this
+  process runs the real dashboard attached with `--connect`. Reported: the
+  messages the relay accepted per second, the dashboard's lag behind the
+  relay (relay sequence number minus the dashboard's, sampled every 0.5 s: the
+  largest and the last), snapshots re-requested after a gap (resyncs), frames
+  drawn per second against --fps, and a verdict: it keeps up when the last lag
+  is under one second of messages and it drew at least 80% of its frames.
+
+Numbers in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STEP_HZ = 10
+PING_EVERY_S = 0.5
+FEEDER_FLAG = "--feeder"
+
+
+# -- synthetic telemetry --------------------------------------------------------------
+def hello(run: str, rank: int, world: int) -> Any:
+    from ddtop.daemon import wire
+
+    return wire.Hello(run=run, rank=rank, seq=0, t=time.time(), local_rank=rank % 8,
+                      host=f"node{rank // 8:03d}", pid=10_000 + rank, device=f"cuda:{rank % 8}",
+                      backend="nccl", world_size=world, config_digest="bench", model="mlp",
+                      dataset="synthetic", epochs=1, global_batch=32 * world)
+
+
+def step(run: str, rank: int, seq: int, t: float, global_step: int) -> Any:
+    from ddtop.daemon import wire
+
+    slow = 1.3 if rank == 7 else 1.0  # one straggler, so the view has something to mark
+    return wire.Step(run=run, rank=rank, seq=seq, t=t, epoch=0, step=global_step % 1000,
+                     steps_per_epoch=1000, global_step=global_step, steps=1, samples=32,
+                     loss_sum=32 * (2.0 - global_step * 1e-4), lr=0.1, step_s=0.09 * slow,
+                     data_s=0.01, forward_s=0.03 * slow, backward_s=0.04 * slow,
+                     optimizer_s=0.01, comm_s=0.03, comm_bytes=25_000_000, comm_ops=4,
+                     algbw_gbps=0.8, busbw_gbps=1.6, sync_wait_s=0.0, rss=2 * 10**9)
+
+
+def heartbeat(run: str, rank: int, seq: int, t: float, global_step: int) -> Any:
+    from ddtop.daemon import wire
+
+    coll = wire.Collective(seq=global_step * 4, op="allreduce", bytes=6_250_000)
+    return wire.Heartbeat(run=run, rank=rank, seq=seq, t=t, phase="backward", epoch=0,
+                          global_step=global_step, phase_s=0.02, coll_started=coll,
+                          coll_completed=coll)
+
+
+def synthetic_frames(run: str, world: int, seconds: float) -> list[bytes]:
+    """`seconds` of telemetry from `world` ranks, in send order."""
+    from ddtop.daemon import wire
+
+    frames = [wire.encode(hello(run, r, world))[0] for r in range(world)]
+    seqs = [1] * world
+    t0 = time.time()
+    for tick in range(int(seconds * STEP_HZ)):
+        t = t0 + tick / STEP_HZ
+        for r in range(world):
+            frames.append(wire.encode(step(run, r, seqs[r], t, tick + 1))[0])
+            seqs[r] += 1
+            if tick % STEP_HZ == 0:
+                frames.append(wire.encode(heartbeat(run, r, seqs[r], t, tick + 1))[0])
+                seqs[r] += 1
+    return frames
+
+
+# -- fold and frame ----------------------------------------------------------------------
+def measure_fold(world: int) -> tuple[float, Any]:
+    from ddtop.daemon import wire
+    from ddtop.daemon.state import RunState
+
+    frames = synthetic_frames("bench", world, seconds=3.0)
+    state = RunState(run="bench")
+    start = time.perf_counter()
+    for frame in frames:
+        state.apply(wire.decode([frame], "bench"), time.time())
+    return len(frames) / (time.perf_counter() - start), state
+
+
+def frame_work(state: Any, now: float) -> None:
+    from ddtop.dashboard import format as fmt
+    from ddtop.dashboard import panels
+
+    rows = fmt.sort_rows(fmt.filter_rows(fmt.rank_rows(state, now), "", False), "step_ms")
+    panels.header(state, now)
+    panels.banner(state, now, "live", "")
+    panels.comm(state, now, rows[0].rank, 9)
+    panels.events(state, 8)
+    panels.run_series(state, 120)
+
+
+def measure_frames(state: Any, repeat: int = 30) -> tuple[float, float, float]:
+    """(median ms, p95 ms) of the frame's work, and the median ms of render_view()."""
+    from ddtop.dashboard.app import DashboardApp
+    from ddtop.dashboard.feed import StateFeed
+
+    now = time.time()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        frame_work(state, now)
+        times.append(1000 * (time.perf_counter() - start))
+    app = DashboardApp(StateFeed(state), fps=1.0)
+    renders: list[float] = []
+
+    async def drive() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.2)
+            for _ in range(repeat // 3):
+                start = time.perf_counter()
+                app.render_view()
+                renders.append(1000 * (time.perf_counter() - start))
+                await pilot.pause(0.01)
+
+    asyncio.run(drive())
+    times.sort()
+    return statistics.median(times), times[int(0.95 * (len(times) - 1))], \
+        statistics.median(renders)
+
+
+# -- live, end to end ---------------------------------------------------------------------
+def feeder(world: int, seconds: float, endpoint_file: str) -> int:
+    """A real relay, fed in real time: PUSH -> PULL, folded, journaled, published."""
+    import zmq
+
+    from ddtop.daemon import wire
+    from ddtop.daemon.relay import Relay
+
+    with tempfile.TemporaryDirectory() as tmp:
+        relay = Relay("bench", Path(tmp) / "telemetry.journal")
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 1_000_000)
+        push.connect(relay.endpoints["telemetry"])
+        Path(endpoint_file).write_text(json.dumps(relay.endpoints))
+        for r in range(world):
+            push.send(wire.encode(hello("bench", r, world))[0])
+        seqs = [1] * world
+        start, tick = time.monotonic(), 0
+        deadline = start + seconds + 3.0  # the dashboard attaches during the first seconds
+        while time.monotonic() < deadline:
+            due = start + tick / STEP_HZ
+            while time.monotonic() < due:
+                relay.serve(max(0.0, min(0.01, due - time.monotonic())))
+            t = time.time()
+            for r in range(world):
+                push.send(wire.encode(step("bench", r, seqs[r], t, tick + 1))[0])
+                seqs[r] += 1
+                if tick % STEP_HZ == 0:
+                    push.send(wire.encode(heartbeat("bench", r, seqs[r], t, tick + 1))[0])
+                    seqs[r] += 1
+            tick += 1
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:  # serve requests until the dashboard is done
+            relay.serve(0.05)
+        push.close()
+        context.term()
+        relay.close()
+    return 0
+
+
+def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
+    from ddtop.daemon import control
+    from ddtop.dashboard.app import DashboardApp
+    from ddtop.dashboard.feed import LiveFeed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        endpoint_file = Path(tmp) / "endpoints.json"
+        proc = subprocess.Popen([sys.executable, __file__, FEEDER_FLAG, str(world),
+                                 str(seconds), str(endpoint_file)])
+        try:
+            deadline = time.monotonic() + 30
+            while not endpoint_file.exists() or not endpoint_file.read_text():
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the feeder did not start")
+                time.sleep(0.05)
+            control_endpoint = json.loads(endpoint_file.read_text())["control"]
+            feed = LiveFeed(connect=control_endpoint)
+            app = DashboardApp(feed, fps=fps)
+            result: dict[str, Any] = {}
+
+            async def drive() -> None:
+                async with app.run_test(size=(120, 40)) as pilot:
+                    while feed.connection != "live":
+                        await pilot.pause(0.05)
+                    lags, first_seq, frames0 = [], None, app.frames
+                    start = time.monotonic()
+                    while time.monotonic() - start < seconds:
+                        await pilot.pause(PING_EVERY_S)
+                        relay_seq = control.request(control_endpoint, "ping", 5.0)["seq"]
+                        first_seq = relay_seq if first_seq is None else first_seq
+                        lags.append(relay_seq - feed.seq)
+                    elapsed = time.monotonic() - start
+                    assert first_seq is not None
+                    result.update(rate=(relay_seq - first_seq) / (elapsed - PING_EVERY_S),
+                                  lag_max=max(lags), lag_end=lags[-1],
+                                  fps=(app.frames - frames0) / elapsed,
+                                  resyncs=feed.resyncs)
+
+            asyncio.run(drive())
+            feed.close()
+            return result
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# -- main ----------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == FEEDER_FLAG:
+        return feeder(int(args[1]), float(args[2]), args[3])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--seconds", type=float, default=10.0,
+                        help="live measuring window per world size (default 10)")
+    parser.add_argument("--fps", type=float, default=5.0, help="dashboard frame rate (default 5)")
+    options = parser.parse_args(args)
+    print(f"ddtop dashboard benchmark: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"{STEP_HZ} steps/s + 1 heartbeat/s per rank, --fps {options.fps:g}", flush=True)
+    header = (f"{'ranks':>6} {'offered/s':>10} {'fold/s':>9} {'x need':>7} {'frame ms':>9} "
+              f"{'p95':>6} {'render ms':>10} {'relay/s':>8} {'lag max':>8} {'lag end':>8} "
+              f"{'resync':>6} {'fps':>5}  keeps up")
+    print(header)
+    for world in options.ranks:
+        offered = world * (STEP_HZ + 1)
+        fold_rate, state = measure_fold(world)
+        frame_med, frame_p95, render = measure_frames(state)
+        live = measure_live(world, options.seconds, options.fps)
+        keeps_up = live["lag_end"] < offered and live["fps"] >= 0.8 * options.fps
+        print(f"{world:>6} {offered:>10,} {fold_rate:>9,.0f} {fold_rate / offered:>7.1f} "
+              f"{frame_med:>9.1f} {frame_p95:>6.1f} {render:>10.1f} {live['rate']:>8,.0f} "
+              f"{live['lag_max']:>8,} {live['lag_end']:>8,} {live['resyncs']:>6} "
+              f"{live['fps']:>5.1f}  {'yes' if keeps_up else 'NO'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
