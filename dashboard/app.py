@@ -192,6 +192,13 @@ class DashboardApp(App[None]):
         return " · ".join(parts)
 
     # -- keys ------------------------------------------------------------------------
+    MAIN_VIEW_ACTIONS = frozenset({"sort", "filter", "problems", "pause", "stop_run", "speed",
+                                   "clear_filter"})
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The main view's keys are off (and out of the footer) on the other screens."""
+        return not (action in self.MAIN_VIEW_ACTIONS and len(self.screen_stack) > 1)
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 

@@ -156,6 +156,7 @@ def test_keys_on_a_recorded_failed_run(recorded: Path) -> None:
         detail = screen_text(app)
         assert "rank 0" in detail and "stopped by the daemon" in detail
         assert "rank-0.log" in detail and "per step (ms)" in detail
+        assert "esc back" in detail and "s sort" not in detail  # only this screen's keys
         await pilot.press("escape")
         assert isinstance(app.screen.query_one(RankTable), RankTable)
         await pilot.press("q")
