@@ -136,11 +136,12 @@ class Printer:
             self.progress_bar.stop()
             self.progress_bar = None
         with self.feed.lock:
-            summary = final_summary(self.feed.state, self.feed.now())
+            now = self.feed.now()
+            summary = final_summary(self.feed.state, now)
         if self.format == "jsonl":
             self._json(summary)
         else:
-            for line in summary_text(summary):
+            for line in summary_text(summary, now):
                 self._emit(line)
         if self.summary_json is not None:
             self.summary_json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -231,9 +232,9 @@ def final_summary(state: RunState, now: float) -> dict[str, Any]:
     return {"kind": "summary", **summary}
 
 
-def summary_text(summary: dict[str, Any]) -> list[str]:
+def summary_text(summary: dict[str, Any], now: float) -> list[str]:
     done, total = summary["global_step"], summary["total_steps"]
-    lines = [f"{fmt.stamp(time.time())} run {summary['run_id']} {summary['run_status']} "
+    lines = [f"{fmt.stamp(now)} run {summary['run_id']} {summary['run_status']} "
              f"after {fmt.seconds(summary['elapsed_s'])}: step {done}/{total}, "
              f"{summary['restarts']} restarts, telemetry loss "
              f"{100 * summary['telemetry_loss']:.2f}%"]

@@ -104,6 +104,9 @@ def test_replay_of_a_recorded_journal(tmp_path: Path) -> None:
     failed = ddtop("--headless", "--replay", "recorded-failed", cwd=tmp_path)
     assert failed.returncode == 1
     assert "failure: rank 1 killed by SIGKILL" in failed.stdout
+    # Without a terminal, plain `ddtop` prints the same lines instead of drawing.
+    plain = ddtop("recorded-failed", cwd=tmp_path)
+    assert plain.returncode == 1 and plain.stdout == failed.stdout
 
 
 def test_no_run_to_watch_is_exit_2_within_wait(tmp_path: Path) -> None:
