@@ -16,6 +16,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
@@ -136,7 +137,13 @@ class DashboardApp(App[None]):
     def render_view(self) -> None:
         if self.paused:
             return
-        table = self.query_one(RankTable)
+        try:
+            table = self.query_one(RankTable)
+        except NoMatches:
+            return  # quitting: Textual removes the widgets before it stops the frame timer
+        self._render(table)
+
+    def _render(self, table: RankTable) -> None:
         with self.feed.lock:
             state, now = self.feed.state, self.feed.now()
             if state.folded != self.series_folded and (

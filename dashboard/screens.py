@@ -104,6 +104,8 @@ class RankDetail(Screen[None]):
         self.set_interval(1 / self.fps, self.refresh_view)
 
     def refresh_view(self) -> None:
+        if not self.is_attached or not self.query("#detail-info"):
+            return  # closing: the widgets are gone before the timer stops
         with self.feed.lock:
             state, now = self.feed.state, self.feed.now()
             info = panels.detail(state, self.rank, now)
