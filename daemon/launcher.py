@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import multiprocessing
 import os
 import re
@@ -70,6 +71,15 @@ TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exit
 TELEMETRY_ENV = "DDTOP_TELEMETRY"  # "off": ranks publish nothing; an endpoint: there instead
 # Seconds ranks get to stop gracefully after the first Ctrl-C.
 INTERRUPT_STOP_TIMEOUT_S = 30.0
+# After a rank fails: seconds the ranks that already wrote an error report get to
+# exit by themselves before the others are stopped (their exits race each other).
+FAILURE_SETTLE_S = 3.0
+# Errors a rank raises because a peer went away (gloo, NCCL, the TCPStore): such a
+# rank is a victim of the failure, not its cause.
+PEER_LOSS = re.compile(
+    r"Connection (?:closed|reset) by peer|remote process exited|Broken pipe|"
+    r"communicator was aborted|DistNetworkError|DistBackendError|DistStoreError|"
+    r"NCCL error|ncclRemoteError|Socket Timeout|timed out|Timeout", re.IGNORECASE)
 
 
 class Stopped(Exception):
@@ -263,6 +273,7 @@ class LocalLauncher:
         self.timeline: list[dict[str, Any]] = []
         self.stopping: float | None = None  # deadline of a graceful stop in progress
         self.interrupted = False  # the stop came from Ctrl-C
+        self.attempt_started = 0.0  # wall clock: error reports older than this are stale
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
@@ -384,6 +395,7 @@ class LocalLauncher:
         # does), and where to send telemetry (this daemon, unless the user said).
         os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
         assert self.relay is not None
+        self.attempt_started = time.time()
         if not os.environ.get(TELEMETRY_ENV):
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
         if self.config.launcher == "torchrun":
@@ -461,19 +473,39 @@ class LocalLauncher:
                 self.on_tick(self.relay.state)
             self._check_stop()
             self._echo_logs()
-            failed = []
-            for r in running:
-                if r.process.exitcode is not None:
-                    r.exitcode = r.process.exitcode
+            if self._collect_exits(running):
+                self._settle()
+                self._stop_all()
+                culprit = self._culprit()
+                self._note_exits(first=culprit)
+                return self._failure(culprit)
+
+    def _collect_exits(self, running: list[Rank]) -> bool:
+        """Record the exits among `running`; report the clean ones at once. True
+        when one failed (its exit is reported once the culprit is known)."""
+        failed = False
+        for r in running:
+            if r.process.exitcode is not None:
+                r.exitcode = r.process.exitcode
+                if r.exitcode == 0:
                     r.noted = True
                     self._note_exit(r)
-                    if r.exitcode != 0:
-                        failed.append(r)
-            if failed:
-                first = min(failed, key=self._blame_order)
-                self._stop_all()
-                self._note_exits()
-                return self._failure(first)
+                failed |= r.exitcode != 0
+        return failed
+
+    def _settle(self) -> None:
+        """One rank's failure makes its peers fail within milliseconds, and which
+        process the OS reaps first is a race: give every rank that already wrote an
+        error report a moment to exit by itself, so that the blame is decided
+        from what each rank said rather than from that race."""
+        assert self.relay is not None
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while time.monotonic() < deadline:
+            running = [r for r in self.ranks if r.exitcode is None]
+            if not any(self._error_report(r) for r in running):
+                return
+            self.relay.serve(POLL_S, [r.process.sentinel for r in running])
+            self._collect_exits(running)
 
     def _check_stop(self) -> None:
         assert self.relay is not None
@@ -533,12 +565,13 @@ class LocalLauncher:
             ranks.append(rank)
         return ranks
 
-    def _note_exit(self, r: Rank) -> None:
+    def _note_exit(self, r: Rank, culprit: bool = False) -> None:
         """Tell the relay (state, journal, dashboards) that a rank's process exited."""
         assert r.exitcode is not None and r.process.pid is not None
         if r.rank == AGENT:
-            for rank in self._torchrun_ranks(r):
-                self._note_exit(rank)
+            ranks = sorted(self._torchrun_ranks(r), key=self._blame_order)
+            for rank in ranks:
+                self._note_exit(rank, culprit=rank is ranks[0] and bool(rank.exitcode))
             return
         report = self._error_report(r) if r.exitcode else {}
         tb = report.get("traceback", "").rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
@@ -546,27 +579,49 @@ class LocalLauncher:
             run="", rank=0, exited=r.rank, pid=r.process.pid,
             exit_code=r.exitcode if r.exitcode >= 0 else None, signal=r.signal_name,
             stopped_by_daemon=r.stopped_by_us, message=report.get("message"),
-            traceback="\n".join(tb) or None))
+            traceback="\n".join(tb) or None, culprit=culprit))
 
-    def _note_exits(self) -> None:
-        """After _stop_all: every rank not yet reported."""
-        for r in self.ranks:
+    def _note_exits(self, first: Rank | None = None) -> None:
+        """After _stop_all: every rank not yet reported, the failure's culprit
+        first (dashboards name the first failed rank they hear of)."""
+        for r in sorted(self.ranks, key=lambda r: r is not first):
             if r.exitcode is not None and not r.noted:
                 r.noted = True
-                self._note_exit(r)
+                self._note_exit(r, culprit=r is first)
 
     def _emit(self, message: wire.Message) -> None:
         if self.relay is not None:
             message.run = self.paths.run_id
             self.relay.emit(message)
 
-    def _blame_order(self, r: Rank) -> tuple[int, int]:
-        """Among ranks seen failing together, the likely cause comes first: one
-        killed by a signal or with bad input, before peers that only lost it."""
-        report = self._error_report(r)
+    def _blame_order(self, r: Rank) -> tuple[int, float, int]:
+        """Among ranks that failed together, the likely cause comes first: one
+        killed by a signal or stopped by bad input; then one that raised an error
+        of its own; then one that exited non-zero without a word; then those that
+        only lost a peer (gloo's "Connection closed by peer", NCCL's aborted
+        communicator, a collective timeout). Within a class, the earliest error
+        report first. Ranks the launcher stopped without a report of their own
+        come last, and clean exits after them."""
         assert r.exitcode is not None
-        cause = 0 if r.exitcode < 0 or report.get("kind") == "usage" else 1
-        return cause, r.rank
+        report = self._error_report(r)
+        when = float(report.get("time", math.inf))
+        if r.exitcode == 0:
+            cause = 6
+        elif report.get("kind") == "usage" or (r.exitcode < 0 and not r.stopped_by_us):
+            cause = 0
+        elif report and not PEER_LOSS.search(str(report.get("message", ""))):
+            cause = 1
+        elif not report and not r.stopped_by_us:
+            cause = 2
+        elif report:
+            cause = 3
+        else:
+            cause = 5
+        return cause, when, r.rank
+
+    def _culprit(self) -> Rank:
+        """The rank to blame for a failure (the ranks have all exited)."""
+        return min((r for r in self.ranks if r.exitcode), key=self._blame_order)
 
     def _stop_all(self) -> None:
         alive = [r for r in self.ranks if r.process.exitcode is None]
@@ -584,19 +639,21 @@ class LocalLauncher:
 
     def _failure(self, rank: Rank) -> Outcome:
         if rank.rank == AGENT:  # name the rank that failed, not torchrun
-            ranks = self._torchrun_ranks(rank)
-            culprits = [r for r in ranks if r.exitcode and not r.stopped_by_us] or ranks
-            rank = min(culprits, key=self._blame_order)
+            rank = min(self._torchrun_ranks(rank), key=self._blame_order)
         report = self._error_report(rank)
         if report.get("kind") == "usage":
             return Outcome("failed", EXIT_USAGE, rank, report)
         return Outcome("failed", EXIT_FAILED, rank, report)
 
     def _error_report(self, rank: Rank) -> dict[str, Any]:
+        """What the rank wrote about its failure in this attempt ({} if nothing:
+        a report left by an earlier attempt is not this one's)."""
         path = self.paths.rank_error(rank.rank)
         try:
             report: dict[str, Any] = read_json(path)
         except (OSError, ValueError):
+            return {}
+        if not isinstance(report, dict) or float(report.get("time", 0)) < self.attempt_started:
             return {}
         return report
 
@@ -658,9 +715,15 @@ class LocalLauncher:
         if outcome.status == "failed" and outcome.failed_rank is not None:
             rank = outcome.failed_rank
             assert rank.exitcode is not None
-            how = describe_exit(rank.exitcode)
-            return f"run failed after {seconds:.1f} s: rank {rank.rank} {how}"
+            return f"run failed after {seconds:.1f} s: rank {rank.rank} {self._how(rank)}"
         return f"run {outcome.status} after {seconds:.1f} s"
+
+    def _how(self, rank: Rank) -> str:
+        assert rank.exitcode is not None
+        if rank.stopped_by_us and self._error_report(rank):
+            # It raised, then was still exiting when the launcher stopped the rest.
+            return "raised an error (ddtrain stopped its process while it was exiting)"
+        return describe_exit(rank.exitcode)
 
     def _report(self, outcome: Outcome) -> None:
         rid, seconds = self.paths.run_id, time.time() - self.started
@@ -680,7 +743,7 @@ class LocalLauncher:
         message = outcome.report.get("message")
         cause = f": {message}" if message else ""
         lines = [f"ddtrain: run {rid} failed: rank {rank.rank} (pid {rank.process.pid}) "
-                 f"{describe_exit(rank.exitcode)}{cause}"]
+                 f"{self._how(rank)}{cause}"]
         tb = outcome.report.get("traceback", "").rstrip().splitlines()
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
         lines.append(f"  log: {self.paths.rank_log(rank.rank)}; {self._resume_hint()}")

@@ -361,8 +361,10 @@ class RunState(msgspec.Struct, kw_only=True):
             view.error = view.error or m.message
             view.traceback = view.traceback or m.traceback
             how = describe_exit(m.exit_code, m.signal)
-            failed = m.exit_code != 0 and not m.stopped_by_daemon
-            if failed and self.failure is None:
+            # The culprit may have been stopped by the daemon while it was still
+            # exiting after its error; it failed by itself all the same.
+            failed = m.culprit or (m.exit_code != 0 and not m.stopped_by_daemon)
+            if m.culprit or (failed and self.failure is None):
                 self.failure = {"rank": m.exited, "pid": m.pid, "exit_code": m.exit_code,
                                 "signal": m.signal, "message": view.error,
                                 "traceback": view.traceback, "global_step": view.global_step}

@@ -128,6 +128,9 @@ class RankExit(_Header, tag="rank_exit", tag_field="kind", kw_only=True):
     stopped_by_daemon: bool = False
     message: str | None = None  # the rank's own error report, when it wrote one
     traceback: str | None = None  # its last lines
+    # The daemon blames the run's failure on this rank (its pick among ranks
+    # that failed together; sent before the others' exits).
+    culprit: bool = False
 
 
 class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):

@@ -12,10 +12,17 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from helpers import DDTRAIN, ddtrain, finish, metric_records, start, tagged_pids, wait_until_gone
+
+from ddtop.daemon import journal
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.launcher import ExitedProcess, LocalLauncher, LogTail, Rank
+from ddtop.daemon.runs import RunPaths
+from ddtop.training.worker import write_error_report
 
 # CNN has dropout, so resuming also has to restore every rank's RNG state.
 RUN_ARGS = (
@@ -109,6 +116,59 @@ def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
     assert run.leftovers == []
     report = json.loads((tmp_path / "runs/boom/logs/rank-0.error.json").read_text())
     assert report["kind"] == "exception" and "fire_at" in report["traceback"]
+    # Rank 1 fails too (its all-reduce lost rank 0), and may well be reaped
+    # first: run.json and the journal a dashboard folds still blame rank 0.
+    status = json.loads((tmp_path / "runs/boom/run.json").read_text())
+    assert status["failure"]["rank"] == 0
+    state, _ = journal.replay(tmp_path / "runs/boom/telemetry.journal", "boom")
+    assert state.failure is not None and state.failure["rank"] == 0
+    assert "injected failure" in state.failure["message"]
+
+
+def blame(tmp_path: Path, ranks: list[tuple[int, bool, dict[str, Any] | None]]) -> int:
+    """The rank the launcher blames, given each rank's (exit code, stopped by
+    the launcher, error report written by the rank's own writer or None)."""
+    paths = RunPaths(tmp_path / "runs" / "blame")
+    paths.create()
+    launcher = LocalLauncher(TrainConfig(world_size=len(ranks)), paths)
+    launcher.attempt_started = 1000.0
+    for k, (code, stopped, report) in enumerate(ranks):
+        if report is not None:
+            write_error_report(paths.rank_error(k), {"rank": k, "kind": "exception", **report})
+        launcher.ranks.append(Rank(k, ExitedProcess(100 + k, code), LogTail(paths.rank_log(k)),
+                                   exitcode=code, stopped_by_us=stopped))
+    return launcher._culprit().rank
+
+
+GLOO_PEER = ("RuntimeError: Got the following error when running the callback: RuntimeError: "
+             "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+             "[127.0.0.1]:53483")
+NCCL_PEER = "DistBackendError: NCCL communicator was aborted on rank 0"
+OWN = "ValueError: bad batch"
+
+
+@pytest.mark.parametrize(("ranks", "culprit"), [
+    # The rank that raised first is still exiting when its peer's gloo error
+    # is reaped; the launcher stopped it: it is blamed, not the peer.
+    ([(-15, True, {"message": OWN, "time": 1001.0}),
+      (1, False, {"message": GLOO_PEER, "time": 1001.02})], 0),
+    # A rank killed by a signal beats the peer that then lost it.
+    ([(1, False, {"message": NCCL_PEER, "time": 1001.0}), (-9, False, None)], 1),
+    # An error of its own beats an earlier peer-loss error.
+    ([(1, False, {"message": NCCL_PEER, "time": 1001.0}),
+      (1, False, {"message": OWN, "time": 1002.0})], 1),
+    # A silent non-zero exit beats a peer-loss error.
+    ([(1, False, {"message": GLOO_PEER, "time": 1001.0}), (3, False, None)], 1),
+    # Only peer-loss errors: the earliest.
+    ([(1, False, {"message": GLOO_PEER, "time": 1001.5}),
+      (1, False, {"message": GLOO_PEER, "time": 1001.1})], 1),
+    # A report left by an earlier attempt says nothing about this one.
+    ([(-15, True, {"message": OWN, "time": 999.0}),
+      (1, False, {"message": GLOO_PEER, "time": 1001.0})], 1),
+])
+def test_blame_goes_to_the_cause_not_to_the_first_reaped(
+        tmp_path: Path, ranks: list[tuple[int, bool, dict[str, Any] | None]], culprit: int) -> None:
+    assert blame(tmp_path, ranks) == culprit
 
 
 def wait_for_line(proc_stdout_path: Path, text: str, timeout: float = 60) -> None:
