@@ -79,7 +79,7 @@ FAILURE_SETTLE_S = 3.0
 PEER_LOSS = re.compile(
     r"Connection (?:closed|reset) by peer|remote process exited|Broken pipe|"
     r"communicator was aborted|DistNetworkError|DistBackendError|DistStoreError|"
-    r"NCCL error|ncclRemoteError|Socket Timeout|timed out|Timeout", re.IGNORECASE)
+    r"NCCL error|ncclRemoteError|timed out|Timeout", re.IGNORECASE)
 
 
 class Stopped(Exception):
@@ -571,7 +571,7 @@ class LocalLauncher:
         if r.rank == AGENT:
             ranks = sorted(self._torchrun_ranks(r), key=self._blame_order)
             for rank in ranks:
-                self._note_exit(rank, culprit=rank is ranks[0] and bool(rank.exitcode))
+                self._note_exit(rank, culprit=culprit and rank is ranks[0])
             return
         report = self._error_report(r) if r.exitcode else {}
         tb = report.get("traceback", "").rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
@@ -606,7 +606,7 @@ class LocalLauncher:
         report = self._error_report(r)
         when = float(report.get("time", math.inf))
         if r.exitcode == 0:
-            cause = 6
+            cause = 5
         elif report.get("kind") == "usage" or (r.exitcode < 0 and not r.stopped_by_us):
             cause = 0
         elif report and not PEER_LOSS.search(str(report.get("message", ""))):
@@ -616,7 +616,7 @@ class LocalLauncher:
         elif report:
             cause = 3
         else:
-            cause = 5
+            cause = 4
         return cause, when, r.rank
 
     def _culprit(self) -> Rank:
@@ -713,14 +713,16 @@ class LocalLauncher:
     def _summary_line(self, outcome: Outcome) -> str:
         seconds = time.time() - self.started
         if outcome.status == "failed" and outcome.failed_rank is not None:
-            rank = outcome.failed_rank
-            assert rank.exitcode is not None
-            return f"run failed after {seconds:.1f} s: rank {rank.rank} {self._how(rank)}"
+            rank = outcome.failed_rank.rank
+            return f"run failed after {seconds:.1f} s: rank {rank} {self._how(outcome)}"
         return f"run {outcome.status} after {seconds:.1f} s"
 
-    def _how(self, rank: Rank) -> str:
-        assert rank.exitcode is not None
-        if rank.stopped_by_us and self._error_report(rank):
+    @staticmethod
+    def _how(outcome: Outcome) -> str:
+        """How the failed rank ended, for the failure's headline."""
+        rank = outcome.failed_rank
+        assert rank is not None and rank.exitcode is not None
+        if rank.stopped_by_us and outcome.report:
             # It raised, then was still exiting when the launcher stopped the rest.
             return "raised an error (ddtrain stopped its process while it was exiting)"
         return describe_exit(rank.exitcode)
@@ -743,7 +745,7 @@ class LocalLauncher:
         message = outcome.report.get("message")
         cause = f": {message}" if message else ""
         lines = [f"ddtrain: run {rid} failed: rank {rank.rank} (pid {rank.process.pid}) "
-                 f"{self._how(rank)}{cause}"]
+                 f"{self._how(outcome)}{cause}"]
         tb = outcome.report.get("traceback", "").rstrip().splitlines()
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
         lines.append(f"  log: {self.paths.rank_log(rank.rank)}; {self._resume_hint()}")
