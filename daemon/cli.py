@@ -29,11 +29,6 @@ from typing import Any
 
 from ddtop.daemon import control
 from ddtop.daemon.config import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    RUNS_DIR_ENV,
     OneLineParser,
     TrainConfig,
     UsageError,
@@ -41,6 +36,13 @@ from ddtop.daemon.config import (
     default_runs_dir,
     explicit_overrides,
     resume_mismatch,
+)
+from ddtop.daemon.contract import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    RUNS_DIR_ENV,
 )
 from ddtop.daemon.runinfo import RunInfo, list_runs, pid_alive
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, read_json, write_json_atomic

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ddtop.daemon.contract import EXIT_USAGE, RUNS_DIR_ENV
+
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cuda", "cpu")
 MODELS = ("mlp", "cnn", "resnet18")
@@ -23,17 +25,11 @@ DATASETS = ("synthetic", "mnist", "fashion-mnist", "cifar10")
 START_METHODS = ("forkserver", "spawn", "fork")
 LAUNCHERS = ("local", "torchrun")
 
-# Exit codes shared by `ddtrain` and the ranks (documented in docs/cli.md).
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-# Where runs live when --runs-dir is not given (default ./runs).
-RUNS_DIR_ENV = "DDTOP_RUNS_DIR"
-
 
 def default_runs_dir() -> str:
+    """Where runs live when --runs-dir is not given: $DDTOP_RUNS_DIR, else ./runs."""
     return os.environ.get(RUNS_DIR_ENV) or "runs"
+
 
 # Settings that change the numbers a run produces: a resumed run must keep them,
 # or it would not continue the run it claims to continue. Epochs may grow.
@@ -276,10 +272,6 @@ def explicit_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
     """The TrainConfig fields the user set on the command line."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     return {k: v for k, v in vars(namespace).items() if k in known}
-
-
-def config_from_args(namespace: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**explicit_overrides(namespace)).validate()
 
 
 class OneLineParser(argparse.ArgumentParser):

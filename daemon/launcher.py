@@ -41,13 +41,16 @@ from types import FrameType
 from typing import Any, Protocol, TextIO
 
 from ddtop.daemon import wire
-from ddtop.daemon.config import (
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.contract import (
+    ATTEMPT_ENV,
+    CONFIG_ENV,
+    DAEMON_PID_ENV,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
-    TrainConfig,
-    UsageError,
+    TELEMETRY_ENV,
 )
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.runs import RunPaths, read_json, write_json_atomic
@@ -61,14 +64,10 @@ POLL_S = 0.1
 TRACEBACK_TAIL_LINES = 8
 WORKER_MODULE = "ddtop.training.worker"
 # Read by `python -m ddtop.training` when the daemon starts it through torchrun.
-CONFIG_ENV = "DDTOP_CONFIG"
-LAUNCHER_PID_ENV = "DDTOP_LAUNCHER_PID"
-ATTEMPT_ENV = "DDTOP_ATTEMPT"
 AGENT = -1  # the `rank` of the torchrun agent process in `LocalLauncher.ranks`
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
 TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                               r"(-?\d+) \(pid: (\d+)\)")
-TELEMETRY_ENV = "DDTOP_TELEMETRY"  # "off": ranks publish nothing; an endpoint: there instead
 # Seconds ranks get to stop gracefully after the first Ctrl-C.
 INTERRUPT_STOP_TIMEOUT_S = 30.0
 # After a rank fails: seconds the ranks that already wrote an error report get to
@@ -419,7 +418,7 @@ class LocalLauncher:
                  "--nproc-per-node", str(self.config.world_size), "--max-restarts", "0",
                  "-m", "ddtop.training"],
                 env={**os.environ, CONFIG_ENV: str(self.paths.config),
-                     LAUNCHER_PID_ENV: str(os.getpid()), ATTEMPT_ENV: str(self.restarts)},
+                     DAEMON_PID_ENV: str(os.getpid()), ATTEMPT_ENV: str(self.restarts)},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent,
             )
         tail = LogTail(log_path)

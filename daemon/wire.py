@@ -23,6 +23,15 @@ MAX_TRACEBACK_CHARS = 16 * 1024
 
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "metric_sync",
                 "checkpoint", "evaluation", "done"]
+# What an Aggregate covers: a mid-epoch metric sync, or a whole epoch.
+Scope = Literal["sync", "epoch"]
+EventType = Literal["checkpoint", "epoch_end", "warning", "error", "resumed", "info", "stopped",
+                    "restart", "stop_requested"]
+# A run as a whole, as the daemon announces it (RunStatus).
+RunStatusName = Literal["starting", "running", "stopping", "restarting", "succeeded", "failed",
+                        "stopped"]
+# The statuses after which nothing more happens.
+FINAL_STATUSES: tuple[RunStatusName, ...] = ("succeeded", "failed", "stopped")
 
 
 class Collective(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,7 +104,7 @@ class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):
 class Aggregate(_Header, tag="aggregate", tag_field="kind", kw_only=True):
     """Global metrics every rank derived from all_gather_object."""
 
-    scope: Literal["sync", "epoch"]
+    scope: Scope
     epoch: int
     global_step: int
     train_loss: float
@@ -107,8 +116,7 @@ class Aggregate(_Header, tag="aggregate", tag_field="kind", kw_only=True):
 
 
 class Event(_Header, tag="event", tag_field="kind", kw_only=True):
-    type: Literal["checkpoint", "epoch_end", "warning", "error", "resumed", "info", "stopped",
-                  "restart", "stop_requested"]
+    type: EventType
     message: str
     data: dict[str, str | int | float | bool | None] = {}
     traceback: str | None = None
@@ -136,11 +144,13 @@ class RankExit(_Header, tag="rank_exit", tag_field="kind", kw_only=True):
 class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):
     """From the daemon (rank -1): the run as a whole changed state."""
 
-    status: Literal["starting", "running", "stopping", "restarting", "succeeded", "failed",
-                    "stopped"]
+    status: RunStatusName
     world_size: int
     restarts: int = 0
     message: str = ""
+    # With a final status: the exit code `ddtrain start --foreground` returns
+    # (0, 1, 2 for bad input, 130 or 128+N when stopped by signal N).
+    exit_code: int | None = None
 
 
 # The `rank` the daemon uses for what it says itself (RankExit, RunStatus, Event).

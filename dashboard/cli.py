@@ -18,13 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from ddtop.daemon.config import (
-    EXIT_USAGE,
-    RUNS_DIR_ENV,
-    OneLineParser,
-    UsageError,
-    default_runs_dir,
-)
+from ddtop.daemon.config import OneLineParser, UsageError, default_runs_dir
+from ddtop.daemon.contract import EXIT_USAGE, RUNS_DIR_ENV
 from ddtop.daemon.runinfo import list_runs
 from ddtop.daemon.runs import RunPaths, find_run
 

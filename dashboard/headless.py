@@ -21,13 +21,11 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, exit_for_status
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.feed import CONNECTING, Feed
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 130
-EXIT_BY_STATUS = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "lost": EXIT_FAILED,
-                  "stopped": EXIT_STOPPED}
 DEFAULT_INTERVAL_S = 10.0
 PUMP_S = 0.1
 TRACEBACK_LINES = 8
@@ -167,7 +165,7 @@ def watch(feed: Feed, printer: Printer, wait_s: float, err: TextIO = sys.stderr)
     except KeyboardInterrupt:
         print(f"ddtop: detached; run {feed.state.run} goes on (ddtrain stop to stop it)",
               file=err)
-        return EXIT_STOPPED
+        return EXIT_INTERRUPTED
     return printer.finish()
 
 
@@ -228,7 +226,7 @@ def final_summary(state: RunState, now: float) -> dict[str, Any]:
         failure = {"message": state.status_message or "the daemon was killed"}
     summary.update({"status": reported, "run_status": status,
                     "failure": failure, "elapsed_s": fmt.elapsed(state, now),
-                    "exit_code": EXIT_BY_STATUS.get(reported, EXIT_FAILED)})
+                    "exit_code": exit_for_status(reported)})
     return {"kind": "summary", **summary}
 
 

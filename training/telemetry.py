@@ -39,8 +39,8 @@ import zmq
 
 from ddtop.daemon import wire
 from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.contract import TELEMETRY_ENV
 
-ENDPOINT_ENV = "DDTOP_TELEMETRY"
 SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
 HEARTBEAT_INTERVAL_S = 1.0
 SEND_HWM = 64  # messages ZeroMQ may queue before sends fail (and are counted)
@@ -115,7 +115,7 @@ class Telemetry:
 
 def open_telemetry(config: TrainConfig, rank: int, local_rank: int, world_size: int,
                    device: torch.device, backend: str) -> Telemetry:
-    endpoint = os.environ.get(ENDPOINT_ENV)
+    endpoint = os.environ.get(TELEMETRY_ENV)
     if not endpoint or endpoint == "off":
         return Telemetry()
     assert config.run_id is not None

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddtop.daemon.config import EXIT_FAILED, EXIT_USAGE, TrainConfig, UsageError
-from ddtop.daemon.launcher import ATTEMPT_ENV  # restarts so far, set by the daemon
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.contract import ATTEMPT_ENV, EXIT_FAILED, EXIT_USAGE, FAULT_ENV
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import checkpoint, data
 from ddtop.training.checkpoint import Position
@@ -33,9 +33,6 @@ from ddtop.training.models import build_model
 from ddtop.training.progress import Progress
 from ddtop.training.stopping import StopAgreement
 from ddtop.training.telemetry import Telemetry, open_telemetry
-
-FAULT_ENV = "DDTOP_FAULT"
-
 
 
 @dataclass(frozen=True)

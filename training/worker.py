@@ -8,7 +8,6 @@ into an exit code and an error report the launcher can show.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -24,14 +23,14 @@ from typing import Any
 # torch._dynamo too, which DDP's constructor imports (~1 s, 900 modules).
 import torch._dynamo  # noqa: F401
 
-from ddtop.daemon.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, TrainConfig, UsageError
-from ddtop.daemon.launcher import ATTEMPT_ENV
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.contract import ATTEMPT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ddtop.daemon.processes import pid_alive, set_parent_death_signal
 from ddtop.daemon.runs import RunPaths
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.trainer import train
 
-PR_SET_PDEATHSIG = 1
 # Seconds between liveness checks of the launcher where pidfds are unavailable.
 LAUNCHER_POLL_S = 1.0
 
@@ -44,9 +43,7 @@ def die_with_launcher(launcher_pid: int) -> None:
     is, and it outlives the launcher while ranks hold its pipe), so a daemon
     thread waits on a pidfd of the launcher itself; PDEATHSIG covers the parent.
     """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    set_parent_death_signal()
     try:
         pidfd = os.pidfd_open(launcher_pid)
     except ProcessLookupError:  # already gone
@@ -61,17 +58,9 @@ def _wait_for_exit(pid: int, pidfd: int | None) -> None:
     if pidfd is not None:
         select.select([pidfd], [], [])  # readable once the process has exited
     else:
-        while _alive(pid):
+        while pid_alive(pid):
             time.sleep(LAUNCHER_POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def redirect_output(log: Path) -> None:

@@ -1,0 +1,61 @@
+"""The process contract: what ddtrain, its daemon, the ranks and ddtop agree on
+across process boundaries (environment variables and exit codes), and how a
+process's end is put in words. Imported by training, daemon and dashboard
+alike; it imports nothing of ours, so any of them may.
+"""
+
+from __future__ import annotations
+
+import signal
+
+# -- environment variables ---------------------------------------------------------
+# Where ranks send telemetry (a ZeroMQ endpoint, tcp://HOST:PORT); "off" or unset:
+# they publish nothing. The daemon sets it for its ranks unless the user did.
+TELEMETRY_ENV = "DDTOP_TELEMETRY"
+# The run's config.json, for ranks the daemon starts through torchrun
+# (`python -m ddtop.training` reads its settings from there).
+CONFIG_ENV = "DDTOP_CONFIG"
+# The daemon's pid: ranks watch it and exit at once when it is gone.
+DAEMON_PID_ENV = "DDTOP_DAEMON_PID"
+# Restarts so far (0: the first start); set by the daemon for every rank.
+ATTEMPT_ENV = "DDTOP_ATTEMPT"
+# Failure injection for tests and drills: RANK:STEP[:ACTION] (training/trainer.py).
+FAULT_ENV = "DDTOP_FAULT"
+# Where runs live when --runs-dir is not given (else ./runs).
+RUNS_DIR_ENV = "DDTOP_RUNS_DIR"
+
+# -- exit codes (ddtrain, ddtop --headless and every rank; docs/cli.md) ----------------
+EXIT_OK = 0
+EXIT_FAILED = 1  # a rank failed (or the daemon was lost)
+EXIT_USAGE = 2  # bad input: one line naming the flag to fix
+EXIT_INTERRUPTED = 130  # stopped: Ctrl-C or `ddtrain stop`
+
+# The exit code that tells a run's outcome, by the run's final status.
+EXIT_BY_STATUS = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "lost": EXIT_FAILED,
+                  "stopped": EXIT_INTERRUPTED}
+
+
+def exit_for_status(status: str) -> int:
+    """A run's outcome as an exit code; a run that has not ended counts as failed."""
+    return EXIT_BY_STATUS.get(status, EXIT_FAILED)
+
+
+def signal_name(code: int | None) -> str | None:
+    """`SIGKILL` for a process exit code of -9 (Python's way of saying "killed by
+    a signal"); None for a normal exit or none yet."""
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def describe_exit(exit_code: int | None, signal: str | None, short: bool = False) -> str:
+    """How a process ended, in words: 'was killed by SIGKILL' / 'exited with code 1',
+    or with `short` 'killed by SIGKILL' / 'exit code 1'. A negative `exit_code`
+    (Python's for a signal) is read as that signal."""
+    signal = signal or signal_name(exit_code)
+    if signal is not None:
+        return f"killed by {signal}" if short else f"was killed by {signal}"
+    return f"exit code {exit_code}" if short else f"exited with code {exit_code}"
