@@ -8,22 +8,23 @@ Every validation error names the flag to change.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import hashlib
+import inspect
+import itertools
 import json
 import os
+import textwrap
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from ddtop.daemon.contract import EXIT_USAGE, RUNS_DIR_ENV
 
-BACKENDS = ("auto", "nccl", "gloo")
-DEVICES = ("auto", "cuda", "cpu")
-MODELS = ("mlp", "cnn", "resnet18")
-DATASETS = ("synthetic", "mnist", "fashion-mnist", "cifar10")
-START_METHODS = ("forkserver", "spawn", "fork")
-LAUNCHERS = ("local", "torchrun")
+T = TypeVar("T")
 
 
 def default_runs_dir() -> str:
@@ -50,65 +51,88 @@ class UsageError(Exception):
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run needs; `ddtrain start` flags map one to one onto fields."""
+class Flag:
+    """How a config field appears on the command line, beyond what its name, type,
+    default and docstring say (see add_config_arguments)."""
 
-    world_size: int = 1
-    """Number of ranks (processes) to launch: --world-size."""
+    metavar: str | None = None  # N, DIR...; argparse's own is the upper-cased name
+    short: str | None = None  # an alias such as -n
+    group: str = "training"  # its section of --help
+    default_text: str | None = None  # shown as "(default: TEXT)" instead of the default
+    enabled: bool = True  # False: the field has no flag
+
+
+def flag(default: T, *, metavar: str | None = None, short: str | None = None,
+         group: str = "training", default_text: str | None = None) -> T:
+    """A dataclass field's default, with the Flag that the field's type cannot tell."""
+    return field(default=default, metadata={"flag": Flag(metavar, short, group, default_text)})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs. Each field but `extra` is a `ddtrain start` flag, and
+    the string under a field is both its documentation and its flag's help."""
+
+    world_size: int = flag(1, short="-n", metavar="N")
+    """number of ranks (processes) to launch"""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Collective backend: nccl when every local rank has a GPU, gloo otherwise."""
+    """collective backend; auto = nccl when every local rank has a GPU, else gloo"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    """Where each rank computes: cuda:<local rank> when available, else cpu."""
+    """where each rank computes; auto = cuda:<local rank> when available, else cpu"""
     model: Literal["mlp", "cnn", "resnet18"] = "mlp"
-    """Model to train."""
+    """model to train"""
     dataset: Literal["synthetic", "mnist", "fashion-mnist", "cifar10"] = "synthetic"
-    """Dataset; `synthetic` is built in and needs no download."""
-    data_dir: str = "data"
-    """Folder holding (or receiving, with --download) torchvision datasets."""
+    """dataset; synthetic is built in and needs no download"""
+    data_dir: str = flag("data", metavar="DIR")
+    """folder of torchvision datasets, where --download puts them"""
     download: bool = False
-    """Download the torchvision dataset into --data-dir when it is missing."""
-    epochs: int = 3
-    """Passes over the training set."""
-    batch_size: int = 64
-    """Global batch size, split evenly across ranks (must divide by --world-size)."""
+    """download the dataset into --data-dir if it is missing"""
+    epochs: int = flag(3, metavar="E")
+    """passes over the training set"""
+    batch_size: int = flag(64, metavar="B")
+    """global batch, a multiple of --world-size, split evenly across ranks"""
     lr: float = 0.003
-    """Learning rate of SGD with momentum 0.9."""
-    seed: int = 0
-    """Seed for data order, model initialisation and the synthetic dataset."""
-    sync_every: int = 0
-    """Also exchange global metrics every K steps (0: only at epoch ends)."""
-    checkpoint_every: int = 0
-    """Also checkpoint every K steps (0: only at epoch ends)."""
-    keep_checkpoints: int = 3
-    """Checkpoints kept on disk, newest first (0: keep all)."""
+    """learning rate of SGD with momentum 0.9"""
+    seed: int = flag(0, metavar="S")
+    """seed for data order, initial weights and the synthetic dataset"""
+    sync_every: int = flag(0, metavar="K")
+    """also exchange global metrics every K steps; 0: only at epoch ends"""
+    checkpoint_every: int = flag(0, metavar="K")
+    """also checkpoint every K steps; 0: only at epoch ends"""
+    keep_checkpoints: int = flag(3, metavar="K")
+    """checkpoints kept, newest first; 0 keeps all"""
     resume: bool = False
-    """Continue a run from its newest valid checkpoint."""
-    runs_dir: str = "runs"
-    """Folder holding one sub-folder per run."""
-    run_id: str | None = None
-    """Run id (default: a new timestamped id; with --resume, the newest run)."""
-    workers: int = 0
-    """Data-loader worker processes in total, split across ranks."""
-    threads_per_rank: int = 1
-    """Intra-op threads per rank, like torchrun's OMP_NUM_THREADS=1."""
-    synthetic_train_samples: int = 32768
-    """Training samples in the synthetic dataset."""
-    synthetic_val_samples: int = 2048
-    """Validation samples in the synthetic dataset."""
-    master_addr: str = "127.0.0.1"
-    """Address of rank 0's rendezvous store."""
-    master_port: int = 0
-    """Port of rank 0's rendezvous store (0: pick a free one)."""
-    start_method: Literal["forkserver", "spawn", "fork"] = "forkserver"
-    """How ranks are started: forkserver imports torch once and forks each rank."""
-    progress_every: float = 2.0
-    """Seconds between progress lines printed by rank 0."""
-    launcher: Literal["local", "torchrun"] = "local"
-    """How the daemon starts ranks: its own forkserver, or torchrun --standalone."""
-    max_restarts: int = 0
-    """After a rank fails, restart all ranks from the newest checkpoint, up to K times."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Reserved for settings of later versions; kept so old configs still load."""
+    """continue --run-id (default: the newest run) from its newest valid checkpoint"""
+    runs_dir: str = flag("runs", metavar="DIR", group="run",
+                         default_text=f"${RUNS_DIR_ENV} or ./runs")
+    """folder of run directories"""
+    run_id: str | None = flag(None, metavar="ID", group="run",
+                              default_text="new, timestamped; with --resume, the newest run")
+    """run id"""
+    workers: int = flag(0, metavar="W")
+    """data-loader worker processes in total, split across ranks"""
+    threads_per_rank: int = flag(1, metavar="T")
+    """intra-op threads per rank, like torchrun's OMP_NUM_THREADS=1"""
+    synthetic_train_samples: int = flag(32768, metavar="N")
+    """size of the synthetic training set"""
+    synthetic_val_samples: int = flag(2048, metavar="N")
+    """size of the synthetic validation set"""
+    master_addr: str = flag("127.0.0.1", metavar="ADDR", group="run")
+    """address of rank 0's rendezvous store"""
+    master_port: int = flag(0, metavar="PORT", group="run", default_text="a free one")
+    """port of rank 0's rendezvous store"""
+    start_method: Literal["forkserver", "spawn", "fork"] = flag("forkserver", group="run")
+    """how the local launcher starts ranks: forkserver imports torch once and forks
+    every rank from it"""
+    progress_every: float = flag(2.0, metavar="SEC")
+    """seconds between progress lines printed by rank 0"""
+    launcher: Literal["local", "torchrun"] = flag("local", group="run")
+    """local: ranks forked from one process that imported torch; torchrun: the daemon
+    runs torchrun --standalone"""
+    max_restarts: int = flag(0, metavar="K", group="run")
+    """after a rank fails, restart every rank from the newest checkpoint, up to K times"""
+    extra: dict[str, Any] = field(default_factory=dict, metadata={"flag": Flag(enabled=False)})
+    """reserved for settings of later versions, so that old configs still load (no flag)"""
 
     # -- derived -----------------------------------------------------------------
     @property
@@ -197,75 +221,75 @@ def _is_safe_name(name: str) -> bool:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per TrainConfig field.
+    """Add one flag per TrainConfig field (see add_config_arguments)."""
+    add_config_arguments(parser, TrainConfig)
 
-    Defaults are suppressed so that `explicit_overrides` sees only what the user
-    typed (a resumed run keeps its saved settings unless a flag changes them);
-    the dataclass holds the defaults, and --help shows them from there.
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """Add a flag for every field of the dataclass `cls`, built from the field alone.
+
+    `batch_size: int = 64` with the string "global batch" under it becomes
+    `--batch-size B  global batch (default 64)`: the name gives the flag, the
+    annotation its type (a Literal its choices, a bool a switch), the default and
+    the field's docstring its help; metadata["flag"] (a Flag) adds what none of
+    those can say. Defaults are suppressed so that `explicit_overrides` sees only
+    what the user typed (a resumed run keeps its saved settings unless a flag
+    changes them); the dataclass holds the defaults, and --help shows them.
     """
-    d = TrainConfig()
-    s = argparse.SUPPRESS
-    g = parser.add_argument_group("training")
-    g.add_argument("--world-size", "-n", type=int, default=s, metavar="N",
-                   help=f"number of ranks (default {d.world_size})")
-    g.add_argument("--backend", choices=BACKENDS, default=s,
-                   help="collective backend; auto = nccl when every local rank has a GPU, "
-                   "else gloo (default auto)")
-    g.add_argument("--device", choices=DEVICES, default=s,
-                   help="compute device; auto = cuda when available (default auto)")
-    g.add_argument("--model", choices=MODELS, default=s, help=f"model (default {d.model})")
-    g.add_argument("--dataset", choices=DATASETS, default=s,
-                   help=f"dataset; synthetic is built in (default {d.dataset})")
-    g.add_argument("--data-dir", default=s, metavar="DIR",
-                   help=f"folder of torchvision datasets (default {d.data_dir})")
-    g.add_argument("--download", action="store_true", default=s,
-                   help="download the dataset into --data-dir if it is missing")
-    g.add_argument("--epochs", type=int, default=s, metavar="E",
-                   help=f"passes over the data (default {d.epochs})")
-    g.add_argument("--batch-size", type=int, default=s, metavar="B",
-                   help=f"global batch, split across ranks (default {d.batch_size})")
-    g.add_argument("--lr", type=float, default=s, help=f"learning rate (default {d.lr})")
-    g.add_argument("--seed", type=int, default=s, metavar="S", help=f"seed (default {d.seed})")
-    g.add_argument("--sync-every", type=int, default=s, metavar="K",
-                   help="also exchange global metrics every K steps (default 0: epoch ends)")
-    g.add_argument("--checkpoint-every", type=int, default=s, metavar="K",
-                   help="also checkpoint every K steps (default 0: epoch ends)")
-    g.add_argument("--keep-checkpoints", type=int, default=s, metavar="K",
-                   help=f"checkpoints kept, newest first; 0 keeps all "
-                   f"(default {d.keep_checkpoints})")
-    g.add_argument("--resume", action="store_true", default=s,
-                   help="continue --run-id (default: the newest run) from its newest "
-                   "valid checkpoint")
-    g.add_argument("--workers", type=int, default=s, metavar="W",
-                   help="data-loader workers in total, split across ranks (default 0)")
-    g.add_argument("--threads-per-rank", type=int, default=s, metavar="T",
-                   help="intra-op threads per rank (default 1)")
-    g.add_argument("--synthetic-train-samples", type=int, default=s, metavar="N",
-                   help=f"size of the synthetic training set "
-                   f"(default {d.synthetic_train_samples})")
-    g.add_argument("--synthetic-val-samples", type=int, default=s, metavar="N",
-                   help=f"size of the synthetic validation set "
-                   f"(default {d.synthetic_val_samples})")
-    g.add_argument("--progress-every", type=float, default=s, metavar="SEC",
-                   help=f"seconds between progress lines (default {d.progress_every})")
-    r = parser.add_argument_group("run")
-    r.add_argument("--runs-dir", default=s, metavar="DIR",
-                   help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./{d.runs_dir})")
-    r.add_argument("--launcher", choices=LAUNCHERS, default=s,
-                   help="local: ranks forked from one process that imported torch; torchrun: "
-                   "the daemon runs torchrun --standalone (default local)")
-    r.add_argument("--max-restarts", type=int, default=s, metavar="K",
-                   help="after a rank fails, restart every rank from the newest checkpoint, "
-                   "up to K times (default 0)")
-    r.add_argument("--run-id", default=s, metavar="ID",
-                   help="run id (default: new, timestamped)")
-    r.add_argument("--master-addr", default=s, metavar="ADDR",
-                   help=f"rendezvous address (default {d.master_addr})")
-    r.add_argument("--master-port", type=int, default=s, metavar="PORT",
-                   help="rendezvous port (default: a free one)")
-    r.add_argument("--start-method", choices=START_METHODS, default=s,
-                   help="forkserver imports torch once and forks every rank from it "
-                   "(default forkserver)")
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    flags = [(f, f.metadata.get("flag", Flag())) for f in dataclasses.fields(cls)]
+    flags = [(f, how) for f, how in flags if how.enabled]
+    for title in dict.fromkeys(how.group for _, how in flags):  # in order of first use
+        group = parser.add_argument_group(title)
+        for f, how in flags:
+            if how.group == title:
+                _add_flag(group, f, how, hints[f.name], docs.get(f.name, ""))
+
+
+def _add_flag(group: Any, f: dataclasses.Field[Any], how: Flag, hint: Any, doc: str) -> None:
+    kwargs: dict[str, Any] = {}
+    if hint is bool:
+        kwargs["action"] = "store_true"
+    elif typing.get_origin(hint) is Literal:
+        kwargs["choices"] = typing.get_args(hint)
+    else:
+        kwargs["type"], kwargs["metavar"] = _scalar(hint, f.name), how.metavar
+    if how.default_text is not None:
+        doc += f" (default: {how.default_text})"
+    elif hint is not bool and f.default not in (None, dataclasses.MISSING):
+        doc += f" (default {f.default})"
+    names = ["--" + f.name.replace("_", "-"), *([how.short] if how.short else [])]
+    group.add_argument(*names, dest=f.name, default=argparse.SUPPRESS,
+                       help=doc.strip().replace("%", "%%"), **kwargs)
+
+
+def _scalar(hint: Any, name: str) -> type:
+    """The argparse type of a field annotated int, float, str or `X | None`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not types.NoneType]
+        hint = args[0] if len(args) == 1 else hint
+    if hint not in (int, float, str):
+        raise TypeError(f"field {name}: no flag for type {hint!r}; give it Flag(enabled=False)")
+    return typing.cast(type, hint)
+
+
+def field_docs(cls: type[Any]) -> dict[str, str]:
+    """The string literal under each field in the class body, on one line; {} when
+    the source cannot be read (the flags then work with shorter help)."""
+    docs: dict[str, str] = {}
+    for klass in filter(dataclasses.is_dataclass, reversed(cls.__mro__)):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        top = tree.body[0] if tree.body else None
+        body = top.body if isinstance(top, ast.ClassDef) else []
+        for node, after in itertools.pairwise(body):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 def explicit_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
