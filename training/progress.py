@@ -1,12 +1,16 @@
-"""What a run prints and records as it goes. Only rank 0 speaks (the others get
-the silent base class), so the loop never asks which rank it is."""
+"""What a run prints and records as it goes: its console lines (each rank's
+log) and metrics.jsonl. The loop does not call this directly: it tells its
+`Reporter` (reporting.py), which passes each fact on here and to the telemetry.
+
+Only rank 0 tells the run's story (the others get the base class, so nobody
+asks which rank it is). The one exception: every rank loads a checkpoint on
+resume, so every rank's log says which."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Sized
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,15 +24,19 @@ from ddtop.training.metrics import GlobalMetrics
 
 
 class Progress:
-    """Silent: what every rank but rank 0 uses."""
+    """What every rank but rank 0 uses: silent, but for the line on resume."""
 
     @staticmethod
     def for_rank(config: TrainConfig, env: RankEnv, paths: RunPaths,
                  launch_time: float | None) -> Progress:
         return RankZeroProgress(config, env, paths, launch_time) if env.is_main else Progress()
 
+    def resumed(self, checkpoint: str, position: Position) -> None:
+        print(f"resumed from {checkpoint}: epoch {position.epoch + 1}, step {position.step}",
+              flush=True)
+
     def started(self, backend: str, device: torch.device, model: nn.Module, train_set: Any,
-                val_set: Any, steps_per_epoch: int, position: Position) -> None:
+                val_set: Any, steps_per_epoch: int) -> None:
         pass
 
     def epoch_started(self, epoch: int) -> None:
@@ -40,11 +48,11 @@ class Progress:
     def synced(self, epoch: int, step: int, global_step: int, metrics: GlobalMetrics) -> None:
         pass
 
-    def checkpointed(self, path: Path) -> None:
-        pass
-
     def epoch_done(self, epoch: int, global_step: int, train: GlobalMetrics,
                    val: GlobalMetrics) -> None:
+        pass
+
+    def stopped(self, message: str) -> None:
         pass
 
     def finished(self, global_step: int) -> None:
@@ -71,7 +79,8 @@ class RankZeroProgress(Progress):
             f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
     def started(self, backend: str, device: torch.device, model: nn.Module, train_set: Any,
-                val_set: Any, steps_per_epoch: int, position: Position) -> None:
+                val_set: Any, steps_per_epoch: int) -> None:
+        self.start = time.monotonic()  # "training done" counts from here
         cfg = self.config
         params = sum(p.numel() for p in model.parameters())
         sizes = (f"{len(train_set)} train / {len(val_set)} val"
@@ -133,6 +142,9 @@ class RankZeroProgress(Progress):
                       "train_samples": train.samples, "val_loss": val.loss,
                       "val_accuracy": val.accuracy, "val_samples": val.samples,
                       "seconds": seconds})
+
+    def stopped(self, message: str) -> None:
+        self._say(message)
 
     def finished(self, global_step: int) -> None:
         self._say(f"training done: {global_step} steps in {time.monotonic() - self.start:.2f} s")

@@ -99,10 +99,10 @@ class Telemetry:
     def comm_done(self, seconds: float, nbytes: int) -> None:
         pass
 
-    def aggregate(self, scope: str, epoch: int, global_step: int, **metrics: Any) -> None:
+    def aggregate(self, scope: wire.Scope, epoch: int, global_step: int, **metrics: Any) -> None:
         pass
 
-    def event(self, type: str, message: str, traceback: str | None = None,
+    def event(self, type: wire.EventType, message: str, traceback: str | None = None,
               **data: str | int | float | bool | None) -> None:
         pass
 
@@ -220,14 +220,14 @@ class LiveTelemetry(Telemetry):
             w.comm_bytes += nbytes
             w.comm_ops += 1
 
-    def aggregate(self, scope: str, epoch: int, global_step: int, **metrics: Any) -> None:
-        self._queue(wire.Aggregate(run=self.run, rank=self.rank, scope=scope,  # type: ignore[arg-type]
-                                   epoch=epoch, global_step=global_step, **metrics))
+    def aggregate(self, scope: wire.Scope, epoch: int, global_step: int, **metrics: Any) -> None:
+        self._queue(wire.Aggregate(run=self.run, rank=self.rank, scope=scope, epoch=epoch,
+                                   global_step=global_step, **metrics))
 
-    def event(self, type: str, message: str, traceback: str | None = None,
+    def event(self, type: wire.EventType, message: str, traceback: str | None = None,
               **data: str | int | float | bool | None) -> None:
-        self._queue(wire.Event(run=self.run, rank=self.rank, type=type,  # type: ignore[arg-type]
-                               message=message, traceback=traceback, data=data))
+        self._queue(wire.Event(run=self.run, rank=self.rank, type=type, message=message,
+                               traceback=traceback, data=data))
 
     def error(self, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(exc))[-wire.MAX_TRACEBACK_CHARS:]

@@ -3,6 +3,10 @@
 Every collective here (metric syncs, checkpoints, evaluation) happens at the
 same step on every rank, decided only by step counts that all ranks share, so
 no rank can wait in a collective that another rank skipped.
+
+The loop tells its `Reporter` (reporting.py) each fact once (a step, a sync, a
+checkpoint, an epoch's end); the reporter prints and records it and sends it
+as telemetry. Only phases and collectives go to `Telemetry` directly.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from ddtop.training.commtimer import CommTimer
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
 from ddtop.training.metrics import GlobalMetrics, Totals, gather_counters
 from ddtop.training.models import build_model
-from ddtop.training.progress import Progress
+from ddtop.training.reporting import Reporter
 from ddtop.training.stopping import StopAgreement
 from ddtop.training.telemetry import Telemetry, open_telemetry
 
@@ -112,8 +116,9 @@ class Trainer:
     def __init__(self, config: TrainConfig, env: RankEnv, device: torch.device, backend: str,
                  launch_time: float | None, telemetry: Telemetry) -> None:
         self.config, self.env, self.device = config, env, device
-        self.telemetry = telemetry
+        self.telemetry = telemetry  # directly only for phases and collectives
         self.paths = run_paths(config)
+        self.report = Reporter.for_rank(config, env, self.paths, launch_time, telemetry)
         self.train_set, self.val_set, spec = data.build_datasets(config, env)
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         self.model = build_model(config.model, spec).to(device)
@@ -140,9 +145,8 @@ class Trainer:
         self.pin = device.type == "cuda"
         self.fault = Fault.from_environ(env.rank)
         self.stop = StopAgreement(env.is_main)
-        self.progress = Progress.for_rank(config, env, self.paths, launch_time)
-        self.progress.started(backend, device, self.model, self.train_set, self.val_set,
-                              self.steps_per_epoch, self.position)
+        self.report.started(backend, device, self.model, self.train_set, self.val_set,
+                            self.steps_per_epoch)
 
     def _load_checkpoint(self) -> dict[str, Any]:
         found = checkpoint.load_newest_valid(self.paths.checkpoints)
@@ -156,11 +160,7 @@ class Trainer:
         self.global_step = state["global_step"]
         if self.env.is_main:  # rank 0 carries the epoch's global totals so far
             self.carried = Counter(state["train_totals"])
-        print(f"resumed from {path.name}: epoch {self.position.epoch + 1}, "
-              f"step {self.position.step}", flush=True)
-        self.telemetry.event("resumed", f"resumed from {path.name}", checkpoint=path.name,
-                             epoch=self.position.epoch, step=self.position.step,
-                             global_step=self.global_step)
+        self.report.resumed(path, self.position, self.global_step)
         return state
 
     # -- the loop --------------------------------------------------------------
@@ -170,7 +170,7 @@ class Trainer:
             if not self.train_epoch(epoch, self.position.step if resumed else 0,
                                     self.carried if resumed else Counter()):
                 return
-        self.progress.finished(self.global_step)
+        self.report.finished(self.global_step)
 
     def train_epoch(self, epoch: int, skip: int, carried: Counter[str]) -> bool:
         """One epoch from step `skip`; False when a graceful stop ended it early."""
@@ -180,13 +180,14 @@ class Trainer:
                                    self.pin)
         totals = Totals(self.device)
         self.model.train()
-        self.progress.epoch_started(epoch)
-        tel.begin_epoch(epoch)
+        self.report.epoch_started(epoch)
         batches = iter(loader)
         lr = self.optimizer.param_groups[0]["lr"]
         for step in range(skip + 1, self.steps_per_epoch + 1):
-            if self.stop.due(self.global_step):
-                self.stopped(Position(epoch, step - 1), totals.counter() + carried)
+            if self.stop.due(self.global_step):  # every rank stops after the same step
+                at = Position(epoch, step - 1)
+                self.save(at, totals.counter() + carried)
+                self.report.stopped(at, self.global_step)
                 return False
             tel.phase("data")
             x, y = next(batches)
@@ -202,15 +203,12 @@ class Trainer:
             self.optimizer.step()
             totals.add(loss, logits, y)
             self.global_step += 1
-            tel.step_done(epoch, step, self.steps_per_epoch, self.global_step, loss,
-                          y.shape[0], lr)
+            self.report.step(epoch, step, self.steps_per_epoch, self.global_step, loss,
+                             y.shape[0], lr)
             self.comm_timer.harvest()
-            self.progress.step(epoch, step, self.steps_per_epoch, loss, self.global_step)
             if cfg.sync_every and self.global_step % cfg.sync_every == 0:
-                metrics = self.gather_metrics(totals.counter() + carried)
-                self.progress.synced(epoch, step, self.global_step, metrics)
-                tel.aggregate("sync", epoch, self.global_step, train_loss=metrics.loss,
-                              train_accuracy=metrics.accuracy, train_samples=metrics.samples)
+                self.report.synced(epoch, step, self.global_step,
+                                   self.gather_metrics(totals.counter() + carried))
             if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
                 self.save(Position(epoch, step), totals.counter() + carried)
             if self.fault is not None:
@@ -218,24 +216,8 @@ class Trainer:
         train_metrics = self.gather_metrics(totals.counter() + carried)
         val_metrics = self.evaluate()
         self.save(Position(epoch + 1, 0), Counter())
-        self.progress.epoch_done(epoch, self.global_step, train_metrics, val_metrics)
-        tel.aggregate("epoch", epoch, self.global_step, train_loss=train_metrics.loss,
-                      train_accuracy=train_metrics.accuracy, train_samples=train_metrics.samples,
-                      val_loss=val_metrics.loss, val_accuracy=val_metrics.accuracy,
-                      val_samples=val_metrics.samples)
-        tel.event("epoch_end", f"epoch {epoch + 1} done", epoch=epoch,
-                  global_step=self.global_step)
+        self.report.epoch_done(epoch, self.global_step, train_metrics, val_metrics)
         return True
-
-    def stopped(self, position: Position, epoch_totals: Counter[str]) -> None:
-        """A graceful stop: every rank is here after the same step; checkpoint."""
-        self.save(position, epoch_totals)
-        message = (f"stopped as asked after step {self.global_step} (epoch "
-                   f"{position.epoch + 1}, step {position.step}); checkpoint written")
-        if self.env.is_main:
-            print(message, flush=True)
-        self.telemetry.event("stopped", message, epoch=position.epoch, step=position.step,
-                             global_step=self.global_step)
 
     def gather_metrics(self, local: Counter[str]) -> GlobalMetrics:
         self.telemetry.phase("metric_sync")
@@ -279,7 +261,4 @@ class Trainer:
             "world_size": self.env.world_size,
             "time": time.time(),
         }, keep=self.config.keep_checkpoints)
-        self.progress.checkpointed(path)
-        self.telemetry.event("checkpoint", f"saved {path.name}", path=str(path),
-                             epoch=position.epoch, step=position.step,
-                             global_step=self.global_step)
+        self.report.checkpointed(path, position, self.global_step)

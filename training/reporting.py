@@ -1,0 +1,98 @@
+"""Each fact of a run, reported once, told to everyone who listens.
+
+The training loop says what happened (a step, a metric sync, a checkpoint, an
+epoch's end, a stop, a resume) to its `Reporter`, once. The reporter passes it
+on to both sinks, in a fixed order:
+
+- `Progress` (progress.py): the console lines in each rank's log and
+  metrics.jsonl; only rank 0 tells the run's story.
+- `Telemetry` (telemetry.py): the wire messages to the daemon or whoever
+  listens; every rank, and a no-op base class when telemetry is off.
+
+What is telemetry alone, not a fact for the console (which phase a rank is in,
+which collective it waits in, what the comm hook timed), the loop still tells
+`Telemetry` directly. Nothing here reads a device tensor: `loss` goes on as a
+tensor, and only `Progress.step` turns it into a number, when it prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.runs import RunPaths
+from ddtop.training.checkpoint import Position
+from ddtop.training.distributed import RankEnv
+from ddtop.training.metrics import GlobalMetrics
+from ddtop.training.progress import Progress
+from ddtop.training.telemetry import Telemetry
+
+
+class Reporter:
+    def __init__(self, progress: Progress, telemetry: Telemetry) -> None:
+        self.progress, self.telemetry = progress, telemetry
+
+    @classmethod
+    def for_rank(cls, config: TrainConfig, env: RankEnv, paths: RunPaths,
+                 launch_time: float | None, telemetry: Telemetry) -> Reporter:
+        return cls(Progress.for_rank(config, env, paths, launch_time), telemetry)
+
+    def resumed(self, checkpoint: Path, position: Position, global_step: int) -> None:
+        """This rank loaded `checkpoint` and goes on from `position`."""
+        self.progress.resumed(checkpoint.name, position)
+        self.telemetry.event("resumed", f"resumed from {checkpoint.name}",
+                             checkpoint=checkpoint.name, epoch=position.epoch,
+                             step=position.step, global_step=global_step)
+
+    def started(self, backend: str, device: torch.device, model: nn.Module, train_set: Any,
+                val_set: Any, steps_per_epoch: int) -> None:
+        """Set up, about to train (the telemetry said hello when it opened)."""
+        self.progress.started(backend, device, model, train_set, val_set, steps_per_epoch)
+
+    def epoch_started(self, epoch: int) -> None:
+        self.progress.epoch_started(epoch)
+        self.telemetry.begin_epoch(epoch)
+
+    def step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
+             loss: torch.Tensor, samples: int, lr: float) -> None:
+        """One optimizer step done; `loss` is this rank's, still on its device."""
+        self.telemetry.step_done(epoch, step, steps_per_epoch, global_step, loss, samples, lr)
+        self.progress.step(epoch, step, steps_per_epoch, loss, global_step)
+
+    def synced(self, epoch: int, step: int, global_step: int, metrics: GlobalMetrics) -> None:
+        """Global training metrics of the epoch so far (--sync-every)."""
+        self.progress.synced(epoch, step, global_step, metrics)
+        self.telemetry.aggregate("sync", epoch, global_step, train_loss=metrics.loss,
+                                 train_accuracy=metrics.accuracy, train_samples=metrics.samples)
+
+    def checkpointed(self, path: Path, position: Position, global_step: int) -> None:
+        """Rank 0 wrote `path`: telemetry only (the console has never listed them)."""
+        self.telemetry.event("checkpoint", f"saved {path.name}", path=str(path),
+                             epoch=position.epoch, step=position.step, global_step=global_step)
+
+    def epoch_done(self, epoch: int, global_step: int, train: GlobalMetrics,
+                   val: GlobalMetrics) -> None:
+        """The epoch's global training and validation metrics."""
+        self.progress.epoch_done(epoch, global_step, train, val)
+        self.telemetry.aggregate("epoch", epoch, global_step, train_loss=train.loss,
+                                 train_accuracy=train.accuracy, train_samples=train.samples,
+                                 val_loss=val.loss, val_accuracy=val.accuracy,
+                                 val_samples=val.samples)
+        self.telemetry.event("epoch_end", f"epoch {epoch + 1} done", epoch=epoch,
+                             global_step=global_step)
+
+    def stopped(self, position: Position, global_step: int) -> None:
+        """A graceful stop after `position`, checkpoint written; training ends."""
+        message = (f"stopped as asked after step {global_step} (epoch {position.epoch + 1}, "
+                   f"step {position.step}); checkpoint written")
+        self.progress.stopped(message)
+        self.telemetry.event("stopped", message, epoch=position.epoch, step=position.step,
+                             global_step=global_step)
+
+    def finished(self, global_step: int) -> None:
+        """Every epoch done (the telemetry says bye when it closes)."""
+        self.progress.finished(global_step)
