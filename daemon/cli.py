@@ -17,15 +17,14 @@ Exit codes: 0 the run succeeded, 1 a rank failed (named in the last lines),
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+
+import msgspec
 
 from ddtop.daemon import control
 from ddtop.daemon.config import (
@@ -44,16 +43,17 @@ from ddtop.daemon.contract import (
     EXIT_USAGE,
     RUNS_DIR_ENV,
 )
-from ddtop.daemon.runinfo import RunInfo, list_runs, pid_alive
+from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
+from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, read_json, write_json_atomic
 from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import RunSummary
 
 EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
               "130 stopped (Ctrl-C or ddtrain stop).")
 # A detached start waits this long for every rank to say hello (or the run to fail).
 START_WATCH_S = 20.0
 DAEMON_READY_S = 30.0
-FOLLOW_POLL_S = 0.2
 
 
 def _version() -> str:
@@ -159,7 +159,7 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
     if diffs:
         raise UsageError(f"run {paths.run_id} cannot be resumed with different settings "
                          f"({'; '.join(diffs)}): drop those flags, or start a new run")
-    if not any(paths.checkpoints.glob("step-*.pt")):
+    if not paths.checkpoint_files():
         raise UsageError(f"run {paths.run_id} has no checkpoint to resume from: "
                          "start a new run without --resume")
     return config, paths
@@ -171,11 +171,11 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.headless:
         return start_headless(args, config, paths)
     if args.foreground:
-        from ddtop.daemon.launcher import LocalLauncher
+        from ddtop.daemon.supervisor import Supervisor
 
         print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks in "
               f"{paths.root} (Ctrl-C stops it)", flush=True)
-        return LocalLauncher(config, paths).run()
+        return Supervisor(config, paths).run()
     return start_detached(config, paths)
 
 
@@ -183,7 +183,7 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
     """--foreground --headless: the daemon in this process, and the headless printer
     reading its RunState after every poll; ranks' output stays in their log files,
     ddtrain's own lines go to stderr, stdout has only the printer's lines."""
-    from ddtop.daemon.launcher import LocalLauncher
+    from ddtop.daemon.supervisor import Supervisor
     from ddtop.dashboard.feed import StateFeed
     from ddtop.dashboard.headless import Printer, check_output_arguments
 
@@ -205,7 +205,7 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
     print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks in "
           f"{paths.root} (Ctrl-C stops it; rank output in {paths.logs})", file=sys.stderr,
           flush=True)
-    code = LocalLauncher(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
+    code = Supervisor(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
     if printers:
         printers[0].feed.finished = True
         printers[0].finish()
@@ -227,7 +227,7 @@ def start_detached(config: TrainConfig, paths: RunPaths) -> int:
             start_new_session=True,  # its own session and process group: no terminal signals
         )
     deadline = time.monotonic() + DAEMON_READY_S
-    while RunInfo.load(paths).record.get("daemon_pid") != daemon.pid:
+    while RunInfo.load(paths).record.daemon_pid != daemon.pid:
         if daemon.poll() is not None or time.monotonic() > deadline:
             return _start_failed(daemon, paths)
         time.sleep(0.05)
@@ -252,10 +252,10 @@ def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, world_size: 
     while time.monotonic() < deadline and daemon.poll() is None and info.control:
         try:
             reply = control.request(info.control, "status", 1.0)
-        except control.Unreachable:
+            ranks = msgspec.convert(reply.get("summary"), RunSummary).ranks
+        except (control.Unreachable, msgspec.ValidationError):
             continue
-        ranks = reply.get("summary", {}).get("ranks", [])
-        if len(ranks) == world_size and all(r["state"] != "starting" for r in ranks):
+        if len(ranks) == world_size and all(r.state != "starting" for r in ranks):
             return True
         time.sleep(0.1)
     return False
@@ -281,191 +281,13 @@ def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The detached daemon: the same launcher as --foreground, output to daemon.log."""
-    from ddtop.daemon.launcher import LocalLauncher
+    from ddtop.daemon.supervisor import Supervisor
 
     paths = RunPaths(Path(args.run_dir))
     config = TrainConfig.from_dict(read_json(paths.config)).validate()
     print(f"ddtrain: daemon pid {os.getpid()} for run {paths.run_id} "
           f"({config.world_size} ranks)", flush=True)
-    return LocalLauncher(config, paths, echo=False).run()
-
-
-# -- status, list -----------------------------------------------------------------
-def run_of(args: argparse.Namespace) -> RunPaths:
-    runs_dir = args.runs_dir or default_runs_dir()
-    if args.run and Path(args.run).is_dir() and (Path(args.run) / "config.json").is_file():
-        return RunPaths(Path(args.run))
-    return find_run(runs_dir, args.run)
-
-
-def _fmt(value: Any, spec: str = "", none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    info = RunInfo.load(run_of(args))
-    summary = info.summary()
-    if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True, default=str))
-        return EXIT_OK
-    done, total = summary.get("global_step", 0), summary.get("total_steps", 0)
-    pct = f" ({100 * done / total:.1f}%)" if total else ""
-    daemon = (f"daemon pid {info.daemon_pid}" if info.live
-              else "daemon gone" if info.status == "lost" else "finished")
-    print(f"run {info.paths.run_id}: {summary['status']} ({daemon}; "
-          f"{summary.get('world_size') or len(summary['ranks'])} ranks; "
-          f"{summary['restarts']} restarts)")
-    if summary.get("model"):
-        print(f"  {summary.get('model')} on {summary.get('dataset')}, {summary.get('backend')}; "
-              f"step {done}/{total}{pct}; {summary.get('samples_per_s', 0):,.0f} samples/s")
-    metrics = summary.get("metrics")
-    if metrics:
-        val = (f", val loss {metrics['val_loss']:.4f} acc {100 * metrics['val_accuracy']:.2f}%"
-               if metrics.get("val_loss") is not None else "")
-        print(f"  global (epoch {metrics['epoch'] + 1}, step {metrics['global_step']}): train "
-              f"loss {metrics['train_loss']:.4f} acc {100 * metrics['train_accuracy']:.2f}%{val}")
-    if summary.get("hang"):
-        print(f"  hang: {summary['hang']}")
-    if summary.get("stragglers"):
-        print(f"  stragglers: {', '.join(map(str, summary['stragglers']))} "
-              f"(skew {1000 * summary['skew_s']:.1f} ms per step)")
-    print(f"{'RANK':>4}  {'PID':>7}  {'STATE':<9} {'EPOCH':>5}  {'STEP':>7}  {'LOSS':>8}  "
-          f"{'SAMPLES/S':>9}  EXIT")
-    for r in summary["ranks"]:
-        exit_ = (r.get("signal") or _fmt(r.get("exit_code")))
-        if r.get("stopped_by_daemon") and exit_ not in ("-", "0"):
-            exit_ += " (stopped)"
-        epoch = r.get("epoch")
-        print(f"{r['rank']:>4}  {_fmt(r.get('pid')):>7}  {r['state']:<9} "
-              f"{_fmt(None if epoch is None else epoch + 1):>5}  "
-              f"{_fmt(r.get('global_step')):>7}  {_fmt(r.get('loss'), '.4f'):>8}  "
-              f"{_fmt(r.get('samples_per_s'), ',.0f'):>9}  {exit_}")
-    failure = summary.get("failure")
-    if failure and summary["status"] in ("failed", "lost"):
-        how = (f"killed by {failure['signal']}" if failure.get("signal")
-               else f"exit code {failure.get('exit_code', failure.get('exitcode'))}")
-        print(f"failure: rank {failure.get('rank')} {how}"
-              + (f": {failure['message']}" if failure.get("message") else ""))
-        for line in (failure.get("traceback") or "").rstrip().splitlines()[-8:]:
-            print(f"  | {line}")
-    for entry in summary.get("timeline", []):
-        print(f"restart {entry['restart']}: rank {entry['rank']} {entry['reason']} at step "
-              f"{entry['global_step']}; from {entry['checkpoint'] or 'the start'}")
-    return EXIT_OK
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    runs_dir = Path(args.runs_dir or default_runs_dir())
-    runs = list_runs(runs_dir)
-    rows = []
-    for info in runs:
-        started, ended = info.record.get("started"), info.record.get("ended")
-        end = ended or (time.time() if info.live else None)
-        rows.append({
-            "run_id": info.paths.run_id, "status": info.status,
-            "world_size": info.config.get("world_size"), "model": info.config.get("model"),
-            "dataset": info.config.get("dataset"), "started": started,
-            "seconds": None if not started or not end else end - started,
-            "restarts": info.record.get("restarts", 0), "daemon_pid": info.daemon_pid,
-            "dir": str(info.paths.root),
-        })
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return EXIT_OK
-    if not rows:
-        print(f"no runs under {runs_dir}/ (start one with: ddtrain start)")
-        return EXIT_OK
-    print(f"{'RUN':<26} {'STATUS':<10} {'RANKS':>5}  {'MODEL':<8} {'DATASET':<13} "
-          f"{'STARTED':<19} {'TIME':>8}")
-    for r in rows:
-        started = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"]))
-                   if r["started"] else "-")
-        seconds = f"{r['seconds']:.0f} s" if r["seconds"] is not None else "-"
-        print(f"{r['run_id']:<26} {r['status']:<10} {_fmt(r['world_size']):>5}  "
-              f"{_fmt(r['model']):<8} {_fmt(r['dataset']):<13} {started:<19} {seconds:>8}")
-    return EXIT_OK
-
-
-# -- stop -------------------------------------------------------------------------
-def cmd_stop(args: argparse.Namespace) -> int:
-    if args.timeout < 0:
-        raise UsageError(f"--timeout must be >= 0 seconds (got {args.timeout:g})")
-    info = RunInfo.load(run_of(args))
-    rid, pid = info.paths.run_id, info.daemon_pid
-    if not info.live:
-        print(f"ddtrain: run {rid} is not running ({info.status})")
-        return EXIT_OK
-    assert pid is not None
-    try:
-        if info.control is None:
-            raise control.Unreachable("no control endpoint in run.json")
-        reply = control.request(info.control, "stop", 5.0, timeout=args.timeout)
-        if not reply.get("ok"):
-            raise control.Unreachable(str(reply.get("error")))
-        print(f"ddtrain: stopping run {rid}: ranks finish their step and rank 0 checkpoints "
-              f"(up to {args.timeout:g} s)...", flush=True)
-    except control.Unreachable as e:
-        print(f"ddtrain: the daemon (pid {pid}) does not answer ({e}); terminating it, "
-              "which stops its ranks at once", flush=True)
-        os.kill(pid, signal.SIGTERM)
-    # The daemon escalates by itself after the timeout; this is only a backstop.
-    deadline = time.monotonic() + args.timeout + 15.0
-    while pid_alive(pid):
-        if time.monotonic() > deadline:
-            print(f"ddtrain: the daemon (pid {pid}) is still there; killing it", flush=True)
-            os.kill(pid, signal.SIGKILL)
-            break
-        time.sleep(0.1)
-    final = RunInfo.load(info.paths)
-    checkpoints = sorted(info.paths.checkpoints.glob("step-*.pt"))
-    hint = (f"; resume with: ddtrain start --resume --run-id {rid}" if checkpoints
-            and final.status != "succeeded" else "")
-    print(f"ddtrain: run {rid} {final.status}{hint}")
-    return EXIT_OK
-
-
-# -- logs -------------------------------------------------------------------------
-def cmd_logs(args: argparse.Namespace) -> int:
-    paths = run_of(args)
-    info = RunInfo.load(paths)
-    world = info.config.get("world_size") or len(list(paths.logs.glob("rank-*.log")))
-    if args.rank is not None and not 0 <= args.rank < world:
-        raise UsageError(f"--rank {args.rank} is not a rank of run {paths.run_id} "
-                         f"(ranks 0..{world - 1})")
-    ranks = [args.rank] if args.rank is not None else list(range(world))
-    host = info.record.get("host", "")
-    offsets = dict.fromkeys(ranks, 0)
-    partial = dict.fromkeys(ranks, b"")
-
-    def pump(final: bool) -> None:
-        for k in ranks:
-            try:
-                with paths.rank_log(k).open("rb") as f:
-                    f.seek(offsets[k])
-                    chunk = f.read()
-            except FileNotFoundError:
-                continue
-            offsets[k] += len(chunk)
-            *lines, partial[k] = (partial[k] + chunk).split(b"\n")
-            if final and partial[k]:
-                lines.append(partial[k])
-                partial[k] = b""
-            for line in lines:
-                sys.stdout.write(f"[rank {k} {host}] {line.decode(errors='replace')}\n")
-        sys.stdout.flush()
-
-    try:
-        if not args.follow:
-            pump(final=True)
-            return EXIT_OK
-        while True:
-            alive = RunInfo.load(paths).live
-            pump(final=not alive)
-            if not alive:
-                return EXIT_OK
-            time.sleep(FOLLOW_POLL_S)
-    finally:
-        sys.stdout.flush()
+    return Supervisor(config, paths, echo=False).run()
 
 
 # -- main -------------------------------------------------------------------------

@@ -114,9 +114,12 @@ class Relay:
         self.journal.append(self.seq, received, frame)
         self.pub.send_multipart(wire.relay_frames(self.seq, frame), zmq.NOBLOCK)
 
-    def emit(self, message: wire.Message) -> None:
-        """Fold, journal and publish a message of the daemon's own (rank -1)."""
-        message.rank, message.seq, message.t = wire.DAEMON_RANK, self.daemon_seq, time.time()
+    def emit(self, kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event],
+             **fields: Any) -> None:
+        """Fold, journal and publish a message of the daemon's own: it speaks as
+        rank -1 (wire.DAEMON_RANK) with a sequence of its own."""
+        message = kind(run=self.run, rank=wire.DAEMON_RANK, seq=self.daemon_seq, t=time.time(),
+                       **fields)
         self.daemon_seq += 1
         self._accept(message, wire.encode(message)[0], message.t)
         self.journal.flush()

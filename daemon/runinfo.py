@@ -2,129 +2,103 @@
 
 A run is *live* when its run.json names a daemon pid that still exists and a
 non-final status. A live run answers `status` from its daemon's RunState; a
-finished one from its journal (the same fold, replayed) and run.json. A
+finished one from the RunSummary its daemon wrote last into run.json. A
 run.json that says "running" while its daemon is gone means the daemon was
-killed: such a run is shown as `lost`.
+killed: such a run is `lost`, and its journal (the same fold, replayed) tells
+how far it got.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ddtop.daemon import control, journal
-from ddtop.daemon.runs import RunPaths, read_json
+import msgspec
 
-FINAL = ("succeeded", "failed", "stopped")
-LOST = "lost"
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) is not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+from ddtop.daemon import control, journal, wire
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.processes import pid_alive
+from ddtop.daemon.runs import RunPaths, is_run_dir
+from ddtop.daemon.summary import LOST, RunRecord, RunSummary, as_lost, decode_record
 
 
 @dataclass
 class RunInfo:
     paths: RunPaths
-    record: dict[str, Any]  # run.json ({} when missing or unreadable)
-    config: dict[str, Any]  # config.json
+    record: RunRecord  # run.json (an empty record when missing or unreadable)
+    config: TrainConfig | None  # config.json (None when unreadable)
+    problem: str | None = None  # why run.json could not be read, if it could not
 
     @classmethod
     def load(cls, paths: RunPaths) -> RunInfo:
-        def read(path: Path) -> dict[str, Any]:
-            try:
-                data = read_json(path)
-            except (OSError, ValueError):
-                return {}
-            return data if isinstance(data, dict) else {}
-
-        return cls(paths, read(paths.status), read(paths.config))
+        record, problem = RunRecord(run_id=paths.run_id), None
+        try:
+            record = decode_record(paths.status.read_bytes())
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:  # msgspec's errors are ValueErrors
+            problem = f"{paths.status} is unreadable ({e})"
+        try:
+            config: TrainConfig | None = TrainConfig.from_dict(
+                msgspec.json.decode(paths.config.read_bytes()))
+        except (OSError, ValueError, TypeError):
+            config = None
+        return cls(paths, record, config, problem)
 
     @property
     def daemon_pid(self) -> int | None:
-        pid = self.record.get("daemon_pid") or self.record.get("launcher_pid")
-        return pid if isinstance(pid, int) else None
+        return self.record.daemon_pid
 
     @property
     def live(self) -> bool:
-        return self.record.get("status") not in FINAL and pid_alive(self.daemon_pid)
+        return self.record.status not in wire.FINAL_STATUSES and pid_alive(self.daemon_pid)
 
     @property
     def status(self) -> str:
-        status = self.record.get("status", "unknown")
-        if status not in FINAL and not self.live:
+        if self.record.status not in wire.FINAL_STATUSES and not self.live:
             return LOST
-        return str(status)
+        return self.record.status
 
     @property
     def control(self) -> str | None:
-        endpoint = self.record.get("endpoints", {}).get("control")
-        return endpoint if isinstance(endpoint, str) else None
+        return self.record.endpoints.get("control")
 
-    def summary(self, timeout_s: float = 2.0) -> dict[str, Any]:
-        """The RunState summary: from the daemon when live, else from the journal."""
-        summary: dict[str, Any] | None = None
+    @property
+    def world_size(self) -> int:
+        return self.record.world_size or (self.config.world_size if self.config else 0)
+
+    def summary(self, timeout_s: float = 2.0) -> RunRecord:
+        """run.json's daemon facts with the run as it stands: from the daemon when
+        live, from run.json when finished, from the journal when lost."""
+        summary: RunSummary | None = None
         if self.live and self.control:
             try:
                 reply = control.request(self.control, "status", timeout_s)
                 if reply.get("ok"):
-                    summary = reply["summary"]
-            except control.Unreachable:
+                    summary = msgspec.convert(reply["summary"], RunSummary)
+            except (control.Unreachable, msgspec.ValidationError):
                 pass
+        if summary is None and self.status == LOST:
+            summary = as_lost(self._replayed())
         if summary is None:
-            summary = self._replayed()
-        summary.update({
-            "run_id": self.paths.run_id, "status": self.status, "dir": str(self.paths.root),
-            "daemon_pid": self.daemon_pid, "daemon_alive": self.live,
-            "restarts": self.record.get("restarts", summary.get("restarts", 0)),
-            "timeline": self.record.get("timeline", summary.get("timeline", [])),
-            "started": self.record.get("started"), "ended": self.record.get("ended"),
-            "exit_code": self.record.get("exit_code"),
-        })
-        if "failure" in self.record:
-            summary["failure"] = {**(summary.get("failure") or {}), **self.record["failure"]}
-        self._merge_processes(summary)
+            return self.record
+        return self.record.with_summary(summary)
+
+    def _replayed(self) -> RunSummary:
+        """The journal's story, where it has one; else what run.json last said."""
+        if not self.paths.journal.exists():
+            return self.record
+        state, _ = journal.replay(self.paths.journal, self.paths.run_id)
+        summary = state.summary(state.updated or time.time())
+        for rank in self.record.ranks:  # ranks that never spoke are still ranks
+            if all(r.rank != rank.rank for r in summary.ranks):
+                summary.ranks.append(rank)
+        summary.ranks.sort(key=lambda r: r.rank)
         return summary
-
-    def _replayed(self) -> dict[str, Any]:
-        if self.paths.journal.exists():
-            state, _ = journal.replay(self.paths.journal, self.paths.run_id)
-            return state.summary(state.updated or time.time())
-        return {"ranks": [], "world_size": self.config.get("world_size", 0),
-                "model": self.config.get("model"), "dataset": self.config.get("dataset")}
-
-    def _merge_processes(self, summary: dict[str, Any]) -> None:
-        """run.json knows each rank's pid and exit status from the OS: it wins."""
-        by_rank = {r["rank"]: r for r in summary.get("ranks", [])}
-        for proc in self.record.get("ranks", []):
-            row = by_rank.setdefault(proc["rank"], {"rank": proc["rank"], "state": "starting"})
-            row["pid"] = proc.get("pid")
-            if proc.get("exitcode") is not None:
-                row["exit_code"] = proc["exitcode"] if proc["exitcode"] >= 0 else None
-                row["signal"] = proc.get("signal")
-                row["state"] = "finished" if proc["exitcode"] == 0 else "dead"
-                row["stopped_by_daemon"] = proc.get("stopped_by_launcher", False)
-            elif not self.live:
-                row["state"] = LOST
-        summary["ranks"] = [by_rank[r] for r in sorted(by_rank)]
 
 
 def list_runs(runs_dir: Path) -> list[RunInfo]:
     """Every run under `runs_dir`, oldest first."""
-    found = [RunInfo.load(RunPaths(p.parent))
-             for p in runs_dir.glob("*/config.json") if p.is_file()]
-    return sorted(found, key=lambda i: (i.record.get("started") or 0, i.paths.run_id))
+    found = [RunInfo.load(RunPaths(p)) for p in runs_dir.glob("*") if is_run_dir(p)]
+    return sorted(found, key=lambda i: (i.record.started or 0, i.paths.run_id))

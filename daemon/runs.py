@@ -26,6 +26,18 @@ from typing import IO, Any
 
 from ddtop.daemon.config import UsageError
 
+# Checkpoint files, named by the global step after which they were written.
+CHECKPOINT_GLOB = "step-*.pt"
+
+
+def checkpoint_name(global_step: int) -> str:
+    return f"step-{global_step:08d}.pt"
+
+
+def is_run_dir(path: Path) -> bool:
+    """A folder that holds a run (its config.json), whatever its name."""
+    return (path / "config.json").is_file()
+
 
 def new_run_id(now: float | None = None) -> str:
     """Sortable by start time, unique without coordination: 20261122-145301-3fa2."""
@@ -75,6 +87,14 @@ class RunPaths:
     def rank_error(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.error.json"
 
+    def checkpoint_files(self) -> list[Path]:
+        """The run's checkpoints, oldest first (names sort by global step)."""
+        return sorted(self.checkpoints.glob(CHECKPOINT_GLOB))
+
+    def newest_checkpoint(self) -> Path | None:
+        found = self.checkpoint_files()
+        return found[-1] if found else None
+
     def create(self) -> RunPaths:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -82,11 +102,13 @@ class RunPaths:
 
 
 def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
-    """The run named by id (a unique prefix is enough), or the newest run: the
-    one whose config was written last (started or resumed last; run ids of the
-    user's choosing do not sort by time)."""
+    """The run named by id (a unique prefix is enough) or by its directory, or the
+    newest run: the one whose config was written last (started or resumed last;
+    run ids of the user's choosing do not sort by time)."""
+    if run_id is not None and is_run_dir(Path(run_id)):
+        return RunPaths(Path(run_id))
     base = Path(runs_dir)
-    configs = [p / "config.json" for p in base.glob("*") if (p / "config.json").is_file()]
+    configs = [p / "config.json" for p in base.glob("*") if is_run_dir(p)]
     runs = [c.parent for c in sorted(configs, key=lambda c: (c.stat().st_mtime_ns, c.parent.name))]
     if not runs:
         raise UsageError(f"no runs under {base}/: start one first, or pass --runs-dir")

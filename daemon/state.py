@@ -18,41 +18,36 @@ Per rank, messages are ordered by their sequence number `seq`:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from typing import Any
 
 import msgspec
 
 from ddtop.daemon import wire
+from ddtop.daemon.contract import describe_exit
+from ddtop.daemon.rankview import (
+    DEAD,
+    HISTORY_POINTS,
+    RUNNING,
+    SILENT,
+    SILENT_AFTER_S,
+    STALLED,
+    STARTING,
+    Point,
+    RankView,
+)
+from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
+from ddtop.daemon.summary import Failure, Restart, RunSummary, Status, summarize
 
-SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): silent
-STALL_MIN_S = 10.0  # a step phase lasting this long (and STALL_STEPS steps' time): stalled
-STALL_STEPS = 20
-SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
 STRAGGLER_FACTOR = 1.25  # compute time per step this far above the median: straggler
 STRAGGLER_MIN_S = 0.001
 # ... and by more than this share of the median step time: jitter of a few per cent
 # between ranks on a busy machine is not a straggler.
 STRAGGLER_STEP_SHARE = 0.10
-HISTORY_POINTS = 120  # per rank
 MAX_EVENTS = 500
 MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 MAX_RANKS = 1 << 16
-STEP_PHASES = ("data", "forward", "backward", "optimizer", "metric_sync")
-
-# Rank states, as shown.
-STARTING, RUNNING, STALLED, SILENT, DEAD, FINISHED = (
-    "starting", "running", "stalled", "silent", "dead", "finished")
-
-
-class Point(msgspec.Struct, array_like=True):
-    """One Step message's reading, for charts."""
-
-    t: float
-    global_step: int
-    loss: float
-    samples_per_s: float
-    comm_share: float
 
 
 class GlobalPoint(msgspec.Struct, array_like=True):
@@ -64,117 +59,6 @@ class GlobalPoint(msgspec.Struct, array_like=True):
     train_accuracy: float
 
 
-class RankView(msgspec.Struct, kw_only=True):
-    rank: int
-    # From hello.
-    host: str = ""
-    pid: int | None = None
-    local_rank: int | None = None
-    device: str = ""
-    backend: str = ""
-    # Progress, from step messages (the newest one; totals over all).
-    epoch: int = 0
-    step: int = 0
-    steps_per_epoch: int = 0
-    global_step: int = 0
-    samples: int = 0
-    loss: float | None = None
-    step_time_s: float | None = None  # per step
-    samples_per_s: float | None = None
-    comm_s: float | None = None  # per step
-    comm_bytes: int | None = None  # per step
-    comm_ops: float | None = None  # collectives per step (gradient buckets), averaged
-    algbw_gbps: float | None = None
-    busbw_gbps: float | None = None
-    sync_wait_s: float = 0.0  # total
-    phase_split: dict[str, float] = {}  # seconds per step: data, forward, backward, optimizer
-    lr: float | None = None
-    cuda_allocated: int | None = None
-    cuda_reserved: int | None = None
-    rss: int | None = None
-    last_step_t: float | None = None  # sender time of the newest step message
-    # Liveness, from heartbeats (receiver clock).
-    phase: str = "setup"
-    phase_s: float = 0.0
-    phase_at: float | None = None
-    coll_started: wire.Collective | None = None
-    coll_completed: wire.Collective | None = None
-    first_seen: float | None = None
-    last_seen: float | None = None
-    # The end, from bye (the rank) and rank_exit (the daemon, which saw the process exit).
-    bye_code: int | None = None
-    exited: bool = False
-    exit_code: int | None = None
-    signal: str | None = None
-    stopped_by_daemon: bool = False
-    error: str | None = None
-    traceback: str | None = None
-    # Telemetry accounting.
-    max_seq: int = -1
-    received: int = 0
-    lost: int = 0
-    duplicates: int = 0
-    sender_dropped: int = 0
-    missing: set[int] = set()
-    history: list[Point] = []
-
-    # -- derived ------------------------------------------------------------------
-    @property
-    def comm_share(self) -> float | None:
-        if self.comm_s is None or not self.step_time_s:
-            return None
-        return min(1.0, self.comm_s / self.step_time_s)
-
-    @property
-    def compute_s(self) -> float | None:
-        """Time per step not spent in (or waiting for) the gradient all-reduce:
-        the rank that needs most of it is the one the others wait for."""
-        if self.step_time_s is None:
-            return None
-        return max(0.0, self.step_time_s - (self.comm_s or 0.0))
-
-    @property
-    def memory(self) -> int | None:
-        return self.cuda_allocated if self.cuda_allocated is not None else self.rss
-
-    @property
-    def in_collective(self) -> bool:
-        started, completed = self.coll_started, self.coll_completed
-        return started is not None and (completed is None or completed.seq < started.seq)
-
-    def phase_elapsed(self, now: float) -> float:
-        if self.phase_at is None:
-            return 0.0
-        return self.phase_s + max(0.0, now - self.phase_at)
-
-    def state(self, now: float) -> str:
-        if self.exited:
-            return FINISHED if self.exit_code == 0 else DEAD
-        if self.bye_code is not None:
-            return FINISHED if self.bye_code == 0 else DEAD
-        if self.last_seen is None:
-            return STARTING
-        if now - self.last_seen > SILENT_AFTER_S:
-            return SILENT
-        if self.phase_elapsed(now) > self.stall_after():
-            return STALLED
-        return RUNNING
-
-    def stall_after(self) -> float:
-        if self.phase not in STEP_PHASES:
-            return float("inf") if self.phase == "done" else SLOW_PHASE_STALL_S
-        return max(STALL_MIN_S, STALL_STEPS * (self.step_time_s or 0.0))
-
-    def where(self) -> str:
-        """Where the rank is, in words: 'in allreduce #12 (4.2 MB)' or 'in forward of step 7'."""
-        if self.in_collective:
-            assert self.coll_started is not None
-            c = self.coll_started
-            size = f" ({c.bytes / 1e6:.1f} MB)" if c.bytes else ""
-            return f"in {c.op} #{c.seq}{size}"
-        return f"in {self.phase} of step {self.global_step + 1}"
-
-
 class RunState(msgspec.Struct, kw_only=True):
     run: str
     world_size: int = 0
@@ -184,11 +68,12 @@ class RunState(msgspec.Struct, kw_only=True):
     global_batch: int = 0
     backend: str = ""
     config_digest: str = ""
-    status: str = "starting"
+    status: Status = "starting"
     status_message: str = ""
+    exit_code: int | None = None  # from the daemon's final RunStatus
     restarts: int = 0
-    timeline: list[dict[str, Any]] = []  # restarts: which rank, why, at what step, from where
-    failure: dict[str, Any] | None = None
+    timeline: list[Restart] = []  # restarts: which rank, why, at what step, from where
+    failure: Failure | None = None
     started: float | None = None  # receiver clock
     updated: float | None = None  # receiver time of the newest message folded
     ranks: dict[int, RankView] = {}
@@ -365,9 +250,9 @@ class RunState(msgspec.Struct, kw_only=True):
             # exiting after its error; it failed by itself all the same.
             failed = m.culprit or (m.exit_code != 0 and not m.stopped_by_daemon)
             if m.culprit or (failed and self.failure is None):
-                self.failure = {"rank": m.exited, "pid": m.pid, "exit_code": m.exit_code,
-                                "signal": m.signal, "message": view.error,
-                                "traceback": view.traceback, "global_step": view.global_step}
+                self.failure = Failure(rank=m.exited, pid=m.pid, exit_code=m.exit_code,
+                                       signal=m.signal, message=view.error,
+                                       traceback=view.traceback, global_step=view.global_step)
             if failed or m.exit_code != 0:
                 by = " (stopped by the daemon)" if m.stopped_by_daemon else ""
                 self._event(m.t, m.exited, "exit" if not failed else "error",
@@ -377,11 +262,14 @@ class RunState(msgspec.Struct, kw_only=True):
             if m.status == "restarting":
                 self.failure = None
             self.status, self.restarts, self.status_message = m.status, m.restarts, m.message
+            self.exit_code = m.exit_code if m.status in wire.FINAL_STATUSES else None
             self.world_size = m.world_size or self.world_size
             self._event(m.t, m.rank, "status", m.message or f"run {m.status}")
         elif isinstance(m, wire.Event):
             if m.type == "restart":
-                self.timeline.append(dict(m.data))
+                # A malformed entry is left out of the timeline; the event still shows.
+                with contextlib.suppress(msgspec.ValidationError):
+                    self.timeline.append(msgspec.convert(m.data, Restart))
             self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
     def _event(self, t: float, rank: int, type: str, message: str,
@@ -464,41 +352,10 @@ class RunState(msgspec.Struct, kw_only=True):
         done = min((v.global_step for v in self.ranks.values()), default=0)
         return done, spe * self.epochs
 
-    def summary(self, now: float) -> dict[str, Any]:
-        """Plain data: for `ddtrain status --json` and the headless summary."""
-        states = self.rank_states(now)
-        slowest, skew, slow = self.stragglers()
-        done, total = self.progress()
-        agg = self.aggregate
-        return {
-            "run_id": self.run, "status": self.status, "world_size": self.world_size,
-            "model": self.model, "dataset": self.dataset, "backend": self.backend,
-            "restarts": self.restarts, "timeline": self.timeline, "failure": self.failure,
-            "global_step": done, "total_steps": total,
-            "samples_per_s": self.throughput(now),
-            "telemetry_loss": self.telemetry_loss(), "rejected": dict(self.rejected),
-            "slowest_rank": slowest, "skew_s": skew, "stragglers": slow,
-            "hang": self.hang(now),
-            "metrics": None if agg is None else {
-                k: v for k, v in msgspec.to_builtins(agg).items()
-                if k not in ("kind", "v", "run", "rank", "seq", "dropped")},
-            "ranks": [{
-                "rank": r, "state": state,
-                "host": (v := self.ranks.get(r, RankView(rank=r))).host, "pid": v.pid,
-                "epoch": v.epoch, "step": v.step, "global_step": v.global_step,
-                "loss": v.loss, "samples_per_s": v.samples_per_s, "comm_share": v.comm_share,
-                "exit_code": v.exit_code, "signal": v.signal, "phase": v.phase,
-                "stopped_by_daemon": v.stopped_by_daemon,
-                "last_seen_s": None if v.last_seen is None else max(0.0, now - v.last_seen),
-                "lost": v.lost,
-            } for r, state in states.items()],
-        }
-
-
-def describe_exit(exit_code: int | None, signal: str | None) -> str:
-    if signal is not None:
-        return f"was killed by {signal}"
-    return f"exited with code {exit_code}"
+    def summary(self, now: float) -> RunSummary:
+        """The run as it stands at `now`: what `status`, `list`, run.json and the
+        headless summary show."""
+        return summarize(self, now)
 
 
 def rank_list(ranks: list[int]) -> str:

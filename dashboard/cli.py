@@ -69,9 +69,6 @@ def resolve(args: argparse.Namespace) -> RunPaths:
     for one to appear), else the newest run."""
     runs_dir = Path(args.runs_dir or default_runs_dir())
     if args.run:
-        given = Path(args.run)
-        if given.is_dir() and (given / "config.json").is_file():
-            return RunPaths(given)
         return find_run(runs_dir, args.run)
     deadline = time.monotonic() + (0 if args.replay else args.wait)
     while True:
@@ -107,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check(args)
-        from ddtop.dashboard.feed import LiveFeed, open_feed
+        from ddtop.dashboard.feed import open_feed
 
         headless = args.headless or not (sys.stdout.isatty() and sys.stdin.isatty())
         if args.connect is not None:
@@ -133,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         app.run()
         return app.exit_code
     finally:
-        if isinstance(feed, LiveFeed):
-            feed.close()
+        feed.close()
 
 
 if __name__ == "__main__":

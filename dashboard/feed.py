@@ -14,6 +14,10 @@ Every feed folds into `feed.state` under `feed.lock` and tells the time with
 replay, and the time of the last message once a run is over (so that a finished
 run does not age into "silent"). `pump()` is called in a loop by one thread (a
 Textual worker, or the headless printer); readers in other threads hold the lock.
+
+What a reader may do with a feed, the feed says (readers never test its class):
+`replay_controls` (speed and pause: `set_speed`, `set_paused`), `stop_endpoint`
+(where to send `stop`), and `close()`, safe to call on any feed.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from urllib.parse import urlsplit
 import zmq
 
 from ddtop.daemon import control, journal, wire
-from ddtop.daemon.runinfo import FINAL, RunInfo
+from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, decode_snapshot
+from ddtop.daemon.summary import LOST
 
 BATCH = 5000  # messages folded per pump() at most, so a flood never starves the reader
 PING_AFTER_S = 3.0  # no relayed message for this long: ask the daemon whether it is there
@@ -50,6 +55,7 @@ class Feed:
         self.detail = ""  # a line for the banner: what is wrong, what is being tried
         self.finished = False  # nothing more will come: the run is over or its journal played
         self.paths: RunPaths | None = None
+        self.speed = 1.0  # run seconds per wall second: 1 live; a replay's own (0: at once)
 
     def pump(self, timeout_s: float) -> int:
         """Fold what arrives within `timeout_s`; the number of messages folded."""
@@ -57,6 +63,25 @@ class Feed:
 
     def now(self) -> float:
         return time.time()
+
+    @property
+    def replay_controls(self) -> bool:
+        """Whether `set_speed` and `set_paused` steer this feed (a journal played back)."""
+        return False
+
+    def set_speed(self, speed: float) -> None:
+        """Play at `speed` times real time (0: at once); only where `replay_controls`."""
+        raise NotImplementedError(f"{type(self).__name__} has no speed to set")
+
+    def set_paused(self, paused: bool) -> None:
+        """Stop (or restart) the feed's clock; only where `replay_controls`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause")
+
+    @property
+    def stop_endpoint(self) -> str | None:
+        """The control endpoint to send `stop` to: a live run's daemon while the run
+        is unfinished; None when there is nothing this feed can stop."""
+        return None
 
     def close(self) -> None:
         pass
@@ -71,7 +96,7 @@ class StateFeed(Feed):
         self.connection = LIVE
 
     def pump(self, timeout_s: float) -> int:
-        self.finished = self.state.status in FINAL
+        self.finished = self.state.status in wire.FINAL_STATUSES
         return 0
 
     def now(self) -> float:
@@ -82,14 +107,15 @@ def conclude(state: RunState, paths: RunPaths) -> RunState:
     """Complete a state folded from a run's journal with what run.json knows once
     the daemon is gone: a run whose journal never reached a final status was lost."""
     info = RunInfo.load(paths)
-    if state.status not in FINAL:
-        state.status = info.status if info.status in FINAL else "lost"
-        if state.status == "lost":
+    if state.status not in wire.FINAL_STATUSES:
+        record = info.record
+        state.status = record.status if record.status in wire.FINAL_STATUSES else LOST
+        state.exit_code = record.exit_code
+        if state.status == LOST:
             state.status_message = (f"the daemon (pid {info.daemon_pid}) is gone and the run "
                                     "did not finish: it was killed")
-    if state.failure is None and isinstance(info.record.get("failure"), dict):
-        state.failure = dict(info.record["failure"])
-    state.world_size = state.world_size or int(info.config.get("world_size") or 0)
+    state.failure = state.failure or info.record.failure
+    state.world_size = state.world_size or info.world_size
     return state
 
 
@@ -126,7 +152,7 @@ class LiveFeed(Feed):
         if not info.live:
             self._end()
             return None
-        endpoints = info.record.get("endpoints") or {}
+        endpoints = info.record.endpoints
         if not endpoints.get("control") or not endpoints.get("publish"):
             self.detail = f"waiting for the daemon of run {self.paths.run_id} to start"
             return None
@@ -162,7 +188,7 @@ class LiveFeed(Feed):
             self.state, self.seq = state, int(reply["seq"])
         self.connection, self.detail = LIVE, ""
         self.last_heard = time.monotonic()
-        self.finished = state.status in FINAL
+        self.finished = state.status in wire.FINAL_STATUSES
 
     def _end(self) -> None:
         """The daemon is gone: the run directory has the rest of the story."""
@@ -191,7 +217,7 @@ class LiveFeed(Feed):
         folded = 0
         if self.sub.poll(int(timeout_s * 1000)):
             folded = self._drain()
-        if self.state.status in FINAL:
+        if self.state.status in wire.FINAL_STATUSES:
             self.finished = True
             self._close_sub()
         elif time.monotonic() - self.last_heard > PING_AFTER_S:
@@ -248,6 +274,10 @@ class LiveFeed(Feed):
             return self.state.updated or time.time()
         return time.time()
 
+    @property
+    def stop_endpoint(self) -> str | None:
+        return None if self.finished else self.control
+
     def _close_sub(self) -> None:
         if self.sub is not None:
             self.sub.close(linger=0)
@@ -287,6 +317,10 @@ class ReplayFeed(Feed):
         if self.paused or self.speed == 0:
             return self.anchor_replay
         return self.anchor_replay + (time.monotonic() - self.anchor_wall) * self.speed
+
+    @property
+    def replay_controls(self) -> bool:
+        return self.replaying
 
     def set_speed(self, speed: float) -> None:
         self._anchor(self.now())

@@ -10,19 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ddtop.daemon.state import (
-    DEAD,
-    FINISHED,
-    RUNNING,
-    SILENT,
-    STALLED,
-    STARTING,
-    RankView,
-    RunState,
-)
+from ddtop.daemon.rankview import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING, RankView
+from ddtop.daemon.state import RunState
 
 PROBLEM_STATES = (STALLED, SILENT, DEAD)
-FINAL_STATUSES = ("succeeded", "failed", "stopped", "lost")
 
 
 def num(value: float | None, spec: str = ".3f", none: str = "-") -> str:
@@ -204,10 +195,6 @@ def filter_rows(rows: list[Row], text: str, problems_only: bool) -> list[Row]:
 def format_line(row: Row) -> str:
     """The row as fixed-width text (the headless printer's and the tests' view)."""
     return " ".join(_cell(c, row.cells[c.key]) for c in COLUMNS)
-
-
-def header_line() -> str:
-    return " ".join(_cell(c, c.title) for c in COLUMNS)
 
 
 def _cell(column: Column, text: str) -> str:

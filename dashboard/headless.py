@@ -21,8 +21,11 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import msgspec
+
 from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, exit_for_status
 from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import LOST
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.feed import CONNECTING, Feed
 
@@ -204,30 +207,29 @@ def progress_record(state: RunState, now: float) -> dict[str, Any]:
         "global_step": done, "total_steps": total, "samples_per_s": state.throughput(now),
         "eta_s": fmt.eta(state, now), "stragglers": slow, "skew_s": skew,
         "hang": state.hang(now), "telemetry_loss": state.telemetry_loss(),
-        "ranks": [{"rank": r["rank"], "state": r["state"], "epoch": r["epoch"], "step": r["step"],
-                   "global_step": r["global_step"], "loss": r["loss"],
-                   "samples_per_s": r["samples_per_s"], "comm_share": r["comm_share"]}
-                  for r in state.summary(now)["ranks"]],
+        "ranks": [{"rank": r.rank, "state": r.state, "epoch": r.epoch, "step": r.step,
+                   "global_step": r.global_step, "loss": r.loss,
+                   "samples_per_s": r.samples_per_s, "comm_share": r.comm_share}
+                  for r in state.summary(now).ranks],
     }
 
 
 def final_summary(state: RunState, now: float) -> dict[str, Any]:
     """The last JSON line: how the run ended, per rank, and why when it failed."""
     summary = state.summary(now)
-    status = summary["status"]
-    reported = "failed" if status == "lost" else status
-    if reported not in ("succeeded", "failed", "stopped"):
-        reported = "failed"  # the feed ended before the run did
-    failure = dict(summary.get("failure") or {}) or None
-    if failure is not None:
-        failure["traceback_tail"] = fmt.traceback_tail(failure.pop("traceback", None),
-                                                       TRACEBACK_LINES)
-    elif status == "lost":
+    status = summary.status
+    # The feed may end before the run did (a lost daemon): that counts as failed.
+    reported = status if status in ("succeeded", "stopped") else "failed"
+    failure: dict[str, Any] | None = None
+    if summary.failure is not None:
+        failure = msgspec.to_builtins(summary.failure)
+        failure["traceback_tail"] = fmt.traceback_tail(failure.pop("traceback"), TRACEBACK_LINES)
+    elif status == LOST:
         failure = {"message": state.status_message or "the daemon was killed"}
-    summary.update({"status": reported, "run_status": status,
-                    "failure": failure, "elapsed_s": fmt.elapsed(state, now),
-                    "exit_code": exit_for_status(reported)})
-    return {"kind": "summary", **summary}
+    # `exit_code` here is ddtop's own: the outcome's, as documented for --headless.
+    return {"kind": "summary", **msgspec.to_builtins(summary), "status": reported,
+            "run_status": status, "failure": failure, "elapsed_s": fmt.elapsed(state, now),
+            "exit_code": exit_for_status(reported)}
 
 
 def summary_text(summary: dict[str, Any], now: float) -> list[str]:

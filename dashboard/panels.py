@@ -11,7 +11,8 @@ from typing import Any
 
 from rich.text import Text
 
-from ddtop.daemon.state import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING, RunState
+from ddtop.daemon.rankview import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING
+from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
 
 STATE_STYLE = {RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta", DEAD: "bold red",
@@ -74,10 +75,8 @@ def banner(state: RunState, now: float, connection: str, detail: str) -> Text | 
         return Text(f"✖ run lost: {state.status_message}", "bold red")
     failure = state.failure
     if failure is not None and state.status in ("failed", "running", "stopping"):
-        how = (f"killed by {failure.get('signal')}" if failure.get("signal")
-               else f"exit code {failure.get('exit_code')}")
-        msg = f": {failure['message']}" if failure.get("message") else ""
-        return Text(f"✖ rank {failure.get('rank')} {how}{msg}", "bold red")
+        msg = f": {failure.message}" if failure.message else ""
+        return Text(f"✖ rank {failure.rank} {failure.how()}{msg}", "bold red")
     hang = state.hang(now)
     if hang:
         return Text(f"⏸ hang: {hang}", "bold yellow")

@@ -1,17 +1,127 @@
-"""Import rules (checked, not hoped for): the daemon and the dashboard never
-import torch, so `ddtrain` and `ddtop` answer instantly."""
+"""Import rules (checked, not hoped for).
+
+The arrows between the three parts are declared here, and every import in
+training/, daemon/ and dashboard/ (module level or inside a function) is
+checked against them: a new arrow fails this test until it is declared, with
+a reason. The heavy libraries stay where they belong: torch only in training,
+textual only in the dashboard's app, so `ddtrain` and `ddtop` answer
+instantly. docs/development.md draws the same picture.
+"""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import DDTRAIN
 
-TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.launcher", "ddtop.daemon.config",
-              "ddtop.daemon.runs", "ddtop.dashboard.cli", "ddtop.dashboard.app",
-              "ddtop.dashboard.headless", "ddtop.dashboard.feed"]
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("training", "daemon", "dashboard")
+
+# What each part may import from the other parts (its own modules are free).
+ALLOWED = {
+    # A rank reads its config, run directory and the process contract, and publishes on the wire.
+    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.processes",
+                 "ddtop.daemon.runs", "ddtop.daemon.wire"},
+    # The daemon starts ranks by module name (a string), never by import.
+    "daemon": set(),
+    # The dashboard folds the same wire into the same state, and finds runs as ddtrain does.
+    "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
+                  "ddtop.daemon.journal", "ddtop.daemon.rankview", "ddtop.daemon.runinfo",
+                  "ddtop.daemon.runs", "ddtop.daemon.state", "ddtop.daemon.summary",
+                  "ddtop.daemon.wire"},
+}
+# The one arrow that runs back up, declared: `ddtrain start --foreground --headless`
+# prints the run with the dashboard's headless printer, and `ddtrain start --help`
+# lists that printer's flags. Only the CLI, never the supervisor, relay or state.
+UPWARD = {("ddtop.daemon.cli", "ddtop.dashboard.headless"),
+          ("ddtop.daemon.cli", "ddtop.dashboard.feed")}
+# Third-party packages only some modules may import.
+HEAVY = {
+    "torch": lambda module: module.startswith("ddtop.training."),
+    "torchvision": lambda module: module.startswith("ddtop.training."),
+    "textual": lambda module: module in {"ddtop.dashboard.app", "ddtop.dashboard.widgets",
+                                         "ddtop.dashboard.screens"},
+}
+
+
+def imports(source: str, module: str) -> set[str]:
+    """Every module `source` imports, with `from pkg import name` resolved to
+    `pkg.name` where that names one of our modules."""
+    found = set()
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names
+                         if base in ("ddtop", *(f"ddtop.{p}" for p in PARTS)))
+    return found
+
+
+def violations(module: str, imported: set[str]) -> list[str]:
+    part = module.split(".")[1]
+    bad = []
+    for name in sorted(imported):
+        top = name.split(".")[0]
+        if top in HEAVY and not HEAVY[top](module):
+            bad.append(f"{module} imports {name}")
+        if not name.startswith("ddtop."):
+            continue
+        target = name.split(".")[1]
+        if name.count(".") < 2 or target == part:
+            continue
+        if name not in ALLOWED[part] and (module, name) not in UPWARD:
+            bad.append(f"{module} -> {name}")
+    return bad
+
+
+def our_modules() -> dict[str, str]:
+    return {f"ddtop.{path.parent.name}.{path.stem}": path.read_text()
+            for part in PARTS for path in sorted((ROOT / part).glob("*.py"))}
+
+
+def test_every_import_follows_the_declared_arrows() -> None:
+    bad = [v for module, source in our_modules().items()
+           for v in violations(module, imports(source, module))]
+    assert bad == [], "undeclared import arrows (declare them in this file, with a reason):\n" + (
+        "\n".join(bad))
+
+
+def test_every_declared_arrow_is_used() -> None:
+    """A declaration that nothing needs any more is removed, so the list stays true."""
+    edges = {(m, name) for m, source in our_modules().items() for name in imports(source, m)}
+    used = {name for _, name in edges}
+    for part, allowed in ALLOWED.items():
+        for name in allowed:
+            assert any(m.startswith(f"ddtop.{part}.") and n == name for m, n in edges), (
+                f"{part} -> {name} is declared but not used")
+    assert UPWARD <= edges and used
+
+
+@pytest.mark.parametrize(("module", "source"), [
+    ("ddtop.daemon.state", "from ddtop.dashboard import format"),
+    ("ddtop.daemon.relay", "import torch"),
+    ("ddtop.training.trainer", "from ddtop.daemon.supervisor import Supervisor"),
+    ("ddtop.dashboard.headless", "def f():\n    import textual.app\n"),
+    ("ddtop.daemon.cli", "from ddtop.dashboard.app import DashboardApp"),
+])
+def test_the_check_catches_a_new_arrow(module: str, source: str) -> None:
+    assert violations(module, imports(source, module)) != []
+
+
+TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.supervisor", "ddtop.daemon.config",
+              "ddtop.daemon.runs", "ddtop.daemon.local", "ddtop.daemon.torchrun",
+              "ddtop.dashboard.cli", "ddtop.dashboard.app", "ddtop.dashboard.headless",
+              "ddtop.dashboard.feed"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -19,6 +129,16 @@ def test_module_does_not_import_torch(module: str) -> None:
     code = (f"import sys, {module}; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision')); "
             "print(bad); sys.exit(1 if bad else 0)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("module", ["ddtop.daemon.cli", "ddtop.dashboard.cli",
+                                    "ddtop.dashboard.headless"])
+def test_command_lines_load_without_textual(module: str) -> None:
+    code = (f"import sys, {module}; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'textual'); "
+            "print(bad[:5]); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
 

@@ -190,7 +190,7 @@ def test_a_killed_rank_fails_the_run_and_is_named(tmp_path: Path) -> None:
     replayed, _ = journal.replay(tmp_path / "runs" / "kill" / "telemetry.journal", "kill")
     assert replayed.status == "failed" and replayed.failure is not None
     # The last step it reported (steps go out every 0.1 s, so it may lag the fault).
-    assert replayed.failure["signal"] == "SIGKILL" and replayed.failure["global_step"] <= 20
+    assert replayed.failure.signal == "SIGKILL" and replayed.failure.global_step <= 20
 
 
 def test_killing_the_daemon_leaves_no_rank_behind(tmp_path: Path) -> None:
@@ -218,7 +218,7 @@ def test_torchrun_launcher_restarts_a_killed_rank(tmp_path: Path) -> None:
     assert "[rank 0] resumed from step-00000040.pt" in run.stdout  # the ranks' logs, echoed
     record = run_json_at(tmp_path / "runs" / "tr")
     assert (record["status"], record["restarts"]) == ("succeeded", 1)
-    assert [(r["rank"], r["exitcode"]) for r in record["ranks"]] == [(0, 0), (1, 0)]
+    assert [(r["rank"], r["exit_code"]) for r in record["ranks"]] == [(0, 0), (1, 0)]
     (entry,) = record["timeline"]
     assert (entry["rank"], entry["signal"]) == (1, "SIGKILL")
 
@@ -233,7 +233,7 @@ def test_torchrun_launcher_stops_gracefully(tmp_path: Path) -> None:
         assert run.leftovers() == []
     record = run_json_at(tmp_path / "runs" / "trs")
     assert record["status"] == "stopped"
-    assert [r["exitcode"] for r in record["ranks"]] == [0, 0]
+    assert [r["exit_code"] for r in record["ranks"]] == [0, 0]
     assert "stopped as asked" in (tmp_path / "runs/trs/logs/rank-0.log").read_text()
 
 

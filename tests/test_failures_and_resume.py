@@ -19,9 +19,7 @@ import torch
 from helpers import DDTRAIN, ddtrain, finish, metric_records, start, tagged_pids, wait_until_gone
 
 from ddtop.daemon import journal
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.launcher import ExitedProcess, LocalLauncher, LogTail, Rank
-from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.blame import RankEnd, culprit, read_error_report
 from ddtop.training.worker import write_error_report
 
 # CNN has dropout, so resuming also has to restore every rank's RNG state.
@@ -121,23 +119,24 @@ def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
     status = json.loads((tmp_path / "runs/boom/run.json").read_text())
     assert status["failure"]["rank"] == 0
     state, _ = journal.replay(tmp_path / "runs/boom/telemetry.journal", "boom")
-    assert state.failure is not None and state.failure["rank"] == 0
-    assert "injected failure" in state.failure["message"]
+    assert state.failure is not None and state.failure.rank == 0
+    assert "injected failure" in (state.failure.message or "")
 
 
-def blame(tmp_path: Path, ranks: list[tuple[int, bool, dict[str, Any] | None]]) -> int:
-    """The rank the launcher blames, given each rank's (exit code, stopped by
-    the launcher, error report written by the rank's own writer or None)."""
-    paths = RunPaths(tmp_path / "runs" / "blame")
-    paths.create()
-    launcher = LocalLauncher(TrainConfig(world_size=len(ranks)), paths)
-    launcher.attempt_started = 1000.0
+def blame(tmp_path: Path, ranks: list[tuple[int, bool, dict[str, Any] | None]]) -> int | None:
+    """The rank the blame policy picks, given each rank's (exit code, stopped by
+    the daemon, error report written by the rank's own writer or None), for an
+    attempt that started at time 1000: plain data, no supervisor."""
+    exits, reports = {}, {}
     for k, (code, stopped, report) in enumerate(ranks):
+        path = tmp_path / f"rank-{k}.error.json"
         if report is not None:
-            write_error_report(paths.rank_error(k), {"rank": k, "kind": "exception", **report})
-        launcher.ranks.append(Rank(k, ExitedProcess(100 + k, code), LogTail(paths.rank_log(k)),
-                                   exitcode=code, stopped_by_us=stopped))
-    return launcher._culprit().rank
+            write_error_report(path, {"rank": k, "kind": "exception", **report})
+        exits[k] = RankEnd(code, stopped)
+        found = read_error_report(path, since=1000.0)
+        if found is not None:
+            reports[k] = found
+    return culprit(exits, reports)
 
 
 GLOO_PEER = ("RuntimeError: Got the following error when running the callback: RuntimeError: "

@@ -27,7 +27,7 @@ def test_eight_ranks(tmp_path: Path) -> None:
     (record,) = metric_records(tmp_path / "runs/w8")
     assert (record["train_samples"], record["val_samples"]) == (1024, 100)
     status = json.loads((tmp_path / "runs/w8/run.json").read_text())
-    assert [r["exitcode"] for r in status["ranks"]] == [0] * 8
+    assert [r["exit_code"] for r in status["ranks"]] == [0] * 8
     assert re.search(r"first step done [\d.]+ s after launch", run.stdout)
 
 

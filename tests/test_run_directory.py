@@ -24,7 +24,7 @@ def test_run_directory_layout(reference_run: ReferenceRun) -> None:
     assert config["world_size"] == 2 and config["run_id"] == "ref"
     status = json.loads((root / "run.json").read_text())
     assert status["status"] == "succeeded" and status["exit_code"] == 0
-    assert [r["exitcode"] for r in status["ranks"]] == [0, 0]
+    assert [r["exit_code"] for r in status["ranks"]] == [0, 0]
     assert all(r["pid"] > 0 for r in status["ranks"])
     for rank in (0, 1):
         assert (root / "logs" / f"rank-{rank}.log").is_file()

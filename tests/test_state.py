@@ -10,6 +10,7 @@ import pytest
 
 from ddtop.daemon import journal, state, wire
 from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import Restart
 
 RUN = "r1"
 
@@ -126,7 +127,7 @@ def test_stalled_in_a_collective_names_who_everyone_waits_for() -> None:
     assert states == {0: state.STALLED, 1: state.STALLED}
     assert s.hang(100.5) == "rank 0 wait in allreduce #41; rank 1 is in forward of step 41"
     assert s.ranks[0].where() == "in allreduce #41 (4.0 MB)"
-    assert s.summary(100.5)["hang"] == s.hang(100.5)
+    assert s.summary(100.5).hang == s.hang(100.5)
 
 
 def test_a_slow_phase_is_not_a_stall() -> None:
@@ -145,8 +146,8 @@ def test_dead_with_signal_becomes_the_failure() -> None:
                           exit_code=None, signal="SIGTERM", stopped_by_daemon=True), 101.0)
     assert s.rank_states(101.0) == {0: state.DEAD, 1: state.DEAD}
     assert s.failure is not None
-    assert (s.failure["rank"], s.failure["signal"], s.failure["global_step"]) == (1, "SIGKILL", 11)
-    assert s.failure["message"] == "RuntimeError: boom"
+    assert (s.failure.rank, s.failure.signal, s.failure.global_step) == (1, "SIGKILL", 11)
+    assert s.failure.message == "RuntimeError: boom"
     assert [e["message"] for e in s.events if e["type"] == "error"][-1] == (
         "rank 1 (pid 1001) was killed by SIGKILL")
 
@@ -180,7 +181,7 @@ def test_restart_timeline_and_status_from_the_daemon() -> None:
                                   data=entry),
              wire.RunStatus(run=RUN, rank=-1, seq=1, status="restarting", world_size=2,
                             restarts=1))
-    assert s.timeline == [entry] and (s.status, s.restarts) == ("restarting", 1)
+    assert s.timeline == [Restart(**entry)] and (s.status, s.restarts) == ("restarting", 1)
 
 
 def test_snapshot_round_trip_keeps_folding_identically() -> None:
@@ -221,7 +222,7 @@ def test_journal_replay_stops_quietly_at_a_torn_tail(tmp_path: Path) -> None:
 
 def test_summary_is_plain_data() -> None:
     s = fold(hello(0), hello(1), step(0, 1, 10), step(1, 1, 10))
-    summary = s.summary(100.5)
+    summary = msgspec.to_builtins(s.summary(100.5))
     assert msgspec.json.decode(msgspec.json.encode(summary)) == summary
     assert [r["state"] for r in summary["ranks"]] == ["running", "running"]
     assert summary["global_step"] == 10 and summary["total_steps"] == 200

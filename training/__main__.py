@@ -20,7 +20,7 @@ from ddtop.daemon.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE
 from ddtop.daemon.runs import RunPaths, read_json
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
-from ddtop.training.worker import die_with_launcher, rank_main, redirect_output
+from ddtop.training.worker import die_with_daemon, rank_main, redirect_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 def daemon_started_rank(env: RankEnv) -> Path:
     """Under ddtrain's daemon: exit with it, ignore Ctrl-C (the daemon decides),
     write output and error report into the run directory. Returns the report's path."""
-    die_with_launcher(int(os.environ[DAEMON_PID_ENV]))
+    die_with_daemon(int(os.environ[DAEMON_PID_ENV]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = RunPaths(Path(os.environ[CONFIG_ENV]).parent)
     redirect_output(paths.rank_log(env.rank))

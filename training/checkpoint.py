@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from ddtop.daemon.config import TrainConfig, UsageError, resume_mismatch
-from ddtop.daemon.runs import atomic_file
+from ddtop.daemon.runs import CHECKPOINT_GLOB, atomic_file, checkpoint_name
 
 FORMAT = 1
-PATTERN = "step-*.pt"
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ def _as_tuple(value: Any) -> Any:
 
 
 def checkpoint_path(folder: Path, global_step: int) -> Path:
-    return folder / f"step-{global_step:08d}.pt"
+    return folder / checkpoint_name(global_step)
 
 
 def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
@@ -59,7 +58,7 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     with atomic_file(path, "wb") as f:
         torch.save({"format": FORMAT, **state}, f)
     if keep:
-        for old in sorted(folder.glob(PATTERN))[:-keep]:
+        for old in sorted(folder.glob(CHECKPOINT_GLOB))[:-keep]:
             old.unlink(missing_ok=True)
     return path
 
@@ -67,7 +66,7 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
 def load_newest_valid(folder: Path) -> tuple[Path, dict[str, Any]] | None:
     """Newest checkpoint that loads and is complete; damaged ones are skipped
     with a warning, since an older checkpoint is better than none."""
-    for path in sorted(folder.glob(PATTERN), reverse=True):
+    for path in sorted(folder.glob(CHECKPOINT_GLOB), reverse=True):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any damage means "try the previous one"

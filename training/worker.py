@@ -1,9 +1,9 @@
-"""A rank's process: what runs between the launcher's fork and the training loop.
+"""A rank's process: what runs between the daemon's fork and the training loop.
 
-The launcher's forkserver imports this module (and so torch) once; every rank
+The daemon's forkserver imports this module (and so torch) once; every rank
 is then forked from it, ready to train. `rank_main` is shared with torchrun's
 entry point (`python -m ddtop.training`) and turns every way a rank can fail
-into an exit code and an error report the launcher can show.
+into an exit code and an error report the daemon can show.
 """
 
 from __future__ import annotations
@@ -31,27 +31,27 @@ from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.trainer import train
 
-# Seconds between liveness checks of the launcher where pidfds are unavailable.
+# Seconds between liveness checks of the daemon where pidfds are unavailable.
 LAUNCHER_POLL_S = 1.0
 
 
-def die_with_launcher(launcher_pid: int) -> None:
-    """Exit at once (SIGKILL) when the launcher dies, so that a killed launcher
+def die_with_daemon(daemon_pid: int) -> None:
+    """Exit at once (SIGKILL) when the daemon dies, so that a killed daemon
     never leaves ranks behind.
 
-    The launcher is not this process's parent under forkserver (the forkserver
-    is, and it outlives the launcher while ranks hold its pipe), so a daemon
-    thread waits on a pidfd of the launcher itself; PDEATHSIG covers the parent.
+    The daemon is not this process's parent under forkserver (the forkserver
+    is, and it outlives the daemon while ranks hold its pipe), so a daemon
+    thread waits on a pidfd of the daemon itself; PDEATHSIG covers the parent.
     """
     set_parent_death_signal()
     try:
-        pidfd = os.pidfd_open(launcher_pid)
+        pidfd = os.pidfd_open(daemon_pid)
     except ProcessLookupError:  # already gone
         os._exit(EXIT_FAILED)
     except (AttributeError, OSError):
         pidfd = None
-    threading.Thread(target=_wait_for_exit, args=(launcher_pid, pidfd), daemon=True,
-                     name="ddtrain-launcher-watch").start()
+    threading.Thread(target=_wait_for_exit, args=(daemon_pid, pidfd), daemon=True,
+                     name="ddtrain-daemon-watch").start()
 
 
 def _wait_for_exit(pid: int, pidfd: int | None) -> None:
@@ -106,12 +106,12 @@ def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
 
 def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,
                   master_addr: str, master_port: int, launch_time: float,
-                  launcher_pid: int, attempt: int = 0) -> None:
-    """Entry of a rank started by ddtrain's launcher (in the forked child);
+                  daemon_pid: int, attempt: int = 0) -> None:
+    """Entry of a rank started by ddtrain's daemon (in the forked child);
     `attempt` counts restarts after failures (0: the first start)."""
     stopping.install()
-    die_with_launcher(launcher_pid)
-    # Ctrl-C reaches the whole terminal's process group; the launcher decides
+    die_with_daemon(daemon_pid)
+    # Ctrl-C reaches the whole terminal's process group; the daemon decides
     # what it means and stops the ranks itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = RunPaths(Path(run_dir))

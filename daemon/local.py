@@ -1,0 +1,98 @@
+"""Ranks started on this machine by the daemon itself.
+
+With the default start method, forkserver, multiprocessing's forkserver
+imports `ddtop.training.worker` (and torch) once, then forks every rank from
+itself, so start-up does not grow by one torch import per rank
+(bench/startup.py measures it). `--start-method spawn` starts each rank in a
+fresh interpreter instead. This module never imports torch: the rank's entry
+point is imported by name in the child.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.processes import LogTail
+from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.starters import Rank, choose_port
+from ddtop.daemon.state import RunState
+
+WORKER_MODULE = "ddtop.training.worker"
+
+
+def _rank_entry(*args: Any) -> None:
+    """Runs in the forked child. Imported by name, so this module stays torch-free."""
+    import importlib
+
+    importlib.import_module(WORKER_MODULE).launched_rank(*args)
+
+
+class LocalRanks:
+    def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
+        self.paths, self.port, self.launch_time = paths, port, launch_time
+        self.tails: list[tuple[str, LogTail]] = []
+        self.ranks: list[Rank] = []
+        self.context: Any = None  # multiprocessing's context classes are not typed alike
+
+    def start(self, config: TrainConfig, attempt: int) -> list[Rank]:
+        if self.context is None:
+            self.context = self._context(config.start_method)
+        if attempt:  # a restart after a failure: the port may be held by the dead group
+            self.port = choose_port(config.master_addr, 0)
+        self.ranks, self.tails = [], []
+        for rank in range(config.world_size):
+            process = self.context.Process(
+                target=_rank_entry,
+                args=(rank, config.world_size, config.to_dict(), str(self.paths.root),
+                      config.master_addr, self.port, self.launch_time, os.getpid(), attempt),
+                name=f"ddtrain-rank-{rank}",
+                daemon=False,
+            )
+            process.start()
+            # Echo this attempt's lines only.
+            self.tails.append((f"[rank {rank}]", LogTail(self.paths.rank_log(rank),
+                                                         from_end=True)))
+            self.ranks.append(Rank(rank, process))
+        return list(self.ranks)
+
+    def rank_pids(self, state: RunState) -> list[int]:
+        return [r.process.pid for r in self.ranks
+                if r.process.exitcode is None and r.process.pid is not None]
+
+    def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
+        return [exited]
+
+    def _context(self, method: str) -> Any:
+        if method not in multiprocessing.get_all_start_methods():
+            raise UsageError(f"--start-method {method} is not available on this platform: "
+                             "use spawn")
+        ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload([WORKER_MODULE])
+            self._start_forkserver()
+        return ctx
+
+    def _start_forkserver(self) -> None:
+        """Start the forkserver (and multiprocessing's resource tracker) with
+        their output going to logs/forkserver.log rather than our terminal: they
+        outlive this process by the second it takes to unload torch, and a pipe
+        reading our output would otherwise stay open until they are gone."""
+        from multiprocessing import forkserver, resource_tracker
+
+        saved = [os.dup(1), os.dup(2)]
+        log = os.open(Path(self.paths.logs) / "forkserver.log",
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            for fd in (1, 2):
+                os.dup2(log, fd)
+            resource_tracker.ensure_running()
+            forkserver.ensure_running()
+        finally:
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+            os.close(log)

@@ -1,0 +1,145 @@
+"""RankView: what is known about one rank, and what state that puts it in.
+
+Folded by RunState (daemon/state.py) from the rank's messages and the daemon's
+RankExit; the state a rank is in (starting, running, stalled, silent, dead,
+finished) is derived here from those readings and the time "now" the caller
+passes, so the rule is tested without waiting.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ddtop.daemon import wire
+
+SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): silent
+STALL_MIN_S = 10.0  # a step phase lasting this long (and STALL_STEPS steps' time): stalled
+STALL_STEPS = 20
+SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
+HISTORY_POINTS = 120  # per rank
+STEP_PHASES = ("data", "forward", "backward", "optimizer", "metric_sync")
+
+# Rank states, as shown.
+STARTING, RUNNING, STALLED, SILENT, DEAD, FINISHED = (
+    "starting", "running", "stalled", "silent", "dead", "finished")
+
+
+class Point(msgspec.Struct, array_like=True):
+    """One Step message's reading, for charts."""
+
+    t: float
+    global_step: int
+    loss: float
+    samples_per_s: float
+    comm_share: float
+
+
+class RankView(msgspec.Struct, kw_only=True):
+    rank: int
+    # From hello.
+    host: str = ""
+    pid: int | None = None
+    local_rank: int | None = None
+    device: str = ""
+    backend: str = ""
+    # Progress, from step messages (the newest one; totals over all).
+    epoch: int = 0
+    step: int = 0
+    steps_per_epoch: int = 0
+    global_step: int = 0
+    samples: int = 0
+    loss: float | None = None
+    step_time_s: float | None = None  # per step
+    samples_per_s: float | None = None
+    comm_s: float | None = None  # per step
+    comm_bytes: int | None = None  # per step
+    comm_ops: float | None = None  # collectives per step (gradient buckets), averaged
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = None
+    sync_wait_s: float = 0.0  # total
+    phase_split: dict[str, float] = {}  # seconds per step: data, forward, backward, optimizer
+    lr: float | None = None
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    rss: int | None = None
+    last_step_t: float | None = None  # sender time of the newest step message
+    # Liveness, from heartbeats (receiver clock).
+    phase: str = "setup"
+    phase_s: float = 0.0
+    phase_at: float | None = None
+    coll_started: wire.Collective | None = None
+    coll_completed: wire.Collective | None = None
+    first_seen: float | None = None
+    last_seen: float | None = None
+    # The end, from bye (the rank) and rank_exit (the daemon, which saw the process exit).
+    bye_code: int | None = None
+    exited: bool = False
+    exit_code: int | None = None
+    signal: str | None = None
+    stopped_by_daemon: bool = False
+    error: str | None = None
+    traceback: str | None = None
+    # Telemetry accounting.
+    max_seq: int = -1
+    received: int = 0
+    lost: int = 0
+    duplicates: int = 0
+    sender_dropped: int = 0
+    missing: set[int] = set()
+    history: list[Point] = []
+
+    # -- derived ------------------------------------------------------------------
+    @property
+    def comm_share(self) -> float | None:
+        if self.comm_s is None or not self.step_time_s:
+            return None
+        return min(1.0, self.comm_s / self.step_time_s)
+
+    @property
+    def compute_s(self) -> float | None:
+        """Time per step not spent in (or waiting for) the gradient all-reduce:
+        the rank that needs most of it is the one the others wait for."""
+        if self.step_time_s is None:
+            return None
+        return max(0.0, self.step_time_s - (self.comm_s or 0.0))
+
+    @property
+    def memory(self) -> int | None:
+        return self.cuda_allocated if self.cuda_allocated is not None else self.rss
+
+    @property
+    def in_collective(self) -> bool:
+        started, completed = self.coll_started, self.coll_completed
+        return started is not None and (completed is None or completed.seq < started.seq)
+
+    def phase_elapsed(self, now: float) -> float:
+        if self.phase_at is None:
+            return 0.0
+        return self.phase_s + max(0.0, now - self.phase_at)
+
+    def state(self, now: float) -> str:
+        if self.exited:
+            return FINISHED if self.exit_code == 0 else DEAD
+        if self.bye_code is not None:
+            return FINISHED if self.bye_code == 0 else DEAD
+        if self.last_seen is None:
+            return STARTING
+        if now - self.last_seen > SILENT_AFTER_S:
+            return SILENT
+        if self.phase_elapsed(now) > self.stall_after():
+            return STALLED
+        return RUNNING
+
+    def stall_after(self) -> float:
+        if self.phase not in STEP_PHASES:
+            return float("inf") if self.phase == "done" else SLOW_PHASE_STALL_S
+        return max(STALL_MIN_S, STALL_STEPS * (self.step_time_s or 0.0))
+
+    def where(self) -> str:
+        """Where the rank is, in words: 'in allreduce #12 (4.2 MB)' or 'in forward of step 7'."""
+        if self.in_collective:
+            assert self.coll_started is not None
+            c = self.coll_started
+            size = f" ({c.bytes / 1e6:.1f} MB)" if c.bytes else ""
+            return f"in {c.op} #{c.seq}{size}"
+        return f"in {self.phase} of step {self.global_step + 1}"

@@ -1,0 +1,105 @@
+"""What the daemon writes down about its run: run.json, and the lines a person
+reads in the terminal when the run ends.
+
+run.json is a `RunRecord`: the RunSummary derived from the daemon's RunState
+(the same one `ddtrain status` asks the live daemon for), plus what only the
+daemon's process knows (its pid, host, endpoints, the rendezvous port). It is
+rewritten atomically whenever the run's status changes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from ddtop.daemon import wire
+from ddtop.daemon.blame import ErrorReport
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.contract import EXIT_USAGE, describe_exit
+from ddtop.daemon.runs import RunPaths, atomic_file
+from ddtop.daemon.starters import Rank
+from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import RunRecord, encode_record
+
+# Lines of a failed rank's traceback shown in the failure report.
+TRACEBACK_TAIL_LINES = 8
+
+
+@dataclass
+class Outcome:
+    status: wire.RunStatusName  # succeeded | failed | stopped
+    exit_code: int
+    failed_rank: Rank | None = None
+    report: ErrorReport | None = None  # what the failed rank said, if it wrote anything
+
+
+class RunReport:
+    def __init__(self, config: TrainConfig, paths: RunPaths) -> None:
+        self.config, self.paths = config, paths
+        self.started = time.time()
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    # -- run.json ----------------------------------------------------------------------
+    def write(self, state: RunState, endpoints: dict[str, str], port: int,
+              ended: bool = False) -> None:
+        record = RunRecord(
+            run_id=self.paths.run_id, daemon_pid=os.getpid(), host=socket.gethostname(),
+            started=self.started, ended=time.time() if ended else None, endpoints=endpoints,
+            master_addr=self.config.master_addr, master_port=port,
+            max_restarts=self.config.max_restarts,
+        ).with_summary(state.summary(time.time()))
+        with atomic_file(self.paths.status, "wb") as f:
+            f.write(encode_record(record))
+
+    # -- the terminal ----------------------------------------------------------------
+    def headline(self, outcome: Outcome) -> str:
+        """The final RunStatus line: "run failed after 3.1 s: rank 1 was killed by SIGKILL"."""
+        seconds = self.elapsed()
+        if outcome.status == "failed" and outcome.failed_rank is not None:
+            return (f"run failed after {seconds:.1f} s: rank {outcome.failed_rank.rank} "
+                    f"{self._how(outcome)}")
+        return f"run {outcome.status} after {seconds:.1f} s"
+
+    @staticmethod
+    def _how(outcome: Outcome) -> str:
+        """How the failed rank ended."""
+        rank = outcome.failed_rank
+        assert rank is not None and rank.exitcode is not None
+        if rank.stopped_by_us and outcome.report is not None:
+            # It raised, then was still exiting when the daemon stopped the rest.
+            return "raised an error (ddtrain stopped its process while it was exiting)"
+        return describe_exit(rank.exitcode, None)
+
+    def resume_hint(self) -> str:
+        if self.paths.checkpoint_files():
+            return ("continue from the last checkpoint with: ddtrain start --resume --run-id "
+                    f"{self.paths.run_id}")
+        return "no checkpoint was written yet, so it cannot be resumed"
+
+    def print_outcome(self, outcome: Outcome, out: TextIO, err: TextIO) -> None:
+        rid, seconds = self.paths.run_id, self.elapsed()
+        if outcome.status == "succeeded":
+            print(f"ddtrain: run {rid} succeeded in {seconds:.1f} s; "
+                  f"checkpoints in {self.paths.checkpoints}", file=out, flush=True)
+            return
+        if outcome.status == "stopped":
+            print(f"ddtrain: run {rid} stopped after {seconds:.1f} s; {self.resume_hint()}",
+                  file=err, flush=True)
+            return
+        rank, report = outcome.failed_rank, outcome.report
+        assert rank is not None
+        if outcome.exit_code == EXIT_USAGE and report is not None:
+            print(f"ddtrain: error: {report.message}", file=err, flush=True)
+            return
+        cause = f": {report.message}" if report is not None and report.message else ""
+        lines = [f"ddtrain: run {rid} failed: rank {rank.rank} (pid {rank.process.pid}) "
+                 f"{self._how(outcome)}{cause}"]
+        tb = report.traceback.rstrip().splitlines() if report is not None else []
+        lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
+        lines.append(f"  log: {self.paths.rank_log(rank.rank)}; {self.resume_hint()}")
+        print("\n".join(lines), file=err, flush=True)

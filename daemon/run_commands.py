@@ -1,0 +1,196 @@
+"""`ddtrain status`, `list`, `stop` and `logs`: the commands that look at, or act
+on, a run that already exists. Each reads the run's RunSummary (daemon/summary.py)
+through RunInfo, never run.json's fields by hand."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ddtop.daemon import control
+from ddtop.daemon.config import UsageError, default_runs_dir
+from ddtop.daemon.contract import EXIT_OK
+from ddtop.daemon.processes import LogTail, pid_alive
+from ddtop.daemon.runinfo import RunInfo, list_runs
+from ddtop.daemon.runs import RunPaths, find_run
+from ddtop.daemon.summary import LOST, RunRecord
+
+FOLLOW_POLL_S = 0.2
+STOP_REQUEST_TIMEOUT_S = 5.0
+# `ddtrain stop` waits this long past --timeout before it kills the daemon itself
+# (the daemon escalates by itself after the timeout; this is only a backstop).
+STOP_BACKSTOP_S = 15.0
+TRACEBACK_LINES = 8
+
+
+def run_of(args: argparse.Namespace) -> RunPaths:
+    return find_run(args.runs_dir or default_runs_dir(), args.run)
+
+
+def _fmt(value: Any, spec: str = "", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+# -- status -------------------------------------------------------------------------
+def cmd_status(args: argparse.Namespace) -> int:
+    info = RunInfo.load(run_of(args))
+    if info.problem:
+        print(f"ddtrain: warning: {info.problem}; showing what the journal says", file=sys.stderr)
+    summary = info.summary()
+    if args.json:
+        doc = msgspec.to_builtins(summary)
+        doc.update({"status": info.status if summary.status != LOST else LOST,
+                    "dir": str(info.paths.root), "daemon_alive": info.live})
+        print(msgspec.json.format(msgspec.json.encode(doc), indent=2).decode())
+        return EXIT_OK
+    for line in status_lines(info, summary):
+        print(line)
+    return EXIT_OK
+
+
+def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
+    daemon = (f"daemon pid {info.daemon_pid}" if info.live
+              else "daemon gone" if info.status == LOST else "finished")
+    lines = [f"run {info.paths.run_id}: {info.status} ({daemon}; "
+             f"{s.world_size or len(s.ranks)} ranks; {s.restarts} restarts)"]
+    if s.model:
+        pct = f" ({100 * s.global_step / s.total_steps:.1f}%)" if s.total_steps else ""
+        lines.append(f"  {s.model} on {s.dataset}, {s.backend}; step {s.global_step}/"
+                     f"{s.total_steps}{pct}; {s.samples_per_s:,.0f} samples/s")
+    m = s.metrics
+    if m is not None:
+        val = (f", val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"
+               if m.val_loss is not None and m.val_accuracy is not None else "")
+        lines.append(f"  global (epoch {m.epoch + 1}, step {m.global_step}): train "
+                     f"loss {m.train_loss:.4f} acc {100 * m.train_accuracy:.2f}%{val}")
+    if s.hang:
+        lines.append(f"  hang: {s.hang}")
+    if s.stragglers:
+        lines.append(f"  stragglers: {', '.join(map(str, s.stragglers))} "
+                     f"(skew {1000 * s.skew_s:.1f} ms per step)")
+    lines.append(f"{'RANK':>4}  {'PID':>7}  {'STATE':<9} {'EPOCH':>5}  {'STEP':>7}  "
+                 f"{'LOSS':>8}  {'SAMPLES/S':>9}  EXIT")
+    for r in s.ranks:
+        exit_ = r.signal or _fmt(r.exit_code)
+        if r.stopped_by_daemon and exit_ not in ("-", "0"):
+            exit_ += " (stopped)"
+        lines.append(f"{r.rank:>4}  {_fmt(r.pid):>7}  {r.state:<9} {r.epoch + 1:>5}  "
+                     f"{r.global_step:>7}  {_fmt(r.loss, '.4f'):>8}  "
+                     f"{_fmt(r.samples_per_s, ',.0f'):>9}  {exit_}")
+    f = s.failure
+    if f is not None and info.status in ("failed", LOST):
+        lines.append(f"failure: rank {f.rank} {f.how()}" + (f": {f.message}" if f.message else ""))
+        lines += [f"  | {line}" for line in (f.traceback or "").rstrip().splitlines()
+                  [-TRACEBACK_LINES:]]
+    for e in s.timeline:
+        lines.append(f"restart {e.restart}: rank {e.rank} {e.reason} at step {e.global_step}; "
+                     f"from {e.checkpoint or 'the start'}")
+    return lines
+
+
+# -- list ---------------------------------------------------------------------------
+def cmd_list(args: argparse.Namespace) -> int:
+    runs_dir = Path(args.runs_dir or default_runs_dir())
+    rows: list[dict[str, Any]] = []
+    for info in list_runs(runs_dir):
+        started, ended = info.record.started, info.record.ended
+        end = ended or (time.time() if info.live else None)
+        config = info.config
+        rows.append({
+            "run_id": info.paths.run_id, "status": info.status, "world_size": info.world_size,
+            "model": config.model if config else None,
+            "dataset": config.dataset if config else None, "started": started,
+            "seconds": None if not started or not end else end - started,
+            "restarts": info.record.restarts, "daemon_pid": info.daemon_pid,
+            "dir": str(info.paths.root),
+        })
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(rows), indent=2).decode())
+        return EXIT_OK
+    if not rows:
+        print(f"no runs under {runs_dir}/ (start one with: ddtrain start)")
+        return EXIT_OK
+    print(f"{'RUN':<26} {'STATUS':<10} {'RANKS':>5}  {'MODEL':<8} {'DATASET':<13} "
+          f"{'STARTED':<19} {'TIME':>8}")
+    for r in rows:
+        when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"]))
+                if r["started"] else "-")
+        seconds = f"{r['seconds']:.0f} s" if r["seconds"] is not None else "-"
+        print(f"{r['run_id']:<26} {r['status']:<10} {_fmt(r['world_size'] or None):>5}  "
+              f"{_fmt(r['model']):<8} {_fmt(r['dataset']):<13} {when:<19} {seconds:>8}")
+    return EXIT_OK
+
+
+# -- stop ---------------------------------------------------------------------------
+def cmd_stop(args: argparse.Namespace) -> int:
+    if args.timeout < 0:
+        raise UsageError(f"--timeout must be >= 0 seconds (got {args.timeout:g})")
+    info = RunInfo.load(run_of(args))
+    rid, pid = info.paths.run_id, info.daemon_pid
+    if not info.live:
+        print(f"ddtrain: run {rid} is not running ({info.status})")
+        return EXIT_OK
+    assert pid is not None
+    try:
+        if info.control is None:
+            raise control.Unreachable("no control endpoint in run.json")
+        reply = control.request(info.control, "stop", STOP_REQUEST_TIMEOUT_S,
+                                timeout=args.timeout)
+        if not reply.get("ok"):
+            raise control.Unreachable(str(reply.get("error")))
+        print(f"ddtrain: stopping run {rid}: ranks finish their step and rank 0 checkpoints "
+              f"(up to {args.timeout:g} s)...", flush=True)
+    except control.Unreachable as e:
+        print(f"ddtrain: the daemon (pid {pid}) does not answer ({e}); terminating it, "
+              "which stops its ranks at once", flush=True)
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout + STOP_BACKSTOP_S
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            print(f"ddtrain: the daemon (pid {pid}) is still there; killing it", flush=True)
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    final = RunInfo.load(info.paths)
+    hint = (f"; resume with: ddtrain start --resume --run-id {rid}"
+            if info.paths.checkpoint_files() and final.status != "succeeded" else "")
+    print(f"ddtrain: run {rid} {final.status}{hint}")
+    return EXIT_OK
+
+
+# -- logs ---------------------------------------------------------------------------
+def cmd_logs(args: argparse.Namespace) -> int:
+    paths = run_of(args)
+    info = RunInfo.load(paths)
+    world = info.world_size or len(list(paths.logs.glob("rank-*.log")))
+    if args.rank is not None and not 0 <= args.rank < world:
+        raise UsageError(f"--rank {args.rank} is not a rank of run {paths.run_id} "
+                         f"(ranks 0..{world - 1})")
+    ranks = [args.rank] if args.rank is not None else list(range(world))
+    tails = {k: LogTail(paths.rank_log(k)) for k in ranks}
+
+    def pump(final: bool) -> None:
+        for k, tail in tails.items():
+            for line in tail.lines(final):
+                sys.stdout.write(f"[rank {k} {info.record.host}] {line}\n")
+        sys.stdout.flush()
+
+    try:
+        if not args.follow:
+            pump(final=True)
+            return EXIT_OK
+        while True:
+            alive = RunInfo.load(paths).live
+            pump(final=not alive)
+            if not alive:
+                return EXIT_OK
+            time.sleep(FOLLOW_POLL_S)
+    finally:
+        sys.stdout.flush()

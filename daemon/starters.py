@@ -1,0 +1,77 @@
+"""How a run's ranks get started: what the supervisor asks of each way.
+
+The supervisor (daemon/supervisor.py) does not know how ranks come to be: it
+asks a `RankStarter` to start them, waits on the processes it returns, and
+asks it again, once those exited, how each rank ended. Two starters exist:
+
+    LocalRanks     (daemon/local.py)     forked from the daemon's forkserver (torch
+                                         imported once), or spawned
+    TorchrunRanks  (daemon/torchrun.py)  `torchrun --standalone` runs them; the daemon
+                                         supervises torchrun's agent
+
+A third (a user's own script as every rank) is one more class with these
+four methods.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from dataclasses import dataclass
+from typing import Protocol
+
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.processes import LogTail, Process
+from ddtop.daemon.state import RunState
+
+AGENT = -1  # the `rank` of a process that is not a rank itself (torchrun's agent)
+
+
+@dataclass
+class Rank:
+    """A supervised process: a rank, or an agent that runs ranks (rank AGENT)."""
+
+    rank: int
+    process: Process
+    exitcode: int | None = None  # negative: killed by that signal
+    stopped_by_us: bool = False  # the daemon terminated it
+    noted: bool = False  # its exit was reported to the relay
+
+
+class RankStarter(Protocol):
+    # The rendezvous port the ranks use (run.json shows it).
+    port: int
+    # Log files to echo in the foreground, each with its line prefix ("[rank 0]").
+    tails: list[tuple[str, LogTail]]
+
+    def start(self, config: TrainConfig, attempt: int) -> list[Rank]:
+        """Start every rank (attempt 0, or a restart); the processes to supervise."""
+        ...
+
+    def rank_pids(self, state: RunState) -> list[int]:
+        """The live ranks' pids, to ask them to stop (SIGUSR1)."""
+        ...
+
+    def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
+        """How each rank ended, once the supervised process `exited` has: itself
+        for a rank, the ranks it ran for an agent."""
+        ...
+
+
+def choose_port(addr: str, port: int) -> int:
+    """`port` if it can be bound on `addr`, a free one if `port` is 0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except socket.gaierror:
+            raise UsageError(f"--master-addr {addr} is not a valid address") from None
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(f"--master-port {port} is already in use on {addr}: pick "
+                                 "another, or leave --master-port out to use a free one") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise UsageError(f"--master-addr {addr} is not an address of this machine"
+                                 ) from None
+            raise
+        chosen: int = s.getsockname()[1]
+        return chosen

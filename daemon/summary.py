@@ -1,0 +1,230 @@
+"""RunSummary: the one description of how a run stands or how it ended.
+
+It is derived from RunState (`summarize`), never assembled by hand: the
+daemon answers `status` with it and writes the last one into run.json
+(`RunRecord` adds what only the daemon's process knows); `ddtrain status` and
+`list`, the headless summary and the dashboard's banner all read it, under the
+same field names. Every type here is a msgspec struct, so what is read back
+from a socket or a file is validated, never trusted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from ddtop.daemon import wire
+from ddtop.daemon.contract import describe_exit
+
+if TYPE_CHECKING:
+    from ddtop.daemon.state import RunState
+
+# A run whose daemon is gone although it never reached a final status: it was killed.
+LOST: Literal["lost"] = "lost"
+Status = wire.RunStatusName | Literal["lost"]
+# run.json's layout version (absent in run.json files written before it existed).
+RECORD_SCHEMA = 2
+
+
+class Failure(msgspec.Struct, kw_only=True):
+    """The rank a failed run is blamed on, and why."""
+
+    rank: int
+    pid: int | None = None
+    exit_code: int | None = None  # None when killed by a signal
+    signal: str | None = None  # e.g. "SIGKILL"
+    message: str | None = None  # the rank's own error report
+    traceback: str | None = None
+    global_step: int = 0  # the last step the rank reported
+
+    def how(self) -> str:
+        """'killed by SIGKILL' or 'exit code 1'."""
+        return describe_exit(self.exit_code, self.signal, short=True)
+
+
+class Restart(msgspec.Struct, kw_only=True):
+    """One restart after a failure (`--max-restarts`): which rank, why, from where."""
+
+    restart: int
+    rank: int
+    reason: str
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    global_step: int | None = None
+    checkpoint: str | None = None  # None: restarted from the start
+    time: float | None = None
+
+
+class Metrics(msgspec.Struct, kw_only=True):
+    """The newest global metrics (from every rank's all_gather_object)."""
+
+    scope: wire.Scope
+    epoch: int
+    global_step: int
+    train_loss: float
+    train_accuracy: float
+    train_samples: int
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    val_samples: int | None = None
+
+
+class RankSummary(msgspec.Struct, kw_only=True):
+    rank: int
+    state: str  # starting | running | stalled | silent | dead | finished | lost
+    host: str = ""
+    pid: int | None = None
+    epoch: int = 0
+    step: int = 0
+    global_step: int = 0
+    loss: float | None = None
+    samples_per_s: float | None = None
+    comm_share: float | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    phase: str = "setup"
+    stopped_by_daemon: bool = False
+    last_seen_s: float | None = None
+    lost: int = 0  # telemetry messages lost
+
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    run_id: str
+    status: Status = "starting"
+    # With a final status: the exit code of `ddtrain start --foreground` for the run.
+    exit_code: int | None = None
+    world_size: int = 0
+    model: str = ""
+    dataset: str = ""
+    backend: str = ""
+    restarts: int = 0
+    timeline: list[Restart] = []
+    failure: Failure | None = None
+    global_step: int = 0  # done by the slowest rank
+    total_steps: int = 0
+    samples_per_s: float = 0.0
+    telemetry_loss: float = 0.0
+    rejected: dict[str, int] = {}
+    slowest_rank: int | None = None
+    skew_s: float = 0.0
+    stragglers: list[int] = []
+    hang: str | None = None
+    metrics: Metrics | None = None
+    ranks: list[RankSummary] = []
+    started: float | None = None
+    updated: float | None = None  # time of the newest message folded
+
+
+class RunRecord(RunSummary, kw_only=True):
+    """run.json: the last RunSummary, plus what only the daemon's process knows."""
+
+    schema: int = RECORD_SCHEMA
+    daemon_pid: int | None = None
+    host: str = ""
+    ended: float | None = None
+    endpoints: dict[str, str] = {}
+    master_addr: str = ""
+    master_port: int = 0
+    max_restarts: int = 0
+
+    def with_summary(self, summary: RunSummary) -> RunRecord:
+        """This record's daemon facts with `summary`'s view of the run."""
+        fields = msgspec.structs.asdict(summary)
+        fields.pop("started")  # the daemon's own start time stays
+        return msgspec.structs.replace(self, **fields)
+
+
+def summarize(state: RunState, now: float) -> RunSummary:
+    """The run as `state` tells it at time `now`."""
+    states = state.rank_states(now)
+    slowest, skew, slow = state.stragglers()
+    done, total = state.progress()
+    agg = state.aggregate
+    ranks = []
+    for r, rank_state in states.items():
+        v = state.ranks.get(r)
+        if v is None:
+            ranks.append(RankSummary(rank=r, state=rank_state))
+            continue
+        ranks.append(RankSummary(
+            rank=r, state=rank_state, host=v.host, pid=v.pid, epoch=v.epoch, step=v.step,
+            global_step=v.global_step, loss=v.loss, samples_per_s=v.samples_per_s,
+            comm_share=v.comm_share, exit_code=v.exit_code, signal=v.signal, phase=v.phase,
+            stopped_by_daemon=v.stopped_by_daemon,
+            last_seen_s=None if v.last_seen is None else max(0.0, now - v.last_seen),
+            lost=v.lost))
+    return RunSummary(
+        run_id=state.run, status=state.status, exit_code=state.exit_code,
+        world_size=state.world_size, model=state.model, dataset=state.dataset,
+        backend=state.backend, restarts=state.restarts, timeline=list(state.timeline),
+        failure=state.failure, global_step=done, total_steps=total,
+        samples_per_s=state.throughput(now), telemetry_loss=state.telemetry_loss(),
+        rejected=dict(state.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
+        hang=state.hang(now), ranks=ranks, started=state.started, updated=state.updated,
+        metrics=None if agg is None else Metrics(
+            scope=agg.scope, epoch=agg.epoch, global_step=agg.global_step,
+            train_loss=agg.train_loss, train_accuracy=agg.train_accuracy,
+            train_samples=agg.train_samples, val_loss=agg.val_loss,
+            val_accuracy=agg.val_accuracy, val_samples=agg.val_samples))
+
+
+def as_lost(summary: RunSummary) -> RunSummary:
+    """The daemon is gone before the run ended: the run and every rank that had
+    not exited are lost (they died with the daemon)."""
+    ranks = [r if r.state in ("finished", "dead") else msgspec.structs.replace(r, state=LOST)
+             for r in summary.ranks]
+    return msgspec.structs.replace(summary, status=LOST, ranks=ranks)
+
+
+# -- run.json ------------------------------------------------------------------------
+_record_decoder = msgspec.json.Decoder(RunRecord)
+
+
+def decode_record(data: bytes) -> RunRecord:
+    """run.json as written by this version, or by the version before RECORD_SCHEMA
+    (its own field names, translated); raises ValueError when it is neither."""
+    try:
+        return _record_decoder.decode(data)
+    except msgspec.ValidationError:
+        raw = msgspec.json.decode(data)
+        if not isinstance(raw, dict) or "schema" in raw:
+            raise
+        return msgspec.convert(_from_first_layout(raw), RunRecord)
+
+
+def encode_record(record: RunRecord) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
+
+
+def _from_first_layout(old: dict[str, Any]) -> dict[str, Any]:
+    """run.json before RECORD_SCHEMA: `exitcode` (negative for a signal) and
+    `stopped_by_launcher` per rank, `launcher_pid`, the failure's `exitcode`."""
+    final = old.get("status") in wire.FINAL_STATUSES
+
+    def rank(proc: dict[str, Any]) -> dict[str, Any]:
+        code = proc.get("exitcode")
+        state = ("starting" if code is None and not final
+                 else "finished" if code == 0 else "dead")
+        return {"rank": proc.get("rank"), "pid": proc.get("pid"), "state": state,
+                "exit_code": code if code is None or code >= 0 else None,
+                "signal": proc.get("signal"),
+                "stopped_by_daemon": bool(proc.get("stopped_by_launcher"))}
+
+    failure = old.get("failure")
+    if isinstance(failure, dict):
+        code = failure.get("exit_code", failure.get("exitcode"))
+        failure = {k: failure.get(k) for k in ("rank", "pid", "signal", "message", "traceback")}
+        failure["exit_code"] = code if code is None or code >= 0 else None
+    ranks = [rank(p) for p in old.get("ranks", []) if isinstance(p, dict)]
+    return {
+        "run_id": old.get("run_id", ""), "status": old.get("status", "starting"),
+        "exit_code": old.get("exit_code"), "world_size": old.get("world_size", len(ranks)),
+        "restarts": old.get("restarts", 0), "timeline": old.get("timeline", []),
+        "failure": failure, "ranks": ranks, "started": old.get("started"),
+        "schema": 1, "daemon_pid": old.get("daemon_pid", old.get("launcher_pid")),
+        "host": old.get("host", ""), "ended": old.get("ended"),
+        "endpoints": old.get("endpoints", {}), "master_addr": old.get("master_addr", ""),
+        "master_port": old.get("master_port", 0), "max_restarts": old.get("max_restarts", 0),
+    }

@@ -1,0 +1,321 @@
+"""The daemon's loop: start the ranks, supervise them, relay their telemetry,
+and end the run with one outcome.
+
+One loop waits on the ranks' process sentinels and the relay's sockets
+together. Each rank's stdout and stderr go to its own log file (echoed with a
+`[rank K]` prefix in the foreground). When a rank fails, the supervisor lets
+the ranks that already reported an error exit by themselves, stops the others
+(they would otherwise wait in their next collective until it times out),
+names the culprit (daemon/blame.py), and either restarts every rank from the
+newest checkpoint (`--max-restarts`) or ends the run as failed.
+
+Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank gets
+SIGUSR1, the ranks agree on a step to stop after, rank 0 checkpoints, they exit;
+whatever is still running after the timeout is terminated. SIGTERM (or a second
+Ctrl-C) stops at once.
+
+How ranks are started is a `RankStarter`'s business (daemon/starters.py); what
+is written down and printed at the end, the report's (daemon/report.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from types import FrameType
+from typing import Any, TextIO
+
+from ddtop.daemon import blame, wire
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.contract import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    TELEMETRY_ENV,
+    describe_exit,
+    signal_name,
+)
+from ddtop.daemon.local import LocalRanks
+from ddtop.daemon.relay import Relay
+from ddtop.daemon.report import TRACEBACK_TAIL_LINES, Outcome, RunReport
+from ddtop.daemon.runs import RunPaths, write_json_atomic
+from ddtop.daemon.starters import AGENT, Rank, RankStarter, choose_port
+from ddtop.daemon.state import RunState
+from ddtop.daemon.torchrun import TorchrunRanks
+
+# Seconds a rank gets to exit after SIGTERM before it is killed.
+TERM_GRACE_S = 5.0
+# Seconds between looks at the sockets and the ranks' logs while they run.
+POLL_S = 0.1
+# Seconds ranks get to stop gracefully after the first Ctrl-C.
+INTERRUPT_STOP_TIMEOUT_S = 30.0
+# After a rank fails: seconds the ranks that already wrote an error report get to
+# exit by themselves before the others are stopped (their exits race each other).
+FAILURE_SETTLE_S = 3.0
+
+
+class Stopped(Exception):
+    """The daemon was asked to stop at once (a second Ctrl-C, or SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Supervisor:
+    def __init__(self, config: TrainConfig, paths: RunPaths, out: TextIO = sys.stdout,
+                 err: TextIO = sys.stderr, echo: bool = True,
+                 on_tick: Callable[[RunState], None] | None = None) -> None:
+        self.config, self.paths, self.out, self.err = config, paths, out, err
+        self.echo = echo  # echo rank logs (foreground); a detached daemon does not
+        # Called with the RunState after every poll of the sockets (about 10 times a
+        # second) and once at the end: `ddtrain start --foreground --headless` prints from it.
+        self.on_tick = on_tick
+        self.report = RunReport(config, paths)
+        self.starter: RankStarter | None = None
+        self.ranks: list[Rank] = []  # the supervised processes of this attempt
+        self.relay: Relay | None = None
+        self.restarts = 0
+        self.stopping: float | None = None  # deadline of a graceful stop in progress
+        self.interrupted = False  # the stop came from Ctrl-C
+        self.attempt_started = 0.0  # wall clock: error reports older than this are stale
+
+    # -- public ----------------------------------------------------------------
+    def run(self) -> int:
+        port = choose_port(self.config.master_addr, self.config.master_port)
+        try:
+            self.paths.create()
+            write_json_atomic(self.paths.config, self.config.to_dict())
+            self.relay = Relay(self.paths.run_id, self.paths.journal)
+            if not self.config.master_port:
+                # Chosen again once the relay's own ports are bound, so it cannot be one of them.
+                port = choose_port(self.config.master_addr, 0)
+            self.starter = (TorchrunRanks(self.paths, port) if self.config.launcher == "torchrun"
+                            else LocalRanks(self.paths, port, self.report.started))
+            self._status("starting", f"run {self.paths.run_id} starting "
+                         f"{self.config.world_size} ranks")
+        except OSError as e:
+            raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
+                             "pick another --runs-dir") from None
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            try:
+                outcome = self._attempts()
+            except Stopped as stop:
+                for s in previous:  # a second Ctrl-C must not interrupt the clean-up
+                    signal.signal(s, signal.SIG_IGN)
+                self._stop_all()
+                self._note_exits(None)
+                code = EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 128 + stop.signum
+                outcome = Outcome("stopped", code)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        self._echo_logs(final=True)
+        self._status(outcome.status, self.report.headline(outcome), exit_code=outcome.exit_code)
+        if self.on_tick is not None:
+            self.on_tick(self.relay.state)
+        self.report.print_outcome(outcome, self.out, self.err)
+        self.relay.close()
+        return outcome.exit_code
+
+    def _attempts(self) -> Outcome:
+        """Run the ranks; after a failure restart them, up to --max-restarts times."""
+        while True:
+            self._start_ranks()
+            outcome = self._supervise()
+            if (outcome.status != "failed" or outcome.exit_code == EXIT_USAGE
+                    or self.restarts >= self.config.max_restarts or self.stopping is not None):
+                return outcome
+            self._restart(outcome)
+
+    def _restart(self, outcome: Outcome) -> None:
+        rank = outcome.failed_rank
+        assert rank is not None and rank.exitcode is not None and self.relay is not None
+        self.restarts += 1
+        newest = self.paths.newest_checkpoint()
+        view = self.relay.state.ranks.get(rank.rank)
+        reason = describe_exit(rank.exitcode, None)
+        step = view.global_step if view else None
+        entry: dict[str, Any] = {
+            "restart": self.restarts, "rank": rank.rank, "pid": rank.process.pid,
+            "reason": reason, "exit_code": rank.exitcode, "signal": signal_name(rank.exitcode),
+            "global_step": step, "checkpoint": newest.name if newest else None,
+            "time": time.time(),
+        }
+        source = f"from {newest.name}" if newest else "from the start (no checkpoint yet)"
+        message = (f"restart {self.restarts}/{self.config.max_restarts}: rank {rank.rank} "
+                   f"{reason} at step {step}; restarting {source}")
+        print(f"ddtrain: {message}", file=self.err, flush=True)
+        self.relay.emit(wire.Event, type="restart", message=message, data=entry)
+        self._status("restarting", message, write=False)
+        self.config = replace(self.config, resume=newest is not None)
+
+    # -- start -----------------------------------------------------------------
+    def _start_ranks(self) -> None:
+        # Set before the forkserver starts, so that it and every rank inherit
+        # them: one intra-op thread per rank unless told otherwise (as torchrun
+        # does), and where to send telemetry (this daemon, unless the user said).
+        os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
+        assert self.relay is not None and self.starter is not None
+        self.attempt_started = time.time()
+        if not os.environ.get(TELEMETRY_ENV):
+            os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
+        self.ranks = self.starter.start(self.config, self.restarts)
+        self._status("running", f"{self.config.world_size} ranks started")
+
+    # -- supervise -------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.stopping is None and self.ranks:
+            self.interrupted = True  # the first Ctrl-C: graceful; the loop acts on it
+            assert self.relay is not None
+            self.relay.stop_request = INTERRUPT_STOP_TIMEOUT_S
+            return
+        raise Stopped(signum)
+
+    def _supervise(self) -> Outcome:
+        assert self.relay is not None
+        while True:
+            running = [r for r in self.ranks if r.exitcode is None]
+            if not running:
+                if self.stopping is not None:
+                    return Outcome("stopped", EXIT_INTERRUPTED)
+                return Outcome("succeeded", EXIT_OK)
+            self.relay.serve(POLL_S, [r.process.sentinel for r in running])
+            if self.on_tick is not None:
+                self.on_tick(self.relay.state)
+            self._check_stop()
+            self._echo_logs()
+            if self._collect_exits(running):
+                self._settle()
+                self._stop_all()
+                return self._failure()
+
+    def _collect_exits(self, running: list[Rank]) -> bool:
+        """Record the exits among `running`; report the clean ones at once. True
+        when one failed (its exit is reported once the culprit is known)."""
+        failed = False
+        for r in running:
+            if r.process.exitcode is not None:
+                r.exitcode = r.process.exitcode
+                if r.exitcode == 0:
+                    self._note_exits(None, [r])
+                failed |= r.exitcode != 0
+        return failed
+
+    def _settle(self) -> None:
+        """Which of the ranks that fail together the OS reaps first is a race:
+        give every rank that already wrote an error report a moment to exit by
+        itself, so that the blame is decided from what each rank said."""
+        assert self.relay is not None
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while time.monotonic() < deadline:
+            running = [r for r in self.ranks if r.exitcode is None]
+            if not any(self._error_report(r.rank) for r in running):
+                return
+            self.relay.serve(POLL_S, [r.process.sentinel for r in running])
+            self._collect_exits(running)
+
+    def _check_stop(self) -> None:
+        assert self.relay is not None and self.starter is not None
+        if self.stopping is None and self.relay.stop_request is not None:
+            timeout = self.relay.stop_request
+            self.stopping = time.monotonic() + timeout
+            how = "Ctrl-C" if self.interrupted else "a stop request"
+            message = (f"stopping on {how}: ranks finish their step, rank 0 checkpoints; "
+                       f"anything left after {timeout:g} s is terminated")
+            if self.interrupted:
+                message += " (Ctrl-C again to stop at once)"
+            print(f"ddtrain: {message}", file=self.err, flush=True)
+            self.relay.emit(wire.Event, type="stop_requested", message=message)
+            self._status("stopping", message)
+            for pid in self.starter.rank_pids(self.relay.state):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+        elif self.stopping is not None and time.monotonic() > self.stopping:
+            print("ddtrain: ranks did not stop in time; terminating them", file=self.err,
+                  flush=True)
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        alive = [r for r in self.ranks if r.process.exitcode is None]
+        for r in alive:
+            r.stopped_by_us = True
+            r.process.terminate()
+        deadline = time.monotonic() + TERM_GRACE_S
+        for r in alive:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+            if r.process.exitcode is None:
+                r.process.kill()
+                r.process.join()
+        for r in self.ranks:
+            r.exitcode = r.process.exitcode
+
+    # -- the end of an attempt ---------------------------------------------------
+    def _rank_ends(self, processes: list[Rank]) -> list[Rank]:
+        """How each rank ended, for processes that have exited."""
+        assert self.starter is not None and self.relay is not None
+        return [end for p in processes if p.exitcode is not None
+                for end in self.starter.rank_exits(p, self.relay.state)]
+
+    def _failure(self) -> Outcome:
+        """Blame one rank, report every exit (the culprit's first), and the outcome."""
+        ends = self._rank_ends(self.ranks)
+        reports = {e.rank: r for e in ends if (r := self._error_report(e.rank)) is not None}
+        exits = {e.rank: blame.RankEnd(e.exitcode or 0, e.stopped_by_us) for e in ends}
+        chosen = blame.culprit(exits, reports)
+        self._note_exits(chosen)
+        failed = next((e for e in ends if e.rank == chosen), None)
+        report = reports.get(chosen) if chosen is not None else None
+        code = EXIT_USAGE if report is not None and report.kind == "usage" else EXIT_FAILED
+        return Outcome("failed", code, failed, report)
+
+    def _note_exits(self, culprit: int | None, processes: list[Rank] | None = None) -> None:
+        """Tell the relay (state, journal, dashboards) how each rank of the exited
+        `processes` (default: all not yet reported) ended, the culprit's first:
+        dashboards name the first failed rank they hear of."""
+        todo = [p for p in (self.ranks if processes is None else processes)
+                if p.exitcode is not None and not p.noted]
+        for p in todo:
+            p.noted = True
+        assert self.relay is not None
+        for r in sorted(self._rank_ends(todo), key=lambda r: r.rank != culprit):
+            assert r.exitcode is not None and r.process.pid is not None
+            report = self._error_report(r.rank) if r.exitcode else None
+            tb = report.traceback.rstrip().splitlines()[-TRACEBACK_TAIL_LINES:] if report else []
+            self.relay.emit(
+                wire.RankExit, exited=r.rank, pid=r.process.pid,
+                exit_code=r.exitcode if r.exitcode >= 0 else None,
+                signal=signal_name(r.exitcode), stopped_by_daemon=r.stopped_by_us,
+                message=report.message if report else None, traceback="\n".join(tb) or None,
+                culprit=r.rank == culprit)
+
+    def _error_report(self, rank: int) -> blame.ErrorReport | None:
+        if rank == AGENT:
+            return None
+        return blame.read_error_report(self.paths.rank_error(rank), self.attempt_started)
+
+    # -- output ----------------------------------------------------------------
+    def _status(self, status: wire.RunStatusName, message: str, write: bool = True,
+                exit_code: int | None = None) -> None:
+        """Announce the run's status (state, journal, dashboards), then record it in
+        run.json from the state it is now in."""
+        assert self.relay is not None and self.starter is not None
+        self.relay.emit(wire.RunStatus, status=status, world_size=self.config.world_size,
+                        restarts=self.restarts, message=message, exit_code=exit_code)
+        if write:
+            self.report.write(self.relay.state, self.relay.endpoints, self.starter.port,
+                              ended=status in wire.FINAL_STATUSES)
+
+    def _echo_logs(self, final: bool = False) -> None:
+        if not self.echo or self.starter is None:
+            return
+        for prefix, tail in self.starter.tails:
+            for line in tail.lines(final):
+                print(f"{prefix} {line}", file=self.out, flush=True)

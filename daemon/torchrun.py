@@ -1,0 +1,84 @@
+"""Ranks started by torchrun: the daemon runs `torchrun --standalone` and
+supervises its agent.
+
+torchrun runs `python -m ddtop.training` once per rank; the ranks read this
+run's config.json (DDTOP_CONFIG), write their own logs, and exit when the
+daemon does (DDTOP_DAEMON_PID). The ranks are not the daemon's children, so
+their pids come from their hello messages, and once the agent exits, how each
+rank ended is read from torchrun's failure summary in its log.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
+from ddtop.daemon.processes import AgentProcess, ExitedProcess, LogTail, set_parent_death_signal
+from ddtop.daemon.runs import RunPaths, write_json_atomic
+from ddtop.daemon.starters import AGENT, Rank
+from ddtop.daemon.state import RunState
+
+# torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
+FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
+                             r"(-?\d+) \(pid: (\d+)\)")
+
+
+class TorchrunRanks:
+    def __init__(self, paths: RunPaths, port: int) -> None:
+        self.paths, self.port = paths, port
+        self.log = paths.logs / "torchrun.log"
+        self.tails: list[tuple[str, LogTail]] = []
+        self.log_start = 0  # where this attempt's part of torchrun's log begins
+        self.world_size = 0
+
+    def start(self, config: TrainConfig, attempt: int) -> list[Rank]:
+        write_json_atomic(self.paths.config, config.to_dict())
+        self.world_size = config.world_size
+        with self.log.open("ab") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(config.world_size), "--max-restarts", "0",
+                 "-m", "ddtop.training"],
+                env={**os.environ, CONFIG_ENV: str(self.paths.config),
+                     DAEMON_PID_ENV: str(os.getpid()), ATTEMPT_ENV: str(attempt)},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                preexec_fn=set_parent_death_signal,
+            )
+        agent_tail = LogTail(self.log, from_end=True)
+        self.log_start = agent_tail.offset
+        self.tails = [("[torchrun]", agent_tail)] + [
+            (f"[rank {k}]", LogTail(self.paths.rank_log(k), from_end=True))
+            for k in range(config.world_size)]
+        return [Rank(AGENT, AgentProcess(popen))]
+
+    def rank_pids(self, state: RunState) -> list[int]:
+        return [v.pid for v in state.ranks.values()
+                if v.pid is not None and not v.exited and v.bye_code is None]
+
+    def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
+        """Each rank's exit, from torchrun's failure summary (exit code or signal,
+        pid), else from its bye; the ranks torchrun stopped when another failed
+        were stopped with SIGTERM."""
+        assert exited.exitcode is not None
+        with self.log.open("rb") as f:  # this attempt's part of torchrun's log
+            f.seek(self.log_start)
+            log = f.read().decode(errors="replace")
+        failed = {int(m[1]): (int(m[2]), int(m[3])) for m in FAILURE_SUMMARY.finditer(log)}
+        ranks = []
+        for k in range(self.world_size):
+            view = state.ranks.get(k)
+            pid = view.pid if view is not None else None
+            if k in failed:
+                code, pid = failed[k]
+            elif exited.exitcode == 0 or (view is not None and view.bye_code == 0):
+                code = 0
+            else:  # torchrun stopped it when another rank failed
+                code = -signal.SIGTERM
+            ranks.append(Rank(k, ExitedProcess(pid, code), exitcode=code,
+                              stopped_by_us=code == -signal.SIGTERM, noted=True))
+        return ranks
