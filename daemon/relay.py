@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ class Relay:
                 "control": self.router.getsockopt_string(zmq.LAST_ENDPOINT)}
 
     # -- the loop --------------------------------------------------------------------
-    def serve(self, timeout_s: float, fds: list[int] = ()) -> list[int]:  # type: ignore[assignment]
+    def serve(self, timeout_s: float, fds: Sequence[int] = ()) -> list[int]:
         """Wait up to `timeout_s` for the sockets or `fds` (e.g. process
         sentinels); handle what arrived; return the fds that are ready."""
         for fd in fds:

@@ -20,7 +20,14 @@ from ddtop.daemon import control, journal, wire
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.processes import pid_alive
 from ddtop.daemon.runs import RunPaths, is_run_dir
-from ddtop.daemon.summary import LOST, RunRecord, RunSummary, as_lost, decode_record
+from ddtop.daemon.summary import (
+    LOST,
+    RECORD_SCHEMA,
+    RunRecord,
+    RunSummary,
+    as_lost,
+    decode_record,
+)
 
 
 @dataclass
@@ -81,6 +88,10 @@ class RunInfo:
                 pass
         if summary is None and self.status == LOST:
             summary = as_lost(self._replayed())
+        elif summary is None and self.record.schema < RECORD_SCHEMA:
+            # Written before run.json held the summary: the journal tells the rest.
+            summary = msgspec.structs.replace(self._replayed(), status=self.record.status,
+                                              exit_code=self.record.exit_code)
         if summary is None:
             return self.record
         return self.record.with_summary(summary)

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, exit_for_status
+from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, describe_exit, exit_for_status
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import LOST
 from ddtop.dashboard import format as fmt
@@ -254,9 +254,8 @@ def summary_text(summary: dict[str, Any], now: float) -> list[str]:
     failure = summary.get("failure")
     if failure:
         who = f"rank {failure['rank']} " if failure.get("rank") is not None else ""
-        how = (f"killed by {failure['signal']}" if failure.get("signal")
-               else f"exit code {failure['exit_code']}" if failure.get("exit_code") is not None
-               else "")
+        how = (describe_exit(failure["exit_code"], failure["signal"], short=True)
+               if failure.get("rank") is not None else "")
         msg = f": {failure['message']}" if failure.get("message") else ""
         lines.append(f"  failure: {who}{how}{msg}")
         lines += [f"    | {line}" for line in failure.get("traceback_tail", [])]

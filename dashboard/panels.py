@@ -11,6 +11,7 @@ from typing import Any
 
 from rich.text import Text
 
+from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
@@ -159,8 +160,8 @@ def detail(state: RunState, rank: int, now: float) -> Text:
                 f"{v.received} received, {v.lost} lost, {v.duplicates} duplicates, "
                 f"{v.sender_dropped} dropped by the rank\n")
     if ended:
-        how = (f"killed by {v.signal}" if v.signal else
-               f"exit code {v.exit_code if v.exit_code is not None else v.bye_code}")
+        how = describe_exit(v.exit_code if v.exit_code is not None else v.bye_code, v.signal,
+                            short=True)
         text.append(f"ended: {how}{' (stopped by the daemon)' if v.stopped_by_daemon else ''}"
                     f"{': ' + v.error if v.error else ''}\n", "bold red" if st == DEAD else "")
     text.append("\nper step (ms)\n", "bold")

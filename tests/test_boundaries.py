@@ -99,12 +99,11 @@ def test_every_import_follows_the_declared_arrows() -> None:
 def test_every_declared_arrow_is_used() -> None:
     """A declaration that nothing needs any more is removed, so the list stays true."""
     edges = {(m, name) for m, source in our_modules().items() for name in imports(source, m)}
-    used = {name for _, name in edges}
     for part, allowed in ALLOWED.items():
         for name in allowed:
             assert any(m.startswith(f"ddtop.{part}.") and n == name for m, n in edges), (
                 f"{part} -> {name} is declared but not used")
-    assert UPWARD <= edges and used
+    assert edges >= UPWARD, f"declared but not used: {UPWARD - edges}"
 
 
 @pytest.mark.parametrize(("module", "source"), [

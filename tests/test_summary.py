@@ -1,0 +1,148 @@
+"""RunSummary, the one description of how a run stands or ended: derived from
+RunState, written into run.json, read back (including run.json files written
+before the summary was typed), and shown by `ddtrain status`. Pure code and
+files; no processes but a finished one's pid."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import msgspec
+import pytest
+from test_state import RUN, fold, hello, step
+
+from ddtop.daemon import cli, wire
+from ddtop.daemon.runinfo import RunInfo
+from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import (
+    RECORD_SCHEMA,
+    Failure,
+    RankSummary,
+    Restart,
+    RunRecord,
+    decode_record,
+    encode_record,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "runs"
+
+
+def daemon(kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event], seq: int,
+           **fields: object) -> wire.Message:
+    return kind(run=RUN, rank=wire.DAEMON_RANK, seq=seq, t=101.0, **fields)  # type: ignore[arg-type]
+
+
+def failed_run() -> RunState:
+    """Rank 1 killed by SIGKILL at step 20, rank 0 stopped by the daemon."""
+    s = fold(hello(0), hello(1), step(0, 1, 20), step(1, 1, 20),
+             wire.Aggregate(run=RUN, rank=0, seq=2, scope="sync", epoch=0, global_step=20,
+                            train_loss=1.25, train_accuracy=0.5, train_samples=1280))
+    for m in (daemon(wire.RankExit, 0, exited=1, pid=1001, exit_code=None, signal="SIGKILL",
+                     culprit=True),
+              daemon(wire.RankExit, 1, exited=0, pid=1000, exit_code=None, signal="SIGTERM",
+                     stopped_by_daemon=True),
+              daemon(wire.RunStatus, 2, status="failed", world_size=2, message="run failed",
+                     exit_code=1)):
+        s.apply(m, 101.0)
+    return s
+
+
+def test_summary_is_derived_from_the_state() -> None:
+    summary = failed_run().summary(102.0)
+    assert (summary.run_id, summary.status, summary.exit_code) == (RUN, "failed", 1)
+    assert summary.failure == Failure(rank=1, pid=1001, signal="SIGKILL", global_step=20)
+    assert summary.failure.how() == "killed by SIGKILL"
+    assert [(r.rank, r.state, r.signal, r.stopped_by_daemon) for r in summary.ranks] == [
+        (0, "dead", "SIGTERM", True), (1, "dead", "SIGKILL", False)]
+    assert summary.metrics is not None and summary.metrics.train_loss == 1.25
+    assert (summary.global_step, summary.total_steps, summary.model) == (20, 200, "mlp")
+
+
+def test_the_exit_code_belongs_to_the_final_status_only() -> None:
+    s = failed_run()
+    s.apply(daemon(wire.RunStatus, 3, status="restarting", world_size=2, restarts=1), 102.0)
+    assert (s.exit_code, s.failure) == (None, None)
+
+
+def test_a_malformed_restart_entry_stays_out_of_the_timeline() -> None:
+    s = fold(hello(0))
+    good = {"restart": 1, "rank": 1, "reason": "was killed by SIGKILL", "checkpoint": None}
+    s.apply(daemon(wire.Event, 0, type="restart", message="restart 1", data=good), 101.0)
+    s.apply(daemon(wire.Event, 1, type="restart", message="restart 2", data={"rank": "x"}), 101.0)
+    assert s.timeline == [Restart(restart=1, rank=1, reason="was killed by SIGKILL")]
+    assert sum(e["type"] == "restart" for e in s.events) == 2  # both still shown
+
+
+def test_run_record_round_trips_with_daemon_facts_and_the_summary() -> None:
+    record = RunRecord(run_id=RUN, daemon_pid=42, host="node", started=90.0, master_port=1234,
+                       endpoints={"control": "tcp://127.0.0.1:5"})
+    record = record.with_summary(failed_run().summary(102.0))
+    assert (record.started, record.daemon_pid, record.status) == (90.0, 42, "failed")
+    data = encode_record(record)
+    assert decode_record(data) == record
+    plain = json.loads(data)
+    assert plain["schema"] == RECORD_SCHEMA and plain["failure"]["signal"] == "SIGKILL"
+    assert [r["exit_code"] for r in plain["ranks"]] == [None, None]
+
+
+def test_run_json_of_the_first_layout_is_translated() -> None:
+    record = decode_record((FIXTURES / "recorded-failed" / "run.json").read_bytes())
+    assert (record.schema, record.status, record.exit_code, record.daemon_pid) == (
+        1, "failed", 1, 4526)
+    assert record.failure == Failure(rank=1, pid=4534, signal="SIGKILL")
+    assert [(r.rank, r.state, r.signal, r.stopped_by_daemon) for r in record.ranks] == [
+        (0, "dead", "SIGTERM", True), (1, "dead", "SIGKILL", False)]
+    ok = decode_record((FIXTURES / "recorded-ok" / "run.json").read_bytes())
+    assert [(r.state, r.exit_code) for r in ok.ranks] == [("finished", 0), ("finished", 0)]
+
+
+def test_a_finished_run_of_the_first_layout_is_summarised_from_its_journal() -> None:
+    info = RunInfo.load(RunPaths(FIXTURES / "recorded-failed"))
+    assert (info.status, info.live, info.problem) == ("failed", False, None)
+    summary = info.summary()
+    assert (summary.status, summary.exit_code, summary.model) == ("failed", 1, "mlp")
+    assert summary.failure is not None and summary.failure.rank == 1
+    assert summary.global_step > 0 and summary.daemon_pid == 4526
+
+
+def test_a_run_whose_daemon_is_gone_is_lost_and_told_from_its_journal(tmp_path: Path) -> None:
+    root = tmp_path / "recorded-failed"
+    shutil.copytree(FIXTURES / "recorded-failed", root)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    record = RunRecord(run_id="recorded-failed", status="running", daemon_pid=gone.pid,
+                       world_size=3, ranks=[RankSummary(rank=2, state="running")])
+    (root / "run.json").write_bytes(encode_record(record))
+    info = RunInfo.load(RunPaths(root))
+    assert (info.status, info.live) == ("lost", False)
+    summary = info.summary()
+    assert summary.status == "lost" and summary.model == "mlp"
+    # The journal saw both ranks exit; a rank it never heard of is lost with the daemon.
+    assert [r.state for r in summary.ranks] == ["dead", "dead", "lost"]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"schema": 2, "status": 7}'])
+def test_an_unreadable_run_json_is_named_not_a_traceback(
+        tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "broken"
+    shutil.copytree(FIXTURES / "recorded-ok", root)
+    (root / "run.json").write_bytes(content)
+    info = RunInfo.load(RunPaths(root))
+    assert info.problem is not None and "run.json is unreadable" in info.problem
+    assert info.status == "lost"
+    assert cli.main(["status", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert "run.json is unreadable" in err and "Traceback" not in err
+    assert out.startswith("run broken: lost")
+
+
+def test_status_json_has_the_summary_field_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["status", str(FIXTURES / "recorded-failed"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {f.name for f in msgspec.structs.fields(RunRecord)} <= set(doc)
+    assert (doc["status"], doc["exit_code"], doc["failure"]["exit_code"]) == ("failed", 1, None)
+    assert "exitcode" not in json.dumps(doc)
