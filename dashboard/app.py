@@ -4,7 +4,9 @@ A thread worker pumps the feed (sockets or journal) into its RunState and posts
 `FeedChanged`, which collapses to the latest when the app is busy. The app
 redraws on a timer at a fixed frame rate (never once per message): under the
 feed's lock it builds the header, the rows and the panels from the RunState,
-then hands them to the widgets.
+then hands them to the widgets. Requests to the daemon (`x`: stop the run) go
+out from a thread worker too, so that a daemon that does not answer never
+freezes the screen; the answer comes back as a `StopAnswered` message.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.message import Message
+from textual.notifications import SeverityLevel
 from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
@@ -25,15 +28,14 @@ from ddtop.daemon import control
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed as FeedBase
-from ddtop.dashboard.feed import LiveFeed, ReplayFeed
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable
 
 PUMP_S = 0.05
 CHART_POINTS = 120
 SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
-EVENT_LINES = 8
-STOP_TIMEOUT_S = 30.0
+STOP_REQUEST_S = 5.0  # how long to wait for the daemon to answer a stop request
+STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S = 1.0
 
 
@@ -46,6 +48,14 @@ class FeedChanged(Message):
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, FeedChanged)
+
+
+class StopAnswered(Message):
+    """The stop request's worker is done: what to tell the user."""
+
+    def __init__(self, text: str, severity: SeverityLevel) -> None:
+        super().__init__()
+        self.text, self.severity = text, severity
 
 
 class DashboardApp(App[None]):
@@ -68,7 +78,7 @@ class DashboardApp(App[None]):
     def __init__(self, feed: FeedBase, fps: float = 5.0) -> None:
         super().__init__()
         self.feed, self.fps = feed, fps
-        self.replay = isinstance(feed, ReplayFeed) and feed.replaying
+        self.replay = feed.replay_controls
         self.exit_code = 0
         self.paused = False
         self.dirty = True
@@ -185,7 +195,7 @@ class DashboardApp(App[None]):
 
     def _note(self) -> str:
         parts = []
-        if isinstance(self.feed, ReplayFeed) and self.feed.replaying:
+        if self.feed.replay_controls:
             speed = "max" if self.feed.speed == 0 else f"{self.feed.speed:g}x"
             parts.append(f"replay {speed} (+/- speed)")
         if self.feed.finished and not self.replay:
@@ -255,7 +265,7 @@ class DashboardApp(App[None]):
         self.render_view()
 
     def action_pause(self) -> None:
-        if isinstance(self.feed, ReplayFeed) and self.feed.replaying:
+        if self.feed.replay_controls:
             self.feed.set_paused(not self.paused)
         self.paused = not self.paused
         if not self.paused:
@@ -266,7 +276,7 @@ class DashboardApp(App[None]):
             self.query_one("#header", Static).update(header)
 
     def action_speed(self, factor: float) -> None:
-        if isinstance(self.feed, ReplayFeed) and self.feed.replaying:
+        if self.feed.replay_controls:
             current = self.feed.speed or 64.0
             self.feed.set_speed(min(1024.0, max(0.125, current * factor)))
             self.render_view()
@@ -277,26 +287,38 @@ class DashboardApp(App[None]):
         self.push_screen(RankDetail(self.feed, message.rank, log, self.fps))
 
     def action_stop_run(self) -> None:
-        feed = self.feed
-        if not isinstance(feed, LiveFeed) or feed.finished or feed.control is None:
-            self.notify("this run is not live: there is nothing to stop", severity="warning")
+        if self.feed.stop_endpoint is None:
+            self._nothing_to_stop()
             return
 
         def answered(yes: bool | None) -> None:
-            if yes:
-                self._request_stop()
+            if not yes:
+                return
+            endpoint = self.feed.stop_endpoint  # the run may have ended while we asked
+            if endpoint is None:
+                self._nothing_to_stop()
+            else:
+                self._request_stop(endpoint)
 
-        self.push_screen(ConfirmStop(feed.state.run), answered)
+        self.push_screen(ConfirmStop(self.feed.state.run), answered)
 
-    def _request_stop(self) -> None:
-        feed = self.feed
-        assert isinstance(feed, LiveFeed) and feed.control is not None
+    def _nothing_to_stop(self) -> None:
+        self.notify("this run is not live: there is nothing to stop", severity="warning")
+
+    @work(thread=True, group="stop", exit_on_error=False)
+    def _request_stop(self, endpoint: str) -> None:
+        """Ask the daemon to stop the run, off the UI thread: a daemon that does not
+        answer costs this worker STOP_REQUEST_S, and the dashboard nothing."""
         try:
-            reply = control.request(feed.control, "stop", 5.0, timeout=STOP_TIMEOUT_S)
+            reply = control.request(endpoint, "stop", STOP_REQUEST_S, timeout=STOP_TIMEOUT_S)
         except control.Unreachable as e:
-            self.notify(f"the daemon did not answer: {e}", severity="error")
+            self.post_message(StopAnswered(f"the daemon did not answer: {e}", "error"))
             return
         if reply.get("ok"):
-            self.notify("stopping: ranks finish their step, rank 0 checkpoints")
+            self.post_message(StopAnswered(
+                "stopping: ranks finish their step, rank 0 checkpoints", "information"))
         else:
-            self.notify(f"the daemon refused: {reply.get('error')}", severity="error")
+            self.post_message(StopAnswered(f"the daemon refused: {reply.get('error')}", "error"))
+
+    def on_stop_answered(self, message: StopAnswered) -> None:
+        self.notify(message.text, severity=message.severity)

@@ -1,6 +1,7 @@
 """The real Textual app, driven with App.run_test(): attached to a live 2-rank run
-(rows advance, sort, detail, quit while the run goes on, stop it with `x`), and
-on recorded journals (keys, filters, screens, and snapshots of the main screen).
+(rows advance, sort, detail, quit while the run goes on, stop it with `x`), to a
+daemon that never answers a stop (the dashboard does not freeze), and on recorded
+journals (keys, filters, screens, and snapshots of the main screen).
 
 Snapshots are the screen's text; after a deliberate change of the layout,
 rewrite them with DDTOP_UPDATE_SNAPSHOTS=1 and review the diff."""
@@ -12,18 +13,23 @@ import io
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 from helpers import detached
 from rich.console import Console
 from textual.pilot import Pilot
 
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
-from ddtop.dashboard.app import DashboardApp
+from ddtop.daemon.state import RunState, encode_snapshot
+from ddtop.dashboard.app import STOP_REQUEST_S, DashboardApp
 from ddtop.dashboard.feed import Feed, LiveFeed, open_feed
 from ddtop.dashboard.screens import HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable
@@ -62,18 +68,18 @@ def screen_text(app: DashboardApp) -> str:
 
 
 def drive(feed: Feed, size: tuple[int, int],
-          script: Callable[[DashboardApp, Pilot[None]], Awaitable[None]]) -> DashboardApp:
+          script: Callable[[DashboardApp, Pilot[None]], Awaitable[None]],
+          notifications: bool = False) -> DashboardApp:
     app = DashboardApp(feed, fps=10)
 
     async def main() -> None:
-        async with app.run_test(size=size) as pilot:
+        async with app.run_test(size=size, notifications=notifications) as pilot:
             await script(app, pilot)
 
     try:
         asyncio.run(main())
     finally:
-        if isinstance(feed, LiveFeed):
-            feed.close()
+        feed.close()
     return app
 
 
@@ -250,3 +256,77 @@ def test_killed_daemon_shows_the_run_lost(tmp_path: Path) -> None:
 
         drive(LiveFeed(paths=paths), (120, 40), script)
         assert run.leftovers() == []  # the ranks died with their daemon
+
+
+@contextmanager
+def daemon_mute_on_stop() -> Iterator[tuple[str, list[str]]]:
+    """A stand-in daemon on 127.0.0.1, real sockets: its control ROUTER answers
+    `ping` and `snapshot` (so a LiveFeed attaches: a running run), and reads `stop`
+    without ever answering, like a daemon wedged mid-request. Yields the control
+    endpoint and the ops received, in order."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    pub = context.socket(zmq.PUB)  # where the feed subscribes; nothing is published
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoints = {"control": endpoint,
+                 "publish": f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"}
+    snapshot = encode_snapshot(RunState(run="mute", status="running"))
+    ops: list[str] = []
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            if not router.poll(50):
+                continue
+            *envelope, body = router.recv_multipart()
+            op = str(msgspec.msgpack.decode(body)["op"])
+            ops.append(op)
+            if op == "ping":
+                reply = {"ok": True, "run": "mute", "seq": 0, "endpoints": endpoints}
+            elif op == "snapshot":
+                reply = {"ok": True, "seq": 0, "state": snapshot}
+            else:
+                continue  # stop: read, never answered
+            router.send_multipart([*envelope, msgspec.msgpack.encode(reply)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield endpoint, ops
+    finally:
+        done.set()
+        thread.join()
+        router.close()
+        pub.close()
+        context.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_the_daemon_never_answers_does_not_freeze_the_dashboard() -> None:
+    with daemon_mute_on_stop() as (endpoint, ops):
+        feed = LiveFeed(connect=endpoint)
+
+        async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: feed.connection == "live")
+            assert feed.stop_endpoint == endpoint
+            await pilot.press("x")
+            await until(pilot, lambda: "Stop run" in screen_text(app))
+            confirmed = time.monotonic()
+            await pilot.press("y")
+            await until(pilot, lambda: "stop" in ops)  # the request is out: no answer comes
+            await pilot.press("question_mark")  # ... and the keys still work meanwhile
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            assert "straggler" in screen_text(app)
+            assert time.monotonic() - confirmed < STOP_REQUEST_S / 2
+            assert "did not" not in screen_text(app)  # still waiting for the daemon
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+            await until(pilot, lambda: "the daemon did not answer" in screen_text(app),
+                        timeout=STOP_REQUEST_S + 10)  # the toast, once the request timed out
+            assert time.monotonic() - confirmed >= STOP_REQUEST_S - 0.5
+            assert ops.count("stop") == 1
+            await pilot.press("q")
+
+        drive(feed, (120, 40), script, notifications=True)
