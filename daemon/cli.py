@@ -31,6 +31,7 @@ from ddtop.daemon.config import (
     OneLineParser,
     TrainConfig,
     UsageError,
+    add_runs_dir_argument,
     add_train_arguments,
     default_runs_dir,
     explicit_overrides,
@@ -41,7 +42,6 @@ from ddtop.daemon.contract import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
-    RUNS_DIR_ENV,
 )
 from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.runinfo import RunInfo
@@ -95,8 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     def with_run(p: argparse.ArgumentParser) -> None:
         p.add_argument("run", nargs="?", metavar="RUN",
                        help="run id, unique prefix, or run directory (default: the newest run)")
-        p.add_argument("--runs-dir", default=None, metavar="DIR",
-                       help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
+        add_runs_dir_argument(p)
 
     status = commands.add_parser("status", help="a run's state, rank by rank",
                                  description="Show a run's status, progress and every rank's "
@@ -106,8 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="every run under the runs directory",
                                   description="List the runs under the runs directory, live "
                                   "or not, oldest first.")
-    listing.add_argument("--runs-dir", default=None, metavar="DIR",
-                         help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
+    add_runs_dir_argument(listing)
     listing.add_argument("--json", action="store_true", help="one JSON array, for scripts")
     stop = commands.add_parser(
         "stop", help="stop a run gracefully",

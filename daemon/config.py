@@ -32,6 +32,12 @@ def default_runs_dir() -> str:
     return os.environ.get(RUNS_DIR_ENV) or "runs"
 
 
+def add_runs_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """--runs-dir for the commands that find an existing run (status, ddtop, ...)."""
+    parser.add_argument("--runs-dir", default=None, metavar="DIR",
+                        help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
+
+
 # Settings that change the numbers a run produces: a resumed run must keep them,
 # or it would not continue the run it claims to continue. Epochs may grow.
 RESUME_FIXED = (

@@ -315,14 +315,14 @@ class RunState(msgspec.Struct, kw_only=True):
         if not stalled:
             return None
         live = [r for r, s in states.items() if s in (RUNNING, STALLED, SILENT)]
-        waiting = [r for r in live if self.ranks.get(r) is not None and self.ranks[r].in_collective]
+        # The collective each live rank is inside, if any.
+        waiting = {r: c for r in live if r in self.ranks and self.ranks[r].in_collective
+                   and (c := self.ranks[r].coll_started) is not None}
         if not waiting:
             return "; ".join(f"rank {r} stalled {self.ranks[r].where()}" for r in stalled)
-        newest = max(self.ranks[r].coll_started.seq for r in waiting)  # type: ignore[union-attr]
-        inside = [r for r in waiting
-                  if self.ranks[r].coll_started.seq == newest]  # type: ignore[union-attr]
-        coll = self.ranks[inside[0]].coll_started
-        assert coll is not None
+        newest = max(c.seq for c in waiting.values())
+        inside = [r for r, c in waiting.items() if c.seq == newest]
+        coll = waiting[inside[0]]
         others = [r for r in live if r not in inside]
         text = f"{rank_list(inside)} wait in {coll.op} #{coll.seq}"
         for r in others:

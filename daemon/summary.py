@@ -46,29 +46,15 @@ class Failure(msgspec.Struct, kw_only=True):
 class Restart(msgspec.Struct, kw_only=True):
     """One restart after a failure (`--max-restarts`): which rank, why, from where."""
 
-    restart: int
-    rank: int
-    reason: str
+    restart: int  # 1, 2, ...
+    rank: int  # the rank that failed
+    reason: str  # how it ended, in words: "was killed by SIGKILL"
     pid: int | None = None
-    exit_code: int | None = None
+    exit_code: int | None = None  # negative: the signal's number
     signal: str | None = None
-    global_step: int | None = None
-    checkpoint: str | None = None  # None: restarted from the start
-    time: float | None = None
-
-
-class Metrics(msgspec.Struct, kw_only=True):
-    """The newest global metrics (from every rank's all_gather_object)."""
-
-    scope: wire.Scope
-    epoch: int
-    global_step: int
-    train_loss: float
-    train_accuracy: float
-    train_samples: int
-    val_loss: float | None = None
-    val_accuracy: float | None = None
-    val_samples: int | None = None
+    global_step: int | None = None  # the last step it reported
+    checkpoint: str | None = None  # resumed from; None: restarted from the start
+    time: float | None = None  # wall clock
 
 
 class RankSummary(msgspec.Struct, kw_only=True):
@@ -111,7 +97,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     skew_s: float = 0.0
     stragglers: list[int] = []
     hang: str | None = None
-    metrics: Metrics | None = None
+    metrics: wire.Aggregate | None = None  # the newest global metrics, as the ranks sent them
     ranks: list[RankSummary] = []
     started: float | None = None
     updated: float | None = None  # time of the newest message folded
@@ -141,7 +127,6 @@ def summarize(state: RunState, now: float) -> RunSummary:
     states = state.rank_states(now)
     slowest, skew, slow = state.stragglers()
     done, total = state.progress()
-    agg = state.aggregate
     ranks = []
     for r, rank_state in states.items():
         v = state.ranks.get(r)
@@ -163,11 +148,7 @@ def summarize(state: RunState, now: float) -> RunSummary:
         samples_per_s=state.throughput(now), telemetry_loss=state.telemetry_loss(),
         rejected=dict(state.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
         hang=state.hang(now), ranks=ranks, started=state.started, updated=state.updated,
-        metrics=None if agg is None else Metrics(
-            scope=agg.scope, epoch=agg.epoch, global_step=agg.global_step,
-            train_loss=agg.train_loss, train_accuracy=agg.train_accuracy,
-            train_samples=agg.train_samples, val_loss=agg.val_loss,
-            val_accuracy=agg.val_accuracy, val_samples=agg.val_samples))
+        metrics=state.aggregate)
 
 
 def as_lost(summary: RunSummary) -> RunSummary:

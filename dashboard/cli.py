@@ -18,8 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from ddtop.daemon.config import OneLineParser, UsageError, default_runs_dir
-from ddtop.daemon.contract import EXIT_USAGE, RUNS_DIR_ENV
+from ddtop.daemon.config import (
+    OneLineParser,
+    UsageError,
+    add_runs_dir_argument,
+    default_runs_dir,
+)
+from ddtop.daemon.contract import EXIT_USAGE
 from ddtop.daemon.runinfo import list_runs
 from ddtop.daemon.runs import RunPaths, find_run
 
@@ -43,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("run", nargs="?", metavar="RUN",
                         help="run id, unique prefix, or run directory (default: the newest "
                         "live run, else the newest run)")
-    parser.add_argument("--runs-dir", default=None, metavar="DIR",
-                        help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
+    add_runs_dir_argument(parser)
     parser.add_argument("--connect", default=None, metavar="ENDPOINT",
                         help="attach to a daemon by its control endpoint, tcp://HOST:PORT")
     parser.add_argument("--replay", action="store_true",

@@ -27,10 +27,18 @@ SYNC = GlobalMetrics(loss=1.25, accuracy=0.5, samples=64)
 VAL = GlobalMetrics(loss=0.75, accuracy=0.625, samples=24)
 
 
-def report_resumed_epoch(rank: int, paths: RunPaths, got: Collector,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
+def report_resumed_epoch(rank: int, tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> tuple[RunPaths, Collector]:
     """A rank resumes at step 2 of 4, finishes the epoch, and is stopped right
-    after it, as the trainer would report it (checkpoints: rank 0 only there)."""
+    after it, as the trainer would report it (checkpoints: rank 0 only there);
+    the run directory and what reached the socket."""
+    paths = RunPaths(tmp_path / "rep").create()
+    with collecting() as got:
+        _report(rank, paths, got, monkeypatch)
+    return paths, got
+
+
+def _report(rank: int, paths: RunPaths, got: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
     config = TrainConfig(world_size=2, epochs=1, run_id=paths.run_id)
     monkeypatch.setenv(TELEMETRY_ENV, got.endpoint)
     telemetry = open_telemetry(config, rank, rank, 2, torch.device("cpu"), "gloo")
@@ -65,9 +73,7 @@ STOPPED = "stopped as asked after step 4 (epoch 2, step 0); checkpoint written"
 def test_rank_zero_prints_records_and_sends_each_fact(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    paths = RunPaths(tmp_path / "rep").create()
-    with collecting() as got:
-        report_resumed_epoch(0, paths, got, monkeypatch)
+    paths, got = report_resumed_epoch(0, tmp_path, monkeypatch)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "resumed from step-00000002.pt: epoch 1, step 2"
     assert lines[1].startswith("run rep: 2 ranks, backend gloo on cpu, model mlp")
@@ -96,9 +102,7 @@ def test_rank_zero_prints_records_and_sends_each_fact(
 def test_other_ranks_say_only_that_they_resumed_but_send_everything(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    paths = RunPaths(tmp_path / "rep").create()
-    with collecting() as got:
-        report_resumed_epoch(1, paths, got, monkeypatch)
+    paths, got = report_resumed_epoch(1, tmp_path, monkeypatch)
     assert capsys.readouterr().out == "resumed from step-00000002.pt: epoch 1, step 2\n"
     assert not paths.metrics.exists()
     assert got.errors == 0 and facts_on_the_wire(got) == EXPECTED_WIRE
