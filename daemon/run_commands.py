@@ -46,8 +46,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     summary = info.summary()
     if args.json:
         doc = msgspec.to_builtins(summary)
-        doc.update({"status": info.status if summary.status != LOST else LOST,
-                    "dir": str(info.paths.root), "daemon_alive": info.live})
+        doc.update({"status": info.status, "dir": str(info.paths.root),
+                    "daemon_alive": info.live})
         print(msgspec.json.format(msgspec.json.encode(doc), indent=2).decode())
         return EXIT_OK
     for line in status_lines(info, summary):
