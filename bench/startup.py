@@ -6,7 +6,7 @@ spawn (every rank imports torch itself), measured side by side.
 For each world size and start method it runs a tiny training job (one epoch of
 the synthetic dataset, a handful of steps) through `ddtrain start --foreground`,
 interleaving the methods, and reads two times:
-  first step  seconds from the launcher's start until every rank has finished
+  first step  seconds from the daemon's start until every rank has finished
               its first DDP step (rank 0 prints it; DDP's first backward is an
               all-reduce across all ranks, so no rank can be behind);
   wall        seconds for the whole command, start-up to exit.

@@ -18,22 +18,14 @@ from pathlib import Path
 
 import msgspec
 
+from ddtop.daemon.contract import ErrorReport
+
 # Errors a rank raises because a peer went away (gloo, NCCL, the TCPStore): such a
 # rank is a victim of the failure, not its cause.
 PEER_LOSS = re.compile(
     r"Connection (?:closed|reset) by peer|remote process exited|Broken pipe|"
     r"communicator was aborted|DistNetworkError|DistBackendError|DistStoreError|"
     r"NCCL error|ncclRemoteError|timed out|Timeout", re.IGNORECASE)
-
-
-class ErrorReport(msgspec.Struct, kw_only=True):
-    """What a rank wrote about its failure: logs/rank-<k>.error.json."""
-
-    kind: str = "exception"  # "usage": bad input (the run exits 2); "exception"
-    message: str = ""
-    traceback: str = ""
-    time: float = 0.0  # wall clock when it was written
-    rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -148,11 +148,15 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
                          f"stop it first with: ddtrain stop {paths.run_id}")
     try:
         saved = read_json(paths.config)
-    except (OSError, ValueError) as e:
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+        merged = {**saved, **overrides, "runs_dir": runs_dir, "run_id": paths.run_id,
+                  "resume": True}
+        config = TrainConfig.from_dict(merged)
+    except (OSError, ValueError, UsageError) as e:
         raise UsageError(f"cannot read {paths.config} ({e}): the run cannot be resumed; "
                          "start a new run") from None
-    merged = {**saved, **overrides, "runs_dir": runs_dir, "run_id": paths.run_id, "resume": True}
-    config = TrainConfig.from_dict(merged).validate()
+    config = config.validate()
     diffs = resume_mismatch(saved, config)
     if diffs:
         raise UsageError(f"run {paths.run_id} cannot be resumed with different settings "
@@ -252,6 +256,7 @@ def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, world_size: 
             reply = control.request(info.control, "status", 1.0)
             ranks = msgspec.convert(reply.get("summary"), RunSummary).ranks
         except (control.Unreachable, msgspec.ValidationError):
+            time.sleep(0.1)
             continue
         if len(ranks) == world_size and all(r.state != "starting" for r in ranks):
             return True
@@ -278,7 +283,7 @@ def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """The detached daemon: the same launcher as --foreground, output to daemon.log."""
+    """The detached daemon: the same Supervisor as --foreground, output to daemon.log."""
     from ddtop.daemon.supervisor import Supervisor
 
     paths = RunPaths(Path(args.run_dir))
@@ -299,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # outside the launcher, which handles Ctrl-C itself
+    except KeyboardInterrupt:  # outside the Supervisor, which handles Ctrl-C itself
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `ddtrain status | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import msgspec
+
 from ddtop.daemon.contract import EXIT_USAGE, RUNS_DIR_ENV
 
 T = TypeVar("T")
@@ -192,9 +194,13 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_dict(cls, data: Any) -> TrainConfig:
+        """From config.json's contents: every field's type checked, unknown keys
+        (settings of later versions) ignored; UsageError names what is wrong."""
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise UsageError(f"invalid run settings: {e}") from None
 
     def digest(self) -> str:
         """Short digest of the settings that change results (same across ranks)."""

@@ -1,12 +1,16 @@
 """The process contract: what ddtrain, its daemon, the ranks and ddtop agree on
-across process boundaries (environment variables and exit codes), and how a
-process's end is put in words. Imported by training, daemon and dashboard
-alike; it imports nothing of ours, so any of them may.
+across process boundaries (environment variables, exit codes, a rank's error
+report), and how a process's end is put in words. Imported by training,
+daemon and dashboard alike; it imports nothing of ours, so any of them may.
 """
 
 from __future__ import annotations
 
 import signal
+import time
+from typing import Literal
+
+import msgspec
 
 # -- environment variables ---------------------------------------------------------
 # Where ranks send telemetry (a ZeroMQ endpoint, tcp://HOST:PORT); "off" or unset:
@@ -59,3 +63,14 @@ def describe_exit(exit_code: int | None, signal: str | None, short: bool = False
     if signal is not None:
         return f"killed by {signal}" if short else f"was killed by {signal}"
     return f"exit code {exit_code}" if short else f"exited with code {exit_code}"
+
+
+class ErrorReport(msgspec.Struct, kw_only=True):
+    """Why a rank failed, in its own words: logs/rank-<k>.error.json, written by
+    the rank (training/worker.py), read by the daemon (daemon/blame.py)."""
+
+    kind: Literal["usage", "exception"] = "exception"  # usage: bad input, the run exits 2
+    message: str = ""
+    traceback: str = ""
+    time: float = msgspec.field(default_factory=time.time)  # wall clock when written
+    rank: int | None = None

@@ -1,7 +1,8 @@
 """Asking a run's daemon something: `status`, `snapshot`, `stop`, `ping`.
 
 One REQ socket per request, a deadline, and no linger: a daemon that is gone
-or wedged costs the caller `timeout_s`, never a hang.
+or wedged costs the caller `timeout_s`, never a hang. A reply that is not a
+msgpack map counts as no answer; its fields are the caller's to validate.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from typing import Any
 
 import msgspec
 import zmq
+
+# How long `ddtrain stop` and ddtop's `x` wait for the daemon to accept a stop.
+STOP_REQUEST_TIMEOUT_S = 5.0
 
 
 class Unreachable(Exception):
@@ -25,11 +29,15 @@ def request(endpoint: str, op: str, timeout_s: float = 2.0, **args: Any) -> dict
     try:
         sock.connect(endpoint)
         sock.send(msgspec.msgpack.encode({"op": op, **args}))
-        reply: dict[str, Any] = msgspec.msgpack.decode(sock.recv())
+        reply = msgspec.msgpack.decode(sock.recv())
     except zmq.Again:
         raise Unreachable(f"no answer from {endpoint} within {timeout_s:g} s") from None
     except zmq.ZMQError as e:
         raise Unreachable(f"{endpoint}: {e}") from None
+    except msgspec.DecodeError:
+        raise Unreachable(f"{endpoint} answered something that is not msgpack") from None
     finally:
         sock.close()
+    if not isinstance(reply, dict):
+        raise Unreachable(f"{endpoint} answered something that is not a ddtrain reply")
     return reply

@@ -33,17 +33,18 @@ def _rank_entry(*args: Any) -> None:
 
 class LocalRanks:
     def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
+        # `launch_time`: when the daemon started, for the ranks' "first step done" line.
         self.paths, self.port, self.launch_time = paths, port, launch_time
         self.tails: list[tuple[str, LogTail]] = []
         self.ranks: list[Rank] = []
         self.context: Any = None  # multiprocessing's context classes are not typed alike
 
-    def start(self, config: TrainConfig, attempt: int) -> list[Rank]:
+    def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         if self.context is None:
             self.context = self._context(config.start_method)
         if attempt:  # a restart after a failure: the port may be held by the dead group
             self.port = choose_port(config.master_addr, 0)
-        self.ranks, self.tails = [], []
+        self.ranks, self.tails = started, []
         for rank in range(config.world_size):
             process = self.context.Process(
                 target=_rank_entry,
@@ -57,7 +58,6 @@ class LocalRanks:
             self.tails.append((f"[rank {rank}]", LogTail(self.paths.rank_log(rank),
                                                          from_end=True)))
             self.ranks.append(Rank(rank, process))
-        return list(self.ranks)
 
     def rank_pids(self, state: RunState) -> list[int]:
         return [r.process.pid for r in self.ranks

@@ -16,16 +16,12 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ddtop.daemon import wire
-from ddtop.daemon.blame import ErrorReport
 from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.contract import EXIT_USAGE, describe_exit
+from ddtop.daemon.contract import EXIT_USAGE, ErrorReport, describe_exit
 from ddtop.daemon.runs import RunPaths, atomic_file
-from ddtop.daemon.starters import Rank
+from ddtop.daemon.starters import AGENT, Rank
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import RunRecord, encode_record
-
-# Lines of a failed rank's traceback shown in the failure report.
-TRACEBACK_TAIL_LINES = 8
+from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord, RunRecord, encode_record
 
 
 @dataclass
@@ -46,12 +42,12 @@ class RunReport:
 
     # -- run.json ----------------------------------------------------------------------
     def write(self, state: RunState, endpoints: dict[str, str], port: int,
-              ended: bool = False) -> None:
+              processes: list[ProcessRecord], ended: bool = False) -> None:
         record = RunRecord(
             run_id=self.paths.run_id, daemon_pid=os.getpid(), host=socket.gethostname(),
             started=self.started, ended=time.time() if ended else None, endpoints=endpoints,
             master_addr=self.config.master_addr, master_port=port,
-            max_restarts=self.config.max_restarts,
+            max_restarts=self.config.max_restarts, processes=processes,
         ).with_summary(state.summary(time.time()))
         with atomic_file(self.paths.status, "wb") as f:
             f.write(encode_record(record))
@@ -61,9 +57,13 @@ class RunReport:
         """The final RunStatus line: "run failed after 3.1 s: rank 1 was killed by SIGKILL"."""
         seconds = self.elapsed()
         if outcome.status == "failed" and outcome.failed_rank is not None:
-            return (f"run failed after {seconds:.1f} s: rank {outcome.failed_rank.rank} "
+            return (f"run failed after {seconds:.1f} s: {self._who(outcome.failed_rank)} "
                     f"{self._how(outcome)}")
         return f"run {outcome.status} after {seconds:.1f} s"
+
+    @staticmethod
+    def _who(rank: Rank) -> str:
+        return "torchrun's agent" if rank.rank == AGENT else f"rank {rank.rank}"
 
     @staticmethod
     def _how(outcome: Outcome) -> str:
@@ -97,9 +97,11 @@ class RunReport:
             print(f"ddtrain: error: {report.message}", file=err, flush=True)
             return
         cause = f": {report.message}" if report is not None and report.message else ""
-        lines = [f"ddtrain: run {rid} failed: rank {rank.rank} (pid {rank.process.pid}) "
+        lines = [f"ddtrain: run {rid} failed: {self._who(rank)} (pid {rank.process.pid}) "
                  f"{self._how(outcome)}{cause}"]
         tb = report.traceback.rstrip().splitlines() if report is not None else []
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
-        lines.append(f"  log: {self.paths.rank_log(rank.rank)}; {self.resume_hint()}")
+        log = self.paths.logs / "torchrun.log" if rank.rank == AGENT else (
+            self.paths.rank_log(rank.rank))
+        lines.append(f"  log: {log}; {self.resume_hint()}")
         print("\n".join(lines), file=err, flush=True)

@@ -19,19 +19,17 @@ from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_OK
 from ddtop.daemon.processes import LogTail, pid_alive
 from ddtop.daemon.runinfo import RunInfo, list_runs
-from ddtop.daemon.runs import RunPaths, find_run
-from ddtop.daemon.summary import LOST, RunRecord
+from ddtop.daemon.runs import RunPaths, locate_run
+from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunRecord
 
 FOLLOW_POLL_S = 0.2
-STOP_REQUEST_TIMEOUT_S = 5.0
 # `ddtrain stop` waits this long past --timeout before it kills the daemon itself
 # (the daemon escalates by itself after the timeout; this is only a backstop).
 STOP_BACKSTOP_S = 15.0
-TRACEBACK_LINES = 8
 
 
 def run_of(args: argparse.Namespace) -> RunPaths:
-    return find_run(args.runs_dir or default_runs_dir(), args.run)
+    return locate_run(args.runs_dir or default_runs_dir(), args.run)
 
 
 def _fmt(value: Any, spec: str = "", none: str = "-") -> str:
@@ -88,7 +86,7 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
     if f is not None and info.status in ("failed", LOST):
         lines.append(f"failure: rank {f.rank} {f.how()}" + (f": {f.message}" if f.message else ""))
         lines += [f"  | {line}" for line in (f.traceback or "").rstrip().splitlines()
-                  [-TRACEBACK_LINES:]]
+                  [-TRACEBACK_TAIL_LINES:]]
     for e in s.timeline:
         lines.append(f"restart {e.restart}: rank {e.rank} {e.reason} at step {e.global_step}; "
                      f"from {e.checkpoint or 'the start'}")
@@ -141,7 +139,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     try:
         if info.control is None:
             raise control.Unreachable("no control endpoint in run.json")
-        reply = control.request(info.control, "stop", STOP_REQUEST_TIMEOUT_S,
+        reply = control.request(info.control, "stop", control.STOP_REQUEST_TIMEOUT_S,
                                 timeout=args.timeout)
         if not reply.get("ok"):
             raise control.Unreachable(str(reply.get("error")))

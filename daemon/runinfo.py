@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from ddtop.daemon import control, journal, wire
-from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.processes import pid_alive
 from ddtop.daemon.runs import RunPaths, is_run_dir
 from ddtop.daemon.summary import (
@@ -46,12 +46,25 @@ class RunInfo:
             pass
         except (OSError, ValueError) as e:  # msgspec's errors are ValueErrors
             problem = f"{paths.status} is unreadable ({e})"
+            record = cls._from_journal(paths)
         try:
             config: TrainConfig | None = TrainConfig.from_dict(
                 msgspec.json.decode(paths.config.read_bytes()))
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, UsageError):  # missing, not JSON, or not a config
             config = None
         return cls(paths, record, config, problem)
+
+    @staticmethod
+    def _from_journal(paths: RunPaths) -> RunRecord:
+        """In place of an unreadable run.json: how the journal says the run ended
+        (schema 0: nothing else is known; `summary` replays the journal)."""
+        record = RunRecord(run_id=paths.run_id, schema=0)
+        if paths.journal.exists():
+            state, _ = journal.replay(paths.journal, paths.run_id)
+            if state.status in wire.FINAL_STATUSES:
+                record = msgspec.structs.replace(record, status=state.status,
+                                                 exit_code=state.exit_code)
+        return record
 
     @property
     def daemon_pid(self) -> int | None:
@@ -83,13 +96,13 @@ class RunInfo:
             try:
                 reply = control.request(self.control, "status", timeout_s)
                 if reply.get("ok"):
-                    summary = msgspec.convert(reply["summary"], RunSummary)
+                    summary = msgspec.convert(reply.get("summary"), RunSummary)
             except (control.Unreachable, msgspec.ValidationError):
-                pass
+                pass  # told from run.json instead
         if summary is None and self.status == LOST:
             summary = as_lost(self._replayed())
         elif summary is None and self.record.schema < RECORD_SCHEMA:
-            # Written before run.json held the summary: the journal tells the rest.
+            # Written before run.json held the summary, or unreadable: the journal tells.
             summary = msgspec.structs.replace(self._replayed(), status=self.record.status,
                                               exit_code=self.record.exit_code)
         if summary is None:

@@ -101,12 +101,18 @@ class RunPaths:
         return self
 
 
+def locate_run(runs_dir: str | Path, run: str | None) -> RunPaths:
+    """RUN as the commands that watch a run take it: a run directory, or a run
+    id under `runs_dir` (see find_run)."""
+    if run is not None and is_run_dir(Path(run)):
+        return RunPaths(Path(run))
+    return find_run(runs_dir, run)
+
+
 def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
-    """The run named by id (a unique prefix is enough) or by its directory, or the
-    newest run: the one whose config was written last (started or resumed last;
-    run ids of the user's choosing do not sort by time)."""
-    if run_id is not None and is_run_dir(Path(run_id)):
-        return RunPaths(Path(run_id))
+    """The run named by id (a unique prefix is enough), or the newest run: the
+    one whose config was written last (started or resumed last; run ids of the
+    user's choosing do not sort by time)."""
     base = Path(runs_dir)
     configs = [p / "config.json" for p in base.glob("*") if is_run_dir(p)]
     runs = [c.parent for c in sorted(configs, key=lambda c: (c.stat().st_mtime_ns, c.parent.name))]

@@ -10,7 +10,8 @@ asks it again, once those exited, how each rank ended. Two starters exist:
                                          supervises torchrun's agent
 
 A third (a user's own script as every rank) is one more class with these
-four methods.
+three methods and two attributes, and one more entry in the supervisor's
+STARTERS table.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ class RankStarter(Protocol):
     # Log files to echo in the foreground, each with its line prefix ("[rank 0]").
     tails: list[tuple[str, LogTail]]
 
-    def start(self, config: TrainConfig, attempt: int) -> list[Rank]:
-        """Start every rank (attempt 0, or a restart); the processes to supervise."""
+    def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
+        """Start every rank (attempt 0, or a restart), appending each process to
+        supervise to `started` as soon as it exists: a signal that arrives
+        half-way must find the ones already started."""
         ...
 
     def rank_pids(self, state: RunState) -> list[int]:

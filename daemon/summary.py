@@ -16,6 +16,7 @@ import msgspec
 
 from ddtop.daemon import wire
 from ddtop.daemon.contract import describe_exit
+from ddtop.daemon.rankview import DEAD, FINISHED, STARTING
 
 if TYPE_CHECKING:
     from ddtop.daemon.state import RunState
@@ -25,6 +26,9 @@ LOST: Literal["lost"] = "lost"
 Status = wire.RunStatusName | Literal["lost"]
 # run.json's layout version (absent in run.json files written before it existed).
 RECORD_SCHEMA = 2
+# Lines of a failed rank's traceback that status, the headless summary and the
+# daemon's final report show.
+TRACEBACK_TAIL_LINES = 8
 
 
 class Failure(msgspec.Struct, kw_only=True):
@@ -50,7 +54,7 @@ class Restart(msgspec.Struct, kw_only=True):
     rank: int  # the rank that failed
     reason: str  # how it ended, in words: "was killed by SIGKILL"
     pid: int | None = None
-    exit_code: int | None = None  # negative: the signal's number
+    exit_code: int | None = None  # None when killed by a signal
     signal: str | None = None
     global_step: int | None = None  # the last step it reported
     checkpoint: str | None = None  # resumed from; None: restarted from the start
@@ -103,10 +107,18 @@ class RunSummary(msgspec.Struct, kw_only=True):
     updated: float | None = None  # time of the newest message folded
 
 
+class ProcessRecord(msgspec.Struct, kw_only=True):
+    """A process the daemon started for the current attempt, as the OS knows it."""
+
+    rank: int  # -1: not a rank but an agent running ranks (torchrun)
+    pid: int | None
+
+
 class RunRecord(RunSummary, kw_only=True):
     """run.json: the last RunSummary, plus what only the daemon's process knows."""
 
     schema: int = RECORD_SCHEMA
+    processes: list[ProcessRecord] = []
     daemon_pid: int | None = None
     host: str = ""
     ended: float | None = None
@@ -116,9 +128,14 @@ class RunRecord(RunSummary, kw_only=True):
     max_restarts: int = 0
 
     def with_summary(self, summary: RunSummary) -> RunRecord:
-        """This record's daemon facts with `summary`'s view of the run."""
+        """This record's daemon facts with `summary`'s view of the run; a rank
+        not heard from yet shows the pid the daemon started it with."""
         fields = msgspec.structs.asdict(summary)
         fields.pop("started")  # the daemon's own start time stays
+        pids = {p.rank: p.pid for p in self.processes}
+        fields["ranks"] = [r if r.pid is not None or r.rank not in pids
+                           else msgspec.structs.replace(r, pid=pids[r.rank])
+                           for r in summary.ranks]
         return msgspec.structs.replace(self, **fields)
 
 
@@ -154,7 +171,7 @@ def summarize(state: RunState, now: float) -> RunSummary:
 def as_lost(summary: RunSummary) -> RunSummary:
     """The daemon is gone before the run ended: the run and every rank that had
     not exited are lost (they died with the daemon)."""
-    ranks = [r if r.state in ("finished", "dead") else msgspec.structs.replace(r, state=LOST)
+    ranks = [r if r.state in (FINISHED, DEAD) else msgspec.structs.replace(r, state=LOST)
              for r in summary.ranks]
     return msgspec.structs.replace(summary, status=LOST, ranks=ranks)
 
@@ -172,7 +189,11 @@ def decode_record(data: bytes) -> RunRecord:
         raw = msgspec.json.decode(data)
         if not isinstance(raw, dict) or "schema" in raw:
             raise
-        return msgspec.convert(_from_first_layout(raw), RunRecord)
+        try:
+            translated = _from_first_layout(raw)
+        except (TypeError, AttributeError) as e:  # values of the wrong kind
+            raise ValueError(f"not a run.json of any version ({e})") from None
+        return msgspec.convert(translated, RunRecord)
 
 
 def encode_record(record: RunRecord) -> bytes:
@@ -186,8 +207,8 @@ def _from_first_layout(old: dict[str, Any]) -> dict[str, Any]:
 
     def rank(proc: dict[str, Any]) -> dict[str, Any]:
         code = proc.get("exitcode")
-        state = ("starting" if code is None and not final
-                 else "finished" if code == 0 else "dead")
+        state = (STARTING if code is None and not final
+                 else FINISHED if code == 0 else DEAD)
         return {"rank": proc.get("rank"), "pid": proc.get("pid"), "state": state,
                 "exit_code": code if code is None or code >= 0 else None,
                 "signal": proc.get("signal"),
@@ -198,12 +219,15 @@ def _from_first_layout(old: dict[str, Any]) -> dict[str, Any]:
         code = failure.get("exit_code", failure.get("exitcode"))
         failure = {k: failure.get(k) for k in ("rank", "pid", "signal", "message", "traceback")}
         failure["exit_code"] = code if code is None or code >= 0 else None
+    timeline = [{**entry, "exit_code": None} if (entry.get("exit_code") or 0) < 0 else entry
+                for entry in old.get("timeline", [])]
     ranks = [rank(p) for p in old.get("ranks", []) if isinstance(p, dict)]
     return {
         "run_id": old.get("run_id", ""), "status": old.get("status", "starting"),
         "exit_code": old.get("exit_code"), "world_size": old.get("world_size", len(ranks)),
-        "restarts": old.get("restarts", 0), "timeline": old.get("timeline", []),
+        "restarts": old.get("restarts", 0), "timeline": timeline,
         "failure": failure, "ranks": ranks, "started": old.get("started"),
+        "processes": [{"rank": r["rank"], "pid": r["pid"]} for r in ranks],
         "schema": 1, "daemon_pid": old.get("daemon_pid", old.get("launcher_pid")),
         "host": old.get("host", ""), "ended": old.get("ended"),
         "endpoints": old.get("endpoints", {}), "master_addr": old.get("master_addr", ""),

@@ -38,15 +38,17 @@ from ddtop.daemon.contract import (
     EXIT_OK,
     EXIT_USAGE,
     TELEMETRY_ENV,
+    ErrorReport,
     describe_exit,
     signal_name,
 )
 from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.relay import Relay
-from ddtop.daemon.report import TRACEBACK_TAIL_LINES, Outcome, RunReport
+from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, write_json_atomic
-from ddtop.daemon.starters import AGENT, Rank, RankStarter, choose_port
+from ddtop.daemon.starters import Rank, RankStarter, choose_port
 from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord
 from ddtop.daemon.torchrun import TorchrunRanks
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.
@@ -58,6 +60,11 @@ INTERRUPT_STOP_TIMEOUT_S = 30.0
 # After a rank fails: seconds the ranks that already wrote an error report get to
 # exit by themselves before the others are stopped (their exits race each other).
 FAILURE_SETTLE_S = 3.0
+
+
+# How ranks are started, by --launcher.
+STARTERS: dict[str, Callable[[RunPaths, int, float], RankStarter]] = {
+    "local": LocalRanks, "torchrun": TorchrunRanks}
 
 
 class Stopped(Exception):
@@ -96,8 +103,7 @@ class Supervisor:
             if not self.config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(self.config.master_addr, 0)
-            self.starter = (TorchrunRanks(self.paths, port) if self.config.launcher == "torchrun"
-                            else LocalRanks(self.paths, port, self.report.started))
+            self.starter = STARTERS[self.config.launcher](self.paths, port, self.report.started)
             self._status("starting", f"run {self.paths.run_id} starting "
                          f"{self.config.world_size} ranks")
         except OSError as e:
@@ -143,9 +149,10 @@ class Supervisor:
         view = self.relay.state.ranks.get(rank.rank)
         reason = describe_exit(rank.exitcode, None)
         step = view.global_step if view else None
-        entry: dict[str, Any] = {
+        entry: dict[str, Any] = {  # a summary.Restart, sent as the event's data
             "restart": self.restarts, "rank": rank.rank, "pid": rank.process.pid,
-            "reason": reason, "exit_code": rank.exitcode, "signal": signal_name(rank.exitcode),
+            "reason": reason, "exit_code": rank.exitcode if rank.exitcode >= 0 else None,
+            "signal": signal_name(rank.exitcode),
             "global_step": step, "checkpoint": newest.name if newest else None,
             "time": time.time(),
         }
@@ -156,6 +163,7 @@ class Supervisor:
         self.relay.emit(wire.Event, type="restart", message=message, data=entry)
         self._status("restarting", message, write=False)
         self.config = replace(self.config, resume=newest is not None)
+        self.ranks = []  # a signal before the new ranks exist stops at once
 
     # -- start -----------------------------------------------------------------
     def _start_ranks(self) -> None:
@@ -167,7 +175,8 @@ class Supervisor:
         self.attempt_started = time.time()
         if not os.environ.get(TELEMETRY_ENV):
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
-        self.ranks = self.starter.start(self.config, self.restarts)
+        self.ranks = []
+        self.starter.start(self.config, self.restarts, self.ranks)
         self._status("running", f"{self.config.world_size} ranks started")
 
     # -- supervise -------------------------------------------------------------
@@ -271,7 +280,9 @@ class Supervisor:
         exits = {e.rank: blame.RankEnd(e.exitcode or 0, e.stopped_by_us) for e in ends}
         chosen = blame.culprit(exits, reports)
         self._note_exits(chosen)
-        failed = next((e for e in ends if e.rank == chosen), None)
+        # No rank failed, yet a process did (torchrun's agent itself): blame that.
+        failed = next((e for e in ends if e.rank == chosen),
+                      next(p for p in self.ranks if p.exitcode))
         report = reports.get(chosen) if chosen is not None else None
         code = EXIT_USAGE if report is not None and report.kind == "usage" else EXIT_FAILED
         return Outcome("failed", code, failed, report)
@@ -286,7 +297,7 @@ class Supervisor:
             p.noted = True
         assert self.relay is not None
         for r in sorted(self._rank_ends(todo), key=lambda r: r.rank != culprit):
-            assert r.exitcode is not None and r.process.pid is not None
+            assert r.exitcode is not None
             report = self._error_report(r.rank) if r.exitcode else None
             tb = report.traceback.rstrip().splitlines()[-TRACEBACK_TAIL_LINES:] if report else []
             self.relay.emit(
@@ -296,9 +307,7 @@ class Supervisor:
                 message=report.message if report else None, traceback="\n".join(tb) or None,
                 culprit=r.rank == culprit)
 
-    def _error_report(self, rank: int) -> blame.ErrorReport | None:
-        if rank == AGENT:
-            return None
+    def _error_report(self, rank: int) -> ErrorReport | None:
         return blame.read_error_report(self.paths.rank_error(rank), self.attempt_started)
 
     # -- output ----------------------------------------------------------------
@@ -311,6 +320,7 @@ class Supervisor:
                         restarts=self.restarts, message=message, exit_code=exit_code)
         if write:
             self.report.write(self.relay.state, self.relay.endpoints, self.starter.port,
+                              [ProcessRecord(rank=r.rank, pid=r.process.pid) for r in self.ranks],
                               ended=status in wire.FINAL_STATUSES)
 
     def _echo_logs(self, final: bool = False) -> None:

@@ -29,14 +29,15 @@ FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitc
 
 
 class TorchrunRanks:
-    def __init__(self, paths: RunPaths, port: int) -> None:
+    def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
+        # torchrun --standalone picks its own rendezvous port; `port` is recorded only.
         self.paths, self.port = paths, port
         self.log = paths.logs / "torchrun.log"
         self.tails: list[tuple[str, LogTail]] = []
         self.log_start = 0  # where this attempt's part of torchrun's log begins
         self.world_size = 0
 
-    def start(self, config: TrainConfig, attempt: int) -> list[Rank]:
+    def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         write_json_atomic(self.paths.config, config.to_dict())
         self.world_size = config.world_size
         with self.log.open("ab") as log:
@@ -54,7 +55,7 @@ class TorchrunRanks:
         self.tails = [("[torchrun]", agent_tail)] + [
             (f"[rank {k}]", LogTail(self.paths.rank_log(k), from_end=True))
             for k in range(config.world_size)]
-        return [Rank(AGENT, AgentProcess(popen))]
+        started.append(Rank(AGENT, AgentProcess(popen)))
 
     def rank_pids(self, state: RunState) -> list[int]:
         return [v.pid for v in state.ranks.values()

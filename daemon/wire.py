@@ -130,7 +130,7 @@ class RankExit(_Header, tag="rank_exit", tag_field="kind", kw_only=True):
     """From the daemon (rank -1): a rank's process has exited; what the OS said."""
 
     exited: int  # the rank whose process exited
-    pid: int
+    pid: int | None  # None: never known (a torchrun rank that exited before its hello)
     exit_code: int | None  # None when killed by a signal
     signal: str | None  # e.g. "SIGKILL"
     stopped_by_daemon: bool = False

@@ -25,6 +25,7 @@ from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
 from ddtop.daemon import control
+from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed as FeedBase
@@ -34,7 +35,6 @@ from ddtop.dashboard.widgets import RankTable
 PUMP_S = 0.05
 CHART_POINTS = 120
 SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
-STOP_REQUEST_S = 5.0  # how long to wait for the daemon to answer a stop request
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S = 1.0
 
@@ -308,9 +308,10 @@ class DashboardApp(App[None]):
     @work(thread=True, group="stop", exit_on_error=False)
     def _request_stop(self, endpoint: str) -> None:
         """Ask the daemon to stop the run, off the UI thread: a daemon that does not
-        answer costs this worker STOP_REQUEST_S, and the dashboard nothing."""
+        answer costs this worker STOP_REQUEST_TIMEOUT_S, and the dashboard nothing."""
         try:
-            reply = control.request(endpoint, "stop", STOP_REQUEST_S, timeout=STOP_TIMEOUT_S)
+            reply = control.request(endpoint, "stop", STOP_REQUEST_TIMEOUT_S,
+                                    timeout=STOP_TIMEOUT_S)
         except control.Unreachable as e:
             self.post_message(StopAnswered(f"the daemon did not answer: {e}", "error"))
             return

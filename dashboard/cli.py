@@ -26,7 +26,7 @@ from ddtop.daemon.config import (
 )
 from ddtop.daemon.contract import EXIT_USAGE
 from ddtop.daemon.runinfo import list_runs
-from ddtop.daemon.runs import RunPaths, find_run
+from ddtop.daemon.runs import RunPaths, find_run, locate_run
 
 EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it failed, "
               "130 it was stopped, 2 bad input or no run reachable within --wait.")
@@ -73,7 +73,7 @@ def resolve(args: argparse.Namespace) -> RunPaths:
     for one to appear), else the newest run."""
     runs_dir = Path(args.runs_dir or default_runs_dir())
     if args.run:
-        return find_run(runs_dir, args.run)
+        return locate_run(runs_dir, args.run)
     deadline = time.monotonic() + (0 if args.replay else args.wait)
     while True:
         runs = list_runs(runs_dir)

@@ -88,7 +88,7 @@ class Feed:
 
 
 class StateFeed(Feed):
-    """A RunState folded by its owner (the launcher) in the same thread."""
+    """A RunState folded by its owner (the daemon's Supervisor) in the same thread."""
 
     def __init__(self, state: RunState) -> None:
         super().__init__(state.run)
@@ -199,7 +199,7 @@ class LiveFeed(Feed):
         with self.lock:
             self.state = conclude(state, self.paths)
         self.connection, self.finished = ENDED, True
-        self.detail = state.status_message if state.status == "lost" else ""
+        self.detail = state.status_message if state.status == LOST else ""
         self._close_sub()
 
     # -- receiving -------------------------------------------------------------------
@@ -364,7 +364,7 @@ class ReplayFeed(Feed):
         with self.lock:
             state = conclude(self.state, self.paths)
         self.finished = True
-        self.detail = state.status_message if state.status == "lost" else ""
+        self.detail = state.status_message if state.status == LOST else ""
 
 
 def open_feed(target: RunPaths | str, replay: bool = False, speed: float = 1.0) -> Feed:

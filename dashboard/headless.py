@@ -25,13 +25,12 @@ import msgspec
 
 from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, describe_exit, exit_for_status
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import LOST
+from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.feed import CONNECTING, Feed
 
 DEFAULT_INTERVAL_S = 10.0
 PUMP_S = 0.1
-TRACEBACK_LINES = 8
 SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 
 
@@ -103,7 +102,7 @@ class Printer:
             return
         text = (f"{fmt.stamp(event['t'])} [{fmt.event_source(event)}] {event['type']}: "
                 f"{event['message']}")
-        tail = fmt.traceback_tail(event.get("traceback"), TRACEBACK_LINES)
+        tail = fmt.traceback_tail(event.get("traceback"), TRACEBACK_TAIL_LINES)
         self._emit("\n".join([text, *(f"    | {line}" for line in tail)]))
 
     def _progress(self, state: RunState, now: float) -> None:
@@ -223,7 +222,8 @@ def final_summary(state: RunState, now: float) -> dict[str, Any]:
     failure: dict[str, Any] | None = None
     if summary.failure is not None:
         failure = msgspec.to_builtins(summary.failure)
-        failure["traceback_tail"] = fmt.traceback_tail(failure.pop("traceback"), TRACEBACK_LINES)
+        failure["traceback_tail"] = fmt.traceback_tail(failure.pop("traceback"),
+                                                       TRACEBACK_TAIL_LINES)
     elif status == LOST:
         failure = {"message": state.status_message or "the daemon was killed"}
     # `exit_code` here is ddtop's own: the outcome's, as documented for --headless.

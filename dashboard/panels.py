@@ -14,13 +14,14 @@ from rich.text import Text
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING
 from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import LOST
 from ddtop.dashboard import format as fmt
 
 STATE_STYLE = {RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta", DEAD: "bold red",
-               FINISHED: "blue", STARTING: "dim", "lost": "bold red"}
+               FINISHED: "blue", STARTING: "dim", LOST: "bold red"}
 STATUS_STYLE = {"starting": "dim", "running": "bold green", "stopping": "yellow",
                 "restarting": "bold yellow", "succeeded": "bold blue", "failed": "bold red",
-                "stopped": "yellow", "lost": "bold red"}
+                "stopped": "yellow", LOST: "bold red"}
 EVENT_STYLE = {"error": "bold red", "warning": "yellow", "exit": "red", "restart": "bold yellow",
                "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
                "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
@@ -72,7 +73,7 @@ def banner(state: RunState, now: float, connection: str, detail: str) -> Text | 
     """The one thing that needs attention, or None."""
     if connection in ("connecting", "gone") and detail:
         return Text(f"⚠ {detail}", "bold yellow")
-    if state.status == "lost":
+    if state.status == LOST:
         return Text(f"✖ run lost: {state.status_message}", "bold red")
     failure = state.failure
     if failure is not None and state.status in ("failed", "running", "stopping"):

@@ -2,7 +2,7 @@
 that nothing they started is left behind.
 
 Every process a test starts gets a unique DDTOP_TEST_TAG in its environment.
-The launcher's forkserver and every rank inherit that environment, so scanning
+The daemon's forkserver and every rank inherit that environment, so scanning
 /proc for the tag finds everything a run started, however it ended.
 """
 
@@ -30,7 +30,7 @@ BIN = Path(sys.executable).parent
 DDTRAIN = str(BIN / "ddtrain")
 TORCHRUN = str(BIN / "torchrun")
 RUN_TIMEOUT_S = 120
-# How long processes may take to disappear after their launcher exits.
+# How long processes may take to disappear after the command that started them exits.
 CLEANUP_TIMEOUT_S = 10.0
 TAG_VAR = "DDTOP_TEST_TAG"
 

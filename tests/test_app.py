@@ -26,10 +26,11 @@ from helpers import detached
 from rich.console import Console
 from textual.pilot import Pilot
 
+from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S as STOP_REQUEST_S
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, encode_snapshot
-from ddtop.dashboard.app import STOP_REQUEST_S, DashboardApp
+from ddtop.dashboard.app import DashboardApp
 from ddtop.dashboard.feed import Feed, LiveFeed, open_feed
 from ddtop.dashboard.screens import HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable

@@ -1,7 +1,7 @@
-"""Ranks that die, launchers that are stopped, and runs that resume.
+"""Ranks that die, daemons that are stopped, and runs that resume.
 
 Failures are real: DDTOP_FAULT makes a rank SIGKILL itself (or raise) after a
-given step; Ctrl-C and SIGKILL are real signals sent to the launcher.
+given step; Ctrl-C and SIGKILL are real signals sent to the daemon (ddtrain start --foreground).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from helpers import DDTRAIN, ddtrain, finish, metric_records, start, tagged_pids
 
 from ddtop.daemon import journal
 from ddtop.daemon.blame import RankEnd, culprit, read_error_report
+from ddtop.daemon.contract import ErrorReport
 from ddtop.training.worker import write_error_report
 
 # CNN has dropout, so resuming also has to restore every rank's RNG state.
@@ -131,7 +132,7 @@ def blame(tmp_path: Path, ranks: list[tuple[int, bool, dict[str, Any] | None]]) 
     for k, (code, stopped, report) in enumerate(ranks):
         path = tmp_path / f"rank-{k}.error.json"
         if report is not None:
-            write_error_report(path, {"rank": k, "kind": "exception", **report})
+            write_error_report(path, ErrorReport(rank=k, kind="exception", **report))
         exits[k] = RankEnd(code, stopped)
         found = read_error_report(path, since=1000.0)
         if found is not None:
@@ -148,7 +149,7 @@ OWN = "ValueError: bad batch"
 
 @pytest.mark.parametrize(("ranks", "culprit"), [
     # The rank that raised first is still exiting when its peer's gloo error
-    # is reaped; the launcher stopped it: it is blamed, not the peer.
+    # is reaped; the daemon stopped it: it is blamed, not the peer.
     ([(-15, True, {"message": OWN, "time": 1001.0}),
       (1, False, {"message": GLOO_PEER, "time": 1001.02})], 0),
     # A rank killed by a signal beats the peer that then lost it.
@@ -205,7 +206,7 @@ def test_killing_the_launcher_leaves_no_rank_behind(tmp_path: Path) -> None:
     proc, tag = start([DDTRAIN, *LONG_RUN], tmp_path)
     try:
         wait_for_line(tmp_path / "runs/long/logs/rank-0.log", "first step done")
-        assert len(tagged_pids(tag)) >= 4  # launcher, forkserver, 2 ranks
+        assert len(tagged_pids(tag)) >= 4  # daemon, forkserver, 2 ranks
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         leftovers = wait_until_gone(tag, timeout=5)

@@ -125,19 +125,26 @@ def test_a_run_whose_daemon_is_gone_is_lost_and_told_from_its_journal(tmp_path: 
     assert [r.state for r in summary.ranks] == ["dead", "dead", "lost"]
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"schema": 2, "status": 7}'])
+@pytest.mark.parametrize("content", [
+    b"{not json", b"[1, 2]", b'{"schema": 2, "status": 7}',
+    # The first layout with values of the wrong kind.
+    b'{"status": "failed", "ranks": 5}', b'{"status": "failed", "ranks": [{"exitcode": "x"}]}',
+    b'{"status": "failed", "failure": {"exitcode": "x"}}', b'{"timeline": [3]}'])
 def test_an_unreadable_run_json_is_named_not_a_traceback(
         tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]) -> None:
-    root = tmp_path / "broken"
+    root = tmp_path / "recorded-ok"
     shutil.copytree(FIXTURES / "recorded-ok", root)
     (root / "run.json").write_bytes(content)
     info = RunInfo.load(RunPaths(root))
     assert info.problem is not None and "run.json is unreadable" in info.problem
-    assert info.status == "lost"
+    assert info.status == "succeeded"  # as its journal says, and as ddtop shows it
     assert cli.main(["status", str(root)]) == 0
     out, err = capsys.readouterr()
     assert "run.json is unreadable" in err and "Traceback" not in err
-    assert out.startswith("run broken: lost")
+    assert out.startswith("run recorded-ok: succeeded")
+    assert "finished     " in out  # rank rows, from the journal
+    (root / "telemetry.journal").unlink()  # nothing else to go by: the run is lost
+    assert RunInfo.load(RunPaths(root)).status == "lost"
 
 
 def test_status_json_has_the_summary_field_names(capsys: pytest.CaptureFixture[str]) -> None:
@@ -146,3 +153,20 @@ def test_status_json_has_the_summary_field_names(capsys: pytest.CaptureFixture[s
     assert {f.name for f in msgspec.structs.fields(RunRecord)} <= set(doc)
     assert (doc["status"], doc["exit_code"], doc["failure"]["exit_code"]) == ("failed", 1, None)
     assert "exitcode" not in json.dumps(doc)
+
+
+@pytest.mark.parametrize("content", [b"[1]", b'{"world_size": "two"}', b'{"model": "gpt"}'])
+def test_an_unreadable_config_json_is_named_not_a_traceback(
+        tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = tmp_path / "runs"
+    shutil.copytree(FIXTURES / "recorded-ok", runs / "recorded-ok")
+    (runs / "recorded-ok" / "config.json").write_bytes(content)
+    assert RunInfo.load(RunPaths(runs / "recorded-ok")).config is None
+    for command in (["list"], ["status"], ["logs"]):
+        assert cli.main([*command, "--runs-dir", str(runs)]) == 0, command
+    assert "recorded-ok" in capsys.readouterr().out
+    # Resuming it needs its settings: one line naming the file.
+    assert cli.main(["start", "--resume", "--runs-dir", str(runs), "--run-id", "recorded-ok",
+                     "--foreground"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "config.json" in err and "Traceback" not in err

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ddtop.daemon.config import TrainConfig, UsageError
 
 # How long a collective (and the rendezvous) may wait for a missing peer before
-# raising. The launcher stops the other ranks as soon as one dies, so this only
+# raising. The daemon stops the other ranks as soon as one dies, so this only
 # bounds a hang that nobody noticed.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 

@@ -8,7 +8,6 @@ into an exit code and an error report the daemon can show.
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -21,10 +20,11 @@ from typing import Any
 
 # Imported here so that the forkserver pays for torch once, not every rank;
 # torch._dynamo too, which DDP's constructor imports (~1 s, 900 modules).
+import msgspec
 import torch._dynamo  # noqa: F401
 
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import ATTEMPT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ddtop.daemon.contract import ATTEMPT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, ErrorReport
 from ddtop.daemon.processes import pid_alive, set_parent_death_signal
 from ddtop.daemon.runs import RunPaths
 from ddtop.training import stopping
@@ -32,7 +32,7 @@ from ddtop.training.distributed import RankEnv
 from ddtop.training.trainer import train
 
 # Seconds between liveness checks of the daemon where pidfds are unavailable.
-LAUNCHER_POLL_S = 1.0
+DAEMON_POLL_S = 1.0
 
 
 def die_with_daemon(daemon_pid: int) -> None:
@@ -59,7 +59,7 @@ def _wait_for_exit(pid: int, pidfd: int | None) -> None:
         select.select([pidfd], [], [])  # readable once the process has exited
     else:
         while pid_alive(pid):
-            time.sleep(LAUNCHER_POLL_S)
+            time.sleep(DAEMON_POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -73,11 +73,11 @@ def redirect_output(log: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
-def write_error_report(path: Path | None, report: dict[str, Any]) -> None:
+def write_error_report(path: Path | None, report: ErrorReport) -> None:
     if path is None:
         return
     try:
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
     except OSError as e:
         print(f"could not write error report {path}: {e}", file=sys.stderr)
 
@@ -89,17 +89,17 @@ def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
         train(config, env, launch_time)
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr, flush=True)
-        write_error_report(error_report, {"rank": env.rank, "kind": "usage", "message": str(e),
-                                          "time": time.time()})
+        write_error_report(error_report, ErrorReport(rank=env.rank, kind="usage",
+                                                     message=str(e)))
         return EXIT_USAGE
     except BaseException as e:  # noqa: BLE001 - reported below, then the rank exits non-zero
         if isinstance(e, SystemExit) and e.code in (None, 0):
             return EXIT_OK
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
-        write_error_report(error_report, {"rank": env.rank, "kind": "exception",
-                                          "message": f"{type(e).__name__}: {e}",
-                                          "traceback": tb, "time": time.time()})
+        write_error_report(error_report, ErrorReport(rank=env.rank, kind="exception",
+                                                     message=f"{type(e).__name__}: {e}",
+                                                     traceback=tb))
         return EXIT_FAILED
     return EXIT_OK
 

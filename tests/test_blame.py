@@ -1,0 +1,107 @@
+"""Whom a failed run is blamed on: the pure policy (daemon/blame.py) on plain
+data, and how torchrun's own account of its ranks' exits is read
+(daemon/torchrun.py). The cases from real failures (gloo's and NCCL's peer-loss
+errors, reports left by an earlier attempt) are in test_failures_and_resume.py,
+through the rank's own report writer."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from ddtop.daemon.blame import RankEnd, blame_order, culprit, read_error_report
+from ddtop.daemon.contract import ErrorReport
+from ddtop.daemon.processes import ExitedProcess
+from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.starters import AGENT, Rank
+from ddtop.daemon.state import RunState
+from ddtop.daemon.torchrun import TorchrunRanks
+
+PEER = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:5000"
+KILLED, TERMINATED = -signal.SIGKILL, -signal.SIGTERM
+
+
+def report(message: str = "ValueError: bad batch", t: float = 10.0,
+           kind: str = "exception") -> ErrorReport:
+    return ErrorReport(kind=kind, message=message, time=t)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("exits", "reports", "expected"), [
+    # Bad input beats everything, even an earlier error of another rank's own.
+    ({0: RankEnd(1), 1: RankEnd(2)}, {0: report(t=1.0), 1: report("bad flag", 5.0, "usage")}, 1),
+    # A rank the daemon stopped, with nothing to say, is never the cause over one
+    # that exited non-zero by itself.
+    ({0: RankEnd(TERMINATED, stopped_by_daemon=True), 1: RankEnd(1)}, {}, 1),
+    # Only ranks the daemon stopped: the lowest.
+    ({0: RankEnd(TERMINATED, True), 1: RankEnd(TERMINATED, True)}, {}, 0),
+    # Equal evidence: the lowest rank.
+    ({2: RankEnd(KILLED), 1: RankEnd(KILLED)}, {}, 1),
+    # A clean exit is never blamed, whatever it wrote.
+    ({0: RankEnd(0), 1: RankEnd(1)}, {0: report(t=1.0), 1: report(PEER, 2.0)}, 1),
+    # A peer-loss error loses to an error of its own, even a later one of a rank
+    # the daemon then stopped while it was exiting.
+    ({0: RankEnd(TERMINATED, True), 1: RankEnd(1)}, {0: report(t=3.0), 1: report(PEER, 2.0)}, 0),
+])
+def test_culprit(exits: dict[int, RankEnd], reports: dict[int, ErrorReport],
+                 expected: int) -> None:
+    assert culprit(exits, reports) == expected
+
+
+def test_nobody_is_blamed_when_no_rank_failed() -> None:
+    assert culprit({0: RankEnd(0), 1: RankEnd(0)}, {}) is None
+    assert culprit({}, {}) is None
+
+
+def test_blame_classes_in_order() -> None:
+    ordered = [(RankEnd(KILLED), None), (RankEnd(1), report()), (RankEnd(3), None),
+               (RankEnd(1), report(PEER)), (RankEnd(TERMINATED, True), None), (RankEnd(0), None)]
+    assert [blame_order(end, r)[0] for end, r in ordered] == [0, 1, 2, 3, 4, 5]
+
+
+def test_error_reports_are_read_only_when_whole_and_of_this_attempt(tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.error.json"
+    assert read_error_report(path, since=0.0) is None  # none written
+    path.write_text('{"kind": "exception", "message": "boom", "time": 5.0}')
+    found = read_error_report(path, since=5.0)
+    assert found is not None and found.message == "boom"
+    assert read_error_report(path, since=6.0) is None  # an earlier attempt's
+    for damaged in ('{"kind": "exception", "mess', '[1]', '{"kind": "other"}', '{"time": "x"}'):
+        path.write_text(damaged)
+        assert read_error_report(path, since=0.0) is None, damaged
+
+
+# torchrun prints this when one of its ranks fails (abridged from torch 2.x).
+TORCHRUN_LOG = """\
+[W1123 12:00:01] Sending process 4242 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.api.SignalException: Process exited
+============================================================
+ddtop.training FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_12:00:01
+  host      : node
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4243)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4243
+============================================================
+"""
+
+
+def test_torchrun_ranks_are_read_from_its_failure_summary(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path / "tr").create()
+    (paths.logs / "torchrun.log").write_text("an earlier attempt's lines\n")
+    starter = TorchrunRanks(paths, port=0, launch_time=0.0)
+    starter.world_size, starter.log_start = 3, len("an earlier attempt's lines\n")
+    with (paths.logs / "torchrun.log").open("a") as f:
+        f.write(TORCHRUN_LOG)
+    state = RunState(run="tr")
+    agent = Rank(AGENT, ExitedProcess(4000, 1), exitcode=1)
+    ranks = starter.rank_exits(agent, state)
+    assert [(r.rank, r.exitcode, r.process.pid, r.stopped_by_us) for r in ranks] == [
+        (0, TERMINATED, None, True), (1, KILLED, 4243, False), (2, TERMINATED, None, True)]
+    exits = {r.rank: RankEnd(r.exitcode or 0, r.stopped_by_us) for r in ranks}
+    assert culprit(exits, {}) == 1
