@@ -214,3 +214,23 @@ def test_killing_the_launcher_leaves_no_rank_behind(tmp_path: Path) -> None:
         proc.communicate()
         wait_until_gone(tag, 0)
     assert leftovers == []
+
+
+def test_sigterm_while_the_ranks_start_stops_them_all(tmp_path: Path) -> None:
+    """SIGTERM as soon as the first rank exists (before any step): every rank
+    the daemon started is stopped, none is left behind, the run is `stopped`."""
+    proc, tag = start([DDTRAIN, *LONG_RUN], tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "runs/long/logs/rank-0.log").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "no rank started"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGTERM)
+        run = finish(proc, tag, timeout=60)
+    finally:
+        wait_until_gone(tag, 0)
+    assert run.returncode == 128 + signal.SIGTERM, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "Traceback" not in run.stderr
+    status = json.loads((tmp_path / "runs/long/run.json").read_text())
+    assert status["status"] == "stopped" and status["exit_code"] == 143
