@@ -23,6 +23,9 @@ CONFIG_ENV = "DDTOP_CONFIG"
 DAEMON_PID_ENV = "DDTOP_DAEMON_PID"
 # Restarts so far (0: the first start); set by the daemon for every rank.
 ATTEMPT_ENV = "DDTOP_ATTEMPT"
+# The run id telemetry must carry (the daemon drops other runs' messages); set by
+# the daemon for a user's script, whose ranks have no config.json to read it from.
+RUN_ID_ENV = "DDTOP_RUN_ID"
 # Failure injection for tests and drills: RANK:STEP[:ACTION] (training/trainer.py).
 FAULT_ENV = "DDTOP_FAULT"
 # Where runs live when --runs-dir is not given (else ./runs).
