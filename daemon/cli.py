@@ -43,6 +43,7 @@ from ddtop.daemon.contract import (
     EXIT_OK,
     EXIT_USAGE,
 )
+from ddtop.daemon.program import check_program, split_program_args
 from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, read_json, write_json_atomic
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--headless", action="store_true",
                        help="with --foreground: print progress lines from the run's telemetry "
                        "(or --format jsonl) instead of the ranks' output; for CI")
+    start.add_argument("program", nargs="?", default=argparse.SUPPRESS, metavar="PROGRAM",
+                       help="your training script, run as every rank with torchrun's "
+                       "environment instead of the built-in trainer; its own arguments "
+                       "follow -- (e.g. ddtrain start -n 8 train.py -- --lr 3e-4)")
     from ddtop.dashboard.headless import add_output_arguments
 
     add_output_arguments(start)
@@ -133,6 +138,14 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
     overrides = explicit_overrides(args)
     runs_dir = overrides.get("runs_dir") or default_runs_dir()
     overrides["runs_dir"] = runs_dir
+    if args.program_args:
+        if "program" not in overrides and "module" not in overrides:
+            raise UsageError(f"arguments after -- ({' '.join(args.program_args)}) are for a "
+                             "script: give it before --, e.g. ddtrain start train.py -- ARGS")
+        overrides["program_args"] = args.program_args
+    if "program" in overrides or "module" in overrides:
+        overrides["workdir"] = str(Path.cwd())
+        check_program(overrides.get("program"), overrides.get("module"), overrides["workdir"])
     if not overrides.get("resume"):
         config = TrainConfig(**overrides).validate()
         run_id = config.run_id or new_run_id()
@@ -161,10 +174,15 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
     if diffs:
         raise UsageError(f"run {paths.run_id} cannot be resumed with different settings "
                          f"({'; '.join(diffs)}): drop those flags, or start a new run")
-    if not paths.checkpoint_files():
+    if not config.runs_user_code and not paths.checkpoint_files():
         raise UsageError(f"run {paths.run_id} has no checkpoint to resume from: "
                          "start a new run without --resume")
     return config, paths
+
+
+def of(config: TrainConfig) -> str:
+    """' of train.py --lr 3e-4' for a user's program, '' for the built-in trainer."""
+    return f" of {config.program_label}" if config.runs_user_code else ""
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -175,7 +193,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.foreground:
         from ddtop.daemon.supervisor import Supervisor
 
-        print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks in "
+        print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks{of(config)} in "
               f"{paths.root} (Ctrl-C stops it)", flush=True)
         return Supervisor(config, paths).run()
     return start_detached(config, paths)
@@ -204,7 +222,7 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
         printers[0].tick()
 
     verb = "resuming" if config.resume else "starting"
-    print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks in "
+    print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks{of(config)} in "
           f"{paths.root} (Ctrl-C stops it; rank output in {paths.logs})", file=sys.stderr,
           flush=True)
     code = Supervisor(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
@@ -296,7 +314,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # -- main -------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    own, program_args = split_program_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
+    args.program_args = program_args
     commands = {"start": cmd_start, "serve": cmd_serve, "status": cmd_status,
                 "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs}
     try:

@@ -15,6 +15,7 @@ import inspect
 import itertools
 import json
 import os
+import shlex
 import textwrap
 import types
 import typing
@@ -139,10 +140,32 @@ class TrainConfig:
     runs torchrun --standalone"""
     max_restarts: int = flag(0, metavar="K", group="run")
     """after a rank fails, restart every rank from the newest checkpoint, up to K times"""
+    module: str | None = flag(None, short="-m", metavar="MODULE", group="program",
+                              default_text="none")
+    """run this Python module (as `python -m MODULE`) as every rank, instead of the
+    built-in trainer"""
+    program: str | None = field(default=None, metadata={"flag": Flag(enabled=False)})
+    """the user's script run as every rank, instead of the built-in trainer (PROGRAM)"""
+    program_args: list[str] = field(default_factory=list,
+                                    metadata={"flag": Flag(enabled=False)})
+    """the script's own arguments: what follows `--`"""
+    workdir: str | None = field(default=None, metadata={"flag": Flag(enabled=False)})
+    """the directory the script runs in: where `ddtrain start` was typed"""
     extra: dict[str, Any] = field(default_factory=dict, metadata={"flag": Flag(enabled=False)})
     """reserved for settings of later versions, so that old configs still load (no flag)"""
 
     # -- derived -----------------------------------------------------------------
+    @property
+    def runs_user_code(self) -> bool:
+        """True when the ranks run the user's script or module, not the built-in trainer."""
+        return self.program is not None or self.module is not None
+
+    @property
+    def program_label(self) -> str:
+        """The user's program as typed: 'train.py --lr 3e-4' or '-m pkg.train'."""
+        head = [self.program] if self.program is not None else ["-m", str(self.module)]
+        return shlex.join([*head, *self.program_args])
+
     @property
     def batch_per_rank(self) -> int:
         return self.batch_size // self.world_size
@@ -167,6 +190,12 @@ class TrainConfig:
         _at_least("--max-restarts", self.max_restarts, 0)
         if not 0 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be between 0 and 65535 (got {self.master_port})")
+        if self.run_id is not None and not _is_safe_name(self.run_id):
+            raise UsageError(
+                f"--run-id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'"
+            )
+        if self.runs_user_code:
+            return self  # the built-in trainer's settings below do not apply
         if not self.lr > 0:
             raise UsageError(f"--lr must be positive (got {self.lr})")
         if not self.progress_every > 0:
@@ -183,10 +212,6 @@ class TrainConfig:
         if self.dataset != "synthetic" and not self.download and not Path(self.data_dir).is_dir():
             raise UsageError(f"--data-dir {self.data_dir} does not exist: create it with the "
                              f"{self.dataset} files, or add --download")
-        if self.run_id is not None and not _is_safe_name(self.run_id):
-            raise UsageError(
-                f"--run-id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'"
-            )
         return self
 
     # -- persistence -------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Ranks started on this machine by the daemon itself.
 
 With the default start method, forkserver, multiprocessing's forkserver
-imports `ddtop.training.worker` (and torch) once, then forks every rank from
+imports the rank's module (`ddtop.training.worker`, or `ddtop.training.script`
+for a user's program; torch with either) once, then forks every rank from
 itself, so start-up does not grow by one torch import per rank
 (bench/startup.py measures it). `--start-method spawn` starts each rank in a
 fresh interpreter instead. This module never imports torch: the rank's entry
@@ -18,17 +19,15 @@ from typing import Any
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.processes import LogTail
 from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.starters import Rank, choose_port
+from ddtop.daemon.starters import Rank, choose_port, rank_program
 from ddtop.daemon.state import RunState
 
-WORKER_MODULE = "ddtop.training.worker"
 
-
-def _rank_entry(*args: Any) -> None:
+def _rank_entry(module: str, entry: str, *args: Any) -> None:
     """Runs in the forked child. Imported by name, so this module stays torch-free."""
     import importlib
 
-    importlib.import_module(WORKER_MODULE).launched_rank(*args)
+    getattr(importlib.import_module(module), entry)(*args)
 
 
 class LocalRanks:
@@ -40,16 +39,18 @@ class LocalRanks:
         self.context: Any = None  # multiprocessing's context classes are not typed alike
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
+        program = rank_program(config)
         if self.context is None:
-            self.context = self._context(config.start_method)
+            self.context = self._context(config.start_method, program.module)
         if attempt:  # a restart after a failure: the port may be held by the dead group
             self.port = choose_port(config.master_addr, 0)
         self.ranks, self.tails = started, []
         for rank in range(config.world_size):
             process = self.context.Process(
                 target=_rank_entry,
-                args=(rank, config.world_size, config.to_dict(), str(self.paths.root),
-                      config.master_addr, self.port, self.launch_time, os.getpid(), attempt),
+                args=(program.module, program.entry, rank, config.world_size, config.to_dict(),
+                      str(self.paths.root), config.master_addr, self.port, self.launch_time,
+                      os.getpid(), attempt),
                 name=f"ddtrain-rank-{rank}",
                 daemon=False,
             )
@@ -66,13 +67,13 @@ class LocalRanks:
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         return [exited]
 
-    def _context(self, method: str) -> Any:
+    def _context(self, method: str, preload: str) -> Any:
         if method not in multiprocessing.get_all_start_methods():
             raise UsageError(f"--start-method {method} is not available on this platform: "
                              "use spawn")
         ctx = multiprocessing.get_context(method)
         if method == "forkserver":
-            ctx.set_forkserver_preload([WORKER_MODULE])
+            ctx.set_forkserver_preload([preload])
             self._start_forkserver()
         return ctx
 

@@ -76,6 +76,9 @@ class RunReport:
         return describe_exit(rank.exitcode, None)
 
     def resume_hint(self) -> str:
+        if self.config.runs_user_code:
+            return ("start it again with: ddtrain start --resume --run-id "
+                    f"{self.paths.run_id} (your program resumes from its own checkpoints)")
         if self.paths.checkpoint_files():
             return ("continue from the last checkpoint with: ddtrain start --resume --run-id "
                     f"{self.paths.run_id}")
@@ -84,8 +87,10 @@ class RunReport:
     def print_outcome(self, outcome: Outcome, out: TextIO, err: TextIO) -> None:
         rid, seconds = self.paths.run_id, self.elapsed()
         if outcome.status == "succeeded":
-            print(f"ddtrain: run {rid} succeeded in {seconds:.1f} s; "
-                  f"checkpoints in {self.paths.checkpoints}", file=out, flush=True)
+            where = (f"rank logs in {self.paths.logs}" if self.config.runs_user_code
+                     else f"checkpoints in {self.paths.checkpoints}")
+            print(f"ddtrain: run {rid} succeeded in {seconds:.1f} s; {where}", file=out,
+                  flush=True)
             return
         if outcome.status == "stopped":
             print(f"ddtrain: run {rid} stopped after {seconds:.1f} s; {self.resume_hint()}",

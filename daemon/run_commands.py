@@ -143,8 +143,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
                                 timeout=args.timeout)
         if not reply.get("ok"):
             raise control.Unreachable(str(reply.get("error")))
-        print(f"ddtrain: stopping run {rid}: ranks finish their step and rank 0 checkpoints "
-              f"(up to {args.timeout:g} s)...", flush=True)
+        what = ("its ranks get SIGTERM" if info.config and info.config.runs_user_code
+                else "ranks finish their step and rank 0 checkpoints")
+        print(f"ddtrain: stopping run {rid}: {what} (up to {args.timeout:g} s)...", flush=True)
     except control.Unreachable as e:
         print(f"ddtrain: the daemon (pid {pid}) does not answer ({e}); terminating it, "
               "which stops its ranks at once", flush=True)

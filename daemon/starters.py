@@ -1,6 +1,8 @@
 """How a run's ranks get started: what the supervisor asks of each way.
 
-The supervisor (daemon/supervisor.py) does not know how ranks come to be: it
+What each rank runs (the built-in trainer, or the user's own script) is a
+`RankProgram`; how ranks are started is a `RankStarter`'s business. The
+supervisor (daemon/supervisor.py) does not know how ranks come to be: it
 asks a `RankStarter` to start them, waits on the processes it returns, and
 asks it again, once those exited, how each rank ended. Two starters exist:
 
@@ -17,6 +19,7 @@ STARTERS table.
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +29,29 @@ from ddtop.daemon.processes import LogTail, Process
 from ddtop.daemon.state import RunState
 
 AGENT = -1  # the `rank` of a process that is not a rank itself (torchrun's agent)
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What every rank runs, whichever way it is started."""
+
+    module: str  # imported in each rank (and by the forkserver, ahead of the forks)
+    entry: str  # the module's function a forked or spawned rank calls
+    torchrun_module: str  # what torchrun runs: python -m ...
+    # How the daemon asks a rank to stop: the built-in trainer stops gracefully on
+    # SIGUSR1 (its ranks agree on a step and checkpoint); a user's program gets
+    # SIGTERM, as torchrun would send it.
+    stop_signal: int
+
+
+BUILT_IN = RankProgram("ddtop.training.worker", "launched_rank", "ddtop.training",
+                       signal.SIGUSR1)
+USER_PROGRAM = RankProgram("ddtop.training.script", "launched_script",
+                           "ddtop.training.script", signal.SIGTERM)
+
+
+def rank_program(config: TrainConfig) -> RankProgram:
+    return USER_PROGRAM if config.runs_user_code else BUILT_IN
 
 
 @dataclass

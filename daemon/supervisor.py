@@ -9,9 +9,10 @@ the ranks that already reported an error exit by themselves, stops the others
 names the culprit (daemon/blame.py), and either restarts every rank from the
 newest checkpoint (`--max-restarts`) or ends the run as failed.
 
-Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank gets
-SIGUSR1, the ranks agree on a step to stop after, rank 0 checkpoints, they exit;
-whatever is still running after the timeout is terminated. SIGTERM (or a second
+Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank of
+the built-in trainer gets SIGUSR1, the ranks agree on a step to stop after,
+rank 0 checkpoints, they exit (a user's program gets SIGTERM, as torchrun would
+send it); whatever is still running after the timeout is terminated. SIGTERM (or a second
 Ctrl-C) stops at once.
 
 How ranks are started is a `RankStarter`'s business (daemon/starters.py); what
@@ -46,7 +47,7 @@ from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, write_json_atomic
-from ddtop.daemon.starters import Rank, RankStarter, choose_port
+from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord
 from ddtop.daemon.torchrun import TorchrunRanks
@@ -210,12 +211,16 @@ class Supervisor:
         """Record the exits among `running`; report the clean ones at once. True
         when one failed (its exit is reported once the culprit is known)."""
         failed = False
+        stop_signal = rank_program(self.config).stop_signal
         for r in running:
             if r.process.exitcode is not None:
                 r.exitcode = r.process.exitcode
-                if r.exitcode == 0:
+                if self.stopping is not None and r.exitcode in (-stop_signal, 128 + stop_signal):
+                    r.stopped_by_us = True  # it ended as a stop asked it to (a user's program)
+                if r.exitcode == 0 or r.stopped_by_us:
                     self._note_exits(None, [r])
-                failed |= r.exitcode != 0
+                else:
+                    failed = True
         return failed
 
     def _settle(self) -> None:
@@ -237,7 +242,9 @@ class Supervisor:
             timeout = self.relay.stop_request
             self.stopping = time.monotonic() + timeout
             how = "Ctrl-C" if self.interrupted else "a stop request"
-            message = (f"stopping on {how}: ranks finish their step, rank 0 checkpoints; "
+            what = ("the ranks get SIGTERM" if self.config.runs_user_code
+                    else "ranks finish their step, rank 0 checkpoints")
+            message = (f"stopping on {how}: {what}; "
                        f"anything left after {timeout:g} s is terminated")
             if self.interrupted:
                 message += " (Ctrl-C again to stop at once)"
@@ -246,7 +253,7 @@ class Supervisor:
             self._status("stopping", message)
             for pid in self.starter.rank_pids(self.relay.state):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGUSR1)
+                    os.kill(pid, rank_program(self.config).stop_signal)
         elif self.stopping is not None and time.monotonic() > self.stopping:
             print("ddtrain: ranks did not stop in time; terminating them", file=self.err,
                   flush=True)

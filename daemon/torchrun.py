@@ -20,7 +20,7 @@ from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
 from ddtop.daemon.processes import AgentProcess, ExitedProcess, LogTail, set_parent_death_signal
 from ddtop.daemon.runs import RunPaths, write_json_atomic
-from ddtop.daemon.starters import AGENT, Rank
+from ddtop.daemon.starters import AGENT, Rank, rank_program
 from ddtop.daemon.state import RunState
 
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
@@ -44,7 +44,7 @@ class TorchrunRanks:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc-per-node", str(config.world_size), "--max-restarts", "0",
-                 "-m", "ddtop.training"],
+                 "-m", rank_program(config).torchrun_module],
                 env={**os.environ, CONFIG_ENV: str(self.paths.config),
                      DAEMON_PID_ENV: str(os.getpid()), ATTEMPT_ENV: str(attempt)},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -39,7 +39,10 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--launcher": (("local", "torchrun"), "local"), "--max-restarts": (int, 0),
     "--run-id": (str, None), "--master-addr": (str, "127.0.0.1"), "--master-port": (int, 0),
     "--start-method": (("forkserver", "spawn", "fork"), "forkserver"),
+    "--module": (str, None),  # added with the user's own scripts
 }
+# Fields with no flag of their own: PROGRAM and what follows `--` are positional.
+NO_FLAG = {"extra", "program", "program_args", "workdir"}
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -58,7 +61,7 @@ def flags_by_field(parser: argparse.ArgumentParser) -> dict[str, list[argparse.A
 
 def test_every_field_but_extra_has_exactly_one_flag() -> None:
     found = flags_by_field(train_parser())
-    assert set(found) == set(FIELDS) - {"extra"}
+    assert set(found) == set(FIELDS) - NO_FLAG
     assert all(len(actions) == 1 for actions in found.values())
     for name, (action,) in found.items():
         assert action.option_strings[0] == "--" + name.replace("_", "-")

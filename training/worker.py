@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,48 +86,80 @@ def write_error_report(path: Path | None, report: ErrorReport) -> None:
 def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
               launch_time: float | None = None) -> int:
     """Train; return the exit code. Never lets an exception escape unreported."""
+    return run_reported(lambda: train(config, env, launch_time), env.rank, error_report)
+
+
+def run_reported(body: Callable[[], object], rank: int, error_report: Path | None,
+                 own_frames: Callable[[str], bool] = lambda filename: False) -> int:
+    """Run `body`; its exit code: 0, SystemExit's code, 2 for bad input (UsageError),
+    1 for an exception, which is printed with its traceback (less the leading
+    frames `own_frames` says are ours) and written to the error report the
+    daemon reads."""
     try:
-        train(config, env, launch_time)
+        body()
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr, flush=True)
-        write_error_report(error_report, ErrorReport(rank=env.rank, kind="usage",
-                                                     message=str(e)))
+        write_error_report(error_report, ErrorReport(rank=rank, kind="usage", message=str(e)))
         return EXIT_USAGE
+    except SystemExit as e:  # as the interpreter would: an int is the code, else printed
+        if e.code is None or isinstance(e.code, int):
+            return e.code or EXIT_OK
+        print(e.code, file=sys.stderr, flush=True)
+        write_error_report(error_report, ErrorReport(rank=rank, message=str(e.code)))
+        return EXIT_FAILED
     except BaseException as e:  # noqa: BLE001 - reported below, then the rank exits non-zero
-        if isinstance(e, SystemExit) and e.code in (None, 0):
-            return EXIT_OK
-        tb = traceback.format_exc()
+        frames = e.__traceback__
+        while frames is not None and own_frames(frames.tb_frame.f_code.co_filename):
+            frames = frames.tb_next
+        tb = "".join(traceback.format_exception(type(e), e, frames))
         print(tb, file=sys.stderr, flush=True)
-        write_error_report(error_report, ErrorReport(rank=env.rank, kind="exception",
+        write_error_report(error_report, ErrorReport(rank=rank, kind="exception",
                                                      message=f"{type(e).__name__}: {e}",
                                                      traceback=tb))
         return EXIT_FAILED
     return EXIT_OK
 
 
-def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,
-                  master_addr: str, master_port: int, launch_time: float,
-                  daemon_pid: int, attempt: int = 0) -> None:
-    """Entry of a rank started by ddtrain's daemon (in the forked child);
-    `attempt` counts restarts after failures (0: the first start)."""
-    stopping.install()
+def torchrun_environment(rank: int, world_size: int, master_addr: str, master_port: int,
+                         attempt: int) -> dict[str, str]:
+    """The variables torchrun gives each rank on one machine, so that code written
+    for torchrun (ours, or a user's `init_process_group()`) runs unchanged."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size), "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt), ATTEMPT_ENV: str(attempt),
+    }
+
+
+def enter_rank(rank: int, run_dir: str, daemon_pid: int) -> RunPaths:
+    """What every rank the daemon forks does first: die with the daemon, leave
+    Ctrl-C to it (it reaches the whole terminal's process group; the daemon
+    decides what it means), and write its output to its own log."""
     die_with_daemon(daemon_pid)
-    # Ctrl-C reaches the whole terminal's process group; the daemon decides
-    # what it means and stops the ranks itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = RunPaths(Path(run_dir))
     redirect_output(paths.rank_log(rank))
-    # The same variables torchrun sets, so both launch paths share one code path.
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-        ATTEMPT_ENV: str(attempt),
-    })
-    config = TrainConfig.from_dict(config_dict)
-    code = rank_main(config, RankEnv.from_environ(), paths.rank_error(rank), launch_time)
+    return paths
+
+
+def leave_rank(code: int) -> None:
+    """Flush and exit at once, skipping interpreter teardown (and atexit handlers
+    inherited from the forkserver); everything that matters is flushed."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown (and atexit handlers inherited from the
-    # forkserver); everything that matters is flushed and closed.
     os._exit(code)
+
+
+def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,
+                  master_addr: str, master_port: int, launch_time: float,
+                  daemon_pid: int, attempt: int = 0) -> None:
+    """Entry of a rank of the built-in trainer started by ddtrain's daemon (in the
+    forked child); `attempt` counts restarts after failures (0: the first start)."""
+    stopping.install()
+    paths = enter_rank(rank, run_dir, daemon_pid)
+    # The same variables torchrun sets, so both launch paths share one code path.
+    os.environ.update(torchrun_environment(rank, world_size, master_addr, master_port, attempt))
+    config = TrainConfig.from_dict(config_dict)
+    leave_rank(rank_main(config, RankEnv.from_environ(), paths.rank_error(rank), launch_time))

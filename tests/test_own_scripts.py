@@ -1,0 +1,163 @@
+"""`ddtrain start train.py -- ARGS` and `-m pkg.mod`: the user's own program as
+every rank, with torchrun's environment, under the daemon. Real processes,
+real gloo process groups; each run checked for leftovers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import ddtrain, detached
+
+# What a rank sees of its world, printed as JSON, then a few DDP steps of its own.
+DDP_SCRIPT = '''\
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+if __name__ == "__main__":
+    print("SEEN " + json.dumps({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(),
+          "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                  "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")},
+          "path0": sys.path[0]}), flush=True)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(int(sys.argv[sys.argv.index("--steps") + 1])):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    weights = [p.detach().sum().item() for p in model.parameters()]
+    print("WEIGHTS " + json.dumps(weights), flush=True)
+    dist.destroy_process_group()
+'''
+
+
+def seen(root: Path, rank: int) -> dict:  # type: ignore[type-arg]
+    log = (root / "logs" / f"rank-{rank}.log").read_text()
+    line = next(line for line in log.splitlines() if line.startswith("SEEN "))
+    data: dict = json.loads(line[5:])  # type: ignore[type-arg]
+    return data
+
+
+def weights(root: Path, rank: int) -> list[float]:
+    log = (root / "logs" / f"rank-{rank}.log").read_text()
+    line = next(line for line in log.splitlines() if line.startswith("WEIGHTS "))
+    found: list[float] = json.loads(line[8:])
+    return found
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A user's folder: a script in a subfolder, and a package with a module."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text(DDP_SCRIPT)
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "train.py").write_text(DDP_SCRIPT)
+    return tmp_path
+
+
+def test_a_script_runs_as_every_rank_with_torchruns_environment(project: Path) -> None:
+    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "own", "scripts/train.py",
+                  "--", "--steps", "3", "--name", "a b", cwd=project)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "starting run own with 2 ranks of scripts/train.py --steps 3 --name 'a b'" in run.stdout
+    root = project / "runs" / "own"
+    for rank in (0, 1):
+        got = seen(root, rank)
+        assert got["name"] == "__main__"
+        assert got["argv"] == ["scripts/train.py", "--steps", "3", "--name", "a b"]
+        assert got["cwd"] == str(project)
+        assert got["path0"] == str(project / "scripts")  # as `python scripts/train.py`
+        env = got["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert (env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("2", "0")
+    assert weights(root, 0) == weights(root, 1)  # DDP kept them in step
+    record = json.loads((root / "run.json").read_text())
+    assert (record["status"], record["exit_code"]) == ("succeeded", 0)
+    assert [r["exit_code"] for r in record["ranks"]] == [0, 0]
+    config = json.loads((root / "config.json").read_text())
+    assert (config["program"], config["program_args"]) == ("scripts/train.py",
+                                                           ["--steps", "3", "--name", "a b"])
+
+
+@pytest.mark.parametrize("launch", [["--launcher", "torchrun"], ["--start-method", "spawn"]])
+def test_a_module_runs_under_torchrun_and_spawn_too(project: Path, launch: list[str]) -> None:
+    run = ddtrain("start", "--foreground", "-n", "2", *launch, "--run-id", "mod",
+                  "-m", "mypkg.train", "--", "--steps", "2", cwd=project)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    root = project / "runs" / "mod"
+    got = seen(root, 1)
+    assert got["name"] == "__main__" and got["cwd"] == str(project)
+    assert got["argv"] == [str(project / "mypkg" / "train.py"), "--steps", "2"]  # as python -m
+    assert weights(root, 0) == weights(root, 1)
+
+
+def test_a_script_that_raises_is_named_with_its_own_traceback(tmp_path: Path) -> None:
+    (tmp_path / "boom.py").write_text(textwrap.dedent('''\
+        import os, time
+        def load(rank):
+            if rank == "1":
+                raise ValueError("bad shard " + rank)
+        load(os.environ["RANK"])
+        time.sleep(60)
+        '''))
+    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "boom", "boom.py",
+                  cwd=tmp_path, timeout=90)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "failed: rank 1 (pid" in run.stderr and "ValueError: bad shard 1" in run.stderr
+    tail = run.stderr.split("ValueError: bad shard 1", 1)[1]
+    assert '  |   File "boom.py", line 5, in <module>' in tail
+    assert "runpy" not in tail and "ddtop" not in tail.split("  log:")[0]  # only the user's frames
+    record = json.loads((tmp_path / "runs/boom/run.json").read_text())
+    assert record["failure"]["rank"] == 1
+    assert "ValueError: bad shard 1" in record["failure"]["message"]
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["bad.py"], ["bad.py:1: invalid syntax", "fix the script"]),
+    (["missing.py"], ["missing.py: no such file", "-m MODULE"]),
+    (["-m", "nosuchpkg.train"], ["no module 'nosuchpkg'", "install it"]),
+    (["-m", "not a module"], ["not a module name"]),
+    (["--", "--lr", "1"], ["arguments after -- (--lr 1) are for a script"]),
+    (["bad.py", "-m", "x"], ["not both"]),
+])
+def test_a_program_that_cannot_run_is_one_line_and_starts_nothing(
+        tmp_path: Path, args: list[str], fragments: list[str]) -> None:
+    (tmp_path / "bad.py").write_text("def f(:\n    pass\n")
+    run = ddtrain("start", "-n", "2", *args, cwd=tmp_path, timeout=30)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+    for fragment in fragments:
+        assert fragment in run.stderr
+    assert not (tmp_path / "runs").exists() and run.leftovers == []
+
+
+def test_a_detached_script_is_stopped_with_sigterm(tmp_path: Path) -> None:
+    (tmp_path / "long.py").write_text(textwrap.dedent('''\
+        import time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("training", flush=True)
+        while True:
+            time.sleep(0.1)
+        '''))
+    with detached("-n", "2", "--run-id", "long", "long.py", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        status = run.status("long")
+        assert [r["pid"] is not None for r in status["ranks"]] == [True, True]
+        stopped = run.cli("stop", "long", "--timeout", "10")
+        assert "its ranks get SIGTERM" in stopped.stdout and "run long stopped" in stopped.stdout
+        assert run.leftovers() == []
+    record = json.loads((tmp_path / "runs/long/run.json").read_text())
+    assert (record["status"], record["exit_code"], record["failure"]) == ("stopped", 130, None)
+    assert {(r["signal"], r["stopped_by_daemon"]) for r in record["ranks"]} == {
+        (signal.Signals.SIGTERM.name, True)}
