@@ -157,7 +157,8 @@ class Supervisor:
             "global_step": step, "checkpoint": newest.name if newest else None,
             "time": time.time(),
         }
-        source = f"from {newest.name}" if newest else "from the start (no checkpoint yet)"
+        source = ("(the program resumes by its own means)" if self.config.runs_user_code
+                  else f"from {newest.name}" if newest else "from the start (no checkpoint yet)")
         message = (f"restart {self.restarts}/{self.config.max_restarts}: rank {rank.rank} "
                    f"{reason} at step {step}; restarting {source}")
         print(f"ddtrain: {message}", file=self.err, flush=True)

@@ -161,3 +161,23 @@ def test_a_detached_script_is_stopped_with_sigterm(tmp_path: Path) -> None:
     assert (record["status"], record["exit_code"], record["failure"]) == ("stopped", 130, None)
     assert {(r["signal"], r["stopped_by_daemon"]) for r in record["ranks"]} == {
         (signal.Signals.SIGTERM.name, True)}
+
+
+def test_max_restarts_runs_the_script_again(tmp_path: Path) -> None:
+    (tmp_path / "flaky.py").write_text(textwrap.dedent('''\
+        import os
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        if attempt == "0" and dist.get_rank() == 1:
+            os.kill(os.getpid(), 9)
+        dist.barrier()
+        print("attempt", attempt, "done", flush=True)
+        '''))
+    run = ddtrain("start", "--foreground", "-n", "2", "--max-restarts", "1", "--run-id", "fl",
+                  "flaky.py", cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr
+    assert "the program resumes by its own means" in run.stderr
+    assert "[rank 0] attempt 1 done" in run.stdout and "[rank 1] attempt 1 done" in run.stdout
