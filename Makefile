@@ -40,10 +40,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # mypy cannot follow the editable install's import hook, so it checks a tree
-# of links that spells the installed names (ddtop.training -> training/, ...).
+# of links that spells the installed names (ddtop.training -> training/, ...,
+# ddtop -> api/).
 typecheck: $(STAMP)
 	rm -rf .typecheck && mkdir -p .typecheck/ddtop
 	for part in training daemon dashboard; do ln -s ../../$$part .typecheck/ddtop/$$part; done
+	ln -s ../../api/__init__.py .typecheck/ddtop/__init__.py
 	cd .typecheck && ../$(BIN)/mypy --config-file ../pyproject.toml -p ddtop
 
 pytest: $(STAMP)

@@ -19,6 +19,7 @@ Per rank, messages are ordered by their sequence number `seq`:
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 from typing import Any
 
@@ -38,7 +39,7 @@ from ddtop.daemon.rankview import (
     RankView,
 )
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
-from ddtop.daemon.summary import Failure, Restart, RunSummary, Status, summarize
+from ddtop.daemon.summary import Failure, Restart, RunSummary, ScalarSummary, Status, summarize
 
 STRAGGLER_FACTOR = 1.25  # compute time per step this far above the median: straggler
 STRAGGLER_MIN_S = 0.001
@@ -48,6 +49,9 @@ STRAGGLER_STEP_SHARE = 0.10
 MAX_EVENTS = 500
 MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 MAX_RANKS = 1 << 16
+# Distinct ddtop.log keys the run keeps (each rank may send wire.MAX_SCALAR_KEYS
+# per message); newer keys beyond it are dropped and counted.
+MAX_RUN_SCALAR_KEYS = 256
 
 
 class GlobalPoint(msgspec.Struct, array_like=True):
@@ -66,6 +70,8 @@ class RunState(msgspec.Struct, kw_only=True):
     dataset: str = ""
     epochs: int = 0
     global_batch: int = 0
+    program: str = ""  # a user's own script (ddtop.init), else ""
+    total_steps: int = 0  # the script's own total (ddtop.init(total_steps=)), else 0
     backend: str = ""
     config_digest: str = ""
     status: Status = "starting"
@@ -82,6 +88,8 @@ class RunState(msgspec.Struct, kw_only=True):
     events: list[dict[str, Any]] = []  # the newest MAX_EVENTS
     event_count: int = 0  # events ever recorded: readers print those after the last they saw
     global_history: list[GlobalPoint] = []  # metric syncs, newest HISTORY_POINTS
+    scalars: dict[str, dict[int, float]] = {}  # ddtop.log: key -> rank -> newest value
+    scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS, ignored
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
 
@@ -122,6 +130,9 @@ class RunState(msgspec.Struct, kw_only=True):
             self._apply_aggregate(message)
         elif isinstance(message, wire.Event):
             self._apply_event(view, message)
+        elif isinstance(message, wire.Scalars):
+            if not late:
+                self._apply_scalars(message)
         elif isinstance(message, wire.Bye):
             view.bye_code = message.exit_code
             view.phase = "done"
@@ -159,14 +170,22 @@ class RunState(msgspec.Struct, kw_only=True):
         view.last_step_t = None
 
     def _apply_hello(self, view: RankView, m: wire.Hello) -> None:
+        # A script's rank says hello again when it learns more (its model, device,
+        # backend, totals): the same process updates what it said, no second join.
+        again = bool(view.host) and view.pid == m.pid
         view.host, view.pid, view.local_rank = m.host, m.pid, m.local_rank
         view.device, view.backend = m.device, m.backend
         self.world_size = self.world_size or m.world_size
         self.model, self.dataset, self.epochs = m.model, m.dataset, m.epochs
         self.global_batch, self.backend = m.global_batch, m.backend
         self.config_digest = m.config_digest
-        self._event(m.t, m.rank, "join", f"rank {m.rank} joined: {m.host} pid {m.pid}, "
-                    f"{m.device}, {m.backend}")
+        if not isinstance(m.program, msgspec.UnsetType):
+            self.program = m.program
+        if not isinstance(m.total_steps, msgspec.UnsetType):
+            self.total_steps = max(0, m.total_steps)
+        if not again:
+            self._event(m.t, m.rank, "join", f"rank {m.rank} joined: {m.host} pid {m.pid}, "
+                        f"{m.device}, {m.backend}")
         if self.status == "starting":
             self.status = "running"
 
@@ -183,7 +202,8 @@ class RunState(msgspec.Struct, kw_only=True):
         view.last_step_t = m.t
         view.epoch, view.step, view.steps_per_epoch = m.epoch, m.step, m.steps_per_epoch
         view.global_step = max(view.global_step, m.global_step)
-        view.loss = m.loss_sum / m.samples if m.samples else None
+        weight = m.samples if isinstance(m.loss_weight, msgspec.UnsetType) else m.loss_weight
+        view.loss = m.loss_sum / weight if weight else None
         view.step_time_s = m.step_s / steps
         view.samples_per_s = rate
         view.comm_s = m.comm_s / steps
@@ -226,6 +246,36 @@ class RunState(msgspec.Struct, kw_only=True):
                    if m.val_loss is not None and m.val_accuracy is not None else "")
             self._event(m.t, m.rank, "epoch_end", f"epoch {m.epoch + 1} done: train loss "
                         f"{m.train_loss:.4f} acc {100 * m.train_accuracy:.2f}%{val}")
+
+    def _apply_scalars(self, m: wire.Scalars) -> None:
+        """The newest value per rank and key; a key the run has no room for is
+        dropped and counted."""
+        for key, value in m.values.items():
+            by_rank = self.scalars.get(key)
+            if by_rank is None:
+                if len(self.scalars) >= MAX_RUN_SCALAR_KEYS:
+                    self.scalars_dropped += 1
+                    continue
+                by_rank = self.scalars[key] = {}
+            by_rank[m.rank] = value
+
+    def scalar_summaries(self) -> list[ScalarSummary]:
+        """Each logged key across ranks: mean, min and max of the finite newest
+        values and which rank holds the min and max; by key."""
+        found = []
+        for key, by_rank in sorted(self.scalars.items()):
+            finite = {r: v for r, v in by_rank.items() if math.isfinite(v)}
+            if not finite:
+                found.append(ScalarSummary(name=key, ranks=len(by_rank),
+                                           nonfinite=len(by_rank)))
+                continue
+            low = min(finite, key=lambda r: (finite[r], r))
+            high = max(finite, key=lambda r: (finite[r], -r))
+            found.append(ScalarSummary(
+                name=key, mean=math.fsum(finite.values()) / len(finite), min=finite[low],
+                min_rank=low, max=finite[high], max_rank=high, ranks=len(by_rank),
+                nonfinite=len(by_rank) - len(finite)))
+        return found
 
     def _apply_event(self, view: RankView, m: wire.Event) -> None:
         if m.type == "error":
@@ -350,7 +400,7 @@ class RunState(msgspec.Struct, kw_only=True):
         """(global steps done by the slowest rank, total global steps)."""
         spe = max((v.steps_per_epoch for v in self.ranks.values()), default=0)
         done = min((v.global_step for v in self.ranks.values()), default=0)
-        return done, spe * self.epochs
+        return done, self.total_steps or spe * self.epochs
 
     def summary(self, now: float) -> RunSummary:
         """The run as it stands at `now`: what `status`, `list`, run.json and the

@@ -80,6 +80,21 @@ class RankSummary(msgspec.Struct, kw_only=True):
     lost: int = 0  # telemetry messages lost
 
 
+class ScalarSummary(msgspec.Struct, kw_only=True):
+    """One ddtop.log key across ranks, from each rank's newest value. mean, min and
+    max are over finite values (None when there are none); `nonfinite` counts
+    ranks whose newest value is NaN or infinite."""
+
+    name: str
+    mean: float | None = None
+    min: float | None = None
+    min_rank: int | None = None
+    max: float | None = None
+    max_rank: int | None = None
+    ranks: int = 0  # ranks that logged it
+    nonfinite: int = 0
+
+
 class RunSummary(msgspec.Struct, kw_only=True):
     run_id: str
     status: Status = "starting"
@@ -102,6 +117,8 @@ class RunSummary(msgspec.Struct, kw_only=True):
     stragglers: list[int] = []
     hang: str | None = None
     metrics: wire.Aggregate | None = None  # the newest global metrics, as the ranks sent them
+    program: str = ""  # a user's own script, else ""
+    scalars: list[ScalarSummary] = []  # ddtop.log keys, aggregated across ranks
     ranks: list[RankSummary] = []
     started: float | None = None
     updated: float | None = None  # time of the newest message folded
@@ -165,7 +182,7 @@ def summarize(state: RunState, now: float) -> RunSummary:
         samples_per_s=state.throughput(now), telemetry_loss=state.telemetry_loss(),
         rejected=dict(state.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
         hang=state.hang(now), ranks=ranks, started=state.started, updated=state.updated,
-        metrics=state.aggregate)
+        metrics=state.aggregate, program=state.program, scalars=state.scalar_summaries())
 
 
 def as_lost(summary: RunSummary) -> RunSummary:

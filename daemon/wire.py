@@ -12,14 +12,20 @@ frames raise a `WireError` subclass, which callers count and drop.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 SCHEMA_VERSION = 1
 # Larger frames are refused unread; error events keep their traceback under it.
 MAX_FRAME_BYTES = 64 * 1024
 MAX_TRACEBACK_CHARS = 16 * 1024
+# A Scalars message (ddtop.log) carries at most this many keys of at most this
+# many characters; a frame over either limit is refused as malformed.
+MAX_SCALAR_KEYS = 64
+MAX_SCALAR_KEY_CHARS = 64
+ScalarKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SCALAR_KEY_CHARS)]
 
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "metric_sync",
                 "checkpoint", "evaluation", "done"]
@@ -63,6 +69,11 @@ class Hello(_Header, tag="hello", tag_field="kind", kw_only=True):
     dataset: str
     epochs: int
     global_batch: int
+    # A user's own script (ddtop.init): its file name and, if it said, how many
+    # optimizer steps the run will take. Absent (UNSET: not even encoded) from
+    # the built-in trainer, whose hello is unchanged.
+    program: str | UnsetType = UNSET
+    total_steps: int | UnsetType = UNSET
 
 
 class Step(_Header, tag="step", tag_field="kind", kw_only=True):
@@ -90,6 +101,10 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     rss: int | None = None
+    # What `loss_sum` is weighted by when it is not `samples`: a script's
+    # ddtop.step(loss=...) weighs each loss by its samples if given, else by 1.
+    # Absent (UNSET) from the built-in trainer: the weight is `samples`.
+    loss_weight: float | UnsetType = UNSET
 
 
 class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):
@@ -120,6 +135,14 @@ class Event(_Header, tag="event", tag_field="kind", kw_only=True):
     message: str
     data: dict[str, str | int | float | bool | None] = {}
     traceback: str | None = None
+
+
+class Scalars(_Header, tag="scalars", tag_field="kind", kw_only=True):
+    """A rank's newest custom scalars (ddtop.log), by name; the daemon aggregates
+    them across ranks. Bounded: MAX_SCALAR_KEYS keys of MAX_SCALAR_KEY_CHARS."""
+
+    values: Annotated[dict[ScalarKey, float], msgspec.Meta(max_length=MAX_SCALAR_KEYS)]
+    global_step: int = 0  # the rank's optimizer steps when it logged them
 
 
 class Bye(_Header, tag="bye", tag_field="kind", kw_only=True):
@@ -156,9 +179,9 @@ class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):
 # The `rank` the daemon uses for what it says itself (RankExit, RunStatus, Event).
 DAEMON_RANK = -1
 
-Message = Hello | Step | Heartbeat | Aggregate | Event | Bye | RankExit | RunStatus
+Message = Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye | RankExit | RunStatus
 KINDS = {cls.__struct_config__.tag: cls
-         for cls in (Hello, Step, Heartbeat, Aggregate, Event, Bye, RankExit, RunStatus)}
+         for cls in (Hello, Step, Heartbeat, Aggregate, Event, Scalars, Bye, RankExit, RunStatus)}
 
 
 class WireError(ValueError):

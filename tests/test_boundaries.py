@@ -20,6 +20,8 @@ from helpers import DDTRAIN
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("training", "daemon", "dashboard")
+# The fourth part, api/, is the `ddtop` package itself (the public API).
+API = "ddtop"
 
 # What each part may import from the other parts (its own modules are free).
 ALLOWED = {
@@ -28,6 +30,9 @@ ALLOWED = {
                  "ddtop.daemon.runs", "ddtop.daemon.wire"},
     # The daemon starts ranks by module name (a string), never by import.
     "daemon": set(),
+    # `import ddtop` reads the telemetry variable's name from the contract, and
+    # imports the live implementation (torch, zmq) only when an endpoint is set.
+    "api": {"ddtop.daemon.contract", "ddtop.training.api"},
     # The dashboard folds the same wire into the same state, and finds runs as ddtrain does.
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
                   "ddtop.daemon.journal", "ddtop.daemon.rankview", "ddtop.daemon.runinfo",
@@ -68,7 +73,7 @@ def imports(source: str, module: str) -> set[str]:
 
 
 def violations(module: str, imported: set[str]) -> list[str]:
-    part = module.split(".")[1]
+    part = "api" if module == API else module.split(".")[1]
     bad = []
     for name in sorted(imported):
         top = name.split(".")[0]
@@ -85,8 +90,9 @@ def violations(module: str, imported: set[str]) -> list[str]:
 
 
 def our_modules() -> dict[str, str]:
-    return {f"ddtop.{path.parent.name}.{path.stem}": path.read_text()
-            for part in PARTS for path in sorted((ROOT / part).glob("*.py"))}
+    modules = {f"ddtop.{path.parent.name}.{path.stem}": path.read_text()
+               for part in PARTS for path in sorted((ROOT / part).glob("*.py"))}
+    return {**modules, API: (ROOT / "api" / "__init__.py").read_text()}
 
 
 def test_every_import_follows_the_declared_arrows() -> None:
@@ -101,7 +107,8 @@ def test_every_declared_arrow_is_used() -> None:
     edges = {(m, name) for m, source in our_modules().items() for name in imports(source, m)}
     for part, allowed in ALLOWED.items():
         for name in allowed:
-            assert any(m.startswith(f"ddtop.{part}.") and n == name for m, n in edges), (
+            assert any((m == API if part == "api" else m.startswith(f"ddtop.{part}."))
+                       and n == name for m, n in edges), (
                 f"{part} -> {name} is declared but not used")
     assert edges >= UPWARD, f"declared but not used: {UPWARD - edges}"
 
@@ -112,6 +119,8 @@ def test_every_declared_arrow_is_used() -> None:
     ("ddtop.training.trainer", "from ddtop.daemon.supervisor import Supervisor"),
     ("ddtop.dashboard.headless", "def f():\n    import textual.app\n"),
     ("ddtop.daemon.cli", "from ddtop.dashboard.app import DashboardApp"),
+    ("ddtop", "import torch"),
+    ("ddtop", "from ddtop.training.trainer import train"),
 ])
 def test_the_check_catches_a_new_arrow(module: str, source: str) -> None:
     assert violations(module, imports(source, module)) != []
@@ -136,6 +145,11 @@ def loaded(module: str, packages: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_module_does_not_import_torch(module: str) -> None:
     assert loaded(module, ("torch", "torchvision")) == []
+
+
+def test_import_ddtop_loads_no_torch_zmq_or_textual() -> None:
+    """A user's script imports ddtop, and so does every ddtop.* import: it stays tiny."""
+    assert loaded("ddtop", ("torch", "torchvision", "zmq", "textual", "msgspec")) == []
 
 
 @pytest.mark.parametrize("module", ["ddtop.daemon.cli", "ddtop.dashboard.cli",

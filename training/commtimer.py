@@ -17,10 +17,17 @@ of the all-reduce).
 - CUDA: CUDA events recorded around each all-reduce, read back later with
   `event.query()` (a completed pair is harvested at the next step; nothing
   ever waits for the device).
+
+A DDP model takes one comm hook, once. When a user's script registers its own
+(`import ddtop`, training/api.py), the timer becomes the `inner` hook's
+wrapper: the user's hook does the communication, exactly as it would alone,
+and the clock runs from calling it to its future completing (bytes: the
+bucket before the hook compresses it).
 """
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,16 +36,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.training.telemetry import Telemetry
 
+# A comm hook as DDP calls it: hook(state, bucket) -> future of the reduced bucket.
+Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+
 
 class CommTimer:
-    def __init__(self, telemetry: Telemetry, cuda: bool) -> None:
+    def __init__(self, telemetry: Telemetry, cuda: bool,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         self.telemetry, self.cuda = telemetry, cuda
+        self.process_group = process_group  # None: the default group
+        # The hook that communicates, when not ours: (hook, its state).
+        self.inner: tuple[Hook, object] | None = None
         self._lock = threading.Lock()  # the hook and its callbacks run on other threads
         self._last_end = 0.0
         self._pending: list[tuple[Any, Any, int]] = []  # CUDA: (start, end, bytes)
 
     def attach(self, ddp: DDP) -> None:
-        ddp.register_comm_hook(state=self, hook=_timed_allreduce)
+        if self.process_group is None:
+            self.process_group = ddp.process_group
+        ddp.register_comm_hook(state=self, hook=timed_allreduce)
+
+    def wrap(self, hook: Hook, state: object) -> None:
+        """From now on `hook` communicates, timed (a user's hook, registered late)."""
+        self.inner = (hook, state)
 
     def harvest(self) -> None:
         """CUDA only: account for the all-reduces whose end event has completed."""
@@ -51,19 +71,26 @@ class CommTimer:
             self.telemetry.comm_done(start.elapsed_time(end) / 1000.0, nbytes)
 
     # -- inside the hook -----------------------------------------------------------
-    def launch(self, process_group: dist.ProcessGroup,
-               bucket: Any) -> torch.futures.Future[torch.Tensor]:  # a dist.GradBucket
+    def launch(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:  # a dist.GradBucket
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
-        buffer.div_(process_group.size())  # as allreduce_hook: divide first, then sum
+        group = self.process_group or dist.group.WORLD
+        assert group is not None
+        if self.inner is None:
+            buffer.div_(group.size())  # as allreduce_hook: divide first, then sum
         coll = self.telemetry.collective_started("allreduce", nbytes)
         if self.cuda:
             start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start_ev.record()
         start = time.perf_counter()
-        fut = dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
+        if self.inner is None:
+            fut: torch.futures.Future[Any] = dist.all_reduce(
+                buffer, group=group, async_op=True).get_future()
+        else:
+            hook, state = self.inner
+            fut = hook(state, bucket)
 
-        def finished(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        def finished(f: torch.futures.Future[Any]) -> torch.Tensor:
             if self.cuda:
                 end_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 end_ev.record()  # on the stream the reduced gradients are ready on
@@ -76,12 +103,15 @@ class CommTimer:
                     self._last_end = end
                 self.telemetry.comm_done(charged, nbytes)
             self.telemetry.collective_completed(coll)
-            return f.value()[0]
+            value = f.value()
+            # all_reduce's future holds [tensor]; a comm hook's holds the tensor.
+            reduced: torch.Tensor = value if self.inner is not None else value[0]
+            return reduced
 
         return fut.then(finished)
 
 
-def _timed_allreduce(state: "CommTimer",
+def timed_allreduce(state: "CommTimer",
                      bucket: dist.GradBucket  # type: ignore[name-defined]
                      ) -> torch.futures.Future[torch.Tensor]:
-    return state.launch(dist.group.WORLD, bucket)  # type: ignore[arg-type]
+    return state.launch(bucket)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 
@@ -69,6 +70,7 @@ class StepWindow:
     steps_per_epoch: int = 0
     global_step: int = 0
     lr: float = 0.0
+    loss_weight: float | None = None  # None: loss_sum is weighted by samples (the trainer)
 
 
 class Telemetry:
@@ -148,7 +150,7 @@ class LiveTelemetry(Telemetry):
         self._step_start = time.perf_counter()
         # The step window is swapped out by the sender under this lock.
         self._lock = threading.Lock()
-        self._window = StepWindow()
+        self._window = self._new_window()
         self._finished: list[StepWindow] = []  # windows closed at an epoch boundary
         self._events: collections.deque[wire.Message] = collections.deque([hello])
         self._queue_dropped = 0
@@ -158,6 +160,9 @@ class LiveTelemetry(Telemetry):
         self._context = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="ddtop-telemetry", daemon=True)
         self._thread.start()
+
+    def _new_window(self) -> StepWindow:
+        return StepWindow()
 
     # -- called from the training thread ----------------------------------------
     def phase(self, name: wire.Phase) -> None:
@@ -173,7 +178,7 @@ class LiveTelemetry(Telemetry):
         with self._lock:
             if self._window.steps:
                 self._finished.append(self._window)
-                self._window = StepWindow()
+                self._window = self._new_window()
 
     def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
                   loss: torch.Tensor, samples: int, lr: float) -> None:
@@ -306,7 +311,7 @@ class LiveTelemetry(Telemetry):
             windows, self._finished = self._finished, []
             if self._window.steps:
                 windows.append(self._window)
-                self._window = StepWindow()
+                self._window = self._new_window()
         for w in windows:
             self._send_step(sock, w)
 
@@ -322,6 +327,7 @@ class LiveTelemetry(Telemetry):
             comm_s=w.comm_s, comm_bytes=w.comm_bytes, comm_ops=w.comm_ops,
             algbw_gbps=algbw, busbw_gbps=busbw, sync_wait_s=w.sync_wait_s,
             cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
+            loss_weight=msgspec.UNSET if w.loss_weight is None else w.loss_weight,
         ))
 
     def _memory(self) -> tuple[int | None, int | None, int | None]:

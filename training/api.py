@@ -1,0 +1,282 @@
+"""The live side of `import ddtop` in a user's script: one `ScriptRank` per process.
+
+`ddtop` (api/__init__.py) imports this module on the first call that finds
+DDTOP_TELEMETRY set, and forwards every call to `current()`. It is built on
+the trainer's own pieces: `LiveTelemetry` (a sender thread, non-blocking
+sends, heartbeats) and `CommTimer` (DDP's comm hook). What a script adds:
+
+- Its identity comes from torchrun's RANK, LOCAL_RANK and WORLD_SIZE (0, 0, 1
+  without them) and DDTOP_RUN_ID (else TORCHELASTIC_RUN_ID, else "script").
+  It says hello at once, and again when it learns more (the model's class, the
+  device, the backend, the totals given to `ddtop.init`).
+- Steps are counted where they happen: by `ddtop.step()`, and under
+  `ddtrain start` also by a global optimizer hook (autowatch.py). The two are
+  paired so a step is never counted twice: a `step()` right after the hook
+  counted a step goes with that step (adds its loss and samples), and the hook
+  right after a `step()` that counted one goes with that one.
+- Time in phases that are not step phases (eval, checkpoint, setup: work that
+  only some ranks may do) is not step time, so it shows as that phase, never
+  as a slow step or a straggler.
+- Nothing here ever runs a collective, reads a device tensor on the training
+  thread, or raises into the user's program (a bad argument to log is dropped
+  with one warning event).
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import socket
+import sys
+import threading
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddtop.daemon import wire
+from ddtop.daemon.contract import RUN_ID_ENV, TELEMETRY_ENV
+from ddtop.training.commtimer import CommTimer
+from ddtop.training.scripttelemetry import ScriptTelemetry, receiver_answers
+
+FALLBACK_RUN_ID = "script"
+TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+STRICT_TIMEOUT_S = 5.0  # ddtop.init(strict=True): how long a receiver may take to answer
+
+
+def rank_identity() -> tuple[str, int, int, int]:
+    """(run id, rank, local rank, world size) from the environment."""
+    env = os.environ
+    run = env.get(RUN_ID_ENV) or env.get(TORCHELASTIC_RUN_ID_ENV) or FALLBACK_RUN_ID
+
+    def number(name: str, default: int) -> int:
+        try:
+            return int(env.get(name, default))
+        except ValueError:
+            return default
+
+    rank = number("RANK", 0)
+    return run, rank, number("LOCAL_RANK", rank), number("WORLD_SIZE", 1)
+
+
+class ScriptRank:
+    """This process, reporting: what `ddtop.init/watch/step/phase/log` do live."""
+
+    def __init__(self, endpoint: str) -> None:
+        run, rank, local_rank, world_size = rank_identity()
+        self.endpoint = endpoint
+        self.hello = wire.Hello(
+            run=run, rank=rank, local_rank=local_rank, host=socket.gethostname(),
+            pid=os.getpid(), device="cpu", backend=_backend(None), world_size=world_size,
+            config_digest="", model="", dataset="", epochs=0, global_batch=0,
+            program=Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python",
+            total_steps=0)
+        self.telemetry = ScriptTelemetry(endpoint, msgspec.structs.replace(self.hello))
+        self.active = True  # False in a forked child (a data loader worker): calls do nothing
+        self.steps = 0
+        self.steps_per_epoch = 0
+        self.timers: list[CommTimer] = []
+        self._lr = 0.0
+        self._pacer: weakref.ref[torch.optim.Optimizer] | None = None
+        self._hook_step_unclaimed = False  # the hook counted a step no step() went with yet
+        self._call_step_unclaimed = False  # step() counted a step the hook has not seen
+        self._warned: set[str] = set()
+        self._exit_code = 0
+        self._closed = False
+        atexit.register(self.close)
+        self._excepthook = sys.excepthook
+        sys.excepthook = self._uncaught
+
+    # -- ddtop.init / watch -----------------------------------------------------------
+    def init(self, total_steps: int | None, epochs: int | None, strict: bool) -> str | None:
+        """Totals for progress and ETA; with `strict`, why nobody answers (or None)."""
+        changes: dict[str, Any] = {}
+        if total_steps is not None and total_steps >= 0:
+            changes["total_steps"] = int(total_steps)
+        if epochs is not None and epochs >= 0:
+            changes["epochs"] = int(epochs)
+        self._update_hello(**changes)
+        total, count = self.hello.total_steps, self.hello.epochs
+        if isinstance(total, int) and total > 0 and count > 0:
+            self.steps_per_epoch = math.ceil(total / count)
+        if strict:
+            return receiver_answers(self.endpoint, STRICT_TIMEOUT_S)
+        return None
+
+    def watch(self, model: Any) -> None:
+        """Time `model`'s comm hook if it is a DDP model (also under torch.compile)."""
+        if not self.active:
+            return
+        ddp = getattr(model, "_orig_mod", model)
+        if not isinstance(ddp, DDP):
+            self.warn_once("not-ddp", f"ddtop.watch: {type(model).__name__} is not "
+                           "DistributedDataParallel: no communication to time")
+            return
+        if timer_of(ddp) is None:
+            if ddp._comm_hooks:
+                hook = getattr(ddp._comm_hooks[0][0], "__qualname__", "a comm hook")
+                self.warn_once("own-hook", f"comm timing unavailable: the model already has "
+                               f"a comm hook ({hook}), which it keeps; call ddtop.watch "
+                               "before register_comm_hook to have it timed")
+            else:
+                self.timer_for(ddp).attach(ddp)
+        self.learn_model(ddp)
+
+    def timer_for(self, ddp: DDP) -> CommTimer:
+        """A new CommTimer for `ddp` (not attached yet), remembered on the model."""
+        timer = CommTimer(self.telemetry, cuda=ddp.device_type == "cuda",
+                          process_group=ddp.process_group)
+        object.__setattr__(ddp, TIMER_ATTR, timer)  # a plain attribute, not a submodule
+        self.timers.append(timer)
+        return timer
+
+    def learn_model(self, ddp: DDP) -> None:
+        """Hello again with what the model tells: its class, device and backend."""
+        param = next(ddp.module.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        if device.type == "cuda":
+            self.telemetry.memory_device = device
+        self._update_hello(model=type(ddp.module).__name__, device=str(device),
+                           backend=_backend(ddp.process_group))
+
+    # -- ddtop.step and the optimizer hook ------------------------------------------------
+    def step(self, loss: Any, samples: int | None) -> None:
+        if not self.active:
+            return
+        if self._hook_step_unclaimed:
+            self._hook_step_unclaimed = False  # goes with the step the hook just counted
+        else:
+            self._count()
+            self._call_step_unclaimed = True
+        self.telemetry.add_loss(loss, samples)
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """The global optimizer post-hook: one step per step of the first optimizer
+        that steps (a second one, as in a GAN, steps in the same iteration)."""
+        if not self.active:
+            return
+        pacer = self._pacer() if self._pacer is not None else None
+        if pacer is None:
+            self._pacer = weakref.ref(optimizer)
+        elif pacer is not optimizer:
+            return
+        self._lr = _lr_of(optimizer, self._lr)
+        if self._call_step_unclaimed:
+            self._call_step_unclaimed = False  # ddtop.step() already counted it
+        else:
+            self._count()
+            self._hook_step_unclaimed = True
+        self.enter_phase("data")  # the next step begins by waiting for its batch
+
+    def _count(self) -> None:
+        for timer in self.timers:
+            timer.harvest()
+        self.steps += 1
+        spe = self.steps_per_epoch
+        epoch = (self.steps - 1) // spe if spe else 0
+        self.telemetry.count_step(epoch=epoch, step=self.steps - epoch * spe if spe else 0,
+                                  steps_per_epoch=spe, global_step=self.steps, lr=self._lr)
+
+    # -- ddtop.phase / log ------------------------------------------------------------------
+    def enter_phase(self, name: str) -> str:
+        """Switch to phase `name` (a wire phase); the phase it was in before."""
+        previous = self.telemetry.current_phase
+        if self.active:
+            if name == "setup" and self.steps:
+                name = "data"  # set-up is over once a step is done
+            self.telemetry.phase(name)  # type: ignore[arg-type]  # names from ddtop.PHASES
+        return previous
+
+    def log(self, scalars: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        for problem in self.telemetry.add_scalars(scalars):
+            self.warn_once(problem, f"ddtop.log: {problem}")
+
+    # -- warnings and the end ---------------------------------------------------------------
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned and len(self._warned) < MAX_WARNINGS:
+            self._warned.add(key)
+            self.telemetry.event("warning", message[:1000])
+
+    def _update_hello(self, **changes: Any) -> None:
+        hello = msgspec.structs.replace(self.hello, **changes)
+        if hello != self.hello:
+            self.hello = hello
+            self.telemetry.send_hello(msgspec.structs.replace(hello))
+
+    def _uncaught(self, kind: type[BaseException], exc: BaseException,
+                  tb: TracebackType | None) -> None:
+        if self.active:
+            self._exit_code = 1
+            self.telemetry.error(exc)
+        self._excepthook(kind, exc, tb)
+
+    def close(self, exit_code: int | None = None) -> None:
+        """Say bye (1 after an uncaught exception, else 0 or `exit_code`) and stop."""
+        if self._closed or not self.active:
+            return
+        self._closed = True
+        self.telemetry.close(self._exit_code if exit_code is None else exit_code)
+
+    def forked(self) -> None:
+        self.active = False
+
+
+TIMER_ATTR = "_ddtop_comm_timer"
+MAX_WARNINGS = 32
+
+
+def timer_of(ddp: DDP) -> CommTimer | None:
+    timer = ddp.__dict__.get(TIMER_ATTR)
+    return timer if isinstance(timer, CommTimer) else None
+
+
+def _backend(group: Any) -> str:
+    try:
+        return str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() \
+            else ""
+    except (RuntimeError, ValueError):  # a group this rank is not part of
+        return ""
+
+
+def _lr_of(optimizer: torch.optim.Optimizer, default: float) -> float:
+    """The first parameter group's learning rate, when it is a plain number."""
+    try:
+        lr = optimizer.param_groups[0].get("lr", default)
+    except (IndexError, AttributeError):
+        return default
+    if isinstance(lr, torch.Tensor):
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else default
+    return float(lr) if isinstance(lr, int | float) else default
+
+
+_current: ScriptRank | None = None
+_lock = threading.Lock()
+
+
+def current() -> ScriptRank | None:
+    """This process's ScriptRank, started on the first call; None when
+    DDTOP_TELEMETRY names no endpoint."""
+    global _current
+    endpoint = os.environ.get(TELEMETRY_ENV)
+    if not endpoint or endpoint == "off":
+        return None
+    with _lock:
+        if _current is None:
+            _current = ScriptRank(endpoint)
+        return _current
+
+
+def _forked_child() -> None:
+    if _current is not None:
+        _current.forked()
+
+
+os.register_at_fork(after_in_child=_forked_child)

@@ -1,0 +1,123 @@
+"""Zero-code instrumentation: what a script with no ddtop lines still shows.
+
+`install()` is called in each rank, just before the user's script runs
+(`ddtrain start train.py`). With DDTOP_TELEMETRY set it:
+
+- counts optimizer steps with a global optimizer step hook (torch.optim's
+  `register_optimizer_step_post_hook`): one step per `optimizer.step()` of the
+  first optimizer that steps. Micro-batches under `no_sync()` (or with
+  `require_backward_grad_sync` set to False by hand) call no optimizer step, and
+  neither does GradScaler when it skips a step after an inf, so neither counts;
+- times every DDP model's gradient communication: DDP's constructor is wrapped
+  so that each model gets the timing comm hook as it is built. DDP takes one comm
+  hook, once, so `register_comm_hook` is wrapped too: a hook the user (or DDP
+  itself, for mixed precision) registers becomes the timer's inner hook, which
+  does the communication exactly as it would alone, timed; a second
+  registration fails as it would without ddtop;
+- infers the phase for heartbeats: forward at a DDP forward (evaluation when
+  gradients are off or the model is in eval mode), backward after it, optimizer
+  in `optimizer.step()`, data after it.
+
+Nothing here raises into the user's program: where timing is impossible it says
+so once, as a warning event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ddtop.training.api import ScriptRank, current, timer_of
+from ddtop.training.commtimer import timed_allreduce
+
+_installed: ScriptRank | None = None
+_original_init = DDP.__init__
+_original_register = DDP.register_comm_hook
+_constructing: set[int] = set()  # ids of DDP models inside their constructor
+
+
+def install() -> bool:
+    """Instrument this process for the user's script; False (and nothing done)
+    without DDTOP_TELEMETRY. Idempotent."""
+    global _installed
+    rank = current()
+    if rank is None:
+        return False
+    if _installed is None:
+        _installed = rank
+        register_optimizer_step_pre_hook(_optimizer_starts)
+        register_optimizer_step_post_hook(_optimizer_done)
+        DDP.__init__ = _ddp_init  # type: ignore[method-assign]  # the point of zero-code
+        DDP.register_comm_hook = _register_comm_hook  # type: ignore[method-assign]
+    return True
+
+
+def _optimizer_starts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _installed is not None:
+        _installed.enter_phase("optimizer")
+
+
+def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _installed is not None:
+        _installed.optimizer_stepped(optimizer)
+
+
+def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
+    _constructing.add(id(self))
+    try:
+        _original_init(self, *args, **kwargs)
+    finally:
+        _constructing.discard(id(self))
+    rank = _installed
+    if rank is None or not rank.active:
+        return
+    try:
+        if timer_of(self) is None and not self._comm_hooks:
+            rank.timer_for(self).attach(self)
+        elif timer_of(self) is None:
+            rank.warn_once("builtin-hook", "comm timing unavailable: this DDP model has a "
+                           "built-in comm hook, which it keeps")
+        self.register_forward_pre_hook(_forward_starts)
+        self.register_forward_hook(_forward_done)
+        rank.learn_model(self)
+    except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+        rank.warn_once("attach", f"comm timing unavailable: {type(e).__name__}: {e}")
+
+
+def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
+    rank = _installed
+    timer = timer_of(self)
+    if rank is None or hook is timed_allreduce or (timer is not None and timer.inner):
+        _original_register(self, state, hook)  # ours, or a second one: as without ddtop
+        return
+    # A malformed hook fails as it would without ddtop (torch leaves this unannotated).
+    self._check_comm_hook(hook)  # type: ignore[no-untyped-call]
+    if self.logger is not None:  # what DDP's own register_comm_hook records
+        self.logger._set_comm_hook_name(hook.__qualname__)
+    if timer is None:
+        if id(self) not in _constructing:
+            _original_register(self, state, hook)  # built before install(): not ours
+            return
+        # DDP's own hook (mixed precision), registered from inside its constructor.
+        timer = rank.timer_for(self)
+        timer.wrap(hook, state)
+        timer.attach(self)
+        return
+    timer.wrap(hook, state)
+
+
+def _forward_starts(module: torch.nn.Module, inputs: Any) -> None:
+    if _installed is not None:
+        training = torch.is_grad_enabled() and module.training
+        _installed.enter_phase("forward" if training else "evaluation")
+
+
+def _forward_done(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+    if _installed is not None and torch.is_grad_enabled() and module.training:
+        _installed.enter_phase("backward")  # the loss, then backward
