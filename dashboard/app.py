@@ -37,6 +37,9 @@ CHART_POINTS = 120
 SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S = 1.0
+# Lines of the fixed parts around the ranks table (see ddtop.tcss): the header,
+# the footer, the least the panels below keep, the least the table keeps.
+HEADER_LINES, FOOTER_LINES, LOWER_MIN_LINES, TABLE_MIN_LINES = 4, 1, 10, 3
 
 
 class FeedChanged(Message):
@@ -178,6 +181,7 @@ class DashboardApp(App[None]):
         if banner is not None:
             banner_widget.update(banner)
         table.set_rows(rows)
+        self._fit_table(table, len(rows), banner_widget.outer_size.height if banner else 0)
         self.query_one("#loss-global", Sparkline).data = global_loss
         self.query_one("#loss-rank", Sparkline).data = rank_loss
         self.query_one("#rank-loss-title", Static).update(
@@ -189,6 +193,14 @@ class DashboardApp(App[None]):
         self.frames += 1
         self.dirty = False
         self.last_render = time.monotonic()
+
+    def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
+        """The ranks table takes the lines its rows need (and its title), up to what
+        leaves the panels below LOWER_MIN_LINES; the panels get the rest."""
+        room = self.size.height - HEADER_LINES - FOOTER_LINES - banner - LOWER_MIN_LINES
+        lines = max(TABLE_MIN_LINES, min(rows + 1, room))
+        if table.styles.height is None or table.styles.height.value != lines:
+            table.styles.height = lines
 
     def _height(self, selector: str) -> int:
         return self.query_one(selector).size.height

@@ -7,7 +7,6 @@ once per frame and hands the results to its widgets, which only display.
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from rich.text import Text
 
@@ -166,14 +165,20 @@ def detail(state: RunState, rank: int, now: float) -> Text:
         text.append(f"ended: {how}{' (stopped by the daemon)' if v.stopped_by_daemon else ''}"
                     f"{': ' + v.error if v.error else ''}\n", "bold red" if st == DEAD else "")
     text.append("\nper step (ms)\n", "bold")
-    parts: list[tuple[str, Any]] = [*v.phase_split.items(), ("all-reduce", v.comm_s)]
     step = v.step_time_s or 0.0
-    for name, value in parts:
+
+    def line(name: str, value: float | None, note: str = "") -> None:
         share = (value or 0.0) / step if step else 0.0
         text.append(f"{name:>10} {fmt.millis(value):>7} ")
         text.append(fmt.bar(share, 20), "cyan")
-        text.append(f" {100 * share:4.0f}%\n")
+        text.append(f" {100 * share:4.0f}%{note}\n")
+
+    for name, value in v.phase_split.items():  # these add up to the step
+        line(name, value)
     text.append(f"{'step':>10} {fmt.millis(v.step_time_s):>7}\n")
+    # DDP all-reduces gradient buckets while backward still runs: this time is
+    # part of the phases above, not added to them.
+    line("all-reduce", v.comm_s, " of the step, overlapping backward")
     for line in fmt.traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text
