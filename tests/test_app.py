@@ -331,3 +331,25 @@ def test_a_stop_the_daemon_never_answers_does_not_freeze_the_dashboard() -> None
             await pilot.press("q")
 
         drive(feed, (120, 40), script, notifications=True)
+
+
+@pytest.mark.parametrize(("ranks", "table_lines"), [(2, 3), (64, 40 - 4 - 1 - 10)])
+def test_the_ranks_table_takes_the_lines_it_needs_and_the_panels_the_rest(
+        ranks: int, table_lines: int) -> None:
+    from ddtop.daemon import wire
+    from ddtop.dashboard.feed import StateFeed
+
+    state = RunState(run="big")
+    for rank in range(ranks):
+        state.apply(wire.Hello(run="big", rank=rank, seq=0, t=100.0, local_rank=rank, host="n",
+                               pid=1000 + rank, device="cpu", backend="gloo",
+                               world_size=ranks, config_digest="d", model="mlp",
+                               dataset="synthetic", epochs=1, global_batch=64), 100.0)
+
+    async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await pilot.pause(0.3)
+        assert app.query_one(RankTable).size.height == table_lines
+        assert app.query_one("#lower").outer_size.height >= 10  # its border included
+        assert app.query_one("#lower").outer_size.height + table_lines == 40 - 4 - 1
+
+    drive(StateFeed(state), (120, 40), script)
