@@ -1,0 +1,206 @@
+"""`import ddtop` in a user's script, for real: a no-op without an endpoint; with
+one, the right wire messages (real ZeroMQ PULL on loopback); strict mode; and
+zero-code instrumentation of a real 2-rank gloo DDP script under torchrun."""
+
+from __future__ import annotations
+
+import ast
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Collector, collecting, finish, start, torchrun
+
+from ddtop.daemon import wire
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TIMEOUT_S = 60
+
+
+def python(code: str, tmp_path: Path, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run `code` as a user's script would run (its own process, tagged, timed out)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(code))
+    proc, tag = start([sys.executable, str(script)], tmp_path, env)
+    run = finish(proc, tag, TIMEOUT_S)
+    assert run.leftovers == []
+    return run.returncode, run.stdout, run.stderr
+
+
+def test_without_an_endpoint_every_call_is_a_no_op(tmp_path: Path) -> None:
+    code, out, err = python("""
+        import sys, ddtop
+        assert ddtop.init(total_steps=10) is False
+        model = object()
+        assert ddtop.watch(model) is model
+        with ddtop.phase("eval"):
+            ddtop.step(loss=1.0, samples=4)
+        ddtop.log(acc=0.5, anything="is ignored")
+        try:
+            ddtop.phase("evaluating")
+        except ValueError as e:
+            print("ValueError:", e)
+        print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'zmq', 'textual')))
+        """, tmp_path)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("ValueError: ddtop.phase('evaluating'): not a phase")
+    assert ast.literal_eval(lines[1]) == []
+
+
+def test_strict_without_an_endpoint_is_one_clear_error(tmp_path: Path) -> None:
+    code, _, err = python("import ddtop\nddtop.init(strict=True)\n", tmp_path)
+    assert code == 1
+    assert ("ddtop.TelemetryUnavailable: ddtop.init(strict=True): DDTOP_TELEMETRY is not set"
+            in err)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_strict_with_nobody_listening_errors_and_with_a_receiver_passes(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    code, _, err = python("import ddtop\nddtop.init(strict=True)\n", tmp_path,
+                          {"DDTOP_TELEMETRY": endpoint})
+    assert code == 1 and f"no ddtop receiver answered at {endpoint} within 5 s" in err, err
+    assert time.monotonic() - began < 20
+    with collecting() as collector:
+        code, out, err = python("import ddtop\nprint(ddtop.init(strict=True))\n", tmp_path,
+                                {"DDTOP_TELEMETRY": collector.endpoint})
+    assert (code, out) == (0, "True\n"), err
+
+
+def wait_for(collector: Collector, kind: type, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not collector.of(kind) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_init_step_phase_log_send_the_right_messages(tmp_path: Path) -> None:
+    with collecting() as collector:
+        code, _, err = python("""
+            import time, torch, ddtop
+            ddtop.init(total_steps=10, epochs=2)
+            for i in range(3):
+                ddtop.step(loss=torch.tensor(2.0 + i), samples=4)
+            ddtop.step(loss=torch.ones(3))  # weight 1, no samples
+            with ddtop.phase("eval"):
+                time.sleep(1.3)  # a heartbeat goes out meanwhile
+            ddtop.log(acc=0.5, n=3, flag=True, t=torch.tensor(0.25), bad="x",
+                      **{"k" * 70: 1.0})
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint, "DDTOP_RUN_ID": "run-a",
+                            "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+        assert code == 0, err
+        wait_for(collector, wire.Bye)
+    messages = collector.messages
+    assert collector.errors == 0 and {m.run for m in messages} == {"run-a"}
+    assert {m.rank for m in messages} == {1}
+    hellos = collector.of(wire.Hello)
+    assert hellos[0].program == "train.py" and hellos[0].world_size == 2
+    assert (hellos[-1].total_steps, hellos[-1].epochs) == (10, 2)
+    steps = collector.of(wire.Step)
+    assert sum(s.steps for s in steps) == 4 and steps[-1].global_step == 4
+    assert sum(s.samples for s in steps) == 12
+    # (2 + 3 + 4) * 4 samples + 1.0 * 1, over weights 12 + 1
+    assert sum(s.loss_sum for s in steps) == pytest.approx(37.0)
+    assert sum(s.loss_weight for s in steps) == pytest.approx(13.0)
+    assert (steps[-1].steps_per_epoch, steps[-1].epoch, steps[-1].step) == (5, 0, 4)
+    assert "evaluation" in {b.phase for b in collector.of(wire.Heartbeat)}
+    values = {k: v for s in collector.of(wire.Scalars) for k, v in s.values.items()}
+    assert values == {"acc": 0.5, "n": 3.0, "flag": 1.0, "t": 0.25}
+    warnings = [e.message for e in collector.of(wire.Event) if e.type == "warning"]
+    assert any("bad=str is not a number" in w for w in warnings), warnings
+    assert any("longer than 64 characters" in w for w in warnings), warnings
+    assert collector.of(wire.Bye)[-1].exit_code == 0
+
+
+def run_script(collector: Collector | None, tmp_path: Path, *args: str) -> None:
+    env = {"DDTOP_RUN_ID": "run-z"}
+    if collector is not None:
+        env["DDTOP_TELEMETRY"] = collector.endpoint
+        command = [str(SCRIPTS / "autowatch_run.py"), str(SCRIPTS / "ddp_accum.py")]
+    else:
+        command = [str(SCRIPTS / "ddp_accum.py")]
+    run = torchrun("--standalone", "--nproc-per-node", "2", *command, *args, cwd=tmp_path,
+                   env=env, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.leftovers == []
+    if collector is not None:
+        wait_for(collector, wire.Bye)
+
+
+# Parameters of ddp_accum.py's model, in bytes: one all-reduce of each per step.
+PARAM_BYTES = (32 * 64 + 64 + 64 * 4 + 4) * 4
+
+
+@pytest.mark.parametrize(("args", "steps"), [
+    (["--steps", "6", "--accum", "3"], 6),  # no_sync() micro-batches are not steps
+    (["--steps", "6", "--accum", "2", "--by-hand", "--skip-step", "2"], 5),  # GradScaler skips
+    (["--steps", "4", "--accum", "2", "--ddtop-step"], 4),  # ddtop.step too: not twice
+])
+def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: list[str],
+                                                        steps: int) -> None:
+    with collecting() as collector:
+        run_script(collector, tmp_path, *args)
+    for rank in (0, 1):
+        sent = collector.of(wire.Step, rank)
+        assert sum(s.steps for s in sent) == steps and sent[-1].global_step == steps
+        updates = int(args[1])  # every optimizer step all-reduces once, skipped or not
+        assert sum(s.comm_bytes for s in sent) == updates * PARAM_BYTES
+        assert sum(s.comm_ops for s in sent) >= updates and sum(s.comm_s for s in sent) > 0
+        assert collector.of(wire.Hello, rank)[-1].model == "Sequential"
+        assert collector.of(wire.Bye, rank)[-1].exit_code == 0
+    assert not [e for e in collector.of(wire.Event) if e.type in ("warning", "error")]
+
+
+def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path) -> None:
+    run_script(None, tmp_path, "--own-hook", "--out", str(tmp_path / "plain.pt"))
+    with collecting() as collector:
+        run_script(collector, tmp_path, "--own-hook", "--out", str(tmp_path / "watched.pt"))
+    plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert plain.keys() == watched.keys()
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)
+    sent = collector.of(wire.Step, 0)
+    assert sum(s.comm_bytes for s in sent) == 6 * PARAM_BYTES
+
+
+def test_watch_on_a_model_with_a_hook_already_says_so_once(tmp_path: Path) -> None:
+    with collecting() as collector:
+        code, _, err = python("""
+            import os, torch, torch.distributed as dist, ddtop
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            model = DDP(torch.nn.Linear(4, 2))
+            model.register_comm_hook(None, allreduce_hook)
+            ddtop.watch(model)
+            ddtop.watch(model)
+            ddtop.watch(torch.nn.Linear(2, 2))
+            model(torch.ones(1, 4)).sum().backward()
+            dist.destroy_process_group()
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint, "PORT": str(free_port())})
+        assert code == 0, err
+        wait_for(collector, wire.Bye)
+    warnings = [e.message for e in collector.of(wire.Event) if e.type == "warning"]
+    assert len(warnings) == 2, warnings
+    assert "comm timing unavailable: the model already has a comm hook (allreduce_hook)" in (
+        warnings[0])
+    assert "Linear is not DistributedDataParallel" in warnings[1]
+
+
+def test_import_ddtop_is_cheap() -> None:
+    run = subprocess.run([sys.executable, "-X", "importtime", "-c", "import ddtop"],
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0
+    assert "torch" not in run.stderr and "zmq" not in run.stderr
