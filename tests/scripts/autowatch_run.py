@@ -11,7 +11,7 @@ import sys
 from ddtop.training.autowatch import install
 
 if __name__ == "__main__":
-    install()
     script = sys.argv[1]
-    sys.argv = sys.argv[1:]
+    sys.argv = sys.argv[1:]  # before install(): the hello names the program from argv[0]
+    install()
     runpy.run_path(script, run_name="__main__")
