@@ -18,6 +18,8 @@ STALL_STEPS = 20
 SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
 HISTORY_POINTS = 120  # per rank
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "metric_sync")
+# Work outside the steps, stalled only after SLOW_PHASE_STALL_S ("done" never).
+SLOW_PHASES = ("setup", "evaluation", "checkpoint")
 
 # Rank states, as shown.
 STARTING, RUNNING, STALLED, SILENT, DEAD, FINISHED = (

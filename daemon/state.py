@@ -33,8 +33,10 @@ from ddtop.daemon.rankview import (
     RUNNING,
     SILENT,
     SILENT_AFTER_S,
+    SLOW_PHASES,
     STALLED,
     STARTING,
+    STEP_PHASES,
     Point,
     RankView,
 )
@@ -333,6 +335,13 @@ class RunState(msgspec.Struct, kw_only=True):
     # -- what the fold tells -----------------------------------------------------------
     def rank_states(self, now: float) -> dict[int, str]:
         states = {r: v.state(now) for r, v in sorted(self.ranks.items())}
+        # Work only some ranks do (rank 0 evaluating or saving: a slow phase, with a
+        # long stall limit of its own) keeps the others waiting in their next step's
+        # collective: while it is not stalled itself, they wait for it, not stalled.
+        if any(states[r] == RUNNING and v.phase in SLOW_PHASES for r, v in self.ranks.items()):
+            for r, v in self.ranks.items():
+                if states[r] == STALLED and v.phase in STEP_PHASES:
+                    states[r] = RUNNING
         for r in range(self.world_size):
             states.setdefault(r, STARTING if self._young(now) else SILENT)
         return dict(sorted(states.items()))

@@ -67,12 +67,32 @@ def bar(fraction: float, width: int) -> str:
 
 
 def eta(state: RunState, now: float) -> float | None:
-    """Seconds left at the current global rate (steps of the slowest rank)."""
+    """Seconds left at the current global rate (steps of the slowest rank); None
+    when the total is not known (a script that gave none): no made-up ETA."""
     done, total = state.progress()
+    if not total or done >= total:
+        return None
+    if not state.global_batch:  # a script: its ranks' time per step instead
+        times = [v.step_time_s for v in state.ranks.values() if v.step_time_s]
+        return (total - done) * max(times) if times else None
     rate = state.throughput(now)
-    if not total or done >= total or rate <= 0 or not state.global_batch:
+    if rate <= 0:
         return None
     return (total - done) * state.global_batch / rate
+
+
+def scalars_line(state: RunState, limit: int = 6) -> str:
+    """ddtop.log scalars across ranks, 'name mean (min..max)', as many as `limit`."""
+    parts = []
+    for s in state.scalar_summaries()[:limit]:
+        if s.mean is None or s.min is None or s.max is None:
+            parts.append(f"{s.name} not finite")
+        elif s.min == s.max:
+            parts.append(f"{s.name} {s.mean:.4g}")
+        else:
+            parts.append(f"{s.name} {s.mean:.4g} ({s.min:.4g}..{s.max:.4g})")
+    more = len(state.scalars) - limit
+    return " · ".join(parts) + (f" · +{more} more" if more > 0 else "")
 
 
 def elapsed(state: RunState, now: float) -> float:

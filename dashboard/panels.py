@@ -38,7 +38,8 @@ def header(state: RunState, now: float, note: str = "") -> Text:
     text.append(f" {state.status} ", f"reverse {STATUS_STYLE.get(state.status, '')}")
     if note:
         text.append(f"  {note}", "bold yellow")
-    text.append(f"\n{state.model or '?'} on {state.dataset or '?'} · {state.backend or '?'} · "
+    what = state.program or f"{state.model or '?'} on {state.dataset or '?'}"
+    text.append(f"\n{what} · {state.backend or '?'} · "
                 f"{world} ranks on {n_nodes} node{'s' if n_nodes != 1 else ''} · "
                 f"restarts {state.restarts} · telemetry loss {100 * state.telemetry_loss():.2f}%")
     text.append("\n")
@@ -51,10 +52,15 @@ def header(state: RunState, now: float, note: str = "") -> Text:
                 f"{fmt.seconds(fmt.elapsed(state, now))}"
                 f"{' · ETA ' + fmt.seconds(eta) if eta is not None else ''}")
     agg = state.aggregate
-    text.append("\nglobal: ")
-    if agg is None:
+    if agg is None and state.program:  # a user's script: its ddtop.log scalars instead
+        text.append("\nscalars: ")
+        text.append(fmt.scalars_line(state) or "none logged (ddtop.log)",
+                    "" if state.scalars else "dim")
+    elif agg is None:
+        text.append("\nglobal: ")
         text.append("no metric sync yet", "dim")
     else:
+        text.append("\nglobal: ")
         text.append(f"loss {agg.train_loss:.4f} acc {100 * agg.train_accuracy:.2f}%", "bold")
         if agg.val_loss is not None and agg.val_accuracy is not None:
             text.append(f" · val loss {agg.val_loss:.4f} acc {100 * agg.val_accuracy:.2f}%")
@@ -167,18 +173,18 @@ def detail(state: RunState, rank: int, now: float) -> Text:
     text.append("\nper step (ms)\n", "bold")
     step = v.step_time_s or 0.0
 
-    def line(name: str, value: float | None, note: str = "") -> None:
+    def share_row(name: str, value: float | None, note: str = "") -> None:
         share = (value or 0.0) / step if step else 0.0
         text.append(f"{name:>10} {fmt.millis(value):>7} ")
         text.append(fmt.bar(share, 20), "cyan")
         text.append(f" {100 * share:4.0f}%{note}\n")
 
     for name, value in v.phase_split.items():  # these add up to the step
-        line(name, value)
+        share_row(name, value)
     text.append(f"{'step':>10} {fmt.millis(v.step_time_s):>7}\n")
     # DDP all-reduces gradient buckets while backward still runs: this time is
     # part of the phases above, not added to them.
-    line("all-reduce", v.comm_s, " of the step, overlapping backward")
+    share_row("all-reduce", v.comm_s, " of the step, overlapping backward")
     for line in fmt.traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text

@@ -138,3 +138,27 @@ def test_jitter_of_a_few_per_cent_of_the_step_is_not_a_straggler() -> None:
     slowest, _, slow = s.stragglers()
     assert slowest == 2 and slow == []
     assert not any(r.straggler for r in fmt.rank_rows(s, 100.5))
+
+
+def test_a_scripts_header_names_it_shows_its_scalars_and_no_made_up_eta() -> None:
+    def script_hello(rank: int, total_steps: int) -> wire.Hello:
+        return wire.Hello(run=RUN, rank=rank, seq=0, t=100.0, local_rank=rank, host="node",
+                          pid=1000 + rank, device="cpu", backend="gloo", world_size=2,
+                          config_digest="", model="", dataset="", epochs=0, global_batch=0,
+                          program="train.py --lr 3e-4", total_steps=total_steps)
+
+    def scalars(rank: int, seq: int, value: float) -> wire.Scalars:
+        return wire.Scalars(run=RUN, rank=rank, seq=seq, values={"grad_norm": value})
+
+    unknown = fold(script_hello(0, 0), script_hello(1, 0), step(0, 1, 10), step(1, 1, 10))
+    text = panels.header(unknown, 101.0).plain
+    assert "train.py --lr 3e-4 · gloo · 2 ranks" in text and "mlp on" not in text
+    assert "step 10/?" in text and "ETA" not in text  # no total given: no ETA
+    assert "scalars: none logged (ddtop.log)" in text and "metric sync" not in text
+
+    known = fold(script_hello(0, 100), script_hello(1, 100), step(0, 1, 10), step(1, 1, 10),
+                 scalars(0, 2, 1.0), scalars(1, 2, 3.0))
+    text = panels.header(known, 101.0).plain
+    assert "step 10/100 (10.0%)" in text
+    assert "ETA 9.0 s" in text  # 90 steps left at 0.1 s per step
+    assert "scalars: grad_norm 2 (1..3)" in text

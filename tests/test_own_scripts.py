@@ -181,3 +181,17 @@ def test_max_restarts_runs_the_script_again(tmp_path: Path) -> None:
     assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr
     assert "the program resumes by its own means" in run.stderr
     assert "[rank 0] attempt 1 done" in run.stdout and "[rank 1] attempt 1 done" in run.stdout
+
+
+def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(project: Path) -> None:
+    run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "-n", "2",
+                  "--run-id", "zero", "scripts/train.py", "--", "--steps", "30", cwd=project)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (summary["kind"], summary["status"], summary["program"]) == (
+        "summary", "succeeded", "train.py --steps 30")
+    assert [(r["rank"], r["state"], r["global_step"]) for r in summary["ranks"]] == [
+        (0, "finished", 30), (1, "finished", 30)]  # optimizer steps, counted by the hook
+    assert all(r["comm_share"] and r["comm_share"] > 0 for r in summary["ranks"])  # DDP timed
+    assert summary["hang"] is None and summary["telemetry_loss"] == 0

@@ -226,3 +226,18 @@ def test_summary_is_plain_data() -> None:
     assert msgspec.json.decode(msgspec.json.encode(summary)) == summary
     assert [r["state"] for r in summary["ranks"]] == ["running", "running"]
     assert summary["global_step"] == 10 and summary["total_steps"] == 200
+
+
+def test_ranks_waiting_while_one_evaluates_are_not_stalled() -> None:
+    # Rank 0 evaluates alone for 30 s (ddtop.phase("eval")); rank 1 waits in the
+    # next step's all-reduce for as long: waiting for rank 0, not a hang.
+    s = fold(hello(0), hello(1), step(0, 1, 40), step(1, 1, 40),
+             beat(0, 2, "evaluation", 40, phase_s=30.0),
+             beat(1, 2, "backward", 40, phase_s=30.0, started=41, completed=40))
+    assert s.rank_states(100.5) == {0: state.RUNNING, 1: state.RUNNING}
+    assert s.hang(100.5) is None
+    # An evaluation stuck past its own limit is a hang again, for both.
+    s.apply(beat(0, 3, "evaluation", 40, phase_s=400.0), 100.0)
+    s.apply(beat(1, 3, "backward", 40, phase_s=400.0, started=41, completed=40), 100.0)
+    assert s.rank_states(100.5) == {0: state.STALLED, 1: state.STALLED}
+    assert s.hang(100.5) is not None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -48,6 +49,15 @@ from ddtop.training.scripttelemetry import ScriptTelemetry, receiver_answers
 FALLBACK_RUN_ID = "script"
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 STRICT_TIMEOUT_S = 5.0  # ddtop.init(strict=True): how long a receiver may take to answer
+PROGRAM_CHARS = 200  # the program and its arguments, as the dashboard header shows them
+
+
+def program_label() -> str:
+    """The program as the header shows it: its file name and its arguments."""
+    if not sys.argv or not sys.argv[0]:
+        return "python"
+    label = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    return label if len(label) <= PROGRAM_CHARS else label[: PROGRAM_CHARS - 1] + "…"
 
 
 def rank_identity() -> tuple[str, int, int, int]:
@@ -75,7 +85,7 @@ class ScriptRank:
             run=run, rank=rank, local_rank=local_rank, host=socket.gethostname(),
             pid=os.getpid(), device="cpu", backend=_backend(None), world_size=world_size,
             config_digest="", model="", dataset="", epochs=0, global_batch=0,
-            program=Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python",
+            program=program_label(),
             total_steps=0)
         self.telemetry = ScriptTelemetry(endpoint, msgspec.structs.replace(self.hello))
         self.active = True  # False in a forked child (a data loader worker): calls do nothing

@@ -7,7 +7,9 @@ environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...),
 `ddtrain start` was typed in as the working directory (and, for a script, the
 script's folder first on `sys.path`; for a module, the working directory), and
 DDTOP_TELEMETRY and DDTOP_RUN_ID pointing at the run's daemon. The program's
-own `init_process_group()` (env://) and `DDP(...)` work unchanged.
+own `init_process_group()` (env://) and `DDP(...)` work unchanged, and are
+watched with no line changed (training/autowatch.py): optimizer steps, DDP's
+communication, phases; `import ddtop` calls add the loss, phases and scalars.
 
 Started by the daemon's forkserver (torch already imported: fast), by spawn,
 or under torchrun (`python -m ddtop.training.script`, reading the run's
@@ -31,7 +33,7 @@ import torch._dynamo  # noqa: F401
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE, RUN_ID_ENV
 from ddtop.daemon.runs import RunPaths, read_json
-from ddtop.training import worker
+from ddtop.training import api, autowatch, worker
 from ddtop.training.worker import (
     enter_rank,
     leave_rank,
@@ -60,8 +62,16 @@ def program_runner(config: TrainConfig) -> Callable[[], object]:
 
 
 def run_program(config: TrainConfig, rank: int, error_report: Path | None) -> int:
-    """Run the user's program in this process; its exit code."""
-    return run_reported(program_runner(config), rank, error_report, own_frames=_ours)
+    """Run the user's program in this process, instrumented (zero-code mode: steps,
+    comm timing and phases with no line changed; nothing without DDTOP_TELEMETRY);
+    its exit code, which the rank's last telemetry message carries."""
+    runner = program_runner(config)
+    autowatch.install()
+    code = run_reported(runner, rank, error_report, own_frames=_ours)
+    live = api.current()
+    if live is not None:
+        live.close(code)
+    return code
 
 
 def _ours(filename: str) -> bool:
