@@ -58,10 +58,12 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
               else "daemon gone" if info.status == LOST else "finished")
     lines = [f"run {info.paths.run_id}: {info.status} ({daemon}; "
              f"{s.world_size or len(s.ranks)} ranks; {s.restarts} restarts)"]
-    if s.model:
+    if s.model or s.program:
         pct = f" ({100 * s.global_step / s.total_steps:.1f}%)" if s.total_steps else ""
-        lines.append(f"  {s.model} on {s.dataset}, {s.backend}; step {s.global_step}/"
-                     f"{s.total_steps}{pct}; {s.samples_per_s:,.0f} samples/s")
+        what = s.program or f"{s.model} on {s.dataset}"
+        lines.append(f"  {what}, {s.backend}; step {s.global_step}/"
+                     f"{s.total_steps or '?'}{pct}; {s.samples_per_s:,.0f} samples/s")
+    lines += [f"  scalar {c.line()}" for c in s.scalars]
     m = s.metrics
     if m is not None:
         val = (f", val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"

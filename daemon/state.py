@@ -186,8 +186,9 @@ class RunState(msgspec.Struct, kw_only=True):
         if not isinstance(m.total_steps, msgspec.UnsetType):
             self.total_steps = max(0, m.total_steps)
         if not again:
-            self._event(m.t, m.rank, "join", f"rank {m.rank} joined: {m.host} pid {m.pid}, "
-                        f"{m.device}, {m.backend}")
+            where = ", ".join(part for part in (f"{m.host} pid {m.pid}", m.device, m.backend)
+                              if part)  # a script's backend is not known at its first hello
+            self._event(m.t, m.rank, "join", f"rank {m.rank} joined: {where}")
         if self.status == "starting":
             self.status = "running"
 

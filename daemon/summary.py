@@ -94,6 +94,15 @@ class ScalarSummary(msgspec.Struct, kw_only=True):
     ranks: int = 0  # ranks that logged it
     nonfinite: int = 0
 
+    def line(self) -> str:
+        """'grad_norm: mean 2 (min 1 rank 0, max 3 rank 1)'."""
+        if self.mean is None:
+            return f"{self.name}: not finite on {self.nonfinite} of {self.ranks} ranks"
+        spread = ("" if self.min == self.max else
+                  f" (min {self.min:.6g} rank {self.min_rank}, "
+                  f"max {self.max:.6g} rank {self.max_rank})")
+        return f"{self.name}: mean {self.mean:.6g}{spread}"
+
 
 class RunSummary(msgspec.Struct, kw_only=True):
     run_id: str

@@ -25,7 +25,7 @@ import msgspec
 
 from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, describe_exit, exit_for_status
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES
+from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, ScalarSummary
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.feed import CONNECTING, Feed
 
@@ -238,6 +238,10 @@ def summary_text(summary: dict[str, Any], now: float) -> list[str]:
              f"after {fmt.seconds(summary['elapsed_s'])}: step {done}/{total}, "
              f"{summary['restarts']} restarts, telemetry loss "
              f"{100 * summary['telemetry_loss']:.2f}%"]
+    if summary.get("program"):
+        lines.append(f"  program: {summary['program']}")
+    lines += [f"  scalar {msgspec.convert(c, ScalarSummary).line()}"
+              for c in summary.get("scalars", [])]
     m = summary.get("metrics")
     if m:
         val = (f", val loss {m['val_loss']:.4f} acc {100 * m['val_accuracy']:.2f}%"

@@ -195,3 +195,30 @@ def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(project
         (0, "finished", 30), (1, "finished", 30)]  # optimizer steps, counted by the hook
     assert all(r["comm_share"] and r["comm_share"] > 0 for r in summary["ranks"])  # DDP timed
     assert summary["hang"] is None and summary["telemetry_loss"] == 0
+
+
+def test_a_scripts_own_lines_show_in_the_headless_summary_and_status(tmp_path: Path) -> None:
+    (tmp_path / "logs.py").write_text(textwrap.dedent('''\
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import ddtop
+        dist.init_process_group("gloo")
+        ddtop.init(total_steps=20)
+        model = DDP(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(20):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            ddtop.step(loss=loss, samples=8)
+            ddtop.log(grad_norm=float(dist.get_rank() + 1), lr=0.1)
+        '''))
+    run = ddtrain("start", "--foreground", "--headless", "-n", "2", "--run-id", "lg",
+                  "logs.py", "--", "--x", "1", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "step 20/20" in run.stdout and "  program: logs.py --x 1" in run.stdout
+    assert "  scalar grad_norm: mean 1.5 (min 1 rank 0, max 2 rank 1)" in run.stdout
+    assert "  scalar lr: mean 0.1" in run.stdout
+    status = ddtrain("status", "lg", cwd=tmp_path)
+    assert "  logs.py --x 1, gloo; step 20/20 (100.0%)" in status.stdout
+    assert "  scalar grad_norm: mean 1.5 (min 1 rank 0, max 2 rank 1)" in status.stdout
