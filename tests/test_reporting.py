@@ -107,3 +107,23 @@ def test_other_ranks_say_only_that_they_resumed_but_send_everything(
     assert not paths.metrics.exists()
     assert got.errors == 0 and facts_on_the_wire(got) == EXPECTED_WIRE
     assert sum(s.steps for s in got.of(wire.Step)) == 2
+
+
+def test_a_steps_communication_goes_out_with_that_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The all-reduce of a step finishes in its backward, before the step is counted:
+    a Step message sent in between must not take it from the step it belongs to."""
+    with collecting() as got:
+        monkeypatch.setenv(TELEMETRY_ENV, got.endpoint)
+        config = TrainConfig(world_size=2, run_id="comm")
+        tel = open_telemetry(config, 0, 0, 2, torch.device("cpu"), "gloo")
+        for step in (1, 2, 3):
+            tel.comm_done(0.01, 1000)  # this step's all-reduce, during its backward
+            time.sleep(0.25)  # the sender sends a window meanwhile (every 0.1 s)
+            tel.step_done(0, step, 3, step, torch.tensor(1.0), 8, 0.1)
+        tel.close(0)
+        deadline = time.monotonic() + 10
+        while not got.of(wire.Bye) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    steps = got.of(wire.Step)
+    assert sum(s.steps for s in steps) == 3
+    assert [(s.steps, s.comm_ops, s.comm_bytes) for s in steps] == [(1, 1, 1000)] * 3

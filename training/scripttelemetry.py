@@ -61,6 +61,7 @@ class ScriptTelemetry(LiveTelemetry):
         now = time.perf_counter()
         with self._lock:
             w = self._window
+            self._take_comm(w)
             w.steps += 1
             w.step_s += max(0.0, now - self._step_start - self._excluded)
             w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch

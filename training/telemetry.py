@@ -151,6 +151,7 @@ class LiveTelemetry(Telemetry):
         # The step window is swapped out by the sender under this lock.
         self._lock = threading.Lock()
         self._window = self._new_window()
+        self._comm_pending = StepWindow()  # all-reduces of the step not yet counted
         self._finished: list[StepWindow] = []  # windows closed at an epoch boundary
         self._events: collections.deque[wire.Message] = collections.deque([hello])
         self._queue_dropped = 0
@@ -187,6 +188,7 @@ class LiveTelemetry(Telemetry):
         loss_sum = loss * samples if self.cuda else float(loss) * samples
         with self._lock:
             w = self._window
+            self._take_comm(w)
             w.steps += 1
             w.samples += samples
             w.loss_sum = w.loss_sum + loss_sum
@@ -218,12 +220,21 @@ class LiveTelemetry(Telemetry):
         self._coll_completed = coll
 
     def comm_done(self, seconds: float, nbytes: int) -> None:
-        """One gradient all-reduce finished (called by the DDP comm hook)."""
+        """One gradient all-reduce finished (called by the DDP comm hook). It belongs
+        to the step in progress, which is counted later: held until then, so that a
+        window sent in between cannot get the communication without its step."""
         with self._lock:
-            w = self._window
-            w.comm_s += seconds
-            w.comm_bytes += nbytes
-            w.comm_ops += 1
+            self._comm_pending.comm_s += seconds
+            self._comm_pending.comm_bytes += nbytes
+            self._comm_pending.comm_ops += 1
+
+    def _take_comm(self, w: StepWindow) -> None:
+        """Under the lock: the communication of the step just counted, into `w`."""
+        pending = self._comm_pending
+        w.comm_s += pending.comm_s
+        w.comm_bytes += pending.comm_bytes
+        w.comm_ops += pending.comm_ops
+        pending.comm_s, pending.comm_bytes, pending.comm_ops = 0.0, 0, 0
 
     def aggregate(self, scope: wire.Scope, epoch: int, global_step: int, **metrics: Any) -> None:
         self._queue(wire.Aggregate(run=self.run, rank=self.rank, scope=scope, epoch=epoch,
