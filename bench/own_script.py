@@ -50,12 +50,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
+from telemetry import Listener  # bench/telemetry.py, beside this script
 
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
@@ -124,32 +123,6 @@ if rank == 0:
         "params": sum(p.numel() for p in model.parameters())}), flush=True)
 dist.destroy_process_group()
 '''
-
-
-class Listener:
-    """A PULL socket drained by a thread, as the daemon would."""
-
-    def __init__(self) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PULL)
-        self.socket.bind("tcp://127.0.0.1:*")
-        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.count = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._drain, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        while not self.stop.is_set():
-            if self.socket.poll(100):
-                self.socket.recv_multipart()
-                self.count += 1
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.socket.close(linger=0)
-        self.context.term()
 
 
 @dataclass
