@@ -339,9 +339,13 @@ class RunState(msgspec.Struct, kw_only=True):
         # Work only some ranks do (rank 0 evaluating or saving: a slow phase, with a
         # long stall limit of its own) keeps the others waiting in their next step's
         # collective: while it is not stalled itself, they wait for it, not stalled.
-        if any(states[r] == RUNNING and v.phase in SLOW_PHASES for r, v in self.ranks.items()):
+        slow = [v for r, v in self.ranks.items() if states[r] == RUNNING and v.phase in SLOW_PHASES]
+        if slow:
+            # Waiting for it: inside a collective that the slow rank has not reached.
+            reached = min(v.coll_started.seq if v.coll_started else 0 for v in slow)
             for r, v in self.ranks.items():
-                if states[r] == STALLED and v.phase in STEP_PHASES:
+                if (states[r] == STALLED and v.phase in STEP_PHASES and v.in_collective
+                        and v.coll_started is not None and v.coll_started.seq > reached):
                     states[r] = RUNNING
         for r in range(self.world_size):
             states.setdefault(r, STARTING if self._young(now) else SILENT)

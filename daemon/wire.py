@@ -25,7 +25,14 @@ MAX_TRACEBACK_CHARS = 16 * 1024
 # many characters; a frame over either limit is refused as malformed.
 MAX_SCALAR_KEYS = 64
 MAX_SCALAR_KEY_CHARS = 64
-ScalarKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SCALAR_KEY_CHARS)]
+# Keys are printed as they are (terminal, logs): names only, no control characters.
+SCALAR_KEY_PATTERN = r"^[A-Za-z0-9_.:/@+-]+$"
+ScalarKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SCALAR_KEY_CHARS,
+                                        pattern=SCALAR_KEY_PATTERN)]
+# A script's name and arguments, as a hello carries them; printable characters only.
+MAX_PROGRAM_CHARS = 200
+ProgramText = Annotated[str, msgspec.Meta(max_length=MAX_PROGRAM_CHARS,
+                                          pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "metric_sync",
                 "checkpoint", "evaluation", "done"]
@@ -72,8 +79,8 @@ class Hello(_Header, tag="hello", tag_field="kind", kw_only=True):
     # A user's own script (ddtop.init): its file name and, if it said, how many
     # optimizer steps the run will take. Absent (UNSET: not even encoded) from
     # the built-in trainer, whose hello is unchanged.
-    program: str | UnsetType = UNSET
-    total_steps: int | UnsetType = UNSET
+    program: ProgramText | UnsetType = UNSET
+    total_steps: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] | UnsetType = UNSET
 
 
 class Step(_Header, tag="step", tag_field="kind", kw_only=True):

@@ -80,9 +80,11 @@ def test_strict_with_nobody_listening_errors_and_with_a_receiver_passes(tmp_path
     assert (code, out) == (0, "True\n"), err
 
 
-def wait_for(collector: Collector, kind: type, timeout: float = 5.0) -> None:
+def wait_for(collector: Collector, kind: type, count: int = 1, timeout: float = 10.0) -> None:
+    """Until `count` messages of `kind` arrived; fails after `timeout`."""
     deadline = time.monotonic() + timeout
-    while not collector.of(kind) and time.monotonic() < deadline:
+    while len(collector.of(kind)) < count:
+        assert time.monotonic() < deadline, f"{count} {kind.__name__} not received"
         time.sleep(0.05)
 
 
@@ -136,7 +138,7 @@ def run_script(collector: Collector | None, tmp_path: Path, *args: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.leftovers == []
     if collector is not None:
-        wait_for(collector, wire.Bye)
+        wait_for(collector, wire.Bye, count=2)  # both ranks
 
 
 # Parameters of ddp_accum.py's model, in bytes: one all-reduce of each per step.

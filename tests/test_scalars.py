@@ -29,7 +29,7 @@ def script_hello(rank: int, seq: int = 0, **fields: object) -> wire.Hello:
 def fold(*messages: wire.Message) -> RunState:
     s = RunState(run=RUN)
     for m in messages:
-        assert s.apply(m, 100.0) or True
+        s.apply(m, 100.0)
     return s
 
 
@@ -76,6 +76,8 @@ def frame(**fields: object) -> list[bytes]:
     {"a": "one"},  # not a number
     {"a": None},
     [1.0, 2.0],  # not a map
+    {"loss\x1b[2J": 1.0},  # a terminal escape in a key
+    {"two words": 1.0},
 ])
 def test_hostile_scalars_frames_are_refused(values: object) -> None:
     with pytest.raises(wire.Malformed):
@@ -116,3 +118,13 @@ def test_a_step_with_a_loss_weight_divides_by_it() -> None:
     assert fold(script_hello(0), step).ranks[0].loss == pytest.approx(2.0)
     unweighted = msgspec.structs.replace(step, loss_weight=0.0)
     assert fold(script_hello(0), unweighted).ranks[0].loss is None
+
+
+@pytest.mark.parametrize("fields", [
+    {"program": "x" * (wire.MAX_PROGRAM_CHARS + 1)}, {"program": "train.py\n[rank 0] fake"},
+    {"total_steps": -1},
+])
+def test_hostile_hello_fields_are_refused(fields: dict[str, object]) -> None:
+    raw = msgspec.msgpack.decode(wire.encode(script_hello(0))[0])
+    with pytest.raises(wire.Malformed):
+        wire.decode([msgspec.msgpack.encode({**raw, **fields})], run=RUN)

@@ -241,3 +241,11 @@ def test_ranks_waiting_while_one_evaluates_are_not_stalled() -> None:
     s.apply(beat(1, 3, "backward", 40, phase_s=400.0, started=41, completed=40), 100.0)
     assert s.rank_states(100.5) == {0: state.STALLED, 1: state.STALLED}
     assert s.hang(100.5) is not None
+
+
+def test_a_rank_stuck_in_its_own_step_stays_stalled_while_another_evaluates() -> None:
+    # Rank 1 is not waiting in a collective rank 0 has yet to reach: stuck in its forward.
+    s = fold(hello(0), hello(1), step(0, 1, 40), step(1, 1, 40),
+             beat(0, 2, "evaluation", 40, phase_s=30.0, started=40, completed=40),
+             beat(1, 2, "forward", 40, phase_s=30.0, started=40, completed=40))
+    assert s.rank_states(100.5) == {0: state.RUNNING, 1: state.STALLED}

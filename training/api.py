@@ -49,7 +49,7 @@ from ddtop.training.scripttelemetry import ScriptTelemetry, receiver_answers
 FALLBACK_RUN_ID = "script"
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 STRICT_TIMEOUT_S = 5.0  # ddtop.init(strict=True): how long a receiver may take to answer
-PROGRAM_CHARS = 200  # the program and its arguments, as the dashboard header shows them
+PROGRAM_CHARS = wire.MAX_PROGRAM_CHARS  # the program and its arguments, as the header shows them
 
 
 def program_label() -> str:
@@ -57,6 +57,7 @@ def program_label() -> str:
     if not sys.argv or not sys.argv[0]:
         return "python"
     label = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    label = "".join(c if c.isprintable() else "?" for c in label)
     return label if len(label) <= PROGRAM_CHARS else label[: PROGRAM_CHARS - 1] + "…"
 
 
@@ -107,10 +108,11 @@ class ScriptRank:
     def init(self, total_steps: int | None, epochs: int | None, strict: bool) -> str | None:
         """Totals for progress and ETA; with `strict`, why nobody answers (or None)."""
         changes: dict[str, Any] = {}
+        # Clamped to what the wire carries, so that a huge total cannot stop the sender.
         if total_steps is not None and total_steps >= 0:
-            changes["total_steps"] = int(total_steps)
+            changes["total_steps"] = min(int(total_steps), 1 << 62)
         if epochs is not None and epochs >= 0:
-            changes["epochs"] = int(epochs)
+            changes["epochs"] = min(int(epochs), 1 << 31)
         self._update_hello(**changes)
         total, count = self.hello.total_steps, self.hello.epochs
         if isinstance(total, int) and total > 0 and count > 0:

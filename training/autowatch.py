@@ -24,6 +24,8 @@ so once, as a warning event.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,11 +60,27 @@ def install() -> bool:
     return True
 
 
+def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
+    """A hook that reports its own failure once, as a warning, instead of raising
+    into the user's program."""
+    @functools.wraps(hook)
+    def guarded(*args: Any) -> None:
+        try:
+            hook(*args)
+        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+            if _installed is not None:
+                _installed.warn_once(f"hook-{hook.__name__}", f"ddtop's {hook.__name__} "
+                                     f"hook failed and was skipped: {type(e).__name__}: {e}")
+    return guarded
+
+
+@_guarded
 def _optimizer_starts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _installed is not None:
         _installed.enter_phase("optimizer")
 
 
+@_guarded
 def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _installed is not None:
         _installed.optimizer_stepped(optimizer)
@@ -78,7 +96,12 @@ def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
     if rank is None or not rank.active:
         return
     try:
-        if timer_of(self) is None and not self._comm_hooks:
+        if getattr(self, "_use_python_reducer", False):
+            # Compiled autograd's Python reducer calls comm hooks with (grad, param),
+            # not a bucket: leave the model untimed rather than break its backward.
+            rank.warn_once("python-reducer", "comm timing unavailable: DDP runs with "
+                           "compiled autograd's Python reducer")
+        elif timer_of(self) is None and not self._comm_hooks:
             rank.timer_for(self).attach(self)
         elif timer_of(self) is None:
             rank.warn_once("builtin-hook", "comm timing unavailable: this DDP model has a "
@@ -112,12 +135,18 @@ def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
     timer.wrap(hook, state)
 
 
+@_guarded
 def _forward_starts(module: torch.nn.Module, inputs: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # nothing to trace into a compiled graph
     if _installed is not None:
         training = torch.is_grad_enabled() and module.training
         _installed.enter_phase("forward" if training else "evaluation")
 
 
+@_guarded
 def _forward_done(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     if _installed is not None and torch.is_grad_enabled() and module.training:
         _installed.enter_phase("backward")  # the loss, then backward

@@ -51,6 +51,11 @@ class CommTimer:
         self._last_end = 0.0
         self._pending: list[tuple[Any, Any, int]] = []  # CUDA: (start, end, bytes)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "CommTimer":
+        """A copy of a watched model (an EMA copy, say) shares its timer: the timer
+        holds a lock and the rank's telemetry, which are not copied."""
+        return self
+
     def attach(self, ddp: DDP) -> None:
         if self.process_group is None:
             self.process_group = ddp.process_group
@@ -76,18 +81,19 @@ class CommTimer:
         nbytes = buffer.numel() * buffer.element_size()
         group = self.process_group or dist.group.WORLD
         assert group is not None
-        if self.inner is None:
+        inner = self.inner  # read once: a hook registered meanwhile applies from the next bucket
+        if inner is None:
             buffer.div_(group.size())  # as allreduce_hook: divide first, then sum
         coll = self.telemetry.collective_started("allreduce", nbytes)
         if self.cuda:
             start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start_ev.record()
         start = time.perf_counter()
-        if self.inner is None:
+        if inner is None:
             fut: torch.futures.Future[Any] = dist.all_reduce(
                 buffer, group=group, async_op=True).get_future()
         else:
-            hook, state = self.inner
+            hook, state = inner
             fut = hook(state, bucket)
 
         def finished(f: torch.futures.Future[Any]) -> torch.Tensor:
@@ -105,7 +111,7 @@ class CommTimer:
             self.telemetry.collective_completed(coll)
             value = f.value()
             # all_reduce's future holds [tensor]; a comm hook's holds the tensor.
-            reduced: torch.Tensor = value if self.inner is not None else value[0]
+            reduced: torch.Tensor = value if inner is not None else value[0]
             return reduced
 
         return fut.then(finished)

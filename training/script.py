@@ -20,9 +20,14 @@ of the built-in trainer: its traceback in the log and in the error report.
 from __future__ import annotations
 
 import atexit
+import builtins
+import logging
+import multiprocessing.util
 import os
 import runpy
 import sys
+import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,12 +58,23 @@ def program_runner(config: TrainConfig) -> Callable[[], object]:
         script = config.program
         sys.argv = [script, *config.program_args]
         sys.path.insert(0, str(Path(script).resolve().parent))
-        return lambda: runpy.run_path(script, run_name="__main__")
+        return lambda: run_as_main(Path(script).absolute())
     module = config.module
     assert module is not None, "a program or a module"
     sys.argv = [module, *config.program_args]  # runpy puts the module's file in argv[0]
     sys.path.insert(0, workdir)
     return lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def run_as_main(path: Path) -> None:
+    """Run a script as `python script.py` does: a fresh `__main__` module whose
+    `__file__` is the absolute path (sys.argv[0] stays as typed)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update({"__file__": str(path), "__builtins__": builtins, "__spec__": None,
+                          "__loader__": None, "__package__": None, "__cached__": None})
+    sys.modules["__main__"] = main  # pickling what the script defines finds it here
+    # The user's own script, run as python itself would run it.
+    exec(compile(path.read_bytes(), str(path), "exec"), main.__dict__)
 
 
 def run_program(config: TrainConfig, rank: int, error_report: Path | None) -> int:
@@ -76,7 +92,7 @@ def run_program(config: TrainConfig, rank: int, error_report: Path | None) -> in
 
 def _ours(filename: str) -> bool:
     """Frames of ddtop and runpy, in front of the program's own in a traceback."""
-    return filename in (__file__, _WORKER_FILE) or "runpy" in filename
+    return filename in (__file__, _WORKER_FILE, runpy.__file__, "<frozen runpy>")
 
 
 def launched_script(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,
@@ -87,10 +103,16 @@ def launched_script(rank: int, world_size: int, config_dict: dict[str, Any], run
     os.environ.update(torchrun_environment(rank, world_size, master_addr, master_port, attempt))
     os.environ[RUN_ID_ENV] = paths.run_id
     config = TrainConfig.from_dict(config_dict)
-    # A forked rank ends with os._exit (the forkserver's atexit handlers are not the
-    # program's to run), so the program's own handlers are run here, and only those.
+    # A forked rank ends with os._exit (the forkserver's own atexit handlers are not
+    # the program's to run), so the program's shutdown is done here as Python does
+    # it: join its threads, then its exit handlers and the standard ones it relies on.
     atexit._clear()
+    atexit.register(logging.shutdown)  # flush its log handlers (registered first: runs last)
+    # multiprocessing's own exit handler joins the program's child processes.
+    atexit.register(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
+    # (weakref.finalize's exit callbacks are not run: the forkserver's would run too.)
     code = run_program(config, rank, paths.rank_error(rank))
+    threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, executors
     atexit._run_exitfuncs()
     leave_rank(code)
 

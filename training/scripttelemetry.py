@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
@@ -89,6 +90,10 @@ class ScriptTelemetry(LiveTelemetry):
                 problems.append(f"key {key[:wire.MAX_SCALAR_KEY_CHARS]!r}... is longer than "
                                 f"{wire.MAX_SCALAR_KEY_CHARS} characters: dropped")
                 continue
+            if not _KEY.match(key):
+                problems.append(f"key {key!r} may hold only letters, digits and _.:/@+-: "
+                                "dropped")
+                continue
             value = _scalar_value(raw)
             if value is None:
                 problems.append(f"{key}={type(raw).__name__} is not a number: dropped")
@@ -120,6 +125,9 @@ class ScriptTelemetry(LiveTelemetry):
             return (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
                     None)
         return super()._memory()
+
+
+_KEY = re.compile(wire.SCALAR_KEY_PATTERN)
 
 
 def _loss_value(loss: Any) -> float | torch.Tensor | None:
