@@ -206,3 +206,30 @@ def test_import_ddtop_is_cheap() -> None:
                          capture_output=True, text=True, timeout=30)
     assert run.returncode == 0
     assert "torch" not in run.stderr and "zmq" not in run.stderr
+
+
+def test_a_watched_model_can_be_deep_copied_and_still_trains(tmp_path: Path) -> None:
+    """An EMA copy (copy.deepcopy of the DDP model) shares the timer instead of
+    failing to copy its lock and sender."""
+    with collecting() as collector:
+        code, out, err = python("""
+            import copy, os, torch, torch.distributed as dist, ddtop
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            model = ddtop.watch(DDP(torch.nn.Linear(4, 2)))
+            ema = copy.deepcopy(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                ddtop.step()
+            print("copied", type(ema).__name__)
+            dist.destroy_process_group()
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint, "PORT": str(free_port())})
+        assert code == 0, err
+        assert out == "copied DistributedDataParallel\n"
+        wait_for(collector, wire.Bye)
+    assert sum(s.steps for s in collector.of(wire.Step)) == 3
+    assert sum(s.comm_ops for s in collector.of(wire.Step)) == 3
