@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddtop.training.api import ScriptRank
+    from ddtop.training.api import LiveRank
 
 __all__ = ["TelemetryUnavailable", "init", "log", "phase", "step", "watch"]
 
@@ -40,7 +39,7 @@ __all__ = ["TelemetryUnavailable", "init", "log", "phase", "step", "watch"]
 PHASES = {"data": "data", "forward": "forward", "backward": "backward",
           "optimizer": "optimizer", "eval": "evaluation", "evaluation": "evaluation",
           "validation": "evaluation", "checkpoint": "checkpoint", "save": "checkpoint",
-          "setup": "setup"}
+          "sync": "metric_sync", "setup": "setup"}
 
 
 class TelemetryUnavailable(RuntimeError):
@@ -50,10 +49,10 @@ class TelemetryUnavailable(RuntimeError):
 _NULL_PHASE: AbstractContextManager[None] = contextlib.nullcontext()
 _UNRESOLVED: Any = object()
 # None: telemetry off in this process; else the live rank. Resolved once.
-_live: ScriptRank | None = _UNRESOLVED
+_live: LiveRank | None = _UNRESOLVED
 
 
-def _resolve() -> ScriptRank | None:
+def _resolve() -> LiveRank | None:
     """The live rank when DDTOP_TELEMETRY names an endpoint (imported and
     started on the first call that needs it), else None, for good."""
     global _live
@@ -71,11 +70,13 @@ def _resolve() -> ScriptRank | None:
 
 
 def init(*, total_steps: int | None = None, epochs: int | None = None,
-         strict: bool = False) -> bool:
+         start_step: int | None = None, strict: bool = False) -> bool:
     """Start reporting this rank (rank, local rank and world size from torchrun's
     RANK, LOCAL_RANK, WORLD_SIZE; the run id from DDTOP_RUN_ID). Optional: the
-    optimizer steps the run will take and its epochs, for progress and ETA. Any
-    other call starts reporting by itself; calling init later only adds totals.
+    optimizer steps the run will take and its epochs, for progress and ETA, and
+    the steps already done when it resumes from a checkpoint (`start_step`:
+    counting goes on from there). Any other call starts reporting by itself;
+    calling init later only adds totals.
 
     True when telemetry is live. With `strict` (CI): raises TelemetryUnavailable
     when DDTOP_TELEMETRY is not set or no ddtop receiver answers at it within a
@@ -88,7 +89,8 @@ def init(*, total_steps: int | None = None, epochs: int | None = None,
                 "ddtop.init(strict=True): DDTOP_TELEMETRY is not set (or is 'off'): run the "
                 "script with `ddtrain start SCRIPT`, or set DDTOP_TELEMETRY to a receiver")
         return False
-    problem = live.init(total_steps=total_steps, epochs=epochs, strict=strict)
+    problem = live.init(total_steps=total_steps, epochs=epochs, strict=strict,
+                        start_step=start_step)
     if problem is not None:
         raise TelemetryUnavailable(f"ddtop.init(strict=True): {problem}")
     return True
@@ -98,7 +100,9 @@ def watch(model: Any) -> Any:
     """Time the gradient communication of a DistributedDataParallel `model` (comm
     time, bytes, ops per step) through its comm hook, and return the model. A
     model that already has a comm hook keeps it; timing is then reported as
-    unavailable, once. Never raises."""
+    unavailable, once. Given an optimizer: its learning rate is shown, and under
+    `ddtrain start` its steps are the ones counted (else the first optimizer
+    that steps). Never raises."""
     live = _live if _live is not _UNRESOLVED else _resolve()
     if live is not None:
         live.watch(model)
@@ -118,25 +122,33 @@ def step(loss: Any = None, samples: int | None = None) -> None:
 
 def phase(name: str) -> AbstractContextManager[None]:
     """`with ddtop.phase("eval"):` the rank is in that phase (data, forward,
-    backward, optimizer; eval, checkpoint, setup: work that only some ranks do,
-    whose time is not step time). An unknown name raises ValueError, with or
-    without telemetry, so a script behaves the same both ways."""
+    backward, optimizer, sync: parts of a step; eval, checkpoint, setup: work
+    that only some ranks may do, whose time is not step time). An unknown name
+    raises ValueError, with or without telemetry, so a script behaves the same
+    both ways."""
     if name not in PHASES:
         raise ValueError(f"ddtop.phase({name!r}): not a phase; use one of "
                          f"{', '.join(sorted(PHASES))}")
     live = _live if _live is not _UNRESOLVED else _resolve()
     if live is None:
         return _NULL_PHASE
-    return _phase(live, PHASES[name])
+    return _Phase(live, PHASES[name])
 
 
-@contextlib.contextmanager
-def _phase(live: ScriptRank, name: str) -> Iterator[None]:
-    previous = live.enter_phase(name)
-    try:
-        yield
-    finally:
-        live.enter_phase(previous)
+class _Phase:
+    """In phase `name` inside the block, back to the phase before after it (a
+    class, not a generator: this runs several times per step in the trainer)."""
+
+    __slots__ = ("live", "name", "previous")
+
+    def __init__(self, live: LiveRank, name: str) -> None:
+        self.live, self.name, self.previous = live, name, ""
+
+    def __enter__(self) -> None:
+        self.previous = self.live.enter_phase(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.enter_phase(self.previous)
 
 
 def log(**scalars: Any) -> None:

@@ -6,8 +6,9 @@
    off / on with a listener / on with nobody listening, interleaved, `--repeats`
    runs each; steps per second from rank 0's "training done" line; median and
    ratio to "off" (target: at least 0.99).
-2. Cost on the training thread of one step's telemetry calls (4 phase changes
-   and step_done), in microseconds, with a live sender thread and listener.
+2. Cost on the training thread of one step's reporting calls, as the trainer
+   makes them (4 `with ddtop.phase(...)` and `ddtop.step(loss=..., samples=...)`),
+   in microseconds, off and with a live sender thread and listener.
 3. The DDP comm hook's all-reduce time against `dist.all_reduce` of the same
    bytes on the same gloo group, timed side by side in the same 2 processes
    (target: within 10%). Per iteration the faster of the two ranks' figures
@@ -101,27 +102,37 @@ def throughput(repeats: int, samples: int) -> None:
 def publish_cost() -> None:
     import torch
 
+    import ddtop
     from ddtop.daemon import wire
-    from ddtop.training.telemetry import LiveTelemetry, Telemetry
+    from ddtop.daemon.contract import TELEMETRY_ENV
+    from ddtop.training import api
 
     listener = Listener()
-    hello = wire.Hello(run="bench", rank=0, local_rank=0, host="h", pid=1, device="cpu",
-                       backend="gloo", world_size=2, config_digest="x", model="mlp",
-                       dataset="synthetic", epochs=1, global_batch=64)
     loss = torch.tensor(2.3)
     n = 100_000
     results = {}
-    for name, tel in (("off (null object)", Telemetry()),
-                      ("on", LiveTelemetry(listener.endpoint, hello, torch.device("cpu")))):
+    for name in ("off (no endpoint)", "on"):
+        if name == "on":
+            os.environ[TELEMETRY_ENV] = listener.endpoint
+            live = api.start(run="bench", world_size=2)
+        else:
+            os.environ.pop(TELEMETRY_ENV, None)
+            ddtop._live = None
+            live = None
         start = time.perf_counter()
-        for i in range(n):
-            tel.phase("data")
-            tel.phase("forward")
-            tel.phase("backward")
-            tel.phase("optimizer")
-            tel.step_done(0, i, n, i, loss, 32, 0.1)
+        for _ in range(n):
+            with ddtop.phase("data"):
+                pass
+            with ddtop.phase("forward"):
+                pass
+            with ddtop.phase("backward"):
+                pass
+            with ddtop.phase("optimizer"):
+                pass
+            ddtop.step(loss=loss, samples=32)
         results[name] = (time.perf_counter() - start) / n * 1e6
-        tel.close(0)
+        if live is not None:
+            live.close(0)
     step = wire.Step(run="r", rank=0, epoch=0, step=1, steps_per_epoch=2, global_step=1,
                      steps=1, samples=8, loss_sum=1.0, lr=0.1, step_s=0.1, data_s=0,
                      forward_s=0, backward_s=0, optimizer_s=0, comm_s=0, comm_bytes=0,

@@ -77,7 +77,12 @@ class RunInfo:
     @property
     def status(self) -> str:
         if self.record.status not in wire.FINAL_STATUSES and not self.live:
-            return LOST
+            # The daemon may have written its last record and exited since run.json
+            # was read: read it again before calling the run lost.
+            again = RunInfo.load(self.paths)
+            if again.record.status not in wire.FINAL_STATUSES:
+                return LOST
+            self.record, self.problem = again.record, again.problem
         return self.record.status
 
     @property

@@ -149,6 +149,8 @@ PARAM_BYTES = (32 * 64 + 64 + 64 * 4 + 4) * 4
     (["--steps", "6", "--accum", "3"], 6),  # no_sync() micro-batches are not steps
     (["--steps", "6", "--accum", "2", "--by-hand", "--skip-step", "2"], 5),  # GradScaler skips
     (["--steps", "4", "--accum", "2", "--ddtop-step"], 4),  # ddtop.step too: not twice
+    # ddtop.step every iteration, one skipped by GradScaler: counted, as the script says
+    (["--steps", "5", "--accum", "2", "--skip-step", "1", "--ddtop-step"], 5),
 ])
 def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: list[str],
                                                         steps: int) -> None:
@@ -162,13 +164,18 @@ def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: li
         assert sum(s.comm_ops for s in sent) >= updates and sum(s.comm_s for s in sent) > 0
         assert collector.of(wire.Hello, rank)[-1].model == "Sequential"
         assert collector.of(wire.Bye, rank)[-1].exit_code == 0
+        if "--ddtop-step" in args:  # every call's loss and samples went with a step
+            assert sum(s.samples for s in sent) == steps * 16
+            assert sum(s.loss_weight for s in sent) == steps * 16
     assert not [e for e in collector.of(wire.Event) if e.type in ("warning", "error")]
 
 
-def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path) -> None:
-    run_script(None, tmp_path, "--own-hook", "--out", str(tmp_path / "plain.pt"))
+@pytest.mark.parametrize("hook", ["--own-hook", "--builtin-hook"])
+def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path,
+                                                                 hook: str) -> None:
+    run_script(None, tmp_path, hook, "--out", str(tmp_path / "plain.pt"))
     with collecting() as collector:
-        run_script(collector, tmp_path, "--own-hook", "--out", str(tmp_path / "watched.pt"))
+        run_script(collector, tmp_path, hook, "--out", str(tmp_path / "watched.pt"))
     plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
     assert plain.keys() == watched.keys()
     assert all(torch.equal(plain[k], watched[k]) for k in plain)

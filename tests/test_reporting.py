@@ -1,7 +1,7 @@
 """The reporter: each fact, reported once, reaches rank 0's console and
-metrics.jsonl and the telemetry (a real LiveTelemetry to a real PULL socket on
-loopback), with the same numbers in both; other ranks stay quiet but still
-send everything."""
+metrics.jsonl and the telemetry (the rank's real `ddtop` reporter, as the
+trainer starts it, to a real PULL socket on loopback), with the same numbers
+in both; other ranks stay quiet but still send everything."""
 
 from __future__ import annotations
 
@@ -21,8 +21,12 @@ from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv
 from ddtop.training.metrics import GlobalMetrics
 from ddtop.training.reporting import Reporter
-from ddtop.training.telemetry import open_telemetry
+from ddtop.training.telemetry import LiveTelemetry
+from ddtop.training.trainer import start_reporting
 
+HELLO = wire.Hello(run="comm", rank=0, local_rank=0, host="h", pid=1, device="cpu",
+                   backend="gloo", world_size=2, config_digest="", model="mlp",
+                   dataset="synthetic", epochs=1, global_batch=16)
 SYNC = GlobalMetrics(loss=1.25, accuracy=0.5, samples=64)
 VAL = GlobalMetrics(loss=0.75, accuracy=0.625, samples=24)
 
@@ -41,18 +45,22 @@ def report_resumed_epoch(rank: int, tmp_path: Path,
 def _report(rank: int, paths: RunPaths, got: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
     config = TrainConfig(world_size=2, epochs=1, run_id=paths.run_id)
     monkeypatch.setenv(TELEMETRY_ENV, got.endpoint)
-    telemetry = open_telemetry(config, rank, rank, 2, torch.device("cpu"), "gloo")
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2)):
+        monkeypatch.setenv(name, str(value))
+    live = start_reporting(config, torch.device("cpu"), "gloo", total_steps=4)
+    assert live is not None
+    telemetry = live.telemetry
     report = Reporter.for_rank(config, RankEnv(rank, rank, 2, 2), paths, time.time(), telemetry)
     report.resumed(paths.checkpoints / "step-00000002.pt", Position(0, 2), 2)
     report.started("gloo", torch.device("cpu"), nn.Linear(4, 2), range(128), range(24), 4)
     report.epoch_started(0)
     for step in (3, 4):
-        report.step(0, step, 4, step, torch.tensor(0.5 * step), 16, 0.1)
+        report.step(0, step, 4, step, torch.tensor(0.5 * step), 16)
     report.synced(0, 4, 4, SYNC)
     report.checkpointed(paths.checkpoints / "step-00000004.pt", Position(1, 0), 4)
     report.epoch_done(0, 4, SYNC, VAL)
     report.stopped(Position(1, 0), 4)
-    telemetry.close(0)
+    live.close(0)
     deadline = time.monotonic() + 10
     while not got.of(wire.Bye, rank) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -114,12 +122,12 @@ def test_a_steps_communication_goes_out_with_that_step(monkeypatch: pytest.Monke
     a Step message sent in between must not take it from the step it belongs to."""
     with collecting() as got:
         monkeypatch.setenv(TELEMETRY_ENV, got.endpoint)
-        config = TrainConfig(world_size=2, run_id="comm")
-        tel = open_telemetry(config, 0, 0, 2, torch.device("cpu"), "gloo")
+        tel = LiveTelemetry(got.endpoint, HELLO)
         for step in (1, 2, 3):
             tel.comm_done(0.01, 1000)  # this step's all-reduce, during its backward
             time.sleep(0.25)  # the sender sends a window meanwhile (every 0.1 s)
-            tel.step_done(0, step, 3, step, torch.tensor(1.0), 8, 0.1)
+            tel.count_step(0, step, 3, step, 0.1)
+            tel.add_loss(torch.tensor(1.0), 8)
         tel.close(0)
         deadline = time.monotonic() + 10
         while not got.of(wire.Bye) and time.monotonic() < deadline:

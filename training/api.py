@@ -1,14 +1,18 @@
-"""The live side of `import ddtop` in a user's script: one `ScriptRank` per process.
+"""The live side of `import ddtop`: one `LiveRank` per process.
 
 `ddtop` (api/__init__.py) imports this module on the first call that finds
-DDTOP_TELEMETRY set, and forwards every call to `current()`. It is built on
-the trainer's own pieces: `LiveTelemetry` (a sender thread, non-blocking
-sends, heartbeats) and `CommTimer` (DDP's comm hook). What a script adds:
+DDTOP_TELEMETRY set, and forwards every call to `current()`. A user's script
+and the built-in trainer (trainer.py) report through the same calls, so
+there is one way a rank is counted and timed. It is built on `LiveTelemetry`
+(a sender thread, non-blocking sends, heartbeats) and `CommTimer` (DDP's
+comm hook):
 
-- Its identity comes from torchrun's RANK, LOCAL_RANK and WORLD_SIZE (0, 0, 1
-  without them) and DDTOP_RUN_ID (else TORCHELASTIC_RUN_ID, else "script").
-  It says hello at once, and again when it learns more (the model's class, the
-  device, the backend, the totals given to `ddtop.init`).
+- A script's identity comes from torchrun's RANK, LOCAL_RANK and WORLD_SIZE
+  (0, 0, 1 without them) and DDTOP_RUN_ID (else TORCHELASTIC_RUN_ID, else
+  "script"); the built-in trainer gives its own (`start`: the run id its ranks
+  agreed on, its config, model and dataset). It says hello at once, and again
+  when it learns more (the model's class, the device, the backend, the totals
+  given to `ddtop.init`).
 - Steps are counted where they happen: by `ddtop.step()`, and under
   `ddtrain start` also by a global optimizer hook (autowatch.py). The two are
   paired so a step is never counted twice: a `step()` right after the hook
@@ -44,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddtop.daemon import wire
 from ddtop.daemon.contract import RUN_ID_ENV, TELEMETRY_ENV
 from ddtop.training.commtimer import CommTimer
-from ddtop.training.scripttelemetry import ScriptTelemetry, receiver_answers
+from ddtop.training.telemetry import LiveTelemetry, receiver_answers
 
 FALLBACK_RUN_ID = "script"
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
@@ -76,10 +80,11 @@ def rank_identity() -> tuple[str, int, int, int]:
     return run, rank, number("LOCAL_RANK", rank), number("WORLD_SIZE", 1)
 
 
-class ScriptRank:
+class LiveRank:
     """This process, reporting: what `ddtop.init/watch/step/phase/log` do live."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, **identity: Any) -> None:
+        """`identity`: Hello fields that replace what the environment says."""
         run, rank, local_rank, world_size = rank_identity()
         self.endpoint = endpoint
         self.hello = wire.Hello(
@@ -88,10 +93,11 @@ class ScriptRank:
             config_digest="", model="", dataset="", epochs=0, global_batch=0,
             program=program_label(),
             total_steps=0)
-        self.telemetry = ScriptTelemetry(endpoint, msgspec.structs.replace(self.hello))
+        self.hello = msgspec.structs.replace(self.hello, **identity)
+        self.telemetry = LiveTelemetry(endpoint, msgspec.structs.replace(self.hello))
         self.active = True  # False in a forked child (a data loader worker): calls do nothing
-        self.steps = 0
-        self.steps_per_epoch = 0
+        self.steps = 0  # optimizer steps, counting those before a resume (start_step)
+        self.steps_per_epoch = self._steps_per_epoch()
         self.timers: list[CommTimer] = []
         self._lr = 0.0
         self._pacer: weakref.ref[torch.optim.Optimizer] | None = None
@@ -105,8 +111,10 @@ class ScriptRank:
         sys.excepthook = self._uncaught
 
     # -- ddtop.init / watch -----------------------------------------------------------
-    def init(self, total_steps: int | None, epochs: int | None, strict: bool) -> str | None:
-        """Totals for progress and ETA; with `strict`, why nobody answers (or None)."""
+    def init(self, total_steps: int | None, epochs: int | None, strict: bool,
+             start_step: int | None = None) -> str | None:
+        """Totals for progress and ETA, and the steps done before this process
+        started (a resumed run); with `strict`, why nobody answers (or None)."""
         changes: dict[str, Any] = {}
         # Clamped to what the wire carries, so that a huge total cannot stop the sender.
         if total_steps is not None and total_steps >= 0:
@@ -114,16 +122,22 @@ class ScriptRank:
         if epochs is not None and epochs >= 0:
             changes["epochs"] = min(int(epochs), 1 << 31)
         self._update_hello(**changes)
-        total, count = self.hello.total_steps, self.hello.epochs
-        if isinstance(total, int) and total > 0 and count > 0:
-            self.steps_per_epoch = math.ceil(total / count)
+        self.steps_per_epoch = self._steps_per_epoch()
+        if start_step is not None and start_step >= 0 and self.active:
+            self.steps = min(int(start_step), 1 << 62)
+            self.telemetry.resume_at(self._epoch_of(self.steps), self.steps)
         if strict:
             return receiver_answers(self.endpoint, STRICT_TIMEOUT_S)
         return None
 
     def watch(self, model: Any) -> None:
-        """Time `model`'s comm hook if it is a DDP model (also under torch.compile)."""
+        """Time `model`'s comm hook if it is a DDP model (also under torch.compile);
+        an optimizer is the one whose steps are counted and whose lr is shown."""
         if not self.active:
+            return
+        if isinstance(model, torch.optim.Optimizer):
+            self._pacer = weakref.ref(model)
+            self._lr = _lr_of(model, self._lr)
             return
         ddp = getattr(model, "_orig_mod", model)
         if not isinstance(ddp, DDP):
@@ -154,8 +168,8 @@ class ScriptRank:
         device = param.device if param is not None else torch.device("cpu")
         if device.type == "cuda":
             self.telemetry.memory_device = device
-        self._update_hello(model=type(ddp.module).__name__, device=str(device),
-                           backend=_backend(ddp.process_group))
+        self._update_hello(model=self.hello.model or type(ddp.module).__name__,
+                           device=str(device), backend=_backend(ddp.process_group))
 
     # -- ddtop.step and the optimizer hook ------------------------------------------------
     def step(self, loss: Any, samples: int | None) -> None:
@@ -164,6 +178,9 @@ class ScriptRank:
         if self._hook_step_unclaimed:
             self._hook_step_unclaimed = False  # goes with the step the hook just counted
         else:
+            pacer = self._pacer() if self._pacer is not None else None
+            if pacer is not None:
+                self._lr = _lr_of(pacer, self._lr)
             self._count()
             self._call_step_unclaimed = True
         self.telemetry.add_loss(loss, samples)
@@ -186,14 +203,31 @@ class ScriptRank:
             self._hook_step_unclaimed = True
         self.enter_phase("data")  # the next step begins by waiting for its batch
 
+    def iteration_started(self) -> None:
+        """A training forward of a DDP model (zero-code): the hook and `step()` pair
+        only within one iteration, so an iteration where one of them did not come
+        (GradScaler skipped the optimizer step) cannot shift the pairs after it."""
+        self._hook_step_unclaimed = self._call_step_unclaimed = False
+
     def _count(self) -> None:
         for timer in self.timers:
             timer.harvest()
         self.steps += 1
         spe = self.steps_per_epoch
-        epoch = (self.steps - 1) // spe if spe else 0
+        epoch = self._epoch_of(self.steps)
         self.telemetry.count_step(epoch=epoch, step=self.steps - epoch * spe if spe else 0,
                                   steps_per_epoch=spe, global_step=self.steps, lr=self._lr)
+
+    def _steps_per_epoch(self) -> int:
+        """From the totals said so far (0: not known)."""
+        total, count = self.hello.total_steps, self.hello.epochs
+        return math.ceil(total / count) if isinstance(total, int) and total > 0 and count > 0 \
+            else 0
+
+    def _epoch_of(self, steps: int) -> int:
+        """The epoch step number `steps` (counted from 1) falls in."""
+        spe = self.steps_per_epoch
+        return max(0, steps - 1) // spe if spe else 0
 
     # -- ddtop.phase / log ------------------------------------------------------------------
     def enter_phase(self, name: str) -> str:
@@ -235,6 +269,8 @@ class ScriptRank:
         if self._closed or not self.active:
             return
         self._closed = True
+        if sys.excepthook == self._uncaught:
+            sys.excepthook = self._excepthook
         self.telemetry.close(self._exit_code if exit_code is None else exit_code)
 
     def forked(self) -> None:
@@ -269,21 +305,52 @@ def _lr_of(optimizer: torch.optim.Optimizer, default: float) -> float:
     return float(lr) if isinstance(lr, int | float) else default
 
 
-_current: ScriptRank | None = None
+_current: LiveRank | None = None
 _lock = threading.Lock()
 
 
-def current() -> ScriptRank | None:
-    """This process's ScriptRank, started on the first call; None when
+def _endpoint() -> str | None:
+    endpoint = os.environ.get(TELEMETRY_ENV)
+    return None if not endpoint or endpoint == "off" else endpoint
+
+
+def current() -> LiveRank | None:
+    """This process's LiveRank, started on the first call; None when
     DDTOP_TELEMETRY names no endpoint."""
     global _current
-    endpoint = os.environ.get(TELEMETRY_ENV)
-    if not endpoint or endpoint == "off":
+    endpoint = _endpoint()
+    if endpoint is None:
         return None
     with _lock:
         if _current is None:
-            _current = ScriptRank(endpoint)
+            _current = LiveRank(endpoint)
         return _current
+
+
+def running() -> LiveRank | None:
+    """This process's LiveRank if one has started and not closed (starts none)."""
+    rank = _current
+    return rank if rank is not None and not rank._closed else None
+
+
+def start(**identity: Any) -> LiveRank | None:
+    """This process's LiveRank with `identity` (Hello fields: the built-in
+    trainer's run id, config digest, model, dataset...) in place of what the
+    environment says; None when DDTOP_TELEMETRY names no endpoint. A rank that
+    has closed (a test's earlier rank in the same process) is replaced."""
+    global _current
+    endpoint = _endpoint()
+    if endpoint is None:
+        return None
+    with _lock:
+        if _current is not None and not _current._closed:
+            raise RuntimeError("ddtop: this process already reports as rank "
+                               f"{_current.hello.rank} of run {_current.hello.run}")
+        _current = LiveRank(endpoint, **identity)
+    import ddtop  # the public API forwards to this rank from now on
+
+    ddtop._live = _current
+    return _current
 
 
 def _forked_child() -> None:

@@ -13,10 +13,13 @@
   hook, once, so `register_comm_hook` is wrapped too: a hook the user (or DDP
   itself, for mixed precision) registers becomes the timer's inner hook, which
   does the communication exactly as it would alone, timed; a second
-  registration fails as it would without ddtop;
+  registration fails as it would without ddtop. A built-in (C++) hook,
+  `_register_builtin_comm_hook`, becomes torch's Python hook of the same
+  algorithm (`allreduce_hook`, `fp16_compress_hook`), timed the same way;
 - infers the phase for heartbeats: forward at a DDP forward (evaluation when
   gradients are off or the model is in eval mode), backward after it, optimizer
-  in `optimizer.step()`, data after it.
+  in `optimizer.step()`, data after it. A training forward also starts a new
+  iteration for pairing the hook's steps with `ddtop.step()` calls.
 
 Nothing here raises into the user's program: where timing is impossible it says
 so once, as a warning event.
@@ -29,18 +32,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
-from ddtop.training.api import ScriptRank, current, timer_of
+from ddtop.training.api import LiveRank, current, timer_of
 from ddtop.training.commtimer import timed_allreduce
 
-_installed: ScriptRank | None = None
+_installed: LiveRank | None = None
 _original_init = DDP.__init__
 _original_register = DDP.register_comm_hook
+_original_builtin = DDP._register_builtin_comm_hook
+# The built-in (C++) hooks and torch's Python hooks that do the same.
+_PYTHON_EQUIVALENT = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                      dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
 _constructing: set[int] = set()  # ids of DDP models inside their constructor
 
 
@@ -57,6 +66,7 @@ def install() -> bool:
         register_optimizer_step_post_hook(_optimizer_done)
         DDP.__init__ = _ddp_init  # type: ignore[method-assign]  # the point of zero-code
         DDP.register_comm_hook = _register_comm_hook  # type: ignore[method-assign]
+        DDP._register_builtin_comm_hook = _register_builtin  # type: ignore[method-assign]
     return True
 
 
@@ -135,12 +145,25 @@ def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
     timer.wrap(hook, state)
 
 
+def _register_builtin(self: DDP, comm_hook_type: Any) -> None:
+    timer = timer_of(self)
+    python = _PYTHON_EQUIVALENT.get(comm_hook_type)
+    if _installed is None or timer is None or timer.inner or python is None:
+        _original_builtin(self, comm_hook_type)  # not ours, or a second one: as without ddtop
+        return
+    if self.logger is not None:  # what DDP's own records
+        self.logger._set_comm_hook_name(str(comm_hook_type))
+    timer.wrap(python, self.process_group)
+
+
 @_guarded
 def _forward_starts(module: torch.nn.Module, inputs: Any) -> None:
     if torch.compiler.is_compiling():
         return  # nothing to trace into a compiled graph
     if _installed is not None:
         training = torch.is_grad_enabled() and module.training
+        if training:
+            _installed.iteration_started()
         _installed.enter_phase("forward" if training else "evaluation")
 
 

@@ -6,13 +6,15 @@ on to both sinks, in a fixed order:
 
 - `Progress` (progress.py): the console lines in each rank's log and
   metrics.jsonl; only rank 0 tells the run's story.
-- `Telemetry` (telemetry.py): the wire messages to the daemon or whoever
-  listens; every rank, and a no-op base class when telemetry is off.
+- The wire, to the daemon or whoever listens, on every rank: a step through
+  `ddtop.step` (counted as a user's script's steps are), everything else
+  through `Telemetry` (telemetry.py; a no-op base class when telemetry is off).
 
 What is telemetry alone, not a fact for the console (which phase a rank is in,
-which collective it waits in, what the comm hook timed), the loop still tells
-`Telemetry` directly. Nothing here reads a device tensor: `loss` goes on as a
-tensor, and only `Progress.step` turns it into a number, when it prints.
+which collective it waits in, what the comm hook timed), the loop tells
+`ddtop` or `Telemetry` directly. Nothing here reads a device tensor: `loss`
+goes on as a tensor, and only `Progress.step` turns it into a number, when it
+prints.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import ddtop
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.runs import RunPaths
 from ddtop.training.checkpoint import Position
@@ -55,12 +58,11 @@ class Reporter:
 
     def epoch_started(self, epoch: int) -> None:
         self.progress.epoch_started(epoch)
-        self.telemetry.begin_epoch(epoch)
 
     def step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
-             loss: torch.Tensor, samples: int, lr: float) -> None:
+             loss: torch.Tensor, samples: int) -> None:
         """One optimizer step done; `loss` is this rank's, still on its device."""
-        self.telemetry.step_done(epoch, step, steps_per_epoch, global_step, loss, samples, lr)
+        ddtop.step(loss=loss, samples=samples)
         self.progress.step(epoch, step, steps_per_epoch, loss, global_step)
 
     def synced(self, epoch: int, step: int, global_step: int, metrics: GlobalMetrics) -> None:

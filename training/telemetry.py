@@ -1,12 +1,23 @@
 """What a rank tells the outside world while it trains, over ZeroMQ.
 
-The training loop talks to a `Telemetry` object and never asks whether
-telemetry is on: without an endpoint it gets the base class, whose methods do
-nothing. With `DDTOP_TELEMETRY=tcp://host:port` it gets `LiveTelemetry`:
+A rank reports through `ddtop`'s API (api/__init__.py, training/api.py: the
+built-in trainer and a user's script alike), which keeps one `LiveTelemetry`
+per process when DDTOP_TELEMETRY names an endpoint. Code that reports more
+than the API carries (the trainer's events, aggregates and collectives) holds
+a `Telemetry`: the base class, whose methods do nothing, when telemetry is off.
 
-- The loop only records: which phase it is in (`phase`), what a finished step
-  added (`step_done`), which collective it waits in (`collective`). Each is a
-  few attribute updates; nothing is encoded or sent on the training thread.
+- The training thread only records: which phase it is in (`phase`), that a
+  step was counted (`count_step`) and what it added (`add_loss`), which
+  collective it waits in (`collective`). Each is a few attribute updates;
+  nothing is encoded or sent on the training thread.
+- A loss tensor on a device is summed on that device (no synchronisation on
+  the training thread); the sender thread reads the sum when it sends. Each
+  loss weighs its samples if given, else 1 (the Step message's `loss_weight`).
+- Time in phases that are not step phases (evaluation, checkpoint, setup:
+  work that only some ranks may do) is not step time.
+- A Step message never spans two epochs, so per-epoch sums stay exact.
+- Custom scalars (`add_scalars`) are kept newest per key and sent as one
+  Scalars message per send interval, bounded as the wire bounds them.
 - One sender thread owns the PUSH socket (ZeroMQ sockets are not thread-safe).
   Every SEND_INTERVAL_S it sends the steps accumulated since its last Step
   message as one message (sums and counts, so nothing is lost by coalescing);
@@ -22,8 +33,9 @@ nothing. With `DDTOP_TELEMETRY=tcp://host:port` it gets `LiveTelemetry`:
 from __future__ import annotations
 
 import collections
+import math
 import os
-import socket
+import re
 import sys
 import threading
 import time
@@ -34,13 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ddtop.daemon import wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.contract import TELEMETRY_ENV
 
 SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
 HEARTBEAT_INTERVAL_S = 1.0
@@ -50,6 +60,7 @@ CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on e
 CLOSE_TIMEOUT_S = 2.0
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
+STEP_PHASES = frozenset({"data", "forward", "backward", "optimizer", "metric_sync"})
 
 
 @dataclass
@@ -70,7 +81,7 @@ class StepWindow:
     steps_per_epoch: int = 0
     global_step: int = 0
     lr: float = 0.0
-    loss_weight: float | None = None  # None: loss_sum is weighted by samples (the trainer)
+    loss_weight: float = 0.0  # what loss_sum is the sum over (samples, or 1 per loss)
 
 
 class Telemetry:
@@ -79,13 +90,6 @@ class Telemetry:
     live = False
 
     def phase(self, name: wire.Phase) -> None:
-        pass
-
-    def begin_epoch(self, epoch: int) -> None:
-        pass
-
-    def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
-                  loss: torch.Tensor, samples: int, lr: float) -> None:
         pass
 
     @contextmanager
@@ -115,29 +119,13 @@ class Telemetry:
         pass
 
 
-def open_telemetry(config: TrainConfig, rank: int, local_rank: int, world_size: int,
-                   device: torch.device, backend: str) -> Telemetry:
-    endpoint = os.environ.get(TELEMETRY_ENV)
-    if not endpoint or endpoint == "off":
-        return Telemetry()
-    assert config.run_id is not None
-    hello = wire.Hello(
-        run=config.run_id, rank=rank, local_rank=local_rank, host=socket.gethostname(),
-        pid=os.getpid(), device=str(device), backend=backend, world_size=world_size,
-        config_digest=config.digest(), model=config.model, dataset=config.dataset,
-        epochs=config.epochs, global_batch=config.batch_size,
-    )
-    return LiveTelemetry(endpoint, hello, device)
-
-
 class LiveTelemetry(Telemetry):
     live = True
 
-    def __init__(self, endpoint: str, hello: wire.Hello, device: torch.device) -> None:
+    def __init__(self, endpoint: str, hello: wire.Hello) -> None:
         self.endpoint, self.run, self.rank = endpoint, hello.run, hello.rank
         self.world_size = hello.world_size
-        self.cuda = device.type == "cuda"
-        self.device = device
+        self.memory_device: torch.device | None = None  # the CUDA device the model is on
         # State the training thread writes and the sender thread reads (plain
         # attribute stores, atomic under the GIL).
         self._phase: wire.Phase = "setup"
@@ -148,9 +136,13 @@ class LiveTelemetry(Telemetry):
         self._coll_started: wire.Collective | None = None
         self._coll_completed: wire.Collective | None = None
         self._step_start = time.perf_counter()
+        self._excluded = 0.0  # seconds in non-step phases since the last step
+        # Seconds per step phase since the last step (the training thread's alone).
+        self._phase_acc: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self._scalars: dict[str, float | torch.Tensor] = {}
         # The step window is swapped out by the sender under this lock.
         self._lock = threading.Lock()
-        self._window = self._new_window()
+        self._window = StepWindow()
         self._comm_pending = StepWindow()  # all-reduces of the step not yet counted
         self._finished: list[StepWindow] = []  # windows closed at an epoch boundary
         self._events: collections.deque[wire.Message] = collections.deque([hello])
@@ -162,40 +154,88 @@ class LiveTelemetry(Telemetry):
         self._thread = threading.Thread(target=self._run, name="ddtop-telemetry", daemon=True)
         self._thread.start()
 
-    def _new_window(self) -> StepWindow:
-        return StepWindow()
+    @property
+    def current_phase(self) -> wire.Phase:
+        return self._phase
+
+    def send_hello(self, hello: wire.Hello) -> None:
+        """Hello again: what the rank learned since (its model, totals)."""
+        self._queue(hello)
 
     # -- called from the training thread ----------------------------------------
     def phase(self, name: wire.Phase) -> None:
+        """Several times per step: no lock (the step's phase times go into the
+        window when the step is counted)."""
         now = time.perf_counter()
-        with self._lock:
-            self._window.phase_s[self._phase] += now - self._phase_since
+        spent = now - self._phase_since
+        if self._phase in STEP_PHASES:
+            self._phase_acc[self._phase] += spent
+        else:
+            self._excluded += spent
         self._phase, self._phase_since = name, now
-        if name == "data":  # a step starts by waiting for its batch
-            self._step_start = now
 
-    def begin_epoch(self, epoch: int) -> None:
-        """A Step message never spans two epochs, so per-epoch sums stay exact."""
-        with self._lock:
-            if self._window.steps:
-                self._finished.append(self._window)
-                self._window = self._new_window()
-
-    def step_done(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
-                  loss: torch.Tensor, samples: int, lr: float) -> None:
+    def count_step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
+                   lr: float) -> None:
+        """One optimizer step done: its time is everything since the last one but
+        time in phases that are not step phases."""
         now = time.perf_counter()
-        loss = loss.detach()
-        loss_sum = loss * samples if self.cuda else float(loss) * samples
         with self._lock:
             w = self._window
+            if w.steps and w.epoch != epoch:  # never one message across two epochs
+                self._finished.append(w)
+                w = self._window = StepWindow()
             self._take_comm(w)
+            for phase, spent in self._phase_acc.items():
+                w.phase_s[phase] += spent
             w.steps += 1
-            w.samples += samples
-            w.loss_sum = w.loss_sum + loss_sum
-            w.step_s += now - self._step_start
+            w.step_s += max(0.0, now - self._step_start - self._excluded)
             w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch
             w.global_step, w.lr = global_step, lr
+        self._step_start, self._excluded = now, 0.0
+        self._phase_acc.clear()
         self._epoch, self._global_step = epoch, global_step
+
+    def resume_at(self, epoch: int, global_step: int) -> None:
+        """Steps done before this process started (a resumed run), for heartbeats."""
+        self._epoch, self._global_step = epoch, global_step
+
+    def add_loss(self, loss: Any, samples: int | None) -> None:
+        """The step's loss (a number or a tensor, any device) and samples."""
+        count = samples if isinstance(samples, int) and samples > 0 else 0
+        value = _loss_value(loss)
+        weight = count or 1
+        with self._lock:
+            w = self._window
+            w.samples += count
+            if value is not None:
+                w.loss_sum = w.loss_sum + value * weight
+                w.loss_weight += weight
+
+    def add_scalars(self, scalars: dict[str, Any]) -> list[str]:
+        """Keep each scalar's newest value; what was dropped, in words."""
+        problems = []
+        for key, raw in scalars.items():
+            if not 0 < len(key) <= wire.MAX_SCALAR_KEY_CHARS:
+                problems.append(f"key {key[:wire.MAX_SCALAR_KEY_CHARS]!r}... is longer than "
+                                f"{wire.MAX_SCALAR_KEY_CHARS} characters: dropped")
+                continue
+            if not _KEY.match(key):
+                problems.append(f"key {key!r} may hold only letters, digits and _.:/@+-: "
+                                "dropped")
+                continue
+            value = _scalar_value(raw)
+            if value is None:
+                problems.append(f"{key}={type(raw).__name__} is not a number: dropped")
+                continue
+            with self._lock:
+                if key not in self._scalars and len(self._scalars) >= wire.MAX_SCALAR_KEYS:
+                    problems.append(f"more than {wire.MAX_SCALAR_KEYS} keys at once: "
+                                    f"{key} dropped")
+                    continue
+                self._scalars[key] = value
+        if self._scalars:
+            self._wake.set()
+        return problems
 
     @contextmanager
     def collective(self, op: str, nbytes: int = 0) -> Iterator[None]:
@@ -322,9 +362,14 @@ class LiveTelemetry(Telemetry):
             windows, self._finished = self._finished, []
             if self._window.steps:
                 windows.append(self._window)
-                self._window = self._new_window()
+                self._window = StepWindow()
+            scalars, self._scalars = self._scalars, {}
         for w in windows:
             self._send_step(sock, w)
+        if scalars:
+            values = {key: float(value) for key, value in scalars.items()}
+            self._send(sock, wire.Scalars(run=self.run, rank=self.rank, values=values,
+                                          global_step=self._global_step))
 
     def _send_step(self, sock: zmq.Socket[bytes], w: StepWindow) -> None:
         algbw, busbw = wire.algbw_busbw(w.comm_bytes, w.comm_s, self.world_size)
@@ -338,16 +383,74 @@ class LiveTelemetry(Telemetry):
             comm_s=w.comm_s, comm_bytes=w.comm_bytes, comm_ops=w.comm_ops,
             algbw_gbps=algbw, busbw_gbps=busbw, sync_wait_s=w.sync_wait_s,
             cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
-            loss_weight=msgspec.UNSET if w.loss_weight is None else w.loss_weight,
+            loss_weight=w.loss_weight,
         ))
 
     def _memory(self) -> tuple[int | None, int | None, int | None]:
-        """(CUDA allocated, CUDA reserved, process RSS) in bytes; None where absent."""
-        if self.cuda:
-            return (torch.cuda.memory_allocated(self.device),
-                    torch.cuda.memory_reserved(self.device), None)
+        """(CUDA allocated, CUDA reserved, process RSS) in bytes; None where absent.
+        CUDA only once it is initialised (never initialising it from this thread)."""
+        device = self.memory_device
+        # torch leaves is_initialized unannotated.
+        if device is not None and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
+                    None)
         try:
             pages = int(STATM.read_text().split()[1])
         except (OSError, IndexError, ValueError):
             return None, None, None
         return None, None, pages * PAGE_SIZE
+
+
+_KEY = re.compile(wire.SCALAR_KEY_PATTERN)
+
+
+def _loss_value(loss: Any) -> float | torch.Tensor | None:
+    """A loss to sum: a float, or a detached one-element tensor left on its device."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() == 0:
+            return None
+        value = loss.detach()
+        value = value.float().mean() if value.numel() > 1 else value.reshape(())
+        return float(value) if value.device.type == "cpu" else value
+    if isinstance(loss, int | float) and not isinstance(loss, bool):
+        return float(loss)
+    return None
+
+
+def _scalar_value(raw: Any) -> float | torch.Tensor | None:
+    if isinstance(raw, torch.Tensor):
+        if raw.numel() != 1 or raw.is_complex():
+            return None
+        value = raw.detach().reshape(())
+        return float(value) if value.device.type == "cpu" else value
+    if isinstance(raw, bool | int | float):
+        try:
+            return float(raw)
+        except OverflowError:  # an int beyond any float
+            return math.copysign(math.inf, raw)
+    return None
+
+
+def receiver_answers(endpoint: str, timeout_s: float) -> str | None:
+    """None when a ZeroMQ PULL socket at `endpoint` completes a handshake with a
+    PUSH within `timeout_s` (that is what "a daemon answers" means: no
+    collective, no request); else why not, in one line."""
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            return f"DDTOP_TELEMETRY={endpoint!r} is not a ZeroMQ endpoint ({e})"
+        if monitor.poll(int(timeout_s * 1000)):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return None
+        return f"no ddtop receiver answered at {endpoint} within {timeout_s:g} s"
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        context.term()

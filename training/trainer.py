@@ -4,9 +4,12 @@ Every collective here (metric syncs, checkpoints, evaluation) happens at the
 same step on every rank, decided only by step counts that all ranks share, so
 no rank can wait in a collective that another rank skipped.
 
-The loop tells its `Reporter` (reporting.py) each fact once (a step, a sync, a
-checkpoint, an epoch's end); the reporter prints and records it and sends it
-as telemetry. Only phases and collectives go to `Telemetry` directly.
+The loop reports through `import ddtop`, the same calls a user's script makes
+(`ddtop.watch`, `ddtop.init`, `ddtop.phase`, `ddtop.step`: training/api.py
+counts and times both alike), and tells its `Reporter` (reporting.py) each
+fact once (a step, a sync, a checkpoint, an epoch's end); the reporter prints
+and records it and sends it as telemetry. What the API does not carry (the
+collectives a rank waits in) goes to `Telemetry` directly.
 """
 
 from __future__ import annotations
@@ -25,18 +28,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ddtop
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.contract import ATTEMPT_ENV, EXIT_FAILED, EXIT_USAGE, FAULT_ENV
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
-from ddtop.training import checkpoint, data
+from ddtop.training import api, checkpoint, data
 from ddtop.training.checkpoint import Position
-from ddtop.training.commtimer import CommTimer
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
 from ddtop.training.metrics import GlobalMetrics, Totals, gather_counters
 from ddtop.training.models import build_model
 from ddtop.training.reporting import Reporter
 from ddtop.training.stopping import StopAgreement
-from ddtop.training.telemetry import Telemetry, open_telemetry
+from ddtop.training.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
@@ -101,25 +104,43 @@ def train(config: TrainConfig, env: RankEnv, launch_time: float | None = None) -
     torch.set_num_threads(config.threads_per_rank)
     with process_group(env, backend, device):
         config = agree_on_run(config, env)
-        telemetry = open_telemetry(config, env.rank, env.local_rank, env.world_size, device,
-                                   backend)
         try:
-            Trainer(config, env, device, backend, launch_time, telemetry).fit()
+            Trainer(config, env, device, backend, launch_time).fit()
         except BaseException as e:
-            telemetry.error(e)
-            telemetry.close(EXIT_USAGE if isinstance(e, UsageError) else EXIT_FAILED)
+            live = api.running()
+            if live is not None:
+                live.telemetry.error(e)
+                live.close(EXIT_USAGE if isinstance(e, UsageError) else EXIT_FAILED)
             raise
-        telemetry.close(0)
+        live = api.running()
+        if live is not None:
+            live.close(0)
+
+
+def start_reporting(config: TrainConfig, device: torch.device, backend: str,
+                    total_steps: int) -> api.LiveRank | None:
+    """This rank's `ddtop` reporter (None without DDTOP_TELEMETRY), saying hello
+    with what the built-in trainer knows of itself."""
+    assert config.run_id is not None
+    return api.start(run=config.run_id, device=str(device), backend=backend,
+                     config_digest=config.digest(), model=config.model,
+                     dataset=config.dataset, epochs=config.epochs,
+                     global_batch=config.batch_size, program="", total_steps=total_steps)
 
 
 class Trainer:
     def __init__(self, config: TrainConfig, env: RankEnv, device: torch.device, backend: str,
-                 launch_time: float | None, telemetry: Telemetry) -> None:
+                 launch_time: float | None) -> None:
         self.config, self.env, self.device = config, env, device
-        self.telemetry = telemetry  # directly only for phases and collectives
         self.paths = run_paths(config)
-        self.report = Reporter.for_rank(config, env, self.paths, launch_time, telemetry)
         self.train_set, self.val_set, spec = data.build_datasets(config, env)
+        self.sampler = data.train_sampler(self.train_set, config, env)
+        self.steps_per_epoch = data.steps_per_epoch(self.sampler, config.batch_per_rank)
+        # Reporting starts once the totals are known, so the rank says hello once.
+        live = start_reporting(config, device, backend, self.steps_per_epoch * config.epochs)
+        # Directly only for events, aggregates and collectives; steps and phases go to ddtop.
+        self.telemetry = live.telemetry if live is not None else Telemetry()
+        self.report = Reporter.for_rank(config, env, self.paths, launch_time, self.telemetry)
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         self.model = build_model(config.model, spec).to(device)
         self.position = Position(0, 0)
@@ -132,16 +153,14 @@ class Trainer:
             random.seed(config.seed + env.rank)
         # DDP broadcasts rank 0's parameters on construction; device_ids only for CUDA.
         self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        self.comm_timer = CommTimer(telemetry, cuda=device.type == "cuda")
-        if telemetry.live:  # set-up only: the loop itself never asks
-            self.comm_timer.attach(self.ddp)
+        ddtop.watch(self.ddp)  # comm time, bytes and ops per step, through DDP's comm hook
         self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=config.lr, momentum=0.9)
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             checkpoint.set_rng_state(state["rng"][env.rank], device)
+        ddtop.watch(self.optimizer)  # its learning rate
+        ddtop.init(start_step=self.global_step)  # steps done before a resume
         self.loss_fn = nn.CrossEntropyLoss()
-        self.sampler = data.train_sampler(self.train_set, config, env)
-        self.steps_per_epoch = data.steps_per_epoch(self.sampler, config.batch_per_rank)
         self.pin = device.type == "cuda"
         self.fault = Fault.from_environ(env.rank)
         self.stop = StopAgreement(env.is_main)
@@ -174,7 +193,7 @@ class Trainer:
 
     def train_epoch(self, epoch: int, skip: int, carried: Counter[str]) -> bool:
         """One epoch from step `skip`; False when a graceful stop ended it early."""
-        cfg, tel = self.config, self.telemetry
+        cfg = self.config
         self.sampler.set_epoch(epoch)
         loader = data.train_loader(self.train_set, self.sampler, cfg, self.env, epoch, skip,
                                    self.pin)
@@ -182,30 +201,28 @@ class Trainer:
         self.model.train()
         self.report.epoch_started(epoch)
         batches = iter(loader)
-        lr = self.optimizer.param_groups[0]["lr"]
         for step in range(skip + 1, self.steps_per_epoch + 1):
             if self.stop.due(self.global_step):  # every rank stops after the same step
                 at = Position(epoch, step - 1)
                 self.save(at, totals.counter() + carried)
                 self.report.stopped(at, self.global_step)
                 return False
-            tel.phase("data")
-            x, y = next(batches)
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-            tel.phase("forward")
-            self.optimizer.zero_grad(set_to_none=True)
-            logits = self.ddp(x)
-            loss = self.loss_fn(logits, y)
-            tel.phase("backward")
-            loss.backward()  # DDP all-reduces (averages) gradients bucket by bucket here
-            tel.phase("optimizer")
-            self.optimizer.step()
+            with ddtop.phase("data"):
+                x, y = next(batches)
+                x = x.to(self.device, non_blocking=True)
+                y = y.to(self.device, non_blocking=True)
+            with ddtop.phase("forward"):
+                self.optimizer.zero_grad(set_to_none=True)
+                logits = self.ddp(x)
+                loss = self.loss_fn(logits, y)
+            with ddtop.phase("backward"):
+                loss.backward()  # DDP all-reduces (averages) gradients bucket by bucket here
+            with ddtop.phase("optimizer"):
+                self.optimizer.step()
             totals.add(loss, logits, y)
             self.global_step += 1
             self.report.step(epoch, step, self.steps_per_epoch, self.global_step, loss,
-                             y.shape[0], lr)
-            self.comm_timer.harvest()
+                             y.shape[0])
             if cfg.sync_every and self.global_step % cfg.sync_every == 0:
                 self.report.synced(epoch, step, self.global_step,
                                    self.gather_metrics(totals.counter() + carried))
@@ -220,17 +237,15 @@ class Trainer:
         return True
 
     def gather_metrics(self, local: Counter[str]) -> GlobalMetrics:
-        self.telemetry.phase("metric_sync")
-        with self.telemetry.collective("all_gather_object"):
+        with ddtop.phase("sync"), self.telemetry.collective("all_gather_object"):
             return GlobalMetrics.from_counter(gather_counters(local))
 
     def evaluate(self) -> GlobalMetrics:
         """Every validation sample exactly once across ranks (see ShardSampler)."""
         loader = data.val_loader(self.val_set, self.config, self.env, self.pin)
         totals = Totals(self.device)
-        self.telemetry.phase("evaluation")
         self.model.eval()
-        with torch.no_grad():
+        with ddtop.phase("eval"), torch.no_grad():
             for x, y in loader:
                 # The bare module: no DDP collectives, so uneven shards cannot hang.
                 logits = self.model(x.to(self.device, non_blocking=True))
@@ -241,7 +256,10 @@ class Trainer:
 
     def save(self, position: Position, epoch_totals: Counter[str]) -> None:
         """Collective: every rank contributes its RNG state; rank 0 writes."""
-        self.telemetry.phase("checkpoint")
+        with ddtop.phase("checkpoint"):
+            self._save(position, epoch_totals)
+
+    def _save(self, position: Position, epoch_totals: Counter[str]) -> None:
         rngs: list[dict[str, Any] | None] = [None] * self.env.world_size
         with self.telemetry.collective("all_gather_object"):
             dist.all_gather_object(rngs, checkpoint.rng_state(self.device))

@@ -18,6 +18,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--accum", type=int, default=3)
     parser.add_argument("--own-hook", action="store_true", help="register allreduce_hook")
+    parser.add_argument("--builtin-hook", action="store_true",
+                        help="register DDP's built-in (C++) ALLREDUCE hook")
     parser.add_argument("--by-hand", action="store_true",
                         help="accumulate by setting require_backward_grad_sync, not no_sync()")
     parser.add_argument("--skip-step", type=int, default=-1,
@@ -32,6 +34,8 @@ def main() -> None:
                 bucket_cap_mb=0.001)  # several buckets
     if args.own_hook:
         model.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    if args.builtin_hook:
+        model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)
     generator = torch.Generator().manual_seed(rank)
