@@ -48,8 +48,9 @@ _original_init = DDP.__init__
 _original_register = DDP.register_comm_hook
 _original_builtin = DDP._register_builtin_comm_hook
 # The built-in (C++) hooks and torch's Python hooks that do the same.
-_PYTHON_EQUIVALENT = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-                      dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+_BUILTIN = dist.BuiltinCommHookType  # type: ignore[attr-defined]  # not re-exported in stubs
+_PYTHON_EQUIVALENT = {_BUILTIN.ALLREDUCE: default_hooks.allreduce_hook,
+                      _BUILTIN.FP16_COMPRESS: default_hooks.fp16_compress_hook}
 _constructing: set[int] = set()  # ids of DDP models inside their constructor
 
 
@@ -149,7 +150,7 @@ def _register_builtin(self: DDP, comm_hook_type: Any) -> None:
     timer = timer_of(self)
     python = _PYTHON_EQUIVALENT.get(comm_hook_type)
     if _installed is None or timer is None or timer.inner or python is None:
-        _original_builtin(self, comm_hook_type)  # not ours, or a second one: as without ddtop
+        _original_builtin(self, comm_hook_type)  # type: ignore[no-untyped-call]  # not ours, or a second: as without ddtop
         return
     if self.logger is not None:  # what DDP's own records
         self.logger._set_comm_hook_name(str(comm_hook_type))
