@@ -87,7 +87,8 @@ class DashboardApp(App[None]):
         self.dirty = True
         self.shown_run = False
         self.last_render = 0.0
-        self.sort_index, self.sort_reverse = 0, False
+        self.sort_index, self.sort_reverse = 0, False  # `s` steps through fmt.SORT_KEYS
+        self.sort_key = fmt.SORT_KEYS[0]  # ... and a click on a title may pick a scalar's
         self.filter_text, self.problems_only = "", False
         self.frames = 0
         self.series: tuple[list[float], list[float]] = ([], [])  # run-wide rate, comm share
@@ -140,6 +141,9 @@ class DashboardApp(App[None]):
             if self.feed.finished and not folded:
                 return
 
+    def on_rank_table_columns_changed(self, message: RankTable.ColumnsChanged) -> None:
+        self.dirty = True  # the next frame builds the cells of the scalars now shown
+
     def on_feed_changed(self, message: FeedChanged) -> None:
         self.dirty = True
         if not self.shown_run and self.feed.state.ranks:
@@ -166,9 +170,14 @@ class DashboardApp(App[None]):
             note = self._note()
             header = panels.header(state, now, note)
             banner = panels.banner(state, now, self.feed.connection, self.feed.detail)
-            rows = fmt.rank_rows(state, now)
+            table.set_scalars(sorted(state.scalars))
+            scalars = list(table.shown_scalars)
+            sorted_by = fmt.scalar_name(self.sort_key)
+            if sorted_by is not None and sorted_by not in scalars:
+                scalars.append(sorted_by)  # sorted by a column the width has since dropped
+            rows = fmt.rank_rows(state, now, scalars)
             rows = fmt.filter_rows(rows, self.filter_text, self.problems_only)
-            rows = fmt.sort_rows(rows, fmt.SORT_KEYS[self.sort_index], self.sort_reverse)
+            rows = fmt.sort_rows(rows, self.sort_key, self.sort_reverse)
             selected = table.selected_rank
             view = state.ranks.get(selected) if selected is not None else None
             rank_loss = [p.loss for p in view.history] if view is not None else []
@@ -236,18 +245,20 @@ class DashboardApp(App[None]):
             self.sort_reverse = not self.sort_reverse
         else:
             self.sort_index = (self.sort_index + 1) % len(fmt.SORT_KEYS)
-            self.sort_reverse = False
-        key = fmt.SORT_KEYS[self.sort_index]
+            self.sort_key, self.sort_reverse = fmt.SORT_KEYS[self.sort_index], False
+        key = self.sort_key
         self.query_one(RankTable).set_sort_key(key, self.sort_reverse)
-        self.notify(f"sorted by {key}{' (reversed)' if self.sort_reverse else ''}", timeout=2)
+        self.notify(f"sorted by {fmt.scalar_name(key) or key}"
+                    f"{' (reversed)' if self.sort_reverse else ''}", timeout=2)
         self.render_view()
 
     def on_rank_table_sort_requested(self, message: RankTable.SortRequested) -> None:
-        index = fmt.SORT_KEYS.index(message.key)
-        if index == self.sort_index:
+        if message.key == self.sort_key:
             self.action_sort(reverse=True)  # a second click on the same title reverses
             return
-        self.sort_index, self.sort_reverse = index, False
+        if message.key in fmt.SORT_KEYS:  # a scalar's column sorts too, outside `s`'s cycle
+            self.sort_index = fmt.SORT_KEYS.index(message.key)
+        self.sort_key, self.sort_reverse = message.key, False
         self.query_one(RankTable).set_sort_key(message.key)
         self.render_view()
 

@@ -4,8 +4,9 @@
                  Clone pattern): apply only relayed messages newer than the
                  snapshot; a gap in the relay sequence (the PUB dropped messages
                  for a slow reader) asks for a fresh snapshot. When the daemon
-                 goes quiet it is pinged; when it is gone the run directory says
-                 how the run ended (its journal is replayed), or that it was lost.
+                 goes quiet it is pinged (and a relay sequence number ahead of
+                 ours asks for a snapshot too); when it is gone the run directory
+                 says how the run ended (its journal is replayed), or that it was lost.
     ReplayFeed   a run's journal played back at a chosen speed (0: at once).
     StateFeed    a RunState someone else folds (`ddtrain start --foreground --headless`).
 
@@ -258,10 +259,13 @@ class LiveFeed(Feed):
     def _check_daemon(self) -> None:
         assert self.control is not None
         try:
-            control.request(self.control, "ping", REQUEST_TIMEOUT_S)
+            reply = control.request(self.control, "ping", REQUEST_TIMEOUT_S)
             self.last_heard = time.monotonic()
-            if self.connection == GONE:
-                self._snapshot()  # back: what was missed comes with the snapshot
+            # Back after a while, or the relay published more than came: the PUB
+            # drops what it sends before our subscription reaches it, and a quiet
+            # run sends nothing after that would show the gap. The snapshot has it.
+            if self.connection == GONE or int(reply.get("seq", 0)) > self.seq:
+                self._snapshot()
         except control.Unreachable as e:
             if self.paths is not None and not RunInfo.load(self.paths).live:
                 self._end()

@@ -6,7 +6,9 @@ column means is decided once, here.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +17,33 @@ from ddtop.daemon.state import RunState
 
 PROBLEM_STATES = (STALLED, SILENT, DEAD)
 
+# ddtop.log scalars get a column each, keyed by this prefix and the scalar's name
+# (no key of COLUMNS has a ':', so a scalar named "loss" is not the LOSS column).
+SCALAR_PREFIX = "scalar:"
+SCALAR_WIDTH = 9  # compact() writes any number in this many cells
+SCALAR_MAX_WIDTH = 14  # a longer name is cut, with "…", in the column's title
+
 
 def num(value: float | None, spec: str = ".3f", none: str = "-") -> str:
     return none if value is None else format(value, spec)
+
+
+def compact(value: float) -> str:
+    """A number in at most SCALAR_WIDTH cells, four significant digits where they
+    fit: 0.1235, 2.5, 1234, 12.35k, 3.2M, 1e-05, -0.000123, nan, inf."""
+    if not math.isfinite(value):
+        return str(value)
+    magnitude = abs(value)
+    if 9999.5 <= magnitude < 1e15:
+        for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+            if magnitude < 999.95 * scale or unit == "T":
+                return f"{value / scale:.4g}{unit}"
+    text = f"{value:.4g}"
+    for digits in (3, 2, 1):
+        if len(text) <= SCALAR_WIDTH:
+            break
+        text = f"{value:.{digits}g}"
+    return text
 
 
 def seconds(s: float | None) -> str:
@@ -88,9 +114,9 @@ def scalars_line(state: RunState, limit: int = 6) -> str:
         if s.mean is None or s.min is None or s.max is None:
             parts.append(f"{s.name} not finite")
         elif s.min == s.max:
-            parts.append(f"{s.name} {s.mean:.4g}")
+            parts.append(f"{s.name} {compact(s.mean)}")
         else:
-            parts.append(f"{s.name} {s.mean:.4g} ({s.min:.4g}..{s.max:.4g})")
+            parts.append(f"{s.name} {compact(s.mean)} ({compact(s.min)}..{compact(s.max)})")
     more = len(state.scalars) - limit
     return " · ".join(parts) + (f" · +{more} more" if more > 0 else "")
 
@@ -130,6 +156,21 @@ COLUMNS = (
     Column("memory", "MEM", 8),
     Column("seen", "SEEN", 5),
 )
+
+
+def scalar_column(name: str) -> Column:
+    """The column of ddtop.log scalar `name`: as wide as its name and a sort arrow
+    (within bounds)."""
+    width = min(SCALAR_MAX_WIDTH, max(SCALAR_WIDTH, len(name) + 1))
+    title = name if len(name) <= width else name[: width - 1] + "…"
+    return Column(SCALAR_PREFIX + name, title, width)
+
+
+def scalar_name(key: str) -> str | None:
+    """The scalar a column key shows, or None for the fixed columns."""
+    return key[len(SCALAR_PREFIX):] if key.startswith(SCALAR_PREFIX) else None
+
+
 # Every column sorts (`s` cycles through them in this order; a click on a title picks one).
 SORT_KEYS = ("rank", "state", "step", "loss", "rate", "step_ms", "comm_share", "seen", "comm_ms",
              "busbw", "sync", "memory", "epoch", "progress", "host", "device")
@@ -153,11 +194,14 @@ class Row:
         return self.state in PROBLEM_STATES or self.straggler
 
 
-def rank_rows(state: RunState, now: float) -> list[Row]:
-    """A row per rank of the world (ranks not heard from yet included), by rank."""
+def rank_rows(state: RunState, now: float, scalars: Sequence[str] = ()) -> list[Row]:
+    """A row per rank of the world (ranks not heard from yet included), by rank;
+    with a cell for each ddtop.log scalar named in `scalars` (the columns on
+    screen: a thousand ranks times every key would cost a frame for nothing)."""
     states = state.rank_states(now)
     slowest, _, slow = state.stragglers()
     stragglers = set(slow)
+    logged = [(SCALAR_PREFIX + name, state.scalars.get(name, {})) for name in scalars]
     rows = []
     for rank, st in states.items():
         v = state.ranks.get(rank) or RankView(rank=rank)
@@ -185,6 +229,12 @@ def rank_rows(state: RunState, now: float) -> list[Row]:
             "busbw": v.busbw_gbps or 0.0, "memory": v.memory or 0, "epoch": v.epoch,
             "progress": fraction, "host": v.host, "device": v.device,
         }
+        for key, by_rank in logged:
+            value = by_rank.get(rank)
+            cells[key] = "-" if value is None else compact(value)
+            # Largest first; a rank that has not logged it last, NaN first (a problem).
+            sort[key] = (-math.inf if value is None else math.inf if math.isnan(value)
+                         else value)
         rows.append(Row(rank, st, cells, sort, slowest=rank == slowest,
                         straggler=rank in stragglers, progress=fraction))
     return rows
@@ -197,8 +247,10 @@ def _state_text(v: RankView, st: str) -> str:
 
 
 def sort_rows(rows: list[Row], key: str, reverse: bool = False) -> list[Row]:
-    # Descending where the worst is the largest: times, shares, loss, memory.
-    descending = key in ("step_ms", "comm_share", "seen", "loss", "comm_ms", "sync", "memory")
+    # Descending where the worst is the largest: times, shares, loss, memory; and a
+    # scalar's (which end is the worst, only its script knows: the largest on top).
+    descending = key in ("step_ms", "comm_share", "seen", "loss", "comm_ms", "sync",
+                         "memory") or scalar_name(key) is not None
     return sorted(rows, key=lambda r: (r.sort[key], r.rank), reverse=descending != reverse)
 
 

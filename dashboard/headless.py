@@ -195,12 +195,15 @@ def progress_text(state: RunState, now: float, short: bool = False) -> str:
         hang = state.hang(now)
         if hang:
             parts.append(f"hang: {hang}")
+        if state.scalars:
+            parts.append(f"scalars: {fmt.scalars_line(state)}")
     return f"{state.status}: " + "; ".join(parts)
 
 
 def progress_record(state: RunState, now: float) -> dict[str, Any]:
     done, total = state.progress()
     _, skew, slow = state.stragglers()
+    summary = state.summary(now)
     return {
         "kind": "progress", "t": now, "run_id": state.run, "status": state.status,
         "global_step": done, "total_steps": total, "samples_per_s": state.throughput(now),
@@ -209,7 +212,8 @@ def progress_record(state: RunState, now: float) -> dict[str, Any]:
         "ranks": [{"rank": r.rank, "state": r.state, "epoch": r.epoch, "step": r.step,
                    "global_step": r.global_step, "loss": r.loss,
                    "samples_per_s": r.samples_per_s, "comm_share": r.comm_share}
-                  for r in state.summary(now).ranks],
+                  for r in summary.ranks],
+        "scalars": msgspec.to_builtins(summary.scalars),  # as in the summary
     }
 
 
@@ -281,6 +285,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if m:
         rows.append(f"| train loss / accuracy | {m['train_loss']:.4f} / "
                     f"{100 * m['train_accuracy']:.2f}% |")
+    if summary.get("program"):
+        program = summary["program"].replace("|", "\\|")  # GitHub's tables split on it
+        rows.append(f"| program | `{program}` |")
+    rows += [f"| scalar | {msgspec.convert(c, ScalarSummary).line()} |"
+             for c in summary.get("scalars", [])]
     failure = summary.get("failure")
     if failure:
         rows.append(f"| failure | rank {failure.get('rank')}: "

@@ -145,7 +145,9 @@ def events(state: RunState, lines: int, rank: int | None = None, title: str = "e
     return text
 
 
-def detail(state: RunState, rank: int, now: float) -> Text:
+def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
+    """One rank's numbers, its ddtop.log scalars (laid out in `width` cells) and
+    its step breakdown."""
     v = state.ranks.get(rank)
     text = Text()
     st = state.rank_states(now).get(rank, STARTING)
@@ -170,6 +172,12 @@ def detail(state: RunState, rank: int, now: float) -> Text:
                             short=True)
         text.append(f"ended: {how}{' (stopped by the daemon)' if v.stopped_by_daemon else ''}"
                     f"{': ' + v.error if v.error else ''}\n", "bold red" if st == DEAD else "")
+    if state.scalars:
+        text.append("\nscalars (ddtop.log)", "bold")
+        text.append("  ▲ the run's highest, ▼ its lowest\n", "dim")
+        lines = rank_scalars(state, rank, width)
+        text.append("\n".join(lines) + "\n" if lines else "none logged by this rank\n",
+                    "" if lines else "dim")
     text.append("\nper step (ms)\n", "bold")
     step = v.step_time_s or 0.0
 
@@ -188,6 +196,32 @@ def detail(state: RunState, rank: int, now: float) -> Text:
     for line in fmt.traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text
+
+
+def rank_scalars(state: RunState, rank: int, width: int) -> list[str]:
+    """Every ddtop.log scalar `rank` logged, its newest value, marked ▲ / ▼ where
+    it is the run's highest / lowest (when the ranks differ); by name, in as many
+    columns of 'name value' as fit in `width` cells, filled down each column."""
+    cells = []
+    for s in state.scalar_summaries():
+        value = state.scalars[s.name].get(rank)
+        if value is None:
+            continue
+        mark = ("" if s.min == s.max else "▲" if rank == s.max_rank
+                else "▼" if rank == s.min_rank else "")
+        cells.append((s.name, fmt.compact(value), mark))
+    if not cells:
+        return []
+    name_width = max(len(name) for name, _, _ in cells)
+    cell = name_width + 1 + fmt.SCALAR_WIDTH + 2
+    columns = max(1, (width + 2) // (cell + 2))
+    per_column = -(-len(cells) // columns)
+    lines = []
+    for row in range(per_column):
+        parts = [f"{name:<{name_width}} {value:>{fmt.SCALAR_WIDTH}} {mark:<1}"
+                 for name, value, mark in cells[row::per_column]]
+        lines.append("  ".join(parts).rstrip())
+    return lines
 
 
 def run_series(state: RunState, points: int) -> tuple[list[float], list[float]]:

@@ -43,6 +43,8 @@ HELP = """\
   BUSBW  all-reduce bus bandwidth, GB/s (nccl-tests' definition)
   SYNC s time spent waiting in metric syncs (all_gather_object), in total
   SEEN   seconds since the rank's last message
+  then your script's ddtop.log scalars, a column each (the rank's newest value;
+  - not logged by it) as many as fit; "+N more" counts the others (Enter: all)
 
 Press Escape or ? to close."""
 
@@ -108,7 +110,8 @@ class RankDetail(Screen[None]):
             return  # closing: the widgets are gone before the timer stops
         with self.feed.lock:
             state, now = self.feed.state, self.feed.now()
-            info = panels.detail(state, self.rank, now)
+            width = self.query_one("#detail-info").content_size.width
+            info = panels.detail(state, self.rank, now, width)
             events = panels.events(state, 12, rank=self.rank, title="events of this rank")
             view = state.ranks.get(self.rank)
             history = list(view.history) if view is not None else []

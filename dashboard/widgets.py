@@ -4,10 +4,16 @@ RankTable draws the ranks with Textual's Line API: one pre-built Strip per
 visible row, rebuilt only when the app hands it new rows (at most once per
 frame), so a thousand ranks cost what the thirty on screen cost. (A DataTable
 with every cell changing each tick falls behind at a few dozen rows.)
+
+A script's ddtop.log scalars get a column each, right of the fixed ones, in
+name order, as many as fit (`fit_columns`); the app asks which are shown and
+builds only their cells.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from rich.segment import Segment
@@ -21,25 +27,69 @@ from textual.widget import Widget
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.panels import STATE_STYLE
 
+# Where the ddtop.log scalars' columns rank in PRIORITY: after the columns every
+# run needs, before those a script can do without (its progress, epoch, host...).
+SCALARS = "*scalars*"
 # Columns kept when the terminal is narrow, most important first.
-PRIORITY = ("rank", "state", "step", "loss", "rate", "comm_share", "step_ms", "seen", "progress",
-            "epoch", "comm_ms", "host", "busbw", "sync", "memory", "device")
+PRIORITY = ("rank", "state", "step", "loss", "rate", "comm_share", "step_ms", "seen", SCALARS,
+            "progress", "epoch", "comm_ms", "host", "busbw", "sync", "memory", "device")
 MARK_WIDTH = 2  # "▲ " slowest rank, "! " straggler
 HEADER_STYLE = Style(bold=True, reverse=True)
 CURSOR_STYLE = Style(bgcolor="grey35", bold=True)
 
 
-def fit_columns(width: int) -> list[fmt.Column]:
-    """The columns that fit in `width` cells, in table order."""
+@dataclass(frozen=True)
+class TableLayout:
+    """The columns drawn, in table order (the fixed ones, then the scalars shown),
+    and the scalars that did not fit: "+N more" after the last title, room allowing."""
+
+    width: int
+    columns: tuple[fmt.Column, ...]
+    scalars: tuple[str, ...] = ()  # names of the scalars shown, in order
+    hidden: int = 0
+    more: str = ""  # "+N more", or "" when nothing is hidden or it has no room
+
+
+def fit_columns(width: int, scalars: Sequence[str] = ()) -> TableLayout:
+    """The columns that fit in `width` cells, most important first (PRIORITY),
+    with as many of the `scalars` (in their order) as fit at their rank. When some
+    do not, "+N more" takes the cells after the last title, and no column of
+    lower priority is drawn (it would take a scalar's place)."""
     by_key = {c.key: c for c in fmt.COLUMNS}
     chosen: set[str] = set()
+    shown: list[fmt.Column] = []
+    hidden, more = 0, ""
     used = MARK_WIDTH
     for key in PRIORITY:
+        if key == SCALARS:
+            shown = _fit_scalars(width - used, scalars)
+            used += sum(c.width + 1 for c in shown)
+            hidden = len(scalars) - len(shown)
+            if hidden and used + len(f"+{hidden} more") <= width:
+                more = f"+{hidden} more"
+            continue
+        if hidden:
+            break
         need = by_key[key].width + 1
         if used + need <= width or not chosen:
             chosen.add(key)
             used += need
-    return [c for c in fmt.COLUMNS if c.key in chosen]
+    names = tuple(name for c in shown if (name := fmt.scalar_name(c.key)) is not None)
+    return TableLayout(width, tuple(c for c in fmt.COLUMNS if c.key in chosen) + tuple(shown),
+                       names, hidden, more)
+
+
+def _fit_scalars(room: int, scalars: Sequence[str]) -> list[fmt.Column]:
+    """The most of the first scalars' columns that fit in `room` cells, leaving
+    room for "+N more" when some are left out."""
+    columns = [fmt.scalar_column(name) for name in scalars]
+    for n in range(len(columns), 0, -1):
+        need = sum(c.width + 1 for c in columns[:n])
+        if n < len(columns):
+            need += len(f"+{len(columns) - n} more")
+        if need <= room:
+            return columns[:n]
+    return []
 
 
 class RankTable(Widget, can_focus=True):
@@ -67,6 +117,9 @@ class RankTable(Widget, can_focus=True):
             super().__init__()
             self.key = key
 
+    class ColumnsChanged(Message):
+        """A resize changed which scalars are shown: their cells are needed."""
+
     def __init__(self, id: str | None = None) -> None:
         super().__init__(id=id)
         self.rows: list[fmt.Row] = []
@@ -74,7 +127,8 @@ class RankTable(Widget, can_focus=True):
         self.top = 0  # index of the first row shown
         self.sort_key, self.sort_reverse = "rank", False
         self._strips: dict[int, Strip] = {}  # row index -> strip, for this frame's rows
-        self._columns: list[fmt.Column] = []
+        self._scalars: list[str] = []  # every ddtop.log scalar of the run, by name
+        self._table_layout: TableLayout | None = None  # for the current width and scalars
         self._header: Strip | None = None
 
     # -- data in ---------------------------------------------------------------------
@@ -91,6 +145,34 @@ class RankTable(Widget, can_focus=True):
         self._strips.clear()
         self._scroll_to_cursor()
         self.refresh()
+
+    def set_scalars(self, names: list[str]) -> None:
+        """The run's ddtop.log scalars, in column order. The columns change only
+        when a new name comes (or the width changes), never as values move."""
+        if names != self._scalars:
+            self._scalars = list(names)
+            self._relayout()
+
+    @property
+    def shown_scalars(self) -> tuple[str, ...]:
+        """The scalars that have a column at the current width."""
+        return self.table_layout.scalars
+
+    @property
+    def table_layout(self) -> TableLayout:
+        if self._table_layout is None or self._table_layout.width != self.size.width:
+            return self._relayout()
+        return self._table_layout
+
+    def _relayout(self) -> TableLayout:
+        before = self._table_layout
+        layout = self._table_layout = fit_columns(self.size.width, self._scalars)
+        self._header = None
+        self._strips.clear()
+        self.refresh()
+        if before is not None and before.scalars != layout.scalars:
+            self.post_message(self.ColumnsChanged())
+        return layout
 
     @property
     def selected_rank(self) -> int | None:
@@ -130,7 +212,7 @@ class RankTable(Widget, can_focus=True):
     def column_at(self, x: int) -> str | None:
         """The key of the column drawn at cell `x`."""
         left = MARK_WIDTH
-        for c in self._columns:
+        for c in self.table_layout.columns:
             if left <= x < left + c.width + 1:
                 return c.key
             left += c.width + 1
@@ -151,16 +233,12 @@ class RankTable(Widget, can_focus=True):
                 self.action_select()
 
     def on_resize(self, event: events.Resize) -> None:
-        self._columns = fit_columns(event.size.width)
-        self._header = None
-        self._strips.clear()
+        self._relayout()
         self._scroll_to_cursor()
 
     # -- drawing (the Line API) ------------------------------------------------------------
     def render_line(self, y: int) -> Strip:
         width = self.size.width
-        if not self._columns:
-            self._columns = fit_columns(width)
         if y == 0:
             if self._header is None:
                 self._header = self._header_strip(width)
@@ -175,10 +253,16 @@ class RankTable(Widget, can_focus=True):
 
     def _header_strip(self, width: int) -> Strip:
         titles = []
-        for c in self._columns:
+        layout = self.table_layout
+        for c in layout.columns:
             arrow = ("▲" if self.sort_reverse else "▼") if c.key == self.sort_key else ""
             title = c.title + arrow
-            titles.append(title[-c.width:].rjust(c.width) if c.right else title.ljust(c.width))
+            if len(title) > c.width:  # a scalar's name keeps its start, a fixed title its end
+                title = (c.title[: c.width - len(arrow)] + arrow
+                         if fmt.scalar_name(c.key) is not None else title[-c.width:])
+            titles.append(title.rjust(c.width) if c.right else title.ljust(c.width))
+        if layout.more:
+            titles.append(layout.more)
         text = " " * MARK_WIDTH + " ".join(titles)
         return Strip([Segment(text, HEADER_STYLE)]).adjust_cell_length(width, HEADER_STYLE)
 
@@ -186,8 +270,9 @@ class RankTable(Widget, can_focus=True):
         base = CURSOR_STYLE if index == self.cursor and self.has_focus else Style()
         mark = "▲ " if row.slowest else "! " if row.straggler else "  "
         segments = [Segment(mark, base + Style(color="yellow", bold=True))]
-        for c in self._columns:
-            text = row.cells[c.key][: c.width]
+        for c in self.table_layout.columns:
+            # A scalar shown since this frame's rows were built has no cell until the next.
+            text = row.cells.get(c.key, "")[: c.width]
             text = text.rjust(c.width) if c.right else text.ljust(c.width)
             style = base
             if c.key == "state":

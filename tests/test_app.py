@@ -1,7 +1,8 @@
 """The real Textual app, driven with App.run_test(): attached to a live 2-rank run
 (rows advance, sort, detail, quit while the run goes on, stop it with `x`), to a
-daemon that never answers a stop (the dashboard does not freeze), and on recorded
-journals (keys, filters, screens, and snapshots of the main screen).
+daemon that never answers a stop (the dashboard does not freeze), to a real relay
+fed a script's messages (its ddtop.log scalars as columns and in the detail), and
+on recorded journals (keys, filters, screens, and snapshots of the main screen).
 
 Snapshots are the screen's text; after a deliberate change of the layout,
 rewrite them with DDTOP_UPDATE_SNAPSHOTS=1 and review the diff."""
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import queue
+import re
 import shutil
 import signal
 import threading
@@ -18,15 +21,20 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import zmq
 from helpers import detached
 from rich.console import Console
+from test_scalars import scalars, script_hello
+from test_state import step
 from textual.pilot import Pilot
 
+from ddtop.daemon import wire
 from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S as STOP_REQUEST_S
+from ddtop.daemon.relay import Relay
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, encode_snapshot
@@ -336,7 +344,6 @@ def test_a_stop_the_daemon_never_answers_does_not_freeze_the_dashboard() -> None
 @pytest.mark.parametrize(("ranks", "table_lines"), [(2, 3), (64, 40 - 4 - 1 - 10)])
 def test_the_ranks_table_takes_the_lines_it_needs_and_the_panels_the_rest(
         ranks: int, table_lines: int) -> None:
-    from ddtop.daemon import wire
     from ddtop.dashboard.feed import StateFeed
 
     state = RunState(run="big")
@@ -353,3 +360,157 @@ def test_the_ranks_table_takes_the_lines_it_needs_and_the_panels_the_rest(
         assert app.query_one("#lower").outer_size.height + table_lines == 40 - 4 - 1
 
     drive(StateFeed(state), (120, 40), script)
+
+
+class RelayThread:
+    """The daemon's real Relay (PULL, PUB, ROUTER, journal) served in a thread of
+    its own, with a PUSH socket there that sends what `send` queues, as ranks do;
+    `emit` has the relay say something as the daemon, after all that was sent."""
+
+    def __init__(self, run: str, journal: Path) -> None:
+        self.run, self.journal = run, journal
+        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.ready, self.done = threading.Event(), threading.Event()
+        self.control = ""
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def send(self, *messages: wire.Message) -> None:
+        for m in messages:
+            self.queue.put(("push", m))
+
+    def emit(self, kind: type[wire.RunStatus], **fields: Any) -> None:
+        self.queue.put(("emit", (kind, fields)))
+
+    def _serve(self) -> None:
+        relay = Relay(self.run, self.journal)
+        push = relay.context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(relay.endpoints["telemetry"])
+        self.control = relay.endpoints["control"]
+        self.ready.set()
+        pushed = 0
+        try:
+            while not self.done.is_set():
+                relay.serve(0.02)
+                try:
+                    what, item = self.queue.get_nowait()
+                except queue.Empty:
+                    continue
+                if what == "push":
+                    push.send_multipart(wire.encode(item))
+                    pushed += 1
+                    continue
+                deadline = time.monotonic() + 10
+                while relay.seq < pushed + relay.daemon_seq and time.monotonic() < deadline:
+                    relay.serve(0.02)  # everything sent before is folded first
+                kind, fields = item
+                relay.emit(kind, **fields)
+        finally:
+            push.close()
+            relay.close()
+
+
+@contextmanager
+def relay_thread(run: str, journal: Path) -> Iterator[RelayThread]:
+    relay = RelayThread(run, journal)
+    relay.thread.start()
+    assert relay.ready.wait(10), "the relay did not start"
+    try:
+        yield relay
+    finally:
+        relay.done.set()
+        relay.thread.join()
+
+
+def a_script_with_scalars() -> list[wire.Message]:
+    """Three ranks of a user's script, each a step in: rank 0 logs grad_norm and
+    lr, rank 1 grad_norm, rank 2 tokens_per_s alone."""
+    messages: list[wire.Message] = [script_hello(r) for r in range(3)]
+    messages += [step(r, 1, 10) for r in range(3)]
+    return messages
+
+
+def cell(app: DashboardApp, rank: int, title: str) -> str:
+    """What the ranks table shows for `rank` under the column titled `title`,
+    read from the drawn text at the cells that column takes."""
+    lines = app.query_one(RankTable).visible_text()
+    header = lines[0]
+    start = header.index(title)
+    rank_table = app.query_one(RankTable)
+    key = rank_table.column_at(start)
+    span = [x for x in range(len(header) + 1) if rank_table.column_at(x) == key]
+    row = next(line for line in lines[1:] if line[2:].split()[:1] == [str(rank)])
+    return row.ljust(span[-1] + 1)[span[0]:span[-1] + 1].strip()
+
+
+@pytest.mark.timeout(120)
+def test_a_scripts_scalars_get_columns_that_stay_put_and_the_detail_lists_them(
+        tmp_path: Path) -> None:
+    with relay_thread("r1", tmp_path / "telemetry.journal") as relay:
+        relay.send(*a_script_with_scalars())
+
+        async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: len(table(app)) == 4)
+            assert "grad_norm" not in table(app)[0]  # no scalars yet: no columns
+            relay.send(scalars(0, 2, grad_norm=1.5, lr=3e-4), scalars(1, 2, grad_norm=2.25),
+                       scalars(2, 2, tokens_per_s=12345.0))
+            await until(pilot, lambda: "tokens_per_s" in table(app)[0]
+                        and cell(app, 2, "tokens_per_s") == "12.35k")
+            header = table(app)[0]
+            # After the fixed columns, by name; each rank's newest value, "-" where
+            # the rank has not logged that key.
+            assert header.index("SEEN") < header.index("grad_norm") < header.index(
+                " lr") < header.index("tokens_per_s")
+            assert [cell(app, r, "grad_norm") for r in range(3)] == ["1.5", "2.25", "-"]
+            assert [cell(app, r, " lr") for r in range(3)] == ["0.0003", "-", "-"]
+            assert [cell(app, r, "tokens_per_s") for r in range(3)] == ["-", "-", "12.35k"]
+            assert "scalars: grad_norm 1.875 (1.5..2.25) · lr 0.0003 · tokens_per_s 12.35k" \
+                in screen_text(app)
+
+            relay.send(scalars(0, 3, grad_norm=1.75))  # a new value: the columns stay put
+            await until(pilot, lambda: cell(app, 0, "grad_norm") == "1.75")
+            assert table(app)[0] == header
+
+            rank_table = app.query_one(RankTable)
+            x = next(x for x in range(120) if rank_table.column_at(x) == "scalar:grad_norm")
+            await pilot.click(RankTable, offset=(x, 0))  # a scalar's title sorts by it
+            await until(pilot, lambda: "grad_norm▼" in table(app)[0])
+            assert [line[2:].split()[0] for line in table(app)[1:]] == ["1", "0", "2"]
+
+            await pilot.press("slash", "0", "enter")  # rank 0's detail: all it logged
+            await until(pilot, lambda: len(table(app)) == 2)
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, RankDetail))
+            await until(pilot, lambda: "scalars (ddtop.log)" in screen_text(app))
+            detail = screen_text(app)
+            assert re.search(r"grad_norm +1\.75 ▼", detail)  # the run's lowest (1.75 < 2.25)
+            assert re.search(r"lr +0\.0003(?! [▲▼])", detail)  # logged by rank 0 alone
+            assert "tokens_per_s" not in detail  # rank 2's, not rank 0's
+            await pilot.press("escape", "q")
+
+        drive(LiveFeed(connect=relay.control), (120, 40), script)
+
+
+@pytest.mark.timeout(120)
+def test_scalar_columns_fit_the_width_and_count_those_left_out(tmp_path: Path) -> None:
+    with relay_thread("r1", tmp_path / "telemetry.journal") as relay:
+        relay.send(*a_script_with_scalars(), scalars(0, 2, grad_norm=1.5, lr=3e-4),
+                   scalars(2, 2, tokens_per_s=12345.0))
+
+        async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: "tokens_per_s" in table(app)[0])
+            assert "more" not in table(app)[0]
+            await pilot.resize_terminal(100, 30)
+            await until(pilot, lambda: table(app)[0].endswith("+1 more"))
+            assert "grad_norm" in table(app)[0] and " lr" in table(app)[0]
+            assert "tokens_per_s" not in table(app)[0]
+            assert cell(app, 0, " lr") == "0.0003"
+            await pilot.resize_terminal(80, 24)  # the fixed columns come first
+            await until(pilot, lambda: table(app)[0].endswith("SEEN +3 more"))
+            await pilot.resize_terminal(120, 40)  # and back: the cells follow at once
+            await until(pilot, lambda: "tokens_per_s" in table(app)[0])
+            await until(pilot, lambda: cell(app, 2, "tokens_per_s") == "12.35k")
+            assert cell(app, 0, "grad_norm") == "1.5" and cell(app, 1, "grad_norm") == "-"
+            await pilot.press("q")
+
+        drive(LiveFeed(connect=relay.control), (120, 40), script)

@@ -10,6 +10,7 @@ from ddtop.daemon import wire
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
+from ddtop.dashboard.widgets import fit_columns
 
 
 def rows_by_rank(state: RunState, now: float) -> dict[int, fmt.Row]:
@@ -162,3 +163,50 @@ def test_a_scripts_header_names_it_shows_its_scalars_and_no_made_up_eta() -> Non
     assert "step 10/100 (10.0%)" in text
     assert "ETA 9.0 s" in text  # 90 steps left at 0.1 s per step
     assert "scalars: grad_norm 2 (1..3)" in text
+
+
+def test_scalar_cells_hold_each_ranks_newest_value_and_sort_largest_first() -> None:
+    def logged(rank: int, seq: int, **values: float) -> wire.Scalars:
+        return wire.Scalars(run=RUN, rank=rank, seq=seq, values=values)
+
+    # A scalar named "loss" is a column of its own, not the LOSS column.
+    s = fold(hello(0), hello(1), step(0, 1, 10), step(1, 1, 10),
+             logged(0, 2, loss=0.5, tps=12345.0), logged(1, 2, loss=float("nan")),
+             logged(0, 3, loss=0.25))
+    rows = rows_by_rank(s, 101.0)
+    assert "scalar:loss" not in rows[0].cells  # only the scalars asked for get cells
+    rows = {r.rank: r for r in fmt.rank_rows(s, 101.0, ["loss", "tps"])}
+    assert rows[0].cells["loss"] == "2.0000" and rows[0].cells["scalar:loss"] == "0.25"
+    assert (rows[0].cells["scalar:tps"], rows[1].cells["scalar:tps"]) == ("12.35k", "-")
+    assert rows[1].cells["scalar:loss"] == "nan"
+    by_tps = fmt.sort_rows(list(rows.values()), "scalar:tps")
+    assert [r.rank for r in by_tps] == [0, 1]  # largest first, not logged last
+    assert [r.rank for r in fmt.sort_rows(list(rows.values()), "scalar:loss")] == [1, 0]
+
+
+def test_numbers_in_a_scalar_column_fit_it() -> None:
+    cases = {0.123456: "0.1235", 2.5: "2.5", 1234.0: "1234", 12345.0: "12.35k",
+             3.2e6: "3.2M", 1e-5: "1e-05", -0.00012345: "-0.000123", -1.2345e-7: "-1.23e-07",
+             -1.5e15: "-1.5e+15", float("inf"): "inf", float("nan"): "nan", 512.0: "512"}
+    assert {v: fmt.compact(v) for v in cases} == cases
+    assert all(len(text) <= fmt.SCALAR_WIDTH for text in cases.values())
+
+
+def test_scalar_columns_follow_the_fixed_ones_by_name_and_count_those_left_out() -> None:
+    names = ["grad_norm", "lr", "tokens_per_s"]
+    wide = fit_columns(200, names)
+    assert wide.scalars == tuple(names) and wide.hidden == 0 and wide.more == ""
+    assert [c.key for c in wide.columns][-4:] == ["seen", *(f"scalar:{n}" for n in names)]
+    assert [c.key for c in wide.columns][:-3] == [c.key for c in fit_columns(200).columns]
+    # 120 cells: every scalar before the columns a script can do without.
+    at_120 = fit_columns(120, names)
+    assert at_120.scalars == tuple(names) and "host" not in [c.key for c in at_120.columns]
+    narrow = fit_columns(100, names)
+    assert narrow.scalars == ("grad_norm", "lr") and narrow.more == "+1 more"
+    assert "progress" not in [c.key for c in narrow.columns]  # a scalar outranks it
+    assert fit_columns(80, names).more == "+3 more"
+    assert fit_columns(60, names).more == ""  # no room even for the count
+    # The layout depends on the names and the width only: values never move a column.
+    assert fit_columns(120, names) == at_120
+    long = fmt.scalar_column("a_rather_long_metric_name")
+    assert (long.title, long.width) == ("a_rather_long…", fmt.SCALAR_MAX_WIDTH)

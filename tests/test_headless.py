@@ -1,6 +1,7 @@
 """Headless output for CI and scripts, with real runs: `ddtrain start --foreground
 --headless` and `ddtop --headless` attached to a detached run, a killed rank,
-replays of recorded journals, summary files, and bad input."""
+replays of recorded journals, summary files, and bad input; a script's ddtop.log
+scalars through a real relay into the progress lines and the summary."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import BIN, RUN_TIMEOUT_S, ddtrain, detached, tagged_env
+from test_app import a_script_with_scalars, relay_thread
+from test_scalars import scalars
+
+from ddtop.daemon import wire
 
 DDTOP = str(BIN / "ddtop")
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
@@ -181,3 +187,55 @@ def test_on_a_terminal_text_output_is_a_progress_bar(tmp_path: Path) -> None:
     assert "━" in out and "step 1024/1024" in out  # the bar, filled
     assert not re.search(r"\d\d:\d\d:\d\d running: step", out)  # no interval lines
     assert "epoch 2 done" in out and "run recorded-ok succeeded" in out
+
+
+@pytest.mark.timeout(120)
+def test_a_scripts_scalars_are_in_the_progress_lines_and_the_summary(tmp_path: Path) -> None:
+    """Two `ddtop --headless --connect` (text and jsonl) on a real relay fed a
+    script's messages: each progress line and record carries the scalars across
+    ranks, and so does the summary (text, JSON and the Markdown for CI)."""
+    formats = ("text", "jsonl")
+    with relay_thread("r1", tmp_path / "telemetry.journal") as relay:
+        relay.send(*a_script_with_scalars(), scalars(0, 2, grad_norm=1.5, lr=3e-4),
+                   scalars(1, 2, grad_norm=2.5))
+        out = {f: tmp_path / f"{f}.out" for f in formats}
+        procs = []
+        try:
+            for f in formats:
+                env = tagged_env("scalars", {"GITHUB_STEP_SUMMARY": str(tmp_path / f"{f}.md")})
+                with out[f].open("w") as sink:
+                    procs.append(subprocess.Popen(
+                        [DDTOP, "--headless", "--connect", relay.control, "--format", f,
+                         "--interval", "0.2"], cwd=tmp_path, stdout=sink, stderr=subprocess.PIPE,
+                        stdin=subprocess.DEVNULL, text=True, env=env))
+            deadline = time.monotonic() + 60
+            while not ("scalars: grad_norm" in out["text"].read_text()
+                       and '"kind":"progress"' in out["jsonl"].read_text()):
+                assert time.monotonic() < deadline, "no progress line with the scalars"
+                ended = [p.communicate()[1] for p in procs if p.poll() is not None]
+                assert not ended, ended
+                time.sleep(0.1)
+            relay.emit(wire.RunStatus, status="succeeded", world_size=3, exit_code=0,
+                       message="run succeeded")
+            for p in procs:
+                assert p.wait(timeout=60) == 0, p.communicate()[1]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    text = out["text"].read_text().splitlines()
+    progress = next(line for line in text if " running: step " in line)
+    assert progress.endswith("; scalars: grad_norm 2 (1.5..2.5) · lr 0.0003")
+    assert "  program: train.py" in text
+    assert "  scalar grad_norm: mean 2 (min 1.5 rank 0, max 2.5 rank 1)" in text
+    assert "  scalar lr: mean 0.0003" in text
+    lines = jsonl(out["jsonl"].read_text())
+    summary, record = lines[-1], [line for line in lines if line["kind"] == "progress"][-1]
+    assert summary["kind"] == "summary" and summary["status"] == "succeeded"
+    assert record["scalars"] == summary["scalars"]  # one shape: ScalarSummary's fields
+    assert [(c["name"], c["mean"], c["min_rank"], c["max_rank"], c["ranks"])
+            for c in summary["scalars"]] == [("grad_norm", 2.0, 0, 1, 2), ("lr", 3e-4, 0, 0, 1)]
+    markdown = (tmp_path / "text.md").read_text()
+    assert "| program | `train.py` |" in markdown
+    assert "| scalar | grad_norm: mean 2 (min 1.5 rank 0, max 2.5 rank 1) |" in markdown
