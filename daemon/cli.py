@@ -42,6 +42,7 @@ from ddtop.daemon.contract import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    owner_only_umask,
 )
 from ddtop.daemon.program import check_program, split_program_args
 from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
@@ -186,6 +187,7 @@ def of(config: TrainConfig) -> str:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    owner_only_umask()  # the run directory and all in it: the owner's alone
     config, paths = resolve_start(args)
     verb = "resuming" if config.resume else "starting"
     if args.headless:
@@ -304,6 +306,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The detached daemon: the same Supervisor as --foreground, output to daemon.log."""
     from ddtop.daemon.supervisor import Supervisor
 
+    owner_only_umask()  # inherited from ddtrain start; said again for a daemon started by hand
     paths = RunPaths(Path(args.run_dir))
     config = TrainConfig.from_dict(read_json(paths.config)).validate()
     print(f"ddtrain: daemon pid {os.getpid()} for run {paths.run_id} "

@@ -6,6 +6,8 @@ daemon and dashboard alike; it imports nothing of ours, so any of them may.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 from typing import Literal
@@ -30,6 +32,23 @@ RUN_ID_ENV = "DDTOP_RUN_ID"
 FAULT_ENV = "DDTOP_FAULT"
 # Where runs live when --runs-dir is not given (else ./runs).
 RUNS_DIR_ENV = "DDTOP_RUNS_DIR"
+# The file mode creation mask the user had (octal), before `ddtrain start` made
+# everything of the run owner-only (0o077); a user's program runs with it again.
+USER_UMASK_ENV = "DDTOP_USER_UMASK"
+OWNER_ONLY_UMASK = 0o077
+
+
+def owner_only_umask() -> None:
+    """From here on, files and folders this process (and every process it starts)
+    creates are its owner's alone; the mask it had is kept for user programs."""
+    previous = os.umask(OWNER_ONLY_UMASK)
+    os.environ.setdefault(USER_UMASK_ENV, oct(previous))
+
+
+def restore_user_umask() -> None:
+    """In a rank, before the user's program: the mask the user started ddtrain with."""
+    with contextlib.suppress(ValueError):  # not set (started another way), damaged: leave it
+        os.umask(int(os.environ.get(USER_UMASK_ENV, ""), 8))
 
 # -- exit codes (ddtrain, ddtop --headless and every rank; docs/cli.md) ----------------
 EXIT_OK = 0

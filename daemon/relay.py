@@ -4,6 +4,12 @@
     PUB    bound, every accepted message re-published with its relay sequence number
     ROUTER bound, requests: status, snapshot, stop, ping
 
+All three are ZeroMQ ipc sockets (unix domain sockets) in a folder only the
+run's owner can enter: the run directory's `sock/`, or, where that path is too
+long for a unix socket, a private folder made for the daemon (mkdtemp, 0700)
+and removed when it closes. Another user cannot connect, so cannot send,
+subscribe or ask anything (docs/security.md).
+
 Every accepted message is folded into the RunState, appended to the journal
 and re-published, in that order, under one relay sequence number. A dashboard
 subscribes first, then asks for a snapshot (the state and the relay sequence
@@ -11,7 +17,10 @@ number it includes) and applies only the live messages newer than that.
 
 Nothing a socket receives can stop the daemon: undecodable, oversized,
 wrong-version and wrong-run frames are counted in `RunState.rejected` and
-dropped; a flood is read in bounded batches so requests are still answered.
+dropped; so are messages for a rank outside the world size the daemon
+launched (so what senders claim cannot grow its memory) and hellos whose pid
+is not the process the daemon started as that rank (`rank_pid`). A flood is
+read in bounded batches so requests are still answered.
 All three sockets belong to the thread that calls `serve` (the daemon's main
 thread); ZeroMQ sockets are not thread-safe.
 """
@@ -19,8 +28,10 @@ thread); ZeroMQ sockets are not thread-safe.
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +42,9 @@ from ddtop.daemon import wire
 from ddtop.daemon.journal import JournalWriter
 from ddtop.daemon.state import RunState, encode_snapshot
 
-LOOPBACK = "127.0.0.1"
+# Room for an ipc socket's path: a unix socket address holds 107 bytes and a NUL.
+IPC_PATH_MAX = 100
+SOCKET_NAMES = ("telemetry", "publish", "control")
 # Frames larger than this make ZeroMQ drop the connection unread (memory bound);
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
@@ -40,16 +53,25 @@ MAX_REQUEST_BYTES = 4096
 
 
 class Relay:
-    def __init__(self, run: str, journal: Path, host: str = LOOPBACK) -> None:
+    def __init__(self, run: str, journal: Path, sockets: Path | None = None,
+                 world_size: int | None = None,
+                 rank_pid: Callable[[int, int], bool] | None = None) -> None:
+        """`sockets`: the owner-only folder for the ipc sockets (None, or a path too
+        long for a unix socket: a private folder of the daemon's own). `world_size`:
+        the ranks there are (None: any, up to the state's bound). `rank_pid(rank,
+        pid)`: whether a hello's pid is that rank's process (None: not checked)."""
         self.run = run
+        self.world_size = world_size
+        self.rank_pid = rank_pid
         self.state = RunState(run=run)
         self.seq = 0  # relay sequence number of the newest accepted message
         self.daemon_seq = 0
         self.stop_request: float | None = None  # a `stop` request's timeout, once asked
+        self.sockets, self._own_folder = private_folder(sockets)
         self.context = zmq.Context()
-        self.pull = self._bind(zmq.PULL, host)
-        self.pub = self._bind(zmq.PUB, host)
-        self.router = self._bind(zmq.ROUTER, host)
+        self.pull = self._bind(zmq.PULL, "telemetry")
+        self.pub = self._bind(zmq.PUB, "publish")
+        self.router = self._bind(zmq.ROUTER, "control")
         self.pull.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
         self.router.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -58,10 +80,10 @@ class Relay:
         self.poller.register(self.router, zmq.POLLIN)
         self.journal = JournalWriter(journal)
 
-    def _bind(self, kind: int, host: str) -> zmq.Socket[bytes]:
+    def _bind(self, kind: int, name: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{host}:*")
+        sock.bind(f"ipc://{self.sockets / name}")
         return sock
 
     @property
@@ -102,6 +124,13 @@ class Relay:
                 continue
             if message.rank == wire.DAEMON_RANK:
                 self._reject("forged")  # only the daemon speaks as the daemon
+                continue
+            if self.world_size is not None and not 0 <= message.rank < self.world_size:
+                self._reject("rank_out_of_range")
+                continue
+            if (isinstance(message, wire.Hello) and self.rank_pid is not None
+                    and not self.rank_pid(message.rank, message.pid)):
+                self._reject("foreign_pid")  # not the process started as that rank
                 continue
             self._accept(message, frames[0], received)
 
@@ -173,3 +202,20 @@ class Relay:
         for sock in (self.pull, self.pub, self.router):
             sock.close(linger=0)
         self.context.term()
+        for name in SOCKET_NAMES:
+            (self.sockets / name).unlink(missing_ok=True)
+        if self._own_folder:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def private_folder(preferred: Path | None) -> tuple[Path, bool]:
+    """An owner-only folder for the ipc sockets: `preferred` when a socket path
+    in it fits a unix socket address, else a new one under the temp folder;
+    True when the folder is new and the relay's own to remove."""
+    if preferred is not None:
+        preferred = preferred.absolute()
+        if len(str(preferred / max(SOCKET_NAMES, key=len)).encode()) <= IPC_PATH_MAX:
+            preferred.mkdir(mode=0o700, exist_ok=True)
+            preferred.chmod(0o700)
+            return preferred, False
+    return Path(tempfile.mkdtemp(prefix="ddtop-")), True

@@ -9,6 +9,10 @@
         logs/rank-<k>.log     stdout and stderr of rank k
         logs/rank-<k>.error.json   why rank k failed, written by the rank itself
         checkpoints/step-<global step>.pt
+        sock/                 the daemon's ipc sockets: telemetry, publish, control
+
+A run directory and everything in it is its owner's alone (0700 folders, 0600
+files): `ddtrain start` creates them under an owner-only umask (docs/security.md).
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ class RunPaths:
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
+    @property
+    def sockets(self) -> Path:
+        return self.root / "sock"
+
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
 
@@ -96,8 +104,11 @@ class RunPaths:
         return found[-1] if found else None
 
     def create(self) -> RunPaths:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        """The run's folders, owner-only (also one made by an earlier version)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.chmod(0o700)
+        for folder in (self.logs, self.checkpoints):
+            folder.mkdir(mode=0o700, exist_ok=True)
         return self
 
 

@@ -100,7 +100,8 @@ class Supervisor:
         try:
             self.paths.create()
             write_json_atomic(self.paths.config, self.config.to_dict())
-            self.relay = Relay(self.paths.run_id, self.paths.journal)
+            self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
+                               world_size=self.config.world_size)
             if not self.config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(self.config.master_addr, 0)

@@ -76,9 +76,10 @@ class Hello(_Header, tag="hello", tag_field="kind", kw_only=True):
     dataset: str
     epochs: int
     global_batch: int
-    # A user's own script (ddtop.init): its file name and, if it said, how many
-    # optimizer steps the run will take. Absent (UNSET: not even encoded) from
-    # the built-in trainer, whose hello is unchanged.
+    # A user's own script: its file name and arguments ("" for the built-in
+    # trainer) and, if known, how many optimizer steps the run will take
+    # (ddtop.init; the built-in trainer from its config). Absent (UNSET: not even
+    # encoded) from senders of an earlier version.
     program: ProgramText | UnsetType = UNSET
     total_steps: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] | UnsetType = UNSET
 

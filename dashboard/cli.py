@@ -2,7 +2,7 @@
 
     ddtop                          the newest live run under ./runs (else the newest run)
     ddtop RUN                      a run id (a unique prefix is enough) or a run directory
-    ddtop --connect tcp://H:P      a daemon's control endpoint (run.json: endpoints.control)
+    ddtop --connect ENDPOINT       a daemon's control endpoint (run.json: endpoints.control)
     ddtop --replay RUN [--speed X] a run's journal played back (0: at once)
     ddtop --headless [RUN]         log lines (or --format jsonl) and the run's exit code
 
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "live run, else the newest run)")
     add_runs_dir_argument(parser)
     parser.add_argument("--connect", default=None, metavar="ENDPOINT",
-                        help="attach to a daemon by its control endpoint, tcp://HOST:PORT")
+                        help="attach to a daemon by its control endpoint (run.json's "
+                             "endpoints.control: ipc://PATH, or tcp://HOST:PORT)")
     parser.add_argument("--replay", action="store_true",
                         help="play RUN's telemetry journal back instead of attaching live")
     parser.add_argument("--speed", type=float, default=None, metavar="X",
@@ -98,8 +99,10 @@ def check(args: argparse.Namespace) -> None:
     if problem is None and args.connect is not None:
         if args.run or args.replay:
             problem = "--connect names the run itself: drop RUN and --replay"
-        elif not args.connect.startswith("tcp://") or ":" not in args.connect[6:]:
-            problem = f"--connect {args.connect!r}: expected tcp://HOST:PORT"
+        elif not (args.connect.startswith("ipc:///") or (
+                args.connect.startswith("tcp://") and ":" in args.connect[6:])):
+            problem = (f"--connect {args.connect!r}: expected ipc://PATH or tcp://HOST:PORT "
+                       "(run.json's endpoints.control)")
     if problem is not None:
         raise UsageError(problem)
 

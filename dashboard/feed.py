@@ -141,13 +141,17 @@ class LiveFeed(Feed):
         """(control, publish) endpoints, or None when they cannot be known yet."""
         if self.connect_to is not None:
             reply = control.request(self.connect_to, "ping", REQUEST_TIMEOUT_S)
-            publish = str(reply.get("endpoints", {}).get("publish", ""))
-            host = urlsplit(self.connect_to).hostname
-            port = urlsplit(publish).port
-            if not reply.get("ok") or port is None:
+            endpoints = reply.get("endpoints")
+            publish = str(endpoints.get("publish", "")) if isinstance(endpoints, dict) else ""
+            if self.connect_to.startswith("ipc://") and publish.startswith("ipc:///"):
+                found: str | None = publish  # a socket in the same owner-only folder
+            else:  # the publish port, on the host the control endpoint was reached at
+                host, port = urlsplit(self.connect_to).hostname, _port(publish)
+                found = f"tcp://{host}:{port}" if host and port else None
+            if not reply.get("ok") or found is None:
                 raise control.Unreachable(f"{self.connect_to} is not a ddtrain daemon")
             self.state.run = str(reply.get("run", self.state.run))
-            return self.connect_to, f"tcp://{host}:{port}"
+            return self.connect_to, found
         assert self.paths is not None
         info = RunInfo.load(self.paths)
         if not info.live:
@@ -371,9 +375,16 @@ class ReplayFeed(Feed):
         self.detail = state.status_message if state.status == LOST else ""
 
 
+def _port(endpoint: str) -> int | None:
+    try:
+        return urlsplit(endpoint).port
+    except ValueError:  # not a port number: not a daemon's answer
+        return None
+
+
 def open_feed(target: RunPaths | str, replay: bool = False, speed: float = 1.0) -> Feed:
     """The feed for a run directory (live daemon, or its journal once finished),
-    a replay of it, or a control endpoint (tcp://HOST:PORT)."""
+    a replay of it, or a control endpoint (ipc://PATH or tcp://HOST:PORT)."""
     if isinstance(target, str):
         return LiveFeed(connect=target)
     if replay:

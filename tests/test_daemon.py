@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +44,12 @@ def test_start_detaches_and_says_how_to_watch_and_stop(live: Detached) -> None:
     assert record["status"] == "running"
     assert os.getpgid(record["daemon_pid"]) == record["daemon_pid"]  # its own process group
     assert set(record["endpoints"]) == {"telemetry", "publish", "control"}
-    assert all(e.startswith("tcp://127.0.0.1:") for e in record["endpoints"].values())
+    # Local sockets in an owner-only folder (was: tcp://127.0.0.1, open to every local user).
+    sockets = live.cwd / "runs" / "live" / "sock"
+    assert record["endpoints"] == {name: f"ipc://{sockets / name}"
+                                   for name in ("telemetry", "publish", "control")}
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o700
+    assert stat.S_IMODE(sockets.parent.stat().st_mode) == 0o700
 
 
 def test_status_json_has_every_rank_live(live: Detached) -> None:

@@ -36,9 +36,16 @@ from typing import Any
 import torch._dynamo  # noqa: F401
 
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE, RUN_ID_ENV
+from ddtop.daemon.contract import (
+    CONFIG_ENV,
+    DAEMON_PID_ENV,
+    EXIT_USAGE,
+    RUN_ID_ENV,
+    restore_user_umask,
+)
 from ddtop.daemon.runs import RunPaths, read_json
 from ddtop.training import api, autowatch, worker
+from ddtop.training.rendezvous import loopback_only
 from ddtop.training.worker import (
     enter_rank,
     leave_rank,
@@ -77,13 +84,19 @@ def run_as_main(path: Path) -> None:
     exec(compile(path.read_bytes(), str(path), "exec"), main.__dict__)
 
 
-def run_program(config: TrainConfig, rank: int, error_report: Path | None) -> int:
+def run_program(config: TrainConfig, rank: int, error_report: Path | None,
+                prepare: Callable[[], object] = lambda: None) -> int:
     """Run the user's program in this process, instrumented (zero-code mode: steps,
     comm timing and phases with no line changed; nothing without DDTOP_TELEMETRY);
     its exit code, which the rank's last telemetry message carries."""
     runner = program_runner(config)
+    restore_user_umask()  # the files the program writes are as the user would have them
     autowatch.install()
-    code = run_reported(runner, rank, error_report, own_frames=_ours)
+    def body() -> None:
+        prepare()
+        runner()
+
+    code = run_reported(body, rank, error_report, own_frames=_ours)
     live = api.current()
     if live is not None:
         live.close(code)
@@ -111,7 +124,8 @@ def launched_script(rank: int, world_size: int, config_dict: dict[str, Any], run
     # multiprocessing's own exit handler joins the program's child processes.
     atexit.register(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
     # (weakref.finalize's exit callbacks are not run: the forkserver's would run too.)
-    code = run_program(config, rank, paths.rank_error(rank))
+    code = run_program(config, rank, paths.rank_error(rank),
+                       prepare=lambda: loopback_only(rank, world_size, master_addr, master_port))
     threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, executors
     atexit._run_exitfuncs()
     leave_rank(code)

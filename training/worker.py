@@ -30,6 +30,7 @@ from ddtop.daemon.processes import pid_alive, set_parent_death_signal
 from ddtop.daemon.runs import RunPaths
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
+from ddtop.training.rendezvous import loopback_only
 from ddtop.training.trainer import train
 
 # Seconds between liveness checks of the daemon where pidfds are unavailable.
@@ -66,7 +67,7 @@ def _wait_for_exit(pid: int, pidfd: int | None) -> None:
 
 def redirect_output(log: Path) -> None:
     """Send this process's stdout and stderr (Python's and C's) to its log."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -84,9 +85,15 @@ def write_error_report(path: Path | None, report: ErrorReport) -> None:
 
 
 def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
-              launch_time: float | None = None) -> int:
-    """Train; return the exit code. Never lets an exception escape unreported."""
-    return run_reported(lambda: train(config, env, launch_time), env.rank, error_report)
+              launch_time: float | None = None, prepare: Callable[[], object] = lambda: None
+              ) -> int:
+    """`prepare()`, then train; return the exit code. Never lets an exception
+    escape unreported."""
+    def body() -> None:
+        prepare()
+        train(config, env, launch_time)
+
+    return run_reported(body, env.rank, error_report)
 
 
 def run_reported(body: Callable[[], object], rank: int, error_report: Path | None,
@@ -162,4 +169,6 @@ def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_d
     # The same variables torchrun sets, so both launch paths share one code path.
     os.environ.update(torchrun_environment(rank, world_size, master_addr, master_port, attempt))
     config = TrainConfig.from_dict(config_dict)
-    leave_rank(rank_main(config, RankEnv.from_environ(), paths.rank_error(rank), launch_time))
+    leave_rank(rank_main(config, RankEnv.from_environ(), paths.rank_error(rank), launch_time,
+                         prepare=lambda: loopback_only(rank, world_size, master_addr,
+                                                       master_port)))
