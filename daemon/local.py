@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.processes import LogTail
+from ddtop.daemon.processes import LogTail, OwnProcess, ProcessId
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import Rank, choose_port, rank_program
 from ddtop.daemon.state import RunState
@@ -58,11 +58,12 @@ class LocalRanks:
             # Echo this attempt's lines only.
             self.tails.append((f"[rank {rank}]", LogTail(self.paths.rank_log(rank),
                                                          from_end=True)))
-            self.ranks.append(Rank(rank, process))
+            # Every signal goes through OwnProcess: never to its pid once it is gone.
+            self.ranks.append(Rank(rank, OwnProcess(process)))
 
-    def rank_pids(self, state: RunState) -> list[int]:
-        return [r.process.pid for r in self.ranks
-                if r.process.exitcode is None and r.process.pid is not None]
+    def rank_processes(self) -> list[ProcessId]:
+        return [r.process.identity for r in self.ranks
+                if r.process.exitcode is None and r.process.identity is not None]
 
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         return [exited]

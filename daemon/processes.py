@@ -1,5 +1,16 @@
 """Processes as the daemon sees them: alive or not, tied to their parent's life,
-and the small adapters that give every kind of child one interface.
+the identity that tells one process from a later one with the same pid, and
+the small adapters that give every kind of child one interface.
+
+A pid names a process only until it exits: the kernel hands the number to
+the next process that needs one. So the daemon knows a process it started as
+a `ProcessId`: the pid, its start time (clock ticks after boot, field 22 of
+/proc/<pid>/stat) and the boot it belongs to. `same_process` says whether the
+pid still names that process; `send_signal` signals it only if so, through a
+pidfd (opened first, then the start time checked: a pidfd cannot come to
+name another process), so a reused pid is never signalled. Without /proc
+(not Linux) or for records written before start times were kept, the start
+time is unknown (None) and the pid check alone remains.
 
 No torch, no sockets: ranks import `set_parent_death_signal` and `pid_alive`
 from here too.
@@ -14,6 +25,9 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Protocol
 
@@ -37,10 +51,146 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie (exited, not yet reaped) is not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+    stat = read_stat(pid)  # a zombie (exited, not yet reaped) is not alive
+    return stat is None or stat.state != "Z"
+
+
+# -- which process a pid names ------------------------------------------------------
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class Stat:
+    """The fields of /proc/<pid>/stat the daemon reads."""
+
+    state: str  # R, S, D, Z (zombie), ...
+    ppid: int
+    start: int  # clock ticks after boot
+
+
+def parse_stat(text: str) -> Stat:
+    """/proc/<pid>/stat's text. The command name (field 2) is in parentheses and
+    may itself hold spaces and parentheses ("a) (b"), so the fields are counted
+    from the last ')'. Raises ValueError on anything else."""
+    head, paren, rest = text.rpartition(")")
+    fields = rest.split()
+    if not paren or "(" not in head or len(fields) < 20:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
+    # fields[0] is field 3 (state): field N is fields[N - 3].
+    return Stat(state=fields[0], ppid=int(fields[1]), start=int(fields[19]))
+
+
+def read_stat(pid: int) -> Stat | None:
+    """/proc/<pid>/stat, or None when there is no such process (or no /proc)."""
+    try:
+        return parse_stat((PROC / str(pid) / "stat").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@cache
+def boot_id() -> str:
+    """This boot of this machine ("" where unknown): start times count from it."""
+    try:
+        return (PROC / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """One process, not just a pid: (pid, start time, boot) is never reused."""
+
+    pid: int
+    start: int | None = None  # clock ticks after boot; None: unknown (the pid check alone)
+    boot: str = ""  # boot_id() when the start time was read; "": unknown
+
+    @classmethod
+    def of(cls, pid: int | None) -> ProcessId | None:
+        """The process `pid` names now (None when it names none, or a zombie)."""
+        if not pid or not pid_alive(pid):
+            return None
+        stat = read_stat(pid)
+        return cls(pid, stat.start if stat else None, boot_id() if stat else "")
+
+
+def same_process(process: ProcessId | None) -> bool:
+    """True while `process` is alive and its pid still names it (not a later
+    process that was given the same pid)."""
+    if process is None or not pid_alive(process.pid):
+        return False
+    if process.start is None:
+        return True  # recorded without a start time: the pid is all there is
+    if process.boot and process.boot != boot_id():
+        return False  # recorded during another boot (or on another machine)
+    stat = read_stat(process.pid)
+    return stat is not None and stat.start == process.start
+
+
+def send_signal(process: ProcessId | None, sig: int) -> bool:
+    """Send `sig` to `process` if its pid still names it; True when sent.
+
+    The pidfd is opened before the start time is compared: from then on it
+    names that one process, exited or not, so the signal cannot reach a
+    process that was given the pid in between."""
+    if process is None:
+        return False
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no pidfds here: the check, then the signal
+        if not same_process(process):
+            return False
+        try:
+            os.kill(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
         return True
+    try:
+        if not same_process(process):
+            return False
+        signal.pidfd_send_signal(pidfd, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        os.close(pidfd)
+
+
+def descendants(root: ProcessId) -> list[tuple[ProcessId, int]]:
+    """Every live process below `root` (its children, theirs, ...) with its depth
+    (1: a child), read from /proc; empty when `root` is no longer itself. A
+    child starts no earlier than its parent, which the start times confirm."""
+    if not same_process(root):
+        return []
+    children: dict[int, list[tuple[int, Stat]]] = {}
+    for entry in PROC.iterdir():
+        if entry.name.isdigit() and (stat := read_stat(int(entry.name))) is not None:
+            children.setdefault(stat.ppid, []).append((int(entry.name), stat))
+    found: list[tuple[ProcessId, int]] = []
+    todo = [(root.pid, root.start, 0)]
+    while todo:
+        pid, start, depth = todo.pop()
+        for child, stat in children.get(pid, []):
+            if stat.state != "Z" and (start is None or stat.start >= start):
+                found.append((ProcessId(child, stat.start, boot_id()), depth + 1))
+                todo.append((child, stat.start, depth + 1))
+    return found
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    """The variable `name` in the environment process `pid` started with (readable
+    for one's own processes), None when absent or unreadable."""
+    try:
+        environ = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    for entry in environ.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix):].decode(errors="replace")
+    return None
 
 
 def file_size(path: Path) -> int:
@@ -74,10 +224,13 @@ class LogTail:
 
 
 class Process(Protocol):
-    """What supervision needs of a process: multiprocessing's, or AgentProcess."""
+    """What supervision needs of a process: a rank (OwnProcess), torchrun's agent
+    (AgentProcess), or one already seen to exit (ExitedProcess)."""
 
     @property
     def pid(self) -> int | None: ...
+    @property
+    def identity(self) -> ProcessId | None: ...
     @property
     def exitcode(self) -> int | None: ...
     @property
@@ -87,13 +240,52 @@ class Process(Protocol):
     def join(self, timeout: float | None = None) -> None: ...
 
 
+class OwnProcess:
+    """A rank multiprocessing started for the daemon, signalled only while its pid
+    still names it. Under forkserver a rank is the forkserver's child and is
+    reaped there: multiprocessing learns of the exit through a pipe and would
+    signal the pid, already free for another process, until it has read it."""
+
+    def __init__(self, process: BaseProcess) -> None:
+        self.process = process
+        # Read as soon as it started: a rank lives for seconds at least, a pid is
+        # reused only after the kernel has handed out every other one.
+        self.identity = ProcessId.of(process.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def terminate(self) -> None:
+        if self.exitcode is None:
+            send_signal(self.identity, signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            send_signal(self.identity, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.process.join(timeout)
+
+
 class AgentProcess:
     """A subprocess (e.g. the torchrun agent) with multiprocessing's Process
     interface: exit codes are negative signal numbers, the sentinel is a pidfd."""
 
     def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        # Our child, not reaped until `popen` says it exited: its pid is its own
+        # until then, and Popen signals only a child it has not reaped.
         self.popen = popen
         self.sentinel = os.pidfd_open(popen.pid)
+        self.identity = ProcessId.of(popen.pid)
 
     @property
     def pid(self) -> int:
@@ -121,6 +313,7 @@ class ExitedProcess:
 
     def __init__(self, pid: int | None, exitcode: int) -> None:
         self.pid, self.exitcode, self.sentinel = pid, exitcode, -1
+        self.identity: ProcessId | None = None  # exited: nothing to signal
 
     def terminate(self) -> None:
         pass

@@ -3,8 +3,8 @@ reads in the terminal when the run ends.
 
 run.json is a `RunRecord`: the RunSummary derived from the daemon's RunState
 (the same one `ddtrain status` asks the live daemon for), plus what only the
-daemon's process knows (its pid, host, endpoints, the rendezvous port). It is
-rewritten atomically whenever the run's status changes.
+daemon's process knows (its pid and start time, host, endpoints, the
+rendezvous port). It is rewritten atomically whenever the run's status changes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TextIO
 from ddtop.daemon import wire
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import EXIT_USAGE, ErrorReport, describe_exit
+from ddtop.daemon.processes import ProcessId
 from ddtop.daemon.runs import RunPaths, atomic_file
 from ddtop.daemon.starters import AGENT, Rank
 from ddtop.daemon.state import RunState
@@ -36,6 +37,7 @@ class RunReport:
     def __init__(self, config: TrainConfig, paths: RunPaths) -> None:
         self.config, self.paths = config, paths
         self.started = time.time()
+        self.daemon = ProcessId.of(os.getpid())  # how `status` and `stop` tell it from a stranger
 
     def elapsed(self) -> float:
         return time.time() - self.started
@@ -44,7 +46,9 @@ class RunReport:
     def write(self, state: RunState, endpoints: dict[str, str], port: int,
               processes: list[ProcessRecord], ended: bool = False) -> None:
         record = RunRecord(
-            run_id=self.paths.run_id, daemon_pid=os.getpid(), host=socket.gethostname(),
+            run_id=self.paths.run_id, daemon_pid=os.getpid(),
+            daemon_start_ticks=self.daemon.start if self.daemon else None,
+            boot_id=self.daemon.boot if self.daemon else "", host=socket.gethostname(),
             started=self.started, ended=time.time() if ended else None, endpoints=endpoints,
             master_addr=self.config.master_addr, master_port=port,
             max_restarts=self.config.max_restarts, processes=processes,

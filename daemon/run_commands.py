@@ -5,7 +5,6 @@ through RunInfo, never run.json's fields by hand."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -17,7 +16,7 @@ import msgspec
 from ddtop.daemon import control
 from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_OK
-from ddtop.daemon.processes import LogTail, pid_alive
+from ddtop.daemon.processes import LogTail, same_process, send_signal
 from ddtop.daemon.runinfo import RunInfo, list_runs
 from ddtop.daemon.runs import RunPaths, locate_run
 from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunRecord
@@ -55,6 +54,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
     daemon = (f"daemon pid {info.daemon_pid}" if info.live
+              else f"daemon gone; pid {info.daemon_pid} is another process now"
+              if info.status == LOST and info.pid_reused
               else "daemon gone" if info.status == LOST else "finished")
     lines = [f"run {info.paths.run_id}: {info.status} ({daemon}; "
              f"{s.world_size or len(s.ranks)} ranks; {s.restarts} restarts)"]
@@ -133,9 +134,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if args.timeout < 0:
         raise UsageError(f"--timeout must be >= 0 seconds (got {args.timeout:g})")
     info = RunInfo.load(run_of(args))
-    rid, pid = info.paths.run_id, info.daemon_pid
+    rid, pid, daemon = info.paths.run_id, info.daemon_pid, info.daemon
     if not info.live:
-        print(f"ddtrain: run {rid} is not running ({info.status})")
+        # Nothing is signalled: a pid that names another process now is left alone.
+        reused = (f"; pid {pid} is another process now, left alone" if info.status == LOST
+                  and info.pid_reused else "")
+        print(f"ddtrain: run {rid} is not running ({info.status}{reused})")
         return EXIT_OK
     assert pid is not None
     try:
@@ -151,12 +155,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     except control.Unreachable as e:
         print(f"ddtrain: the daemon (pid {pid}) does not answer ({e}); terminating it, "
               "which stops its ranks at once", flush=True)
-        os.kill(pid, signal.SIGTERM)
+        # Only the daemon itself: send_signal checks that the pid still names it.
+        send_signal(daemon, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout + STOP_BACKSTOP_S
-    while pid_alive(pid):
+    while same_process(daemon):
         if time.monotonic() > deadline:
             print(f"ddtrain: the daemon (pid {pid}) is still there; killing it", flush=True)
-            os.kill(pid, signal.SIGKILL)
+            send_signal(daemon, signal.SIGKILL)
             break
         time.sleep(0.1)
     final = RunInfo.load(info.paths)

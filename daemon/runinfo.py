@@ -1,11 +1,13 @@
 """What is known about a run, live or finished, for `status`, `list` and `stop`.
 
-A run is *live* when its run.json names a daemon pid that still exists and a
-non-final status. A live run answers `status` from its daemon's RunState; a
+A run is *live* when its run.json has a non-final status and names a daemon
+that still exists: its pid, and (recorded since start times were kept) its
+start time, so that another process later given the same pid is not taken
+for the daemon. A live run answers `status` from its daemon's RunState; a
 finished one from the RunSummary its daemon wrote last into run.json. A
 run.json that says "running" while its daemon is gone means the daemon was
-killed: such a run is `lost`, and its journal (the same fold, replayed) tells
-how far it got.
+killed: such a run is `lost` (also when its pid names another process now),
+and its journal (the same fold, replayed) tells how far it got.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import msgspec
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.processes import pid_alive
+from ddtop.daemon.processes import ProcessId, pid_alive, same_process
 from ddtop.daemon.runs import RunPaths, is_run_dir
 from ddtop.daemon.summary import (
     LOST,
@@ -71,8 +73,22 @@ class RunInfo:
         return self.record.daemon_pid
 
     @property
+    def daemon(self) -> ProcessId | None:
+        """The daemon as run.json names it: pid, start time and boot (a record
+        written before start times were kept: the pid alone)."""
+        pid = self.record.daemon_pid
+        return None if not pid else ProcessId(pid, self.record.daemon_start_ticks,
+                                              self.record.boot_id)
+
+    @property
     def live(self) -> bool:
-        return self.record.status not in wire.FINAL_STATUSES and pid_alive(self.daemon_pid)
+        return self.record.status not in wire.FINAL_STATUSES and same_process(self.daemon)
+
+    @property
+    def pid_reused(self) -> bool:
+        """The daemon is gone, and its pid names another process now."""
+        return pid_alive(self.daemon_pid) and not same_process(self.daemon)
+
 
     @property
     def status(self) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.processes import LogTail, Process
+from ddtop.daemon.processes import LogTail, Process, ProcessId
 from ddtop.daemon.state import RunState
 
 AGENT = -1  # the `rank` of a process that is not a rank itself (torchrun's agent)
@@ -77,8 +77,10 @@ class RankStarter(Protocol):
         half-way must find the ones already started."""
         ...
 
-    def rank_pids(self, state: RunState) -> list[int]:
-        """The live ranks' pids, to ask them to stop (SIGUSR1)."""
+    def rank_processes(self) -> list[ProcessId]:
+        """The live ranks, to ask them to stop (the program's stop signal): only
+        processes this starter started, or its agent did (never a pid that
+        telemetry names), each known by its start time too (processes.py)."""
         ...
 
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:

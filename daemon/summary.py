@@ -19,6 +19,7 @@ from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import DEAD, FINISHED, STARTING
 
 if TYPE_CHECKING:
+    from ddtop.daemon.processes import ProcessId
     from ddtop.daemon.state import RunState
 
 # A run whose daemon is gone although it never reached a final status: it was killed.
@@ -138,6 +139,14 @@ class ProcessRecord(msgspec.Struct, kw_only=True):
 
     rank: int  # -1: not a rank but an agent running ranks (torchrun)
     pid: int | None
+    # Its start time, clock ticks after boot (/proc/<pid>/stat field 22): with the
+    # pid and the record's boot_id it names this one process, never a later one
+    # given the same pid. None: unknown (written before it was kept).
+    start_ticks: int | None = None
+
+    @classmethod
+    def of(cls, rank: int, pid: int | None, identity: ProcessId | None) -> ProcessRecord:
+        return cls(rank=rank, pid=pid, start_ticks=identity.start if identity else None)
 
 
 class RunRecord(RunSummary, kw_only=True):
@@ -146,6 +155,10 @@ class RunRecord(RunSummary, kw_only=True):
     schema: int = RECORD_SCHEMA
     processes: list[ProcessRecord] = []
     daemon_pid: int | None = None
+    # The daemon's start time (as ProcessRecord.start_ticks): a live pid that
+    # started at another time is another process, and the run is lost.
+    daemon_start_ticks: int | None = None
+    boot_id: str = ""  # the boot the start times count from (/proc/sys/kernel/random/boot_id)
     host: str = ""
     ended: float | None = None
     endpoints: dict[str, str] = {}

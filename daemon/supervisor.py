@@ -21,7 +21,6 @@ is written down and printed at the end, the report's (daemon/report.py).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -44,6 +43,7 @@ from ddtop.daemon.contract import (
     signal_name,
 )
 from ddtop.daemon.local import LocalRanks
+from ddtop.daemon.processes import send_signal
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, write_json_atomic
@@ -253,9 +253,10 @@ class Supervisor:
             print(f"ddtrain: {message}", file=self.err, flush=True)
             self.relay.emit(wire.Event, type="stop_requested", message=message)
             self._status("stopping", message)
-            for pid in self.starter.rank_pids(self.relay.state):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, rank_program(self.config).stop_signal)
+            # Only processes the starter started (or its agent did), each checked to
+            # be still that process: never a pid a telemetry message claimed.
+            for process in self.starter.rank_processes():
+                send_signal(process, rank_program(self.config).stop_signal)
         elif self.stopping is not None and time.monotonic() > self.stopping:
             print("ddtrain: ranks did not stop in time; terminating them", file=self.err,
                   flush=True)
@@ -329,7 +330,8 @@ class Supervisor:
                         restarts=self.restarts, message=message, exit_code=exit_code)
         if write:
             self.report.write(self.relay.state, self.relay.endpoints, self.starter.port,
-                              [ProcessRecord(rank=r.rank, pid=r.process.pid) for r in self.ranks],
+                              [ProcessRecord.of(r.rank, r.process.pid, r.process.identity)
+                               for r in self.ranks],
                               ended=status in wire.FINAL_STATUSES)
 
     def _echo_logs(self, final: bool = False) -> None:

@@ -3,9 +3,11 @@ supervises its agent.
 
 torchrun runs `python -m ddtop.training` once per rank; the ranks read this
 run's config.json (DDTOP_CONFIG), write their own logs, and exit when the
-daemon does (DDTOP_DAEMON_PID). The ranks are not the daemon's children, so
-their pids come from their hello messages, and once the agent exits, how each
-rank ended is read from torchrun's failure summary in its log.
+daemon does (DDTOP_DAEMON_PID). The ranks are not the daemon's children but
+its agent's: to ask them to stop, the daemon finds them below the agent in
+/proc (each one's RANK from its environment), never by the pids their hello
+messages claim (those are for display). Once the agent exits, how each rank
+ended is read from torchrun's failure summary in its log.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ import sys
 
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
-from ddtop.daemon.processes import AgentProcess, ExitedProcess, LogTail, set_parent_death_signal
+from ddtop.daemon.processes import (
+    AgentProcess,
+    ExitedProcess,
+    LogTail,
+    ProcessId,
+    descendants,
+    environ_value,
+    set_parent_death_signal,
+)
 from ddtop.daemon.runs import RunPaths, write_json_atomic
 from ddtop.daemon.starters import AGENT, Rank, rank_program
 from ddtop.daemon.state import RunState
@@ -36,6 +46,8 @@ class TorchrunRanks:
         self.tails: list[tuple[str, LogTail]] = []
         self.log_start = 0  # where this attempt's part of torchrun's log begins
         self.world_size = 0
+        self.agent: ProcessId | None = None  # this attempt's agent
+        self.seen: dict[int, ProcessId] = {}  # rank -> its process, as last found below the agent
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         write_json_atomic(self.paths.config, config.to_dict())
@@ -55,11 +67,26 @@ class TorchrunRanks:
         self.tails = [("[torchrun]", agent_tail)] + [
             (f"[rank {k}]", LogTail(self.paths.rank_log(k), from_end=True))
             for k in range(config.world_size)]
-        started.append(Rank(AGENT, AgentProcess(popen)))
+        agent = AgentProcess(popen)
+        self.agent, self.seen = agent.identity, {}
+        started.append(Rank(AGENT, agent))
 
-    def rank_pids(self, state: RunState) -> list[int]:
-        return [v.pid for v in state.ranks.values()
-                if v.pid is not None and not v.exited and v.bye_code is None]
+    def rank_processes(self) -> list[ProcessId]:
+        """The agent's workers, each known by the RANK in its environment. The
+        shallowest process of each rank is the rank: its own children (data
+        loader workers, a user's subprocesses) inherit RANK."""
+        if self.agent is None:
+            return []
+        found: dict[int, tuple[int, ProcessId]] = {}
+        for process, depth in descendants(self.agent):
+            value = environ_value(process.pid, "RANK")
+            if value is None or not value.isdigit() or int(value) >= self.world_size:
+                continue
+            rank = int(value)
+            if rank not in found or depth < found[rank][0]:
+                found[rank] = (depth, process)
+        self.seen.update({rank: process for rank, (_, process) in found.items()})
+        return [process for _, process in found.values()]
 
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         """Each rank's exit, from torchrun's failure summary (exit code or signal,
@@ -73,7 +100,10 @@ class TorchrunRanks:
         ranks = []
         for k in range(self.world_size):
             view = state.ranks.get(k)
-            pid = view.pid if view is not None else None
+            # Shown, never signalled: torchrun's pid, else the one found below the
+            # agent, else the one the rank's hello claimed.
+            seen = self.seen.get(k)
+            pid = seen.pid if seen is not None else view.pid if view is not None else None
             if k in failed:
                 code, pid = failed[k]
             elif exited.exitcode == 0 or (view is not None and view.bye_code == 0):

@@ -1,0 +1,232 @@
+"""The daemon signals only processes it started itself, known by pid *and*
+start time: /proc parsing (a command name with spaces and parentheses), a
+reused pid is never signalled, a run.json whose daemon pid now names another
+process is lost, and a forged hello cannot turn `stop` against a stranger.
+
+Every process a test starts here is a child of the test, killed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from helpers import ddtrain, detached
+
+from ddtop.daemon import wire
+from ddtop.daemon.processes import (
+    ProcessId,
+    boot_id,
+    descendants,
+    environ_value,
+    parse_stat,
+    read_stat,
+    same_process,
+    send_signal,
+)
+from ddtop.daemon.runs import write_json_atomic
+from ddtop.daemon.summary import ProcessRecord, RunRecord, encode_record
+
+# A command name that defeats splitting /proc/<pid>/stat on spaces, and on the first ')'.
+TRICKY = "x) (y z) 1"
+SLEEP_S = "60"
+
+
+@contextlib.contextmanager
+def sleeper(argv: list[str] | None = None, **popen: object) -> Iterator[subprocess.Popen[bytes]]:
+    """An unrelated process (`sleep 60` unless told), killed and reaped at the end."""
+    proc = subprocess.Popen(argv or ["sleep", SLEEP_S], stdin=subprocess.DEVNULL,
+                            **popen)  # type: ignore[call-overload]
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# -- /proc ------------------------------------------------------------------------------
+def test_parse_stat_counts_fields_from_the_last_parenthesis() -> None:
+    tail = " ".join(str(n) for n in range(23, 53))
+    text = f"4242 ({TRICKY}) S 17 4242 4242 0 -1 4194560 1 2 3 4 5 6 7 8 20 0 1 0 987654 {tail}"
+    assert parse_stat(text).state == "S"
+    assert (parse_stat(text).ppid, parse_stat(text).start) == (17, 987654)
+    assert text.split()[21] != "987654"  # what splitting on spaces would have read
+    for broken in ("", "4242 no parentheses S 1", "4242 (cut) S 1 2"):
+        with pytest.raises(ValueError):
+            parse_stat(broken)
+
+
+def test_a_real_process_named_with_spaces_and_parentheses(tmp_path: Path) -> None:
+    # The command name is the executable's file name: a link to sleep named TRICKY.
+    (tmp_path / TRICKY).symlink_to(Path(subprocess.check_output(
+        ["sh", "-c", "command -v sleep"], text=True).strip()))
+    with sleeper([str(tmp_path / TRICKY), SLEEP_S]) as proc:
+        wait_for(lambda: (Path(f"/proc/{proc.pid}/comm").read_text().strip() == TRICKY))
+        text = Path(f"/proc/{proc.pid}/stat").read_text()
+        # Read independently: the known name in its parentheses, then fields 3.. on.
+        expected = text.split(f"({TRICKY}) ", 1)[1].split()
+        stat = read_stat(proc.pid)
+        assert stat is not None
+        assert (stat.state, stat.ppid, stat.start) == (expected[0], os.getpid(), int(expected[19]))
+        me = ProcessId.of(proc.pid)
+        assert me == ProcessId(proc.pid, stat.start, boot_id()) and same_process(me)
+
+
+def test_a_pid_is_signalled_only_while_it_names_the_same_process() -> None:
+    with sleeper() as proc:
+        me = ProcessId.of(proc.pid)
+        assert me is not None and me.start is not None
+        later = ProcessId(proc.pid, me.start + 1, me.boot)  # as if the pid had been reused
+        other_boot = ProcessId(proc.pid, me.start, "another-boot")
+        legacy = ProcessId(proc.pid)  # a record without a start time: the pid alone
+        assert [same_process(p) for p in (me, later, other_boot, legacy)] == [
+            True, False, False, True]
+        assert not send_signal(later, signal.SIGTERM)
+        assert not send_signal(other_boot, signal.SIGTERM)
+        assert not send_signal(None, signal.SIGTERM)
+        assert proc.poll() is None  # not signalled
+        assert send_signal(me, signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert not same_process(me) and not send_signal(me, signal.SIGTERM)  # gone, reaped
+        assert ProcessId.of(proc.pid) is None
+
+
+def test_descendants_and_their_environment() -> None:
+    script = f"sleep {SLEEP_S} & sleep {SLEEP_S} & wait"
+    with sleeper(["sh", "-c", script], env={**os.environ, "RANK": "7"},
+                 start_new_session=True) as proc:
+        try:
+            root = ProcessId.of(proc.pid)
+            assert root is not None
+            wait_for(lambda: len(descendants(root)) == 2)
+            found = descendants(root)
+            assert {depth for _, depth in found} == {1}
+            for child, _ in found:
+                assert environ_value(child.pid, "RANK") == "7"
+                assert environ_value(child.pid, "NO_SUCH_VARIABLE") is None
+                assert same_process(child)
+            # A root that is no longer itself has no descendants.
+            assert descendants(ProcessId(proc.pid, (root.start or 0) + 1, root.boot)) == []
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -- run.json names a daemon pid that is another process now --------------------------------
+def recorded_run(root: Path, daemon_pid: int, start_ticks: int | None) -> None:
+    """A run.json as a daemon killed mid-run would leave it."""
+    root.mkdir(parents=True)
+    write_json_atomic(root / "config.json", {"world_size": 2})
+    record = RunRecord(run_id=root.name, status="running", world_size=2, daemon_pid=daemon_pid,
+                       daemon_start_ticks=start_ticks, boot_id=boot_id() if start_ticks else "",
+                       processes=[ProcessRecord(rank=0, pid=daemon_pid, start_ticks=start_ticks)])
+    (root / "run.json").write_bytes(encode_record(record))
+
+
+def test_a_reused_daemon_pid_is_lost_and_never_signalled(tmp_path: Path) -> None:
+    with sleeper() as stranger:
+        me = ProcessId.of(stranger.pid)
+        assert me is not None and me.start is not None
+        # The daemon had this pid, but started at another time: it is gone, the
+        # sleep got its pid.
+        recorded_run(tmp_path / "runs" / "reused", stranger.pid, me.start - 1)
+        status = ddtrain("status", "reused", "--json", cwd=tmp_path, timeout=60)
+        assert status.returncode == 0, status.stderr
+        doc = json.loads(status.stdout)
+        assert (doc["status"], doc["daemon_alive"]) == ("lost", False)
+        table = ddtrain("status", "reused", cwd=tmp_path, timeout=60)
+        assert f"run reused: lost (daemon gone; pid {stranger.pid} is another process now" in (
+            table.stdout)
+        stop = ddtrain("stop", "reused", "--timeout", "1", cwd=tmp_path, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        assert "run reused is not running (lost" in stop.stdout
+        assert f"pid {stranger.pid} is another process now, left alone" in stop.stdout
+        time.sleep(0.2)
+        assert stranger.poll() is None and same_process(me)  # still there, untouched
+
+
+def test_a_record_without_start_times_uses_the_pid_alone(tmp_path: Path) -> None:
+    """run.json written by an earlier version: no start time, so the live pid is
+    taken for the daemon, as before (not stopped here: it would be signalled)."""
+    with sleeper() as stranger:
+        recorded_run(tmp_path / "runs" / "older", stranger.pid, None)
+        status = ddtrain("status", "older", "--json", cwd=tmp_path, timeout=60)
+        assert status.returncode == 0, status.stderr
+        doc = json.loads(status.stdout)
+        assert (doc["status"], doc["daemon_alive"]) == ("running", True)
+        assert stranger.poll() is None
+
+
+def test_the_daemon_records_its_own_start_time(tmp_path: Path) -> None:
+    run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
+                  "--synthetic-train-samples", "256", "--run-id", "own", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    record = json.loads((tmp_path / "runs" / "own" / "run.json").read_text())
+    assert record["boot_id"] == boot_id()
+    assert isinstance(record["daemon_start_ticks"], int) and record["daemon_start_ticks"] > 0
+    assert [p["rank"] for p in record["processes"]] == [0, 1]
+    assert all(isinstance(p["start_ticks"], int) for p in record["processes"])
+
+
+# -- a forged hello under --launcher torchrun -------------------------------------------
+def forged_hello(run: str, rank: int, pid: int) -> list[bytes]:
+    return wire.encode(wire.Hello(
+        run=run, rank=rank, seq=0, t=time.time(), local_rank=rank, host="forged", pid=pid,
+        device="cpu", backend="gloo", world_size=2, config_digest="forged", model="mlp",
+        dataset="synthetic", epochs=50, global_batch=64))
+
+
+def send(endpoint: str, frames_list: list[list[bytes]]) -> None:
+    context = zmq.Context()
+    try:
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 2000)  # delivered before the socket closes
+        push.connect(endpoint)
+        for frames in frames_list:
+            push.send_multipart(frames)
+        push.close()
+    finally:
+        context.term()
+
+
+def test_a_forged_hello_cannot_make_stop_signal_a_stranger(tmp_path: Path) -> None:
+    """Hellos claiming rank 9 and rank 1 with an unrelated process's pid, then a
+    stop: the daemon asks only the ranks torchrun's agent started; the stranger
+    (which SIGUSR1 would kill) lives on."""
+    with detached("--launcher", "torchrun", "-n", "2", "--epochs", "50", "--run-id", "forged",
+                  cwd=tmp_path) as run, sleeper() as stranger:
+        assert run.started.returncode == 0, run.started.stderr
+        run.wait_for("forged", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+        record = json.loads((tmp_path / "runs" / "forged" / "run.json").read_text())
+        send(record["endpoints"]["telemetry"],
+             [forged_hello("forged", 9, stranger.pid), forged_hello("forged", 1, stranger.pid)])
+        time.sleep(1.0)  # folded (or dropped) by the daemon before the stop
+        stopped = run.cli("stop", "forged")
+        assert stopped.returncode == 0 and "run forged stopped" in stopped.stdout, (
+            stopped.stdout + stopped.stderr)
+        assert stranger.poll() is None  # SIGUSR1 would have killed it
+        assert run.leftovers() == []
+    record = json.loads((tmp_path / "runs" / "forged" / "run.json").read_text())
+    assert record["status"] == "stopped"
+    assert [r["exit_code"] for r in record["ranks"][:2]] == [0, 0]  # both asked, both stopped
+    assert "stopped as asked" in (tmp_path / "runs/forged/logs/rank-0.log").read_text()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
