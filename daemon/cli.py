@@ -273,7 +273,7 @@ def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, world_size: 
     deadline = time.monotonic() + START_WATCH_S
     while time.monotonic() < deadline and daemon.poll() is None and info.control:
         try:
-            reply = control.request(info.control, "status", 1.0)
+            reply = control.request(info.control, "status", 1.0, keys=info.keys)
             ranks = msgspec.convert(reply.get("summary"), RunSummary).ranks
         except (control.Unreachable, msgspec.ValidationError):
             time.sleep(0.1)

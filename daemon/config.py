@@ -15,6 +15,7 @@ import inspect
 import itertools
 import json
 import os
+import re
 import shlex
 import textwrap
 import types
@@ -130,6 +131,10 @@ class TrainConfig:
     """address of rank 0's rendezvous store"""
     master_port: int = flag(0, metavar="PORT", group="run", default_text="a free one")
     """port of rank 0's rendezvous store"""
+    bind: str = flag("", metavar="ADDR", group="run", default_text="local sockets only")
+    """serve the daemon's sockets on TCP at ADDR (free ports), authenticated and
+    encrypted with the run's CURVE keys (runs/<id>/keys), for dashboards on other
+    machines; without it, unix sockets only the run's owner can reach"""
     start_method: Literal["forkserver", "spawn", "fork"] = flag("forkserver", group="run")
     """how the local launcher starts ranks: forkserver imports torch once and forks
     every rank from it"""
@@ -190,6 +195,9 @@ class TrainConfig:
         _at_least("--max-restarts", self.max_restarts, 0)
         if not 0 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be between 0 and 65535 (got {self.master_port})")
+        if self.bind and not _BIND.fullmatch(self.bind):
+            raise UsageError(f"--bind {self.bind!r}: give an address of this machine (e.g. "
+                             "10.0.0.5 or 0.0.0.0), without a scheme or port")
         if self.run_id is not None and not _is_safe_name(self.run_id):
             raise UsageError(
                 f"--run-id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'"
@@ -231,6 +239,9 @@ class TrainConfig:
         """Short digest of the settings that change results (same across ranks)."""
         fixed = {k: getattr(self, k) for k in RESUME_FIXED}
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:12]
+
+
+_BIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]*")
 
 
 def resume_mismatch(saved: dict[str, Any], config: TrainConfig) -> list[str]:

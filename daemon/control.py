@@ -7,10 +7,13 @@ msgpack map counts as no answer; its fields are the caller's to validate.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
+
+from ddtop.daemon.keys import secure
 
 # How long `ddtrain stop` and ddtop's `x` wait for the daemon to accept a stop.
 STOP_REQUEST_TIMEOUT_S = 5.0
@@ -20,13 +23,17 @@ class Unreachable(Exception):
     """The daemon did not answer in time (it is gone, or not yet listening)."""
 
 
-def request(endpoint: str, op: str, timeout_s: float = 2.0, **args: Any) -> dict[str, Any]:
+def request(endpoint: str, op: str, timeout_s: float = 2.0, *, keys: Path | None = None,
+            **args: Any) -> dict[str, Any]:
+    """`op` with `args` to the daemon at `endpoint`: its reply. Over TCP the run's
+    CURVE keys are needed: from the folder `keys`, else DDTOP_KEYS."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
+        secure(sock, endpoint, keys)
         sock.connect(endpoint)
         sock.send(msgspec.msgpack.encode({"op": op, **args}))
         reply = msgspec.msgpack.decode(sock.recv())

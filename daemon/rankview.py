@@ -2,8 +2,8 @@
 
 Folded by RunState (daemon/state.py) from the rank's messages and the daemon's
 RankExit; the state a rank is in (starting, running, stalled, silent, dead,
-finished) is derived here from those readings and the time "now" the caller
-passes, so the rule is tested without waiting.
+finished; unreached: never heard from) is derived here from those readings and
+the time "now" the caller passes, so the rule is tested without waiting.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ SLOW_PHASES = ("setup", "evaluation", "checkpoint")
 # Rank states, as shown.
 STARTING, RUNNING, STALLED, SILENT, DEAD, FINISHED = (
     "starting", "running", "stalled", "silent", "dead", "finished")
+# Never heard from, long after the run started: its telemetry never reached the
+# daemon (wrong CURVE keys, an endpoint it cannot reach), which is not a hang.
+UNREACHED = "unreached"
 
 
 class Point(msgspec.Struct, array_like=True):

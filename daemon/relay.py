@@ -10,6 +10,13 @@ long for a unix socket, a private folder made for the daemon (mkdtemp, 0700)
 and removed when it closes. Another user cannot connect, so cannot send,
 subscribe or ask anything (docs/security.md).
 
+With `--bind ADDR` they listen on TCP at ADDR instead, each a CURVE server
+with the run's keys (daemon/keys.py); the relay answers ZeroMQ's ZAP requests
+itself, admitting only the run's client key. Every refused handshake is
+counted from the sockets' monitors: `rejected.unauthenticated` (a CURVE peer
+with a key not of this run), `rejected.handshake_failed` (no CURVE, or not
+this daemon's server key).
+
 Every accepted message is folded into the RunState, appended to the journal
 and re-published, in that order, under one relay sequence number. A dashboard
 subscribes first, then asks for a snapshot (the state and the relay sequence
@@ -37,14 +44,22 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ddtop.daemon import wire
 from ddtop.daemon.journal import JournalWriter
+from ddtop.daemon.keys import ZAP_DOMAIN, RunKeys
 from ddtop.daemon.state import RunState, encode_snapshot
 
 # Room for an ipc socket's path: a unix socket address holds 107 bytes and a NUL.
 IPC_PATH_MAX = 100
 SOCKET_NAMES = ("telemetry", "publish", "control")
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may complete a handshake
+# Handshake failures on a CURVE socket, by the reason they are counted under.
+HANDSHAKE_FAILURES: dict[int, str] = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "unauthenticated",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed"}
 # Frames larger than this make ZeroMQ drop the connection unread (memory bound);
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
@@ -55,11 +70,14 @@ MAX_REQUEST_BYTES = 4096
 class Relay:
     def __init__(self, run: str, journal: Path, sockets: Path | None = None,
                  world_size: int | None = None,
-                 rank_pid: Callable[[int, int], bool] | None = None) -> None:
+                 rank_pid: Callable[[int, int], bool] | None = None,
+                 bind: str | None = None, keys: RunKeys | None = None) -> None:
         """`sockets`: the owner-only folder for the ipc sockets (None, or a path too
         long for a unix socket: a private folder of the daemon's own). `world_size`:
         the ranks there are (None: any, up to the state's bound). `rank_pid(rank,
-        pid)`: whether a hello's pid is that rank's process (None: not checked)."""
+        pid)`: whether a hello's pid is that rank's process (None: not checked).
+        `bind`: listen on TCP at this address instead, CURVE with `keys`."""
+        assert bind is None or keys is not None, "TCP only with the run's keys"
         self.run = run
         self.world_size = world_size
         self.rank_pid = rank_pid
@@ -67,8 +85,17 @@ class Relay:
         self.seq = 0  # relay sequence number of the newest accepted message
         self.daemon_seq = 0
         self.stop_request: float | None = None  # a `stop` request's timeout, once asked
-        self.sockets, self._own_folder = private_folder(sockets)
+        self.bind, self.keys = bind, keys
+        self.sockets: Path | None = None  # the ipc sockets' folder (None over TCP)
+        self._own_folder = False
+        if bind is None:
+            self.sockets, self._own_folder = private_folder(sockets)
         self.context = zmq.Context()
+        self.zap: zmq.Socket[bytes] | None = None
+        if bind is not None:  # the handler first: no handshake may complete unasked
+            self.zap = self.context.socket(zmq.REP)
+            self.zap.setsockopt(zmq.LINGER, 0)
+            self.zap.bind(ZAP_ENDPOINT)
         self.pull = self._bind(zmq.PULL, "telemetry")
         self.pub = self._bind(zmq.PUB, "publish")
         self.router = self._bind(zmq.ROUTER, "control")
@@ -78,12 +105,29 @@ class Relay:
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.router, zmq.POLLIN)
+        self.monitors: list[zmq.Socket[bytes]] = []
+        if self.zap is not None:
+            self.poller.register(self.zap, zmq.POLLIN)
+            events = 0
+            for event in HANDSHAKE_FAILURES:
+                events |= event
+            for sock in (self.pull, self.pub, self.router):
+                monitor = sock.get_monitor_socket(events)
+                self.poller.register(monitor, zmq.POLLIN)
+                self.monitors.append(monitor)
         self.journal = JournalWriter(journal)
 
     def _bind(self, kind: int, name: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"ipc://{self.sockets / name}")
+        if self.bind is not None:
+            assert self.keys is not None
+            self.keys.serve(sock)
+            host = f"[{self.bind}]" if ":" in self.bind else self.bind
+            sock.bind(f"tcp://{host}:*")
+        else:
+            assert self.sockets is not None
+            sock.bind(f"ipc://{self.sockets / name}")
         return sock
 
     @property
@@ -103,6 +147,11 @@ class Relay:
         finally:
             for fd in fds:
                 self.poller.unregister(fd)
+        if self.zap is not None and self.zap in ready:
+            self._answer_zap()
+        for monitor in self.monitors:
+            if monitor in ready:
+                self._count_refusals(monitor)
         if self.pull in ready:
             self._drain_pull()
         if self.router in ready:
@@ -154,6 +203,33 @@ class Relay:
         self._accept(message, wire.encode(message)[0], message.t)
         self.journal.flush()
 
+    def _answer_zap(self) -> None:
+        """Who may complete a CURVE handshake: the run's client key, and no one else
+        (ZAP, RFC 27: version, request id, domain, address, identity, mechanism,
+        credentials)."""
+        assert self.zap is not None and self.keys is not None
+        for _ in range(BATCH):
+            try:
+                frames = self.zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            request_id = frames[1] if len(frames) > 1 else b""
+            admitted = (len(frames) >= 7 and frames[0] == b"1.0" and frames[2] == ZAP_DOMAIN
+                        and frames[5] == b"CURVE" and frames[6] == self.keys.client_public_raw)
+            status = (b"200", b"OK") if admitted else (b"400", b"not a key of this run")
+            with contextlib.suppress(zmq.ZMQError):
+                self.zap.send_multipart([b"1.0", request_id, *status, b"", b""])
+
+    def _count_refusals(self, monitor: zmq.Socket[bytes]) -> None:
+        for _ in range(BATCH):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reason = HANDSHAKE_FAILURES.get(int(event["event"]))
+            if reason is not None:
+                self._reject(reason)
+
     # -- requests --------------------------------------------------------------------
     def _drain_router(self) -> None:
         for _ in range(BATCH):
@@ -199,13 +275,18 @@ class Relay:
 
     def close(self) -> None:
         self.journal.close()
-        for sock in (self.pull, self.pub, self.router):
+        sockets = [self.pull, self.pub, self.router]
+        if self.monitors:
+            for sock in sockets:
+                sock.disable_monitor()
+        for sock in [*self.monitors, *sockets, *([self.zap] if self.zap else [])]:
             sock.close(linger=0)
         self.context.term()
-        for name in SOCKET_NAMES:
-            (self.sockets / name).unlink(missing_ok=True)
-        if self._own_folder:
-            shutil.rmtree(self.sockets, ignore_errors=True)
+        if self.sockets is not None:
+            for name in SOCKET_NAMES:
+                (self.sockets / name).unlink(missing_ok=True)
+            if self._own_folder:
+                shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def private_folder(preferred: Path | None) -> tuple[Path, bool]:

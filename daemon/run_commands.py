@@ -146,7 +146,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         if info.control is None:
             raise control.Unreachable("no control endpoint in run.json")
         reply = control.request(info.control, "stop", control.STOP_REQUEST_TIMEOUT_S,
-                                timeout=args.timeout)
+                                keys=info.keys, timeout=args.timeout)
         if not reply.get("ok"):
             raise control.Unreachable(str(reply.get("error")))
         what = ("its ranks get SIGTERM" if info.config and info.config.runs_user_code

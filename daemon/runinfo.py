@@ -89,7 +89,6 @@ class RunInfo:
         """The daemon is gone, and its pid names another process now."""
         return pid_alive(self.daemon_pid) and not same_process(self.daemon)
 
-
     @property
     def status(self) -> str:
         if self.record.status not in wire.FINAL_STATUSES and not self.live:
@@ -100,6 +99,11 @@ class RunInfo:
                 return LOST
             self.record, self.problem = again.record, again.problem
         return self.record.status
+
+    @property
+    def keys(self) -> Path | None:
+        """The run's CURVE keys folder, when it has one (a run started with --bind)."""
+        return self.paths.keys if self.paths.keys.is_dir() else None
 
     @property
     def control(self) -> str | None:
@@ -115,7 +119,7 @@ class RunInfo:
         summary: RunSummary | None = None
         if self.live and self.control:
             try:
-                reply = control.request(self.control, "status", timeout_s)
+                reply = control.request(self.control, "status", timeout_s, keys=self.keys)
                 if reply.get("ok"):
                     summary = msgspec.convert(reply.get("summary"), RunSummary)
             except (control.Unreachable, msgspec.ValidationError):

@@ -10,6 +10,7 @@
         logs/rank-<k>.error.json   why rank k failed, written by the rank itself
         checkpoints/step-<global step>.pt
         sock/                 the daemon's ipc sockets: telemetry, publish, control
+        keys/                 the run's CURVE keys, with --bind (daemon/keys.py)
 
 A run directory and everything in it is its owner's alone (0700 folders, 0600
 files): `ddtrain start` creates them under an owner-only umask (docs/security.md).
@@ -88,6 +89,10 @@ class RunPaths:
     @property
     def sockets(self) -> Path:
         return self.root / "sock"
+
+    @property
+    def keys(self) -> Path:
+        return self.root / "keys"
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"

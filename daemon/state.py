@@ -37,6 +37,7 @@ from ddtop.daemon.rankview import (
     STALLED,
     STARTING,
     STEP_PHASES,
+    UNREACHED,
     Point,
     RankView,
 )
@@ -348,7 +349,7 @@ class RunState(msgspec.Struct, kw_only=True):
                         and v.coll_started is not None and v.coll_started.seq > reached):
                     states[r] = RUNNING
         for r in range(self.world_size):
-            states.setdefault(r, STARTING if self._young(now) else SILENT)
+            states.setdefault(r, STARTING if self._young(now) else UNREACHED)
         return dict(sorted(states.items()))
 
     def _young(self, now: float) -> bool:

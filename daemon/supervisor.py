@@ -42,6 +42,7 @@ from ddtop.daemon.contract import (
     describe_exit,
     signal_name,
 )
+from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.processes import send_signal
 from ddtop.daemon.relay import Relay
@@ -100,8 +101,10 @@ class Supervisor:
         try:
             self.paths.create()
             write_json_atomic(self.paths.config, self.config.to_dict())
+            keys = RunKeys.create(self.paths.keys) if self.config.bind else None
             self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
-                               world_size=self.config.world_size)
+                               world_size=self.config.world_size,
+                               bind=self.config.bind or None, keys=keys)
             if not self.config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(self.config.master_addr, 0)
@@ -178,6 +181,8 @@ class Supervisor:
         self.attempt_started = time.time()
         if not os.environ.get(TELEMETRY_ENV):
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
+            if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
+                os.environ[KEYS_ENV] = str(self.paths.keys)
         self.ranks = []
         self.starter.start(self.config, self.restarts, self.ranks)
         self._status("running", f"{self.config.world_size} ranks started")

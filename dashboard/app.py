@@ -334,6 +334,7 @@ class DashboardApp(App[None]):
         answer costs this worker STOP_REQUEST_TIMEOUT_S, and the dashboard nothing."""
         try:
             reply = control.request(endpoint, "stop", STOP_REQUEST_TIMEOUT_S,
+                                    keys=self.feed.keys,
                                     timeout=STOP_TIMEOUT_S)
         except control.Unreachable as e:
             self.post_message(StopAnswered(f"the daemon did not answer: {e}", "error"))

@@ -26,11 +26,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
 
 from ddtop.daemon import control, journal, wire
+from ddtop.daemon.keys import secure
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, decode_snapshot
@@ -55,6 +57,7 @@ class Feed:
         self.connection = CONNECTING  # connecting | live | gone | ended | replay
         self.detail = ""  # a line for the banner: what is wrong, what is being tried
         self.finished = False  # nothing more will come: the run is over or its journal played
+        self.keys: Path | None = None  # the run's CURVE keys folder, for a daemon over TCP
         self.paths: RunPaths | None = None
         self.speed = 1.0  # run seconds per wall second: 1 live; a replay's own (0: at once)
 
@@ -128,6 +131,8 @@ class LiveFeed(Feed):
         if paths is None and connect is None:
             raise ValueError("LiveFeed needs a run directory or an endpoint")
         self.paths, self.connect_to = paths, connect
+        # The run's CURVE keys folder (a run served over TCP); else DDTOP_KEYS, if set.
+        self.keys = paths.keys if paths is not None and paths.keys.is_dir() else None
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sub: zmq.Socket[bytes] | None = None
         self.control: str | None = None
@@ -140,7 +145,7 @@ class LiveFeed(Feed):
     def _endpoints(self) -> tuple[str, str] | None:
         """(control, publish) endpoints, or None when they cannot be known yet."""
         if self.connect_to is not None:
-            reply = control.request(self.connect_to, "ping", REQUEST_TIMEOUT_S)
+            reply = control.request(self.connect_to, "ping", REQUEST_TIMEOUT_S, keys=self.keys)
             endpoints = reply.get("endpoints")
             publish = str(endpoints.get("publish", "")) if isinstance(endpoints, dict) else ""
             if self.connect_to.startswith("ipc://") and publish.startswith("ipc:///"):
@@ -175,6 +180,7 @@ class LiveFeed(Feed):
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, RCVHWM)
             sub.setsockopt(zmq.SUBSCRIBE, wire.RELAY_TOPIC)
+            secure(sub, publish, self.keys)
             sub.connect(publish)
             self.sub = sub  # subscribed before the snapshot: nothing falls between the two
             self._snapshot()
@@ -185,7 +191,7 @@ class LiveFeed(Feed):
 
     def _snapshot(self) -> None:
         assert self.control is not None
-        reply = control.request(self.control, "snapshot", REQUEST_TIMEOUT_S)
+        reply = control.request(self.control, "snapshot", REQUEST_TIMEOUT_S, keys=self.keys)
         if not reply.get("ok"):
             raise control.Unreachable(str(reply.get("error")))
         state = decode_snapshot(reply["state"])
@@ -263,7 +269,7 @@ class LiveFeed(Feed):
     def _check_daemon(self) -> None:
         assert self.control is not None
         try:
-            reply = control.request(self.control, "ping", REQUEST_TIMEOUT_S)
+            reply = control.request(self.control, "ping", REQUEST_TIMEOUT_S, keys=self.keys)
             self.last_heard = time.monotonic()
             # Back after a while, or the relay published more than came: the PUB
             # drops what it sends before our subscription reaches it, and a quiet

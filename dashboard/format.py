@@ -12,10 +12,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddtop.daemon.rankview import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING, RankView
+from ddtop.daemon.rankview import (
+    DEAD,
+    FINISHED,
+    RUNNING,
+    SILENT,
+    STALLED,
+    STARTING,
+    UNREACHED,
+    RankView,
+)
 from ddtop.daemon.state import RunState
 
-PROBLEM_STATES = (STALLED, SILENT, DEAD)
+PROBLEM_STATES = (STALLED, SILENT, UNREACHED, DEAD)
 
 # ddtop.log scalars get a column each, keyed by this prefix and the scalar's name
 # (no key of COLUMNS has a ':', so a scalar named "loss" is not the LOSS column).
@@ -174,7 +183,8 @@ def scalar_name(key: str) -> str | None:
 # Every column sorts (`s` cycles through them in this order; a click on a title picks one).
 SORT_KEYS = ("rank", "state", "step", "loss", "rate", "step_ms", "comm_share", "seen", "comm_ms",
              "busbw", "sync", "memory", "epoch", "progress", "host", "device")
-STATE_ORDER = {DEAD: 0, STALLED: 1, SILENT: 2, STARTING: 3, RUNNING: 4, FINISHED: 5}
+STATE_ORDER = {DEAD: 0, STALLED: 1, SILENT: 2, UNREACHED: 3, STARTING: 4, RUNNING: 5,
+               FINISHED: 6}
 
 
 @dataclass

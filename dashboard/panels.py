@@ -11,12 +11,21 @@ import statistics
 from rich.text import Text
 
 from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.rankview import DEAD, FINISHED, RUNNING, SILENT, STALLED, STARTING
+from ddtop.daemon.rankview import (
+    DEAD,
+    FINISHED,
+    RUNNING,
+    SILENT,
+    STALLED,
+    STARTING,
+    UNREACHED,
+)
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import LOST
 from ddtop.dashboard import format as fmt
 
-STATE_STYLE = {RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta", DEAD: "bold red",
+STATE_STYLE = {RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta",
+               UNREACHED: "bold magenta", DEAD: "bold red",
                FINISHED: "blue", STARTING: "dim", LOST: "bold red"}
 STATUS_STYLE = {"starting": "dim", "running": "bold green", "stopping": "yellow",
                 "restarting": "bold yellow", "succeeded": "bold blue", "failed": "bold red",

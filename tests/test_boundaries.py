@@ -27,8 +27,8 @@ API = "ddtop"
 ALLOWED = {
     # A rank reads its config, run directory and the process contract, and publishes on the wire;
     # the built-in trainer reports through the public API, as a user's script does (one path).
-    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.processes",
-                 "ddtop.daemon.runs", "ddtop.daemon.wire", API},
+    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.keys",
+                 "ddtop.daemon.processes", "ddtop.daemon.runs", "ddtop.daemon.wire", API},
     # The daemon starts ranks by module name (a string), never by import.
     "daemon": set(),
     # `import ddtop` reads the telemetry variable's name from the contract, and
@@ -36,9 +36,9 @@ ALLOWED = {
     "api": {"ddtop.daemon.contract", "ddtop.training.api"},
     # The dashboard folds the same wire into the same state, and finds runs as ddtrain does.
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
-                  "ddtop.daemon.journal", "ddtop.daemon.rankview", "ddtop.daemon.runinfo",
-                  "ddtop.daemon.runs", "ddtop.daemon.state", "ddtop.daemon.summary",
-                  "ddtop.daemon.wire"},
+                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.rankview",
+                  "ddtop.daemon.runinfo", "ddtop.daemon.runs", "ddtop.daemon.state",
+                  "ddtop.daemon.summary", "ddtop.daemon.wire"},
 }
 # The one arrow that runs back up, declared: `ddtrain start --foreground --headless`
 # prints the run with the dashboard's headless printer, and `ddtrain start --help`

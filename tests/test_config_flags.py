@@ -38,6 +38,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--progress-every": (float, 2.0), "--runs-dir": (str, "runs"),
     "--launcher": (("local", "torchrun"), "local"), "--max-restarts": (int, 0),
     "--run-id": (str, None), "--master-addr": (str, "127.0.0.1"), "--master-port": (int, 0),
+    "--bind": (str, ""),
     "--start-method": (("forkserver", "spawn", "fork"), "forkserver"),
     "--module": (str, None),  # added with the user's own scripts
 }

@@ -11,6 +11,7 @@ live where `nobody` cannot read), so these tests need root to switch users.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -25,7 +26,8 @@ import pytest
 import zmq
 from helpers import Detached, detached
 
-from ddtop.daemon import wire
+from ddtop.daemon import control, journal, wire
+from ddtop.daemon.keys import RunKeys
 
 RUN = "guarded"
 NOBODY = 65534
@@ -187,3 +189,111 @@ def test_the_ranks_listen_on_loopback_only(guarded: tuple[Detached, Path]) -> No
     assert addresses[pids[0]], "rank 0 hosts the rendezvous store: it listens"
     for pid, found in addresses.items():
         assert all(a.startswith(("127.", "::1:", "::ffff:127.")) for a in found), (pid, found)
+
+
+# -- beyond loopback: TCP with CURVE ------------------------------------------------------
+TCP_RUN = "overtcp"
+FORGED_LOSS = 12345.0
+
+
+@pytest.fixture(scope="module")
+def over_tcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, Path]]:
+    cwd = tmp_path_factory.mktemp("tcp")
+    with detached("-n", "2", "--epochs", "200", "--run-id", TCP_RUN, "--bind", "127.0.0.1",
+                  cwd=cwd) as run:
+        assert run.started.returncode == 0, run.started.stdout + run.started.stderr
+        run.wait_for(TCP_RUN, lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+        yield run, cwd / "runs" / TCP_RUN
+        stopped = run.cli("stop", TCP_RUN, "--timeout", "30")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert run.leftovers() == []
+
+
+def test_over_tcp_every_socket_speaks_curve_and_the_owner_gets_in(
+        over_tcp: tuple[Detached, Path]) -> None:
+    run, root = over_tcp
+    endpoints = record(root)["endpoints"]
+    assert all(e.startswith("tcp://127.0.0.1:") for e in endpoints.values())
+    keys = root / "keys"
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in keys.iterdir()} == {
+        "server.key": 0o600, "server.key_secret": 0o600, "client.key": 0o600,
+        "client.key_secret": 0o600}
+    # The ranks got in (their steps arrive), and so does the owner's status and a
+    # subscriber holding the run's keys.
+    status = run.status(TCP_RUN)
+    assert status["status"] == "running" and all(r["global_step"] > 0 for r in status["ranks"])
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    RunKeys.load(keys).client(sub)
+    sub.connect(endpoints["publish"])
+    try:
+        assert sub.poll(10_000), "a subscriber with the run's keys hears nothing"
+        assert sub.recv_multipart()
+    finally:
+        sub.close()
+        context.term()
+
+
+def forge(endpoints: dict[str, str], keys: RunKeys | None) -> None:
+    """A Step for rank 0 with an absurd loss, and a stop request, from a peer
+    holding `keys` (None: no CURVE at all)."""
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.client(push)
+    push.connect(endpoints["telemetry"])
+    step = wire.Step(run=TCP_RUN, rank=0, seq=10**9, epoch=0, step=1, steps_per_epoch=1,
+                     global_step=10**9, steps=1, samples=1, loss_sum=FORGED_LOSS, lr=0.1,
+                     step_s=0.1, data_s=0, forward_s=0, backward_s=0, optimizer_s=0,
+                     comm_s=0, comm_bytes=0, comm_ops=0, algbw_gbps=0, busbw_gbps=0,
+                     sync_wait_s=0)
+    with contextlib.suppress(zmq.Again):
+        push.send_multipart(wire.encode(step), zmq.NOBLOCK)
+    time.sleep(1.0)  # it keeps trying to handshake meanwhile
+    push.close()
+    context.term()
+    with pytest.raises(control.Unreachable):
+        control.request(endpoints["control"], "stop", 2.0,
+                        keys=None if keys is None else keys_folder(keys))
+
+
+KEY_FOLDERS: dict[bytes, Path] = {}
+
+
+def keys_folder(keys: RunKeys) -> Path:
+    return KEY_FOLDERS[keys.client_public]
+
+
+def stranger_keys(base: Path, name: str, server_of: Path | None) -> RunKeys:
+    """Keys of another run; with `server_of`, that folder's real server key and a
+    client key pair of its own (a peer that knows the daemon but not the run)."""
+    folder = base / name
+    RunKeys.create(folder)
+    if server_of is not None:
+        (folder / "server.key").write_bytes((server_of / "server.key").read_bytes())
+    keys = RunKeys.load(folder)
+    KEY_FOLDERS[keys.client_public] = folder
+    return keys
+
+
+def test_over_tcp_no_key_a_wrong_key_or_another_runs_keys_get_nothing_in(
+        over_tcp: tuple[Detached, Path], tmp_path: Path) -> None:
+    run, root = over_tcp
+    endpoints = record(root)["endpoints"]
+    before = run.status(TCP_RUN)["rejected"]
+    forge(endpoints, None)
+    forge(endpoints, stranger_keys(tmp_path, "wrong-client", server_of=root / "keys"))
+    forge(endpoints, stranger_keys(tmp_path, "other-run", server_of=None))
+    status = run.status(TCP_RUN)
+    assert status["status"] == "running"  # no stop got through
+    rejected = status["rejected"]
+    assert rejected.get("unauthenticated", 0) > before.get("unauthenticated", 0), rejected
+    assert rejected.get("handshake_failed", 0) > before.get("handshake_failed", 0), rejected
+    forged = [r for r in journal.read(root / "telemetry.journal")
+              if b"loss_sum" in r.frame and wire.decode([r.frame], TCP_RUN).rank == 0
+              and getattr(wire.decode([r.frame], TCP_RUN), "loss_sum", 0) == FORGED_LOSS]
+    assert forged == []

@@ -112,10 +112,14 @@ def test_states_running_silent_finished() -> None:
     assert s.rank_states(1000.0)[0] == state.FINISHED  # finished ranks never go silent
 
 
-def test_a_rank_not_heard_from_is_starting_then_silent() -> None:
+def test_a_rank_not_heard_from_is_starting_then_unreached_not_silent() -> None:
+    """Never heard from (a failed CURVE handshake looks like this) is told apart from
+    a rank that went quiet (silent, as a hung one does): was SILENT before."""
     s = fold(hello(0))
     assert s.rank_states(100.0) == {0: state.RUNNING, 1: state.STARTING}
-    assert s.rank_states(200.0)[1] == state.SILENT
+    assert s.rank_states(200.0)[1] == state.UNREACHED
+    s.apply(hello(1), 201.0)
+    assert s.rank_states(300.0)[1] == state.SILENT  # heard once, then quiet
 
 
 def test_stalled_in_a_collective_names_who_everyone_waits_for() -> None:

@@ -51,6 +51,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ddtop.daemon import wire
+from ddtop.daemon.keys import secure
 
 SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
 HEARTBEAT_INTERVAL_S = 1.0
@@ -313,6 +314,7 @@ class LiveTelemetry(Telemetry):
         self._seq = 0
         self._dropped = 0
         try:
+            secure(sock, self.endpoint, None)  # the run's keys, when the daemon is on TCP
             sock.connect(self.endpoint)
             next_step = next_beat = time.monotonic()
             while True:
@@ -441,6 +443,7 @@ def receiver_answers(endpoint: str, timeout_s: float) -> str | None:
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     try:
         try:
+            secure(sock, endpoint, None)
             sock.connect(endpoint)
         except zmq.ZMQError as e:
             return f"DDTOP_TELEMETRY={endpoint!r} is not a ZeroMQ endpoint ({e})"
