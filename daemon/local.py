@@ -68,6 +68,9 @@ class LocalRanks:
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         return [exited]
 
+    def is_rank(self, rank: int, pid: int) -> bool:
+        return any(r.rank == rank and r.process.pid == pid for r in self.ranks)
+
     def _context(self, method: str, preload: str) -> Any:
         if method not in multiprocessing.get_all_start_methods():
             raise UsageError(f"--start-method {method} is not available on this platform: "

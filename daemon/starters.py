@@ -88,6 +88,11 @@ class RankStarter(Protocol):
         for a rank, the ranks it ran for an agent."""
         ...
 
+    def is_rank(self, rank: int, pid: int) -> bool:
+        """Whether `pid` is the process this starter (or its agent) started as
+        `rank`: a hello's claim, checked before it is believed."""
+        ...
+
 
 def choose_port(addr: str, port: int) -> int:
     """`port` if it can be bound on `addr`, a free one if `port` is 0."""

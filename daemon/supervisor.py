@@ -109,6 +109,7 @@ class Supervisor:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(self.config.master_addr, 0)
             self.starter = STARTERS[self.config.launcher](self.paths, port, self.report.started)
+            self.relay.rank_pid = self.starter.is_rank  # a hello from any other pid: dropped
             self._status("starting", f"run {self.paths.run_id} starting "
                          f"{self.config.world_size} ranks")
         except OSError as e:

@@ -88,6 +88,13 @@ class TorchrunRanks:
         self.seen.update({rank: process for rank, (_, process) in found.items()})
         return [process for _, process in found.values()]
 
+    def is_rank(self, rank: int, pid: int) -> bool:
+        seen = self.seen.get(rank)
+        if seen is None or seen.pid != pid:
+            self.rank_processes()  # a worker the agent started since last looked
+            seen = self.seen.get(rank)
+        return seen is not None and seen.pid == pid
+
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         """Each rank's exit, from torchrun's failure summary (exit code or signal,
         pid), else from its bye; the ranks torchrun stopped when another failed

@@ -101,7 +101,7 @@ def check(args: argparse.Namespace) -> None:
             problem = "--connect names the run itself: drop RUN and --replay"
         elif not (args.connect.startswith("ipc:///") or (
                 args.connect.startswith("tcp://") and ":" in args.connect[6:])):
-            problem = (f"--connect {args.connect!r}: expected ipc://PATH or tcp://HOST:PORT "
+            problem = (f"--connect {args.connect!r}: expected tcp://HOST:PORT or ipc://PATH "
                        "(run.json's endpoints.control)")
     if problem is not None:
         raise UsageError(problem)

@@ -153,6 +153,31 @@ def test_messages_for_ranks_beyond_the_world_size_are_dropped_and_counted(
     assert rss_kb(daemon) - before < 30 * 1024, (before, rss_kb(daemon))
 
 
+def test_a_hello_from_a_pid_that_is_not_the_ranks_is_dropped_and_counted(
+        guarded: tuple[Detached, Path]) -> None:
+    """A process of the owner's that is not rank 0 (here: this test) says hello as
+    rank 0: dropped, counted, and rank 0 keeps its pid (and its sequence)."""
+    run, root = guarded
+    before = run.status(RUN)
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(record(root)["endpoints"]["telemetry"])
+    hello = wire.Hello(run=RUN, rank=0, seq=0, t=time.time(), local_rank=0, host="elsewhere",
+                       pid=os.getpid(), device="cpu", backend="gloo", world_size=2,
+                       config_digest="x", model="forged", dataset="x", epochs=1,
+                       global_batch=1)
+    push.send_multipart(wire.encode(hello))
+    push.close()
+    context.term()
+    deadline = time.monotonic() + 30
+    while (status := run.status(RUN))["rejected"].get("foreign_pid", 0) < 1:
+        assert time.monotonic() < deadline, status["rejected"]
+        time.sleep(0.2)
+    assert status["ranks"][0]["pid"] == before["ranks"][0]["pid"] != os.getpid()
+    assert status["ranks"][0]["global_step"] >= before["ranks"][0]["global_step"]
+
+
 def listening_addresses(pid: int) -> list[str]:
     """The local addresses of the TCP sockets process `pid` listens on."""
     inodes = set()
