@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import Detached, detached
+from helpers import Detached, ddtrain, detached
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.keys import RunKeys
@@ -322,3 +322,36 @@ def test_over_tcp_no_key_a_wrong_key_or_another_runs_keys_get_nothing_in(
               if b"loss_sum" in r.frame and wire.decode([r.frame], TCP_RUN).rank == 0
               and getattr(wire.decode([r.frame], TCP_RUN), "loss_sum", 0) == FORGED_LOSS]
     assert forged == []
+
+
+TUTORIAL_SETUP = """
+import os, socket, sys
+import torch, torch.distributed as dist
+
+os.environ["MASTER_ADDR"] = "localhost"  # as the DDP tutorial's setup() does
+os.environ["MASTER_PORT"] = sys.argv[1]
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]))
+t = torch.ones(2)
+dist.all_reduce(t)
+print("sum", t.tolist())
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_that_sets_its_own_master_port_rendezvouses_as_without_ddtop(
+        tmp_path: Path) -> None:
+    """The loopback store is only for the daemon's own MASTER_ADDR/PORT: a program
+    that picks its own port gets torch's rendezvous, unchanged (not a client of a
+    store nobody hosts, which would hang)."""
+    script = tmp_path / "tutorial.py"
+    script.write_text(TUTORIAL_SETUP)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "tutorial", str(script),
+                  "--", str(port), cwd=tmp_path, timeout=90)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "sum [2.0, 2.0]" in (tmp_path / "runs" / "tutorial" / "logs" / "rank-0.log"
+                                ).read_text()

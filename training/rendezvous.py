@@ -4,28 +4,37 @@ torch's env:// rendezvous makes rank 0 host a TCPStore on MASTER_PORT, and it
 listens on every interface whatever MASTER_ADDR says; gloo's connections
 between ranks listen on the address the host name resolves to. For a run
 whose ranks the daemon starts on this machine (MASTER_ADDR a loopback
-address) nothing needs to be reachable from elsewhere, so before the program
-starts, each rank:
+address) nothing needs to be reachable from elsewhere, so each such rank,
+before the program starts (`install`):
 
-- binds the store's socket itself, on MASTER_ADDR alone (rank 0), and hosts
-  the store there through TCPStore's `master_listen_fd`;
-- sets TORCHELASTIC_USE_AGENT_STORE, so that `init_process_group()` (ours, or
-  a user's script's, unchanged) makes every rank a client of that store, as
-  under torchrun's agent;
 - sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the loopback interface
-  unless the user set them.
+  unless the user set them;
+- wraps `torch.distributed.init_process_group`: a call that rendezvouses
+  through env:// at the MASTER_ADDR and MASTER_PORT the daemon gave (the
+  program has not changed them) finds the store hosted by rank 0 on
+  MASTER_ADDR alone (rank 0 binds the socket itself and hands it to TCPStore
+  as `master_listen_fd`), every rank a client of it, as under torchrun's agent
+  (TORCHELASTIC_USE_AGENT_STORE, for that call only).
 
+A program that sets MASTER_ADDR or MASTER_PORT itself (tutorial scripts do),
+or passes its own init_method or store, rendezvouses as it would without
+ddtop (rank 0's store then listens as torch makes it): the same decision in
+every rank, since every rank runs the same code.
 Across machines (`--launcher torchrun`, or the user's own torchrun) torch's
 sockets are torch's: docs/security.md says what they expose.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
+import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in the stubs
 
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -33,6 +42,7 @@ LOOPBACK_INTERFACE = "lo"
 STORE_TIMEOUT = timedelta(minutes=30)  # the server's; clients wait as init_process_group says
 
 _hosted: TCPStore | None = None  # rank 0's store, alive as long as the rank
+_original_init = dist.init_process_group
 
 
 def is_loopback(address: str) -> bool:
@@ -42,17 +52,45 @@ def is_loopback(address: str) -> bool:
         return address == "localhost"
 
 
-def loopback_only(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+def install(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
     """Before the program runs in a rank the daemon started: keep the rendezvous
     and the ranks' own connections on loopback (nothing when MASTER_ADDR is not
     a loopback address)."""
-    global _hosted
     if not is_loopback(master_addr):
         return
     os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
-    os.environ[AGENT_STORE_ENV] = "True"
-    if rank != 0:
+    wrapped = _on_loopback(_original_init, rank, world_size, master_addr, master_port)
+    dist.init_process_group = wrapped
+    dist.distributed_c10d.init_process_group = wrapped
+
+
+def _on_loopback(init: Callable[..., Any], rank: int, world_size: int, master_addr: str,
+                 master_port: int) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+        ours = (init_method in (None, "env://") and kwargs.get("store") is None
+                and os.environ.get("MASTER_ADDR") == master_addr
+                and os.environ.get("MASTER_PORT") == str(master_port)
+                and AGENT_STORE_ENV not in os.environ)
+        if not ours:
+            return init(*args, **kwargs)  # the program's own rendezvous, untouched
+        if rank == 0:
+            host_store(master_addr, master_port, world_size)
+        os.environ[AGENT_STORE_ENV] = "True"
+        try:
+            return init(*args, **kwargs)
+        finally:
+            del os.environ[AGENT_STORE_ENV]
+
+    return init_process_group
+
+
+def host_store(master_addr: str, master_port: int, world_size: int) -> None:
+    """Rank 0: the rendezvous store, listening on `master_addr` alone (once)."""
+    global _hosted
+    if _hosted is not None:
         return
     host = "127.0.0.1" if master_addr == "localhost" else master_addr
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -61,9 +99,9 @@ def loopback_only(rank: int, world_size: int, master_addr: str, master_port: int
         listener.bind((host, master_port))
     except OSError as e:
         listener.close()
-        raise RuntimeError(f"the rendezvous port {host}:{master_port} cannot be bound "
-                           f"({e.strerror}): start again, or pick another --master-port"
-                           ) from None
+        raise dist.DistNetworkError(
+            f"the rendezvous port {host}:{master_port} cannot be bound: {e.strerror} "
+            "(address already in use)" if e.errno == 98 else str(e)) from None
     listener.listen(max(128, world_size))
     _hosted = TCPStore(master_addr, master_port, world_size, True, timeout=STORE_TIMEOUT,
                        wait_for_workers=False, master_listen_fd=listener.detach())

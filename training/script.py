@@ -45,7 +45,7 @@ from ddtop.daemon.contract import (
 )
 from ddtop.daemon.runs import RunPaths, read_json
 from ddtop.training import api, autowatch, worker
-from ddtop.training.rendezvous import loopback_only
+from ddtop.training.rendezvous import install as install_loopback
 from ddtop.training.worker import (
     enter_rank,
     leave_rank,
@@ -125,7 +125,7 @@ def launched_script(rank: int, world_size: int, config_dict: dict[str, Any], run
     atexit.register(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
     # (weakref.finalize's exit callbacks are not run: the forkserver's would run too.)
     code = run_program(config, rank, paths.rank_error(rank),
-                       prepare=lambda: loopback_only(rank, world_size, master_addr, master_port))
+                       prepare=lambda: install_loopback(rank, world_size, master_addr, master_port))
     threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, executors
     atexit._run_exitfuncs()
     leave_rank(code)

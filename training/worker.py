@@ -30,7 +30,7 @@ from ddtop.daemon.processes import pid_alive, set_parent_death_signal
 from ddtop.daemon.runs import RunPaths
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
-from ddtop.training.rendezvous import loopback_only
+from ddtop.training.rendezvous import install as install_loopback
 from ddtop.training.trainer import train
 
 # Seconds between liveness checks of the daemon where pidfds are unavailable.
@@ -170,5 +170,5 @@ def launched_rank(rank: int, world_size: int, config_dict: dict[str, Any], run_d
     os.environ.update(torchrun_environment(rank, world_size, master_addr, master_port, attempt))
     config = TrainConfig.from_dict(config_dict)
     leave_rank(rank_main(config, RankEnv.from_environ(), paths.rank_error(rank), launch_time,
-                         prepare=lambda: loopback_only(rank, world_size, master_addr,
+                         prepare=lambda: install_loopback(rank, world_size, master_addr,
                                                        master_port)))
