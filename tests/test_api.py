@@ -167,6 +167,8 @@ def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: li
         if "--ddtop-step" in args:  # every call's loss and samples went with a step
             assert sum(s.samples for s in sent) == steps * 16
             assert sum(s.loss_weight for s in sent) == steps * 16
+            # ... in the same message: the hook's step waits for its loss
+            assert all(s.loss_weight == s.steps * 16 for s in sent), sent
     assert not [e for e in collector.of(wire.Event) if e.type in ("warning", "error")]
 
 
@@ -240,3 +242,74 @@ def test_a_watched_model_can_be_deep_copied_and_still_trains(tmp_path: Path) -> 
         wait_for(collector, wire.Bye)
     assert sum(s.steps for s in collector.of(wire.Step)) == 3
     assert sum(s.comm_ops for s in collector.of(wire.Step)) == 3
+
+
+def test_a_gan_counts_one_step_per_iteration_with_ddtop_step(tmp_path: Path) -> None:
+    """Two models, two optimizers, the second model's forward between the first
+    optimizer's step and ddtop.step: one step per iteration, not two."""
+    with collecting() as collector:
+        run = torchrun("--standalone", "--nproc-per-node", "2",
+                       str(SCRIPTS / "autowatch_run.py"), str(SCRIPTS / "ddp_gan.py"), "5",
+                       cwd=tmp_path, env={"DDTOP_RUN_ID": "gan",
+                                          "DDTOP_TELEMETRY": collector.endpoint},
+                       timeout=TIMEOUT_S)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.leftovers == []
+        wait_for(collector, wire.Bye, count=2)
+    for rank in (0, 1):
+        sent = collector.of(wire.Step, rank)
+        assert sum(s.steps for s in sent) == 5 and sent[-1].global_step == 5
+        assert sum(s.samples for s in sent) == 5 * 16
+
+
+def test_watch_then_an_own_hook_outside_ddtrain_is_timed_not_an_error(tmp_path: Path) -> None:
+    """The documented order (watch, then register_comm_hook) under plain torchrun:
+    the user's hook communicates inside the timer; a built-in hook registered
+    before watch makes watch say so, never raise."""
+    with collecting() as collector:
+        code, out, err = python("""
+            import os, torch, torch.distributed as dist, ddtop
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            model = ddtop.watch(DDP(torch.nn.Linear(4, 2)))
+            model.register_comm_hook(None, allreduce_hook)
+            for _ in range(3):
+                model(torch.ones(1, 4)).sum().backward()
+                ddtop.step(loss=1.0)
+            builtin = DDP(torch.nn.Linear(4, 2))
+            builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+            ddtop.watch(builtin)
+            builtin(torch.ones(1, 4)).sum().backward()
+            print("trained")
+            dist.destroy_process_group()
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint, "PORT": str(free_port())})
+        assert code == 0 and out == "trained\n", err
+        wait_for(collector, wire.Bye)
+    sent = collector.of(wire.Step)
+    assert sum(s.comm_bytes for s in sent) == 3 * (4 * 2 + 2) * 4  # the user's hook, timed
+    warnings = [e.message for e in collector.of(wire.Event) if e.type == "warning"]
+    assert len(warnings) == 1 and "comm timing unavailable" in warnings[0], warnings
+
+
+def test_with_the_api_alone_a_rank_leaves_setup_and_steps_take_time(tmp_path: Path) -> None:
+    """No ddtop.phase call at all: after the first step the rank is in a step phase
+    (never shown in 'setup' for the whole run, then stalled), and every step's
+    time counts."""
+    with collecting() as collector:
+        code, _, err = python("""
+            import time, ddtop
+            for i in range(30):
+                time.sleep(0.05)
+                ddtop.step(loss=1.0)
+            time.sleep(1.2)  # heartbeats go out meanwhile
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint})
+        assert code == 0, err
+        wait_for(collector, wire.Bye)
+    steps = collector.of(wire.Step)
+    assert sum(s.steps for s in steps) == 30
+    # The first step's time is set-up (not counted); the 29 after it, ~0.05 s each.
+    assert sum(s.step_s for s in steps) >= 29 * 0.045, [s.step_s for s in steps]
+    late = [b for b in collector.of(wire.Heartbeat) if b.global_step >= 1]
+    assert late and all(b.phase == "data" for b in late), [b.phase for b in late]

@@ -103,6 +103,7 @@ class LiveRank:
         self._pacer: weakref.ref[torch.optim.Optimizer] | None = None
         self._hook_step_unclaimed = False  # the hook counted a step no step() went with yet
         self._call_step_unclaimed = False  # step() counted a step the hook has not seen
+        self._calls_step = False  # the script calls ddtop.step (its loss follows the hook)
         self._warned: set[str] = set()
         self._exit_code = 0
         self._closed = False
@@ -151,7 +152,14 @@ class LiveRank:
                                f"a comm hook ({hook}), which it keeps; call ddtop.watch "
                                "before register_comm_hook to have it timed")
             else:
-                self.timer_for(ddp).attach(ddp)
+                from ddtop.training import autowatch  # it imports this module
+
+                autowatch.wrap_registration(self)  # a hook registered later: timed inside
+                try:
+                    self.timer_for(ddp).attach(ddp)
+                except RuntimeError as e:  # a built-in (C++) hook, which DDP does not list
+                    object.__delattr__(ddp, TIMER_ATTR)
+                    self.warn_once("own-hook", f"comm timing unavailable: {e}")
         self.learn_model(ddp)
 
     def timer_for(self, ddp: DDP) -> CommTimer:
@@ -175,15 +183,16 @@ class LiveRank:
     def step(self, loss: Any, samples: int | None) -> None:
         if not self.active:
             return
+        self._calls_step = True
         if self._hook_step_unclaimed:
             self._hook_step_unclaimed = False  # goes with the step the hook just counted
+            self.telemetry.add_loss(loss, samples, release=True)
         else:
             pacer = self._pacer() if self._pacer is not None else None
             if pacer is not None:
                 self._lr = _lr_of(pacer, self._lr)
-            self._count()
+            self._count(loss, samples)  # the step and its loss in one go
             self._call_step_unclaimed = True
-        self.telemetry.add_loss(loss, samples)
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """The global optimizer post-hook: one step per step of the first optimizer
@@ -199,24 +208,28 @@ class LiveRank:
         if self._call_step_unclaimed:
             self._call_step_unclaimed = False  # ddtop.step() already counted it
         else:
-            self._count()
+            # A script that calls ddtop.step gives this step's loss next: wait for it.
+            self._count(hold=self._calls_step)
             self._hook_step_unclaimed = True
         self.enter_phase("data")  # the next step begins by waiting for its batch
 
     def iteration_started(self) -> None:
-        """A training forward of a DDP model (zero-code): the hook and `step()` pair
-        only within one iteration, so an iteration where one of them did not come
-        (GradScaler skipped the optimizer step) cannot shift the pairs after it."""
-        self._hook_step_unclaimed = self._call_step_unclaimed = False
+        """A training forward of a DDP model (zero-code): a `step()` that counted a
+        step the hook never saw (GradScaler skipped the optimizer step) is not
+        paired with the next iteration's optimizer step. (A step the hook counted
+        stays waiting for its `step()`: in a GAN the second model's forward comes
+        between the two.)"""
+        self._call_step_unclaimed = False
 
-    def _count(self) -> None:
+    def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False) -> None:
         for timer in self.timers:
             timer.harvest()
         self.steps += 1
         spe = self.steps_per_epoch
         epoch = self._epoch_of(self.steps)
         self.telemetry.count_step(epoch=epoch, step=self.steps - epoch * spe if spe else 0,
-                                  steps_per_epoch=spe, global_step=self.steps, lr=self._lr)
+                                  steps_per_epoch=spe, global_step=self.steps, lr=self._lr,
+                                  loss=loss, samples=samples, hold=hold)
 
     def _steps_per_epoch(self) -> int:
         """From the totals said so far (0: not known)."""

@@ -44,6 +44,7 @@ from ddtop.training.api import LiveRank, current, timer_of
 from ddtop.training.commtimer import timed_allreduce
 
 _installed: LiveRank | None = None
+_wrapping: LiveRank | None = None  # who times hooks registered on a watched model
 _original_init = DDP.__init__
 _original_register = DDP.register_comm_hook
 _original_builtin = DDP._register_builtin_comm_hook
@@ -66,9 +67,19 @@ def install() -> bool:
         register_optimizer_step_pre_hook(_optimizer_starts)
         register_optimizer_step_post_hook(_optimizer_done)
         DDP.__init__ = _ddp_init  # type: ignore[method-assign]  # the point of zero-code
+        wrap_registration(rank)
+    return True
+
+
+def wrap_registration(rank: LiveRank) -> None:
+    """A comm hook registered on a model that has ddtop's timer becomes the
+    timer's inner hook (instead of failing: DDP takes one hook, once); also for
+    `ddtop.watch` outside ddtrain start. Idempotent."""
+    global _wrapping
+    if _wrapping is None:
+        _wrapping = rank
         DDP.register_comm_hook = _register_comm_hook  # type: ignore[method-assign]
         DDP._register_builtin_comm_hook = _register_builtin  # type: ignore[method-assign]
-    return True
 
 
 def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -125,7 +136,7 @@ def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
 
 
 def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
-    rank = _installed
+    rank = _wrapping
     timer = timer_of(self)
     if rank is None or hook is timed_allreduce or (timer is not None and timer.inner):
         _original_register(self, state, hook)  # ours, or a second one: as without ddtop
@@ -149,7 +160,7 @@ def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
 def _register_builtin(self: DDP, comm_hook_type: Any) -> None:
     timer = timer_of(self)
     python = _PYTHON_EQUIVALENT.get(comm_hook_type)
-    if _installed is None or timer is None or timer.inner or python is None:
+    if _wrapping is None or timer is None or timer.inner or python is None:
         _original_builtin(self, comm_hook_type)  # type: ignore[no-untyped-call]  # not ours, or a second: as without ddtop
         return
     if self.logger is not None:  # what DDP's own records

@@ -83,6 +83,7 @@ class StepWindow:
     global_step: int = 0
     lr: float = 0.0
     loss_weight: float = 0.0  # what loss_sum is the sum over (samples, or 1 per loss)
+    loss_ready: Any = None  # a CUDA event: loss_sum (on the GPU) is computed once it has passed
 
 
 class Telemetry:
@@ -131,6 +132,11 @@ class LiveTelemetry(Telemetry):
         # attribute stores, atomic under the GIL).
         self._phase: wire.Phase = "setup"
         self._phase_since = time.perf_counter()
+        # The two above, as one value: what a heartbeat reads (never a torn pair).
+        self._phase_now: tuple[wire.Phase, float] = (self._phase, self._phase_since)
+        # Until then (monotonic) the window whose last step the optimizer hook
+        # counted waits for that step's ddtop.step(loss=...) before it is sent.
+        self._hold_until = 0.0
         self._epoch = 0
         self._global_step = 0
         self._coll_seq = 0
@@ -168,30 +174,47 @@ class LiveTelemetry(Telemetry):
         """Several times per step: no lock (the step's phase times go into the
         window when the step is counted)."""
         now = time.perf_counter()
+        self._account_phase(now)
+        self._phase, self._phase_since = name, now
+        self._phase_now = (name, now)
+
+    def _account_phase(self, now: float) -> None:
+        """The time in the current phase until `now`: step time or not."""
         spent = now - self._phase_since
         if self._phase in STEP_PHASES:
             self._phase_acc[self._phase] += spent
         else:
             self._excluded += spent
-        self._phase, self._phase_since = name, now
 
     def count_step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
-                   lr: float) -> None:
+                   lr: float, loss: Any = None, samples: int | None = None,
+                   hold: bool = False) -> None:
         """One optimizer step done: its time is everything since the last one but
-        time in phases that are not step phases."""
+        time in phases that are not step phases; its loss and samples, if given,
+        go with it. `hold`: its loss comes later (add_loss with release)."""
         now = time.perf_counter()
+        self._account_phase(now)  # no phase spans two steps
+        if self._phase == "setup":
+            self._phase = "data"  # set-up is over once a step is done
+        self._phase_since = now
+        self._phase_now = (self._phase, now)
         with self._lock:
             w = self._window
             if w.steps and w.epoch != epoch:  # never one message across two epochs
                 self._finished.append(w)
                 w = self._window = StepWindow()
             self._take_comm(w)
-            for phase, spent in self._phase_acc.items():
+            for phase, spent in list(self._phase_acc.items()):
                 w.phase_s[phase] += spent
             w.steps += 1
             w.step_s += max(0.0, now - self._step_start - self._excluded)
             w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch
             w.global_step, w.lr = global_step, lr
+            self._add_loss(w, loss, samples)
+            # Held at most one send interval from the first step that waits (a script
+            # that calls ddtop.step only now and then must not hold its steps back).
+            self._hold_until = ((self._hold_until or time.monotonic() + SEND_INTERVAL_S)
+                                if hold else 0.0)
         self._step_start, self._excluded = now, 0.0
         self._phase_acc.clear()
         self._epoch, self._global_step = epoch, global_step
@@ -200,17 +223,28 @@ class LiveTelemetry(Telemetry):
         """Steps done before this process started (a resumed run), for heartbeats."""
         self._epoch, self._global_step = epoch, global_step
 
-    def add_loss(self, loss: Any, samples: int | None) -> None:
-        """The step's loss (a number or a tensor, any device) and samples."""
+    def add_loss(self, loss: Any, samples: int | None, release: bool = False) -> None:
+        """The last step's loss (a number or a tensor, any device) and samples;
+        `release`: the step held for it may go out now."""
+        with self._lock:
+            self._add_loss(self._window, loss, samples)
+            if release:
+                self._hold_until = 0.0
+
+    @staticmethod
+    def _add_loss(w: StepWindow, loss: Any, samples: int | None) -> None:
+        """Under the lock. A loss on a GPU is summed there, with an event the sender
+        waits for without blocking (a hung collective must not stop heartbeats)."""
         count = samples if isinstance(samples, int) and samples > 0 else 0
         value = _loss_value(loss)
-        weight = count or 1
-        with self._lock:
-            w = self._window
-            w.samples += count
-            if value is not None:
-                w.loss_sum = w.loss_sum + value * weight
-                w.loss_weight += weight
+        w.samples += count
+        if value is not None:
+            weight = count or 1
+            w.loss_sum = w.loss_sum + value * weight
+            w.loss_weight += weight
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                w.loss_ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                w.loss_ready.record()
 
     def add_scalars(self, scalars: dict[str, Any]) -> list[str]:
         """Keep each scalar's newest value; what was dropped, in words."""
@@ -323,7 +357,7 @@ class LiveTelemetry(Telemetry):
                     self._send(sock, self._events.popleft())
                 now = time.monotonic()
                 if now >= next_step or stopping:
-                    self._send_window(sock)
+                    self._send_window(sock, final=stopping)
                     next_step = now + SEND_INTERVAL_S
                 if now >= next_beat:
                     self._send(sock, self._heartbeat())
@@ -353,20 +387,31 @@ class LiveTelemetry(Telemetry):
         self._queue_dropped = 0
 
     def _heartbeat(self) -> wire.Heartbeat:
+        phase, since = self._phase_now
         return wire.Heartbeat(
-            run=self.run, rank=self.rank, phase=self._phase, epoch=self._epoch,
-            global_step=self._global_step, phase_s=time.perf_counter() - self._phase_since,
+            run=self.run, rank=self.rank, phase=phase, epoch=self._epoch,
+            global_step=self._global_step, phase_s=time.perf_counter() - since,
             coll_started=self._coll_started, coll_completed=self._coll_completed,
         )
 
-    def _send_window(self, sock: zmq.Socket[bytes]) -> None:
+    def _send_window(self, sock: zmq.Socket[bytes], final: bool = False) -> None:
+        """The steps counted since the last send, but a window that waits for its
+        loss (held, or a GPU loss not computed yet: never a blocking read here)
+        and those after it, unless `final`."""
         with self._lock:
             windows, self._finished = self._finished, []
-            if self._window.steps:
+            held = not final and time.monotonic() < self._hold_until
+            if self._window.steps and not held:
                 windows.append(self._window)
                 self._window = StepWindow()
             scalars, self._scalars = self._scalars, {}
-        for w in windows:
+        for i, w in enumerate(windows):
+            if w.loss_ready is not None and not w.loss_ready.query():
+                if not final:
+                    with self._lock:
+                        self._finished[:0] = windows[i:]  # in order, before newer ones
+                    break
+                w.loss_sum, w.loss_weight = 0.0, 0.0  # never read: the device is stuck
             self._send_step(sock, w)
         if scalars:
             values = {key: float(value) for key, value in scalars.items()}
