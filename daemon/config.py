@@ -241,7 +241,7 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:12]
 
 
-_BIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]*")
+_BIND = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:_-]*")
 
 
 def resume_mismatch(saved: dict[str, Any], config: TrainConfig) -> list[str]:

@@ -7,13 +7,14 @@ msgpack map counts as no answer; its fields are the caller's to validate.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
-from ddtop.daemon.keys import secure
+from ddtop.daemon.keys import KEYS_ENV, needs_keys, secure
 
 # How long `ddtrain stop` and ddtop's `x` wait for the daemon to accept a stop.
 STOP_REQUEST_TIMEOUT_S = 5.0
@@ -38,7 +39,11 @@ def request(endpoint: str, op: str, timeout_s: float = 2.0, *, keys: Path | None
         sock.send(msgspec.msgpack.encode({"op": op, **args}))
         reply = msgspec.msgpack.decode(sock.recv())
     except zmq.Again:
-        raise Unreachable(f"no answer from {endpoint} within {timeout_s:g} s") from None
+        hint = ""
+        if needs_keys(endpoint) and keys is None and not os.environ.get(KEYS_ENV):
+            hint = (" (a daemon on TCP answers only peers holding the run's keys: set "
+                    f"{KEYS_ENV} to a copy of the run's keys folder)")
+        raise Unreachable(f"no answer from {endpoint} within {timeout_s:g} s{hint}") from None
     except zmq.ZMQError as e:
         raise Unreachable(f"{endpoint}: {e}") from None
     except msgspec.DecodeError:

@@ -35,6 +35,7 @@ thread); ZeroMQ sockets are not thread-safe.
 from __future__ import annotations
 
 import contextlib
+import resource
 import shutil
 import tempfile
 import time
@@ -47,6 +48,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ddtop.daemon import wire
+from ddtop.daemon.config import UsageError
 from ddtop.daemon.journal import JournalWriter
 from ddtop.daemon.keys import ZAP_DOMAIN, RunKeys
 from ddtop.daemon.state import RunState, encode_snapshot
@@ -55,6 +57,7 @@ from ddtop.daemon.state import RunState, encode_snapshot
 IPC_PATH_MAX = 100
 SOCKET_NAMES = ("telemetry", "publish", "control")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may complete a handshake
+HANDSHAKE_TIMEOUT_MS = 3000  # a TCP peer that has not completed CURVE by then is dropped
 # Handshake failures on a CURVE socket, by the reason they are counted under.
 HANDSHAKE_FAILURES: dict[int, str] = {
     int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "unauthenticated",
@@ -96,9 +99,26 @@ class Relay:
             self.zap = self.context.socket(zmq.REP)
             self.zap.setsockopt(zmq.LINGER, 0)
             self.zap.bind(ZAP_ENDPOINT)
-        self.pull = self._bind(zmq.PULL, "telemetry")
-        self.pub = self._bind(zmq.PUB, "publish")
-        self.router = self._bind(zmq.ROUTER, "control")
+            _raise_open_files_limit()  # every peer that tries holds a descriptor a while
+        try:
+            self.pull, self.pub, self.router = self._bind_all()
+        except zmq.ZMQError as e:
+            if bind is not None:
+                self._abandon()
+                raise UsageError(f"--bind {bind}: cannot listen there ({e}): give an address "
+                                 "of this machine") from None
+            if self._own_folder:
+                self._abandon()
+                raise UsageError(f"cannot create the daemon's sockets in {self.sockets} ({e})"
+                                 ) from None
+            # The run directory's file system takes no unix sockets: a private folder.
+            self.sockets, self._own_folder = private_folder(None)
+            try:
+                self.pull, self.pub, self.router = self._bind_all()
+            except zmq.ZMQError as again:
+                self._abandon()
+                raise UsageError(f"cannot create the daemon's sockets in {self.sockets} "
+                                 f"({again})") from None
         self.pull.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
         self.router.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -117,18 +137,45 @@ class Relay:
                 self.monitors.append(monitor)
         self.journal = JournalWriter(journal)
 
+    def _bind_all(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], zmq.Socket[bytes]]:
+        bound: list[zmq.Socket[bytes]] = []
+        try:
+            for kind, name in ((zmq.PULL, "telemetry"), (zmq.PUB, "publish"),
+                               (zmq.ROUTER, "control")):
+                bound.append(self._bind(kind, name))
+        except zmq.ZMQError:
+            for sock in bound:
+                sock.close(linger=0)
+            raise
+        return bound[0], bound[1], bound[2]
+
     def _bind(self, kind: int, name: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.bind is not None:
-            assert self.keys is not None
-            self.keys.serve(sock)
-            host = f"[{self.bind}]" if ":" in self.bind else self.bind
-            sock.bind(f"tcp://{host}:*")
-        else:
-            assert self.sockets is not None
-            sock.bind(f"ipc://{self.sockets / name}")
+        try:
+            if self.bind is not None:
+                assert self.keys is not None
+                self.keys.serve(sock)
+                # A peer that never finishes its handshake holds a descriptor: not long.
+                sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+                ipv6 = ":" in self.bind
+                sock.setsockopt(zmq.IPV6, int(ipv6))
+                sock.bind(f"tcp://{f'[{self.bind}]' if ipv6 else self.bind}:*")
+            else:
+                assert self.sockets is not None
+                sock.bind(f"ipc://{self.sockets / name}")
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         return sock
+
+    def _abandon(self) -> None:
+        """After a failed start: nothing left open or behind."""
+        if self.zap is not None:
+            self.zap.close(linger=0)
+        self.context.term()
+        if self._own_folder and self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
     @property
     def endpoints(self) -> dict[str, str]:
@@ -287,6 +334,15 @@ class Relay:
                 (self.sockets / name).unlink(missing_ok=True)
             if self._own_folder:
                 shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit on open descriptors up to the hard one (peers on TCP each
+    hold one until their handshake ends)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def private_folder(preferred: Path | None) -> tuple[Path, bool]:

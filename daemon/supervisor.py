@@ -113,8 +113,17 @@ class Supervisor:
             self._status("starting", f"run {self.paths.run_id} starting "
                          f"{self.config.world_size} ranks")
         except OSError as e:
+            if self.relay is not None:
+                self.relay.close()
             raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
+        try:
+            return self._run()
+        finally:
+            self.relay.close()  # its sockets (and a private sockets folder) go with it
+
+    def _run(self) -> int:
+        assert self.relay is not None
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
@@ -134,7 +143,6 @@ class Supervisor:
         if self.on_tick is not None:
             self.on_tick(self.relay.state)
         self.report.print_outcome(outcome, self.out, self.err)
-        self.relay.close()
         return outcome.exit_code
 
     def _attempts(self) -> Outcome:

@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
@@ -34,6 +35,7 @@ from ddtop.daemon.starters import AGENT, Rank, rank_program
 from ddtop.daemon.state import RunState
 
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
+RESCAN_S = 1.0  # at most one /proc scan a second for hellos from pids not known yet
 FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                              r"(-?\d+) \(pid: (\d+)\)")
 
@@ -47,6 +49,7 @@ class TorchrunRanks:
         self.log_start = 0  # where this attempt's part of torchrun's log begins
         self.world_size = 0
         self.agent: ProcessId | None = None  # this attempt's agent
+        self.scanned = 0.0  # when rank_processes last ran for is_rank
         self.seen: dict[int, ProcessId] = {}  # rank -> its process, as last found below the agent
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
@@ -90,7 +93,9 @@ class TorchrunRanks:
 
     def is_rank(self, rank: int, pid: int) -> bool:
         seen = self.seen.get(rank)
-        if seen is None or seen.pid != pid:
+        now = time.monotonic()
+        if (seen is None or seen.pid != pid) and now - self.scanned >= RESCAN_S:
+            self.scanned = now  # a flood of foreign hellos costs one /proc scan a second
             self.rank_processes()  # a worker the agent started since last looked
             seen = self.seen.get(rank)
         return seen is not None and seen.pid == pid

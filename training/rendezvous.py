@@ -100,8 +100,7 @@ def host_store(master_addr: str, master_port: int, world_size: int) -> None:
     except OSError as e:
         listener.close()
         raise dist.DistNetworkError(
-            f"the rendezvous port {host}:{master_port} cannot be bound: {e.strerror} "
-            "(address already in use)" if e.errno == 98 else str(e)) from None
+            f"the rendezvous port {host}:{master_port} cannot be bound: {e.strerror}") from None
     listener.listen(max(128, world_size))
     _hosted = TCPStore(master_addr, master_port, world_size, True, timeout=STORE_TIMEOUT,
                        wait_for_workers=False, master_listen_fd=listener.detach())

@@ -78,8 +78,10 @@ def redirect_output(log: Path) -> None:
 def write_error_report(path: Path | None, report: ErrorReport) -> None:
     if path is None:
         return
-    try:
-        path.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
+    try:  # owner-only, whatever mask the user's program runs with
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
     except OSError as e:
         print(f"could not write error report {path}: {e}", file=sys.stderr)
 
