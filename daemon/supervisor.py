@@ -93,6 +93,7 @@ class Supervisor:
         self.restarts = 0
         self.stopping: float | None = None  # deadline of a graceful stop in progress
         self.interrupted = False  # the stop came from Ctrl-C
+        self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.attempt_started = 0.0  # wall clock: error reports older than this are stale
 
     # -- public ----------------------------------------------------------------
@@ -139,7 +140,14 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self._echo_logs(final=True)
-        self._status(outcome.status, self.report.headline(outcome), exit_code=outcome.exit_code)
+        headline = self.report.headline(outcome)
+        if self.late:  # the ranks a stop had to kill: named, not blamed
+            names = ", ".join("torchrun's agent" if r.rank < 0 else f"rank {r.rank}"
+                              for r in self.late)
+            headline += f" ({names} did not stop in time and was killed with SIGKILL)"
+            print(f"ddtrain: {names} did not stop in time and was killed with SIGKILL",
+                  file=self.err, flush=True)
+        self._status(outcome.status, headline, exit_code=outcome.exit_code)
         if self.on_tick is not None:
             self.on_tick(self.relay.state)
         self.report.print_outcome(outcome, self.out, self.err)
@@ -272,9 +280,28 @@ class Supervisor:
             for process in self.starter.rank_processes():
                 send_signal(process, rank_program(self.config).stop_signal)
         elif self.stopping is not None and time.monotonic() > self.stopping:
-            print("ddtrain: ranks did not stop in time; terminating them", file=self.err,
-                  flush=True)
+            late = [r for r in self.ranks if r.process.exitcode is None]
+            message = (f"{self._describe(late)} did not stop within "
+                       f"{self.relay.stop_request or 0:g} s: terminating (SIGTERM, then SIGKILL)")
+            print(f"ddtrain: {message}", file=self.err, flush=True)
+            self.relay.emit(wire.Event, type="warning", message=message)
             self._stop_all()
+            self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
+
+    def _describe(self, ranks: list[Rank]) -> str:
+        """'rank 1 (silent, last in forward of step 571)', for each of `ranks`."""
+        assert self.relay is not None
+        state, parts = self.relay.state, []
+        states = state.rank_states(time.time())
+        for r in ranks:
+            view = state.ranks.get(r.rank)
+            if r.rank < 0:
+                parts.append("torchrun's agent (and its ranks)")
+            elif view is None:
+                parts.append(f"rank {r.rank} (never heard from)")
+            else:
+                parts.append(f"rank {r.rank} ({states.get(r.rank, '?')}, last {view.where()})")
+        return ", ".join(parts) or "no rank"
 
     def _stop_all(self) -> None:
         alive = [r for r in self.ranks if r.process.exitcode is None]

@@ -1,0 +1,37 @@
+"""Faults, named: a stop that times out names the rank that would not stop (and
+is still a stop, not a failure); two starts of one run id cannot both win;
+a command returns when every process it started has exited."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+from helpers import detached
+
+
+def test_a_stop_that_times_out_is_a_stop_and_names_the_rank_that_would_not(
+        tmp_path: Path) -> None:
+    with detached("-n", "2", "--epochs", "200", "--run-id", "frozen", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        status = run.wait_for("frozen", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+        stuck = status["ranks"][1]["pid"]
+        os.kill(stuck, signal.SIGSTOP)  # it cannot finish its step, nor die of SIGTERM
+        try:
+            stopped = run.cli("stop", "frozen", "--timeout", "3")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGCONT)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert run.leftovers() == []
+    record = json.loads((tmp_path / "runs" / "frozen" / "run.json").read_text())
+    assert (record["status"], record["exit_code"]) == ("stopped", 130)
+    assert record["failure"] is None
+    ranks = {r["rank"]: r for r in record["ranks"]}
+    assert ranks[1]["signal"] == "SIGKILL" and ranks[1]["stopped_by_daemon"] is True
+    log = (tmp_path / "runs" / "frozen" / "daemon.log").read_text()
+    assert "rank 1 (" in log and "did not stop within 3 s" in log, log
+    assert "rank 1 did not stop in time and was killed with SIGKILL" in log, log
