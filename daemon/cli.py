@@ -17,6 +17,7 @@ Exit codes: 0 the run succeeded, 1 a rank failed (named in the last lines),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -47,7 +48,14 @@ from ddtop.daemon.contract import (
 from ddtop.daemon.program import check_program, split_program_args
 from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths, find_run, new_run_id, read_json, write_json_atomic
+from ddtop.daemon.runs import (
+    RunPaths,
+    claim_new_run,
+    find_run,
+    new_run_id,
+    read_json,
+    write_json_atomic,
+)
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import RunSummary
 
@@ -154,6 +162,11 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
         if paths.config.exists():
             raise UsageError(f"run {run_id} already exists in {runs_dir}/: add --resume to "
                              "continue it, or pick another --run-id")
+        try:
+            claim_new_run(paths)  # atomic: two starts with one --run-id cannot both win
+        except OSError as e:
+            raise UsageError(f"cannot create the run directory {paths.root}: {e.strerror}; "
+                             "pick another --runs-dir") from None
         return TrainConfig(**{**config.to_dict(), "run_id": run_id}), paths
     paths = find_run(runs_dir, overrides.get("run_id"))
     info = RunInfo.load(paths)
@@ -189,6 +202,16 @@ def of(config: TrainConfig) -> str:
 def cmd_start(args: argparse.Namespace) -> int:
     owner_only_umask()  # the run directory and all in it: the owner's alone
     config, paths = resolve_start(args)
+    try:
+        return _start(args, config, paths)
+    except UsageError:
+        if not config.resume:  # a new run's folder claimed for nothing: given back
+            with contextlib.suppress(OSError):
+                paths.root.rmdir()  # only if still empty
+        raise
+
+
+def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:
     verb = "resuming" if config.resume else "starting"
     if args.headless:
         return start_headless(args, config, paths)
@@ -306,12 +329,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The detached daemon: the same Supervisor as --foreground, output to daemon.log."""
     from ddtop.daemon.supervisor import Supervisor
 
+    from ddtop.daemon.runs import log_stream
+
     owner_only_umask()  # inherited from ddtrain start; said again for a daemon started by hand
+    # Its output is daemon.log: on a disk that fills up, lines are lost, not the daemon.
+    sys.stdout, sys.stderr = log_stream(1), log_stream(2)
     paths = RunPaths(Path(args.run_dir))
     config = TrainConfig.from_dict(read_json(paths.config)).validate()
     print(f"ddtrain: daemon pid {os.getpid()} for run {paths.run_id} "
           f"({config.world_size} ranks)", flush=True)
-    return Supervisor(config, paths, echo=False).run()
+    return Supervisor(config, paths, out=sys.stdout, err=sys.stderr, echo=False).run()
 
 
 # -- main -------------------------------------------------------------------------

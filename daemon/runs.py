@@ -18,6 +18,8 @@ files): `ddtrain start` creates them under an owner-only umask (docs/security.md
 
 from __future__ import annotations
 
+import fcntl
+import io
 import json
 import os
 import secrets
@@ -27,12 +29,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TextIO
 
 from ddtop.daemon.config import UsageError
 
 # Checkpoint files, named by the global step after which they were written.
 CHECKPOINT_GLOB = "step-*.pt"
+# What atomic_file leaves of a checkpoint whose writer was killed mid-write.
+CHECKPOINT_TEMP_GLOB = f".{CHECKPOINT_GLOB}.*.tmp"
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -162,6 +166,44 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
         raise
 
 
+class DroppingFile(io.RawIOBase):
+    """A log file's descriptor as a raw file that never fails a write: what the
+    disk refuses (full, over quota) is dropped and counted, and the first write
+    it takes again says how much is missing. Leaves the descriptor open."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.dropped = 0  # bytes not written since the last write that worked
+        self.error = ""  # why, in words
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        try:
+            if self.dropped:
+                os.write(self.fd, f"[ddtrain: {self.dropped} bytes of output not written "
+                                  f"here: {self.error}]\n".encode())
+                self.dropped = 0
+            return os.write(self.fd, data)
+        except OSError as e:  # whatever the disk says, a log line is not worth the process
+            self.dropped += size
+            self.error = e.strerror or str(e)
+            return size
+
+
+def log_stream(fd: int) -> TextIO:
+    """A line-buffered text stream on `fd` (a log in the run directory) for
+    sys.stdout or sys.stderr: a disk that fills up loses lines, never the rank or
+    the daemon that prints them."""
+    return io.TextIOWrapper(io.BufferedWriter(DroppingFile(fd)), encoding="utf-8",
+                            errors="backslashreplace", line_buffering=True)
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     with atomic_file(path) as f:
         json.dump(data, f, indent=2, sort_keys=True)
@@ -171,3 +213,29 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def read_json(path: Path) -> Any:
     with path.open() as f:
         return json.load(f)
+
+
+def hold_run(paths: RunPaths) -> int:
+    """The run's lock, held by the one process that supervises it for as long as
+    it lives (an open descriptor with an exclusive flock on `daemon.lock`): a
+    second daemon for the same run directory is refused, however close together
+    the two were started."""
+    fd = os.open(paths.root / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"run {paths.run_id} is already being run by another ddtrain daemon: "
+                         f"watch it with: ddtop {paths.run_id}, or stop it first") from None
+    return fd
+
+
+def claim_new_run(paths: RunPaths) -> None:
+    """Make a new run's directory, atomically: of two starts with one run id, one wins."""
+    paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        paths.root.mkdir(mode=0o700)
+    except FileExistsError:
+        what = "already exists" if paths.config.exists() else "exists (a folder that holds no run)"
+        raise UsageError(f"run {paths.run_id} {what} in {paths.root.parent}/: add --resume to "
+                         "continue it, or pick another --run-id") from None

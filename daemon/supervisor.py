@@ -47,7 +47,7 @@ from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.processes import send_signal
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
-from ddtop.daemon.runs import RunPaths, write_json_atomic
+from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
 from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord
@@ -94,6 +94,7 @@ class Supervisor:
         self.stopping: float | None = None  # deadline of a graceful stop in progress
         self.interrupted = False  # the stop came from Ctrl-C
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
+        self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
         self.attempt_started = 0.0  # wall clock: error reports older than this are stale
 
     # -- public ----------------------------------------------------------------
@@ -101,6 +102,7 @@ class Supervisor:
         port = choose_port(self.config.master_addr, self.config.master_port)
         try:
             self.paths.create()
+            self.lock = hold_run(self.paths)  # the one daemon of this run, until it exits
             write_json_atomic(self.paths.config, self.config.to_dict())
             keys = RunKeys.create(self.paths.keys) if self.config.bind else None
             self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
@@ -116,12 +118,16 @@ class Supervisor:
         except OSError as e:
             if self.relay is not None:
                 self.relay.close()
+            if self.lock is not None:
+                os.close(self.lock)
             raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
         try:
             return self._run()
         finally:
             self.relay.close()  # its sockets (and a private sockets folder) go with it
+            if self.lock is not None:
+                os.close(self.lock)
 
     def _run(self) -> int:
         assert self.relay is not None

@@ -10,7 +10,7 @@ import os
 import signal
 from pathlib import Path
 
-from helpers import detached
+from helpers import DDTRAIN, detached, finish, start
 
 
 def test_a_stop_that_times_out_is_a_stop_and_names_the_rank_that_would_not(
@@ -35,3 +35,21 @@ def test_a_stop_that_times_out_is_a_stop_and_names_the_rank_that_would_not(
     log = (tmp_path / "runs" / "frozen" / "daemon.log").read_text()
     assert "rank 1 (" in log and "did not stop within 3 s" in log, log
     assert "rank 1 did not stop in time and was killed with SIGKILL" in log, log
+
+
+def test_two_starts_of_one_run_id_at_once_give_one_run(tmp_path: Path) -> None:
+    """Started together, again and again: one wins, the other is one line, exit 2,
+    and there is only ever one daemon."""
+    for attempt in range(2):
+        rid = f"twice-{attempt}"
+        both = [start([DDTRAIN, "start", "-n", "2", "--epochs", "1", "--run-id", rid,
+                       "--synthetic-train-samples", "256"], tmp_path)
+                for _ in range(2)]
+        runs = [finish(proc, tag) for proc, tag in both]
+        codes = sorted(r.returncode for r in runs)
+        assert codes == [0, 2], [(r.returncode, r.stdout, r.stderr) for r in runs]
+        loser = next(r for r in runs if r.returncode == 2)
+        assert loser.stderr.startswith(f"ddtrain: error: run {rid} "), loser.stderr
+        assert len(loser.stderr.strip().splitlines()) == 1, loser.stderr
+        record = json.loads((tmp_path / "runs" / rid / "run.json").read_text())
+        assert record["status"] in ("succeeded", "running", "starting")
