@@ -11,6 +11,7 @@ point is imported by name in the child.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from pathlib import Path
@@ -37,6 +38,7 @@ class LocalRanks:
         self.tails: list[tuple[str, LogTail]] = []
         self.ranks: list[Rank] = []
         self.context: Any = None  # multiprocessing's context classes are not typed alike
+        self._started_helpers = False  # the forkserver and resource tracker are this run's
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         program = rank_program(config)
@@ -71,6 +73,18 @@ class LocalRanks:
     def is_rank(self, rank: int, pid: int) -> bool:
         return any(r.rank == rank and r.process.pid == pid for r in self.ranks)
 
+    def close(self) -> None:
+        """Stop the forkserver and multiprocessing's resource tracker, if this run
+        started them, and wait for both (unloading torch takes the forkserver a
+        second; without this it outlived the command)."""
+        if self.context is None or not self._started_helpers:
+            return
+        from multiprocessing import forkserver, resource_tracker
+
+        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+            with contextlib.suppress(OSError, ChildProcessError):
+                helper._stop()  # closes its pipe, then waits for it to exit
+
     def _context(self, method: str, preload: str) -> Any:
         if method not in multiprocessing.get_all_start_methods():
             raise UsageError(f"--start-method {method} is not available on this platform: "
@@ -96,6 +110,7 @@ class LocalRanks:
                 os.dup2(log, fd)
             resource_tracker.ensure_running()
             forkserver.ensure_running()
+            self._started_helpers = True
         finally:
             for fd, copy in zip((1, 2), saved, strict=True):
                 os.dup2(copy, fd)

@@ -93,6 +93,11 @@ class RankStarter(Protocol):
         `rank`: a hello's claim, checked before it is believed."""
         ...
 
+    def close(self) -> None:
+        """The run is over: end every helper process this starter started, and
+        wait for it (a command returns when everything it started has exited)."""
+        ...
+
 
 def choose_port(addr: str, port: int) -> int:
     """`port` if it can be bound on `addr`, a free one if `port` is 0."""

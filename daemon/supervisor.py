@@ -125,6 +125,7 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            self.starter.close()  # the forkserver and resource tracker, waited for
             self.relay.close()  # its sockets (and a private sockets folder) go with it
             if self.lock is not None:
                 os.close(self.lock)

@@ -91,6 +91,9 @@ class TorchrunRanks:
         self.seen.update({rank: process for rank, (_, process) in found.items()})
         return [process for _, process in found.values()]
 
+    def close(self) -> None:
+        """Nothing of its own left: the agent has exited with its ranks."""
+
     def is_rank(self, rank: int, pid: int) -> bool:
         seen = self.seen.get(rank)
         now = time.monotonic()

@@ -8,9 +8,10 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
-from helpers import DDTRAIN, detached, finish, start
+from helpers import DDTRAIN, detached, finish, start, tagged_pids
 
 
 def test_a_stop_that_times_out_is_a_stop_and_names_the_rank_that_would_not(
@@ -53,3 +54,36 @@ def test_two_starts_of_one_run_id_at_once_give_one_run(tmp_path: Path) -> None:
         assert len(loser.stderr.strip().splitlines()) == 1, loser.stderr
         record = json.loads((tmp_path / "runs" / rid / "run.json").read_text())
         assert record["status"] in ("succeeded", "running", "starting")
+
+
+def test_a_foreground_run_returns_when_everything_it_started_has_exited(
+        tmp_path: Path) -> None:
+    """Not a second later: no forkserver, no resource tracker, no rank left when
+    `ddtrain start --foreground` returns (nor after a stop, nor after Ctrl-C)."""
+    proc, tag = start([DDTRAIN, "start", "--foreground", "-n", "2", "--epochs", "1",
+                       "--run-id", "tidy", "--synthetic-train-samples", "256"], tmp_path)
+    try:
+        _, err = proc.communicate(timeout=120)
+        left = tagged_pids(tag)  # at once: no grace
+    finally:
+        finish(proc, tag)
+    assert proc.returncode == 0, err
+    assert left == []
+
+
+def test_ctrl_c_returns_when_everything_it_started_has_exited(tmp_path: Path) -> None:
+    proc, tag = start([DDTRAIN, "start", "--foreground", "-n", "2", "--epochs", "200",
+                       "--run-id", "interrupted"], tmp_path)
+    try:
+        journal = tmp_path / "runs" / "interrupted" / "telemetry.journal"
+        deadline = time.monotonic() + 60
+        while not (journal.exists() and journal.stat().st_size > 20_000):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole group
+        proc.communicate(timeout=60)
+        left = tagged_pids(tag)
+    finally:
+        finish(proc, tag)
+    assert proc.returncode == 130
+    assert left == []
