@@ -81,9 +81,10 @@ class LocalRanks:
             return
         from multiprocessing import forkserver, resource_tracker
 
-        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        helpers: list[Any] = [forkserver._forkserver, resource_tracker._resource_tracker]
+        for helper in helpers:  # _stop (untyped in the stubs): close its pipe, wait for it
             with contextlib.suppress(OSError, ChildProcessError):
-                helper._stop()  # closes its pipe, then waits for it to exit
+                helper._stop()
 
     def _context(self, method: str, preload: str) -> Any:
         if method not in multiprocessing.get_all_start_methods():
