@@ -56,6 +56,7 @@ from ddtop.daemon.runs import (
     read_json,
     write_json_atomic,
 )
+from ddtop.daemon.stacks import cmd_stacks
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import RunSummary
 
@@ -136,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--rank", type=int, default=None, metavar="K", help="only rank K")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="keep printing new lines until the run ends")
+    stacks = commands.add_parser(
+        "stacks", help="every rank's Python stacks, now",
+        description="Print every thread's Python stack of each rank (or of rank K), also of "
+        "a rank blocked inside a collective; each dump is kept in the run directory as "
+        "logs/rank-K.stacks.")
+    with_run(stacks)
+    stacks.add_argument("--rank", type=int, default=None, metavar="K", help="only rank K")
     serve = commands.add_parser("serve")  # the detached daemon; not for people
     serve.add_argument("run_dir")
     return parser
@@ -348,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     args.program_args = program_args
     commands = {"start": cmd_start, "serve": cmd_serve, "status": cmd_status,
-                "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs}
+                "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs,
+                "stacks": cmd_stacks}
     try:
         return commands[args.command](args)
     except UsageError as e:

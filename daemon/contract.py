@@ -50,6 +50,10 @@ def restore_user_umask() -> None:
     with contextlib.suppress(ValueError):  # not set (started another way), damaged: leave it
         os.umask(int(os.environ.get(USER_UMASK_ENV, ""), 8))
 
+# The signal on which a rank writes every thread's Python stack to its stacks file
+# (faulthandler; `ddtrain stacks`). SIGUSR1 is the built-in trainer's graceful stop.
+STACKS_SIGNAL = signal.SIGUSR2
+
 # -- exit codes (ddtrain, ddtop --headless and every rank; docs/cli.md) ----------------
 EXIT_OK = 0
 EXIT_FAILED = 1  # a rank failed (or the daemon was lost)

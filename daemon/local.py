@@ -73,6 +73,10 @@ class LocalRanks:
     def is_rank(self, rank: int, pid: int) -> bool:
         return any(r.rank == rank and r.process.pid == pid for r in self.ranks)
 
+    def numbered(self) -> dict[int, ProcessId]:
+        return {r.rank: r.process.identity for r in self.ranks
+                if r.process.exitcode is None and r.process.identity is not None}
+
     def close(self) -> None:
         """Stop the forkserver and multiprocessing's resource tracker, if this run
         started them, and wait for both (unloading torch takes the forkserver a

@@ -88,6 +88,7 @@ class Relay:
         self.seq = 0  # relay sequence number of the newest accepted message
         self.daemon_seq = 0
         self.stop_request: float | None = None  # a `stop` request's timeout, once asked
+        self.stacks_requests: list[int | None] = []  # ranks asked for stacks (None: all)
         self.bind, self.keys = bind, keys
         self.sockets: Path | None = None  # the ipc sockets' folder (None over TCP)
         self._own_folder = False
@@ -317,8 +318,17 @@ class Relay:
             if self.stop_request is None:
                 self.stop_request = float(timeout)
             return {"ok": True, "status": "stopping"}
+        if op == "stacks":
+            rank = request.get("rank")
+            if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
+                                     or not 0 <= rank < (self.world_size or 1 << 16)):
+                return {"ok": False, "error": "rank must be a rank of this run"}
+            if len(self.stacks_requests) < 16:  # the supervisor serves them at its next tick
+                self.stacks_requests.append(rank)
+            return {"ok": True}
         self._reject("bad_request")
-        return {"ok": False, "error": f"unknown op {op!r}: ping, status, snapshot or stop"}
+        return {"ok": False,
+                "error": f"unknown op {op!r}: ping, status, snapshot, stop or stacks"}
 
     def close(self) -> None:
         self.journal.close()

@@ -104,6 +104,10 @@ class RunPaths:
     def rank_error(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.error.json"
 
+    def rank_stacks(self, rank: int) -> Path:
+        """Rank k's Python stacks, appended at each `ddtrain stacks` (daemon/stacks.py)."""
+        return self.logs / f"rank-{rank}.stacks"
+
     def checkpoint_files(self) -> list[Path]:
         """The run's checkpoints, oldest first (names sort by global step)."""
         return sorted(self.checkpoints.glob(CHECKPOINT_GLOB))

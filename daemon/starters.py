@@ -93,6 +93,10 @@ class RankStarter(Protocol):
         `rank`: a hello's claim, checked before it is believed."""
         ...
 
+    def numbered(self) -> dict[int, ProcessId]:
+        """The live ranks this starter (or its agent) started, by rank number."""
+        ...
+
     def close(self) -> None:
         """The run is over: end every helper process this starter started, and
         wait for it (a command returns when everything it started has exited)."""

@@ -37,6 +37,7 @@ from ddtop.daemon.contract import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    STACKS_SIGNAL,
     TELEMETRY_ENV,
     ErrorReport,
     describe_exit,
@@ -232,6 +233,7 @@ class Supervisor:
             if self.on_tick is not None:
                 self.on_tick(self.relay.state)
             self._check_stop()
+            self._serve_stacks()
             self._echo_logs()
             if self._collect_exits(running):
                 self._settle()
@@ -294,6 +296,18 @@ class Supervisor:
             self.relay.emit(wire.Event, type="warning", message=message)
             self._stop_all()
             self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
+
+    def _serve_stacks(self) -> None:
+        """`ddtrain stacks`: the stacks signal to the ranks asked for, among the
+        processes this daemon started (checked by start time)."""
+        assert self.relay is not None and self.starter is not None
+        if not self.relay.stacks_requests:
+            return
+        asked, self.relay.stacks_requests = self.relay.stacks_requests, []
+        numbered = self.starter.numbered()
+        for rank, process in numbered.items():
+            if None in asked or rank in asked:
+                send_signal(process, STACKS_SIGNAL)
 
     def _describe(self, ranks: list[Rank]) -> str:
         """'rank 1 (silent, last in forward of step 571)', for each of `ranks`."""

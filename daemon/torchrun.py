@@ -91,6 +91,10 @@ class TorchrunRanks:
         self.seen.update({rank: process for rank, (_, process) in found.items()})
         return [process for _, process in found.values()]
 
+    def numbered(self) -> dict[int, ProcessId]:
+        self.rank_processes()  # who is below the agent now
+        return dict(self.seen)
+
     def close(self) -> None:
         """Nothing of its own left: the agent has exited with its ranks."""
 

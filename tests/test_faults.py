@@ -87,3 +87,33 @@ def test_ctrl_c_returns_when_everything_it_started_has_exited(tmp_path: Path) ->
         finish(proc, tag)
     assert proc.returncode == 130
     assert left == []
+
+
+def test_stacks_show_a_rank_blocked_in_a_collective(tmp_path: Path) -> None:
+    """Rank 1 frozen (SIGSTOP): rank 0 waits in its all-reduce, and `ddtrain stacks`
+    still shows where, from faulthandler's C handler; the dump stays in the run."""
+    with detached("-n", "2", "--epochs", "200", "--run-id", "stuck", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        status = run.wait_for("stuck", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+        frozen = status["ranks"][1]["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            time.sleep(1.5)  # rank 0 reaches the all-reduce rank 1 never joins
+            stacks = run.cli("stacks", "stuck", "--rank", "0")
+            every = run.cli("stacks", "stuck")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
+        bad = run.cli("stacks", "stuck", "--rank", "7")
+        stopped = run.cli("stop", "stuck", "--timeout", "30")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert run.leftovers() == []
+    assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+    assert stacks.stdout.startswith("== rank 0 (")
+    assert "Thread 0x" in stacks.stdout and "trainer.py" in stacks.stdout, stacks.stdout
+    assert "ddtop-telemetry" in stacks.stdout or "telemetry.py" in stacks.stdout  # all threads
+    # Rank 1 cannot answer while stopped: said, not waited for forever.
+    assert every.returncode == 0 and "== rank 1: no stacks within" in every.stdout
+    assert bad.returncode == 2 and bad.stderr.startswith("ddtrain: error: --rank 7:")
+    saved = (tmp_path / "runs" / "stuck" / "logs" / "rank-0.stacks").read_text()
+    assert "trainer.py" in saved

@@ -20,7 +20,12 @@ from ddtop.daemon.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE
 from ddtop.daemon.runs import RunPaths, read_json
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
-from ddtop.training.worker import die_with_daemon, rank_main, redirect_output
+from ddtop.training.worker import (
+    die_with_daemon,
+    dump_stacks_on_signal,
+    rank_main,
+    redirect_output,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +60,7 @@ def daemon_started_rank(env: RankEnv) -> Path:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = RunPaths(Path(os.environ[CONFIG_ENV]).parent)
     redirect_output(paths.rank_log(env.rank))
+    dump_stacks_on_signal(paths.rank_stacks(env.rank))
     return paths.rank_error(env.rank)
 
 

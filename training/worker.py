@@ -8,6 +8,7 @@ into an exit code and an error report the daemon can show.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import select
 import signal
@@ -25,9 +26,16 @@ import msgspec
 import torch._dynamo  # noqa: F401
 
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import ATTEMPT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, ErrorReport
+from ddtop.daemon.contract import (
+    ATTEMPT_ENV,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    STACKS_SIGNAL,
+    ErrorReport,
+)
 from ddtop.daemon.processes import pid_alive, set_parent_death_signal
-from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.runs import RunPaths, log_stream
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.rendezvous import install as install_loopback
@@ -66,13 +74,14 @@ def _wait_for_exit(pid: int, pidfd: int | None) -> None:
 
 
 def redirect_output(log: Path) -> None:
-    """Send this process's stdout and stderr (Python's and C's) to its log."""
+    """Send this process's stdout and stderr (Python's and C's) to its log; lines
+    a full disk refuses are dropped, never raised into training (runs.log_stream)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stdout = log_stream(1)
+    sys.stderr = log_stream(2)
 
 
 def write_error_report(path: Path | None, report: ErrorReport) -> None:
@@ -150,7 +159,23 @@ def enter_rank(rank: int, run_dir: str, daemon_pid: int) -> RunPaths:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = RunPaths(Path(run_dir))
     redirect_output(paths.rank_log(rank))
+    dump_stacks_on_signal(paths.rank_stacks(rank))
     return paths
+
+
+_stacks_file: Any = None  # open for the life of the rank: faulthandler writes to its fd
+
+
+def dump_stacks_on_signal(path: Path) -> None:
+    """On STACKS_SIGNAL, append every thread's Python stack to `path` (`ddtrain
+    stacks`), from faulthandler's C handler: also while blocked in a collective."""
+    global _stacks_file
+    try:
+        _stacks_file = path.open("a")
+    except OSError as e:
+        print(f"ddtrain: stacks will not be available for this rank: {e}", file=sys.stderr)
+        return
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
 
 
 def leave_rank(code: int) -> None:

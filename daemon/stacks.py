@@ -1,0 +1,78 @@
+"""`ddtrain stacks`: every rank's Python stacks, all threads, now.
+
+Each rank the daemon starts registers the standard library's `faulthandler`
+on STACKS_SIGNAL (SIGUSR2), writing to `logs/rank-<k>.stacks`. faulthandler
+dumps from its C signal handler, so a rank blocked inside a collective (or
+any C call) still answers; nothing else in the rank stops. The daemon sends
+the signal (to the processes it started, checked by start time: never a pid a
+message names) when asked with the `stacks` request; this command asks, waits
+for the dumps to be written, and prints them. They stay in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ddtop.daemon import control
+from ddtop.daemon.config import UsageError, default_runs_dir
+from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
+from ddtop.daemon.runinfo import RunInfo
+from ddtop.daemon.runs import locate_run
+
+WAIT_S = 5.0  # for every asked rank's dump to appear
+SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long
+
+
+def cmd_stacks(args: argparse.Namespace) -> int:
+    paths = locate_run(args.runs_dir or default_runs_dir(), args.run)
+    info = RunInfo.load(paths)
+    if args.rank is not None and not 0 <= args.rank < max(info.world_size, 1):
+        raise UsageError(f"--rank {args.rank}: run {paths.run_id} has ranks 0 to "
+                         f"{info.world_size - 1}")
+    ranks = [args.rank] if args.rank is not None else list(range(info.world_size))
+    if not info.live or info.control is None:
+        raise UsageError(f"run {paths.run_id} is not running ({info.status}): the stacks "
+                         f"saved while it ran are in {paths.logs}/rank-K.stacks")
+    files = {k: paths.rank_stacks(k) for k in ranks}
+    before = {k: f.stat().st_size if f.exists() else 0 for k, f in files.items()}
+    try:
+        reply = control.request(info.control, "stacks", control.STOP_REQUEST_TIMEOUT_S,
+                                keys=info.keys, rank=args.rank)
+    except control.Unreachable as e:
+        raise UsageError(f"the daemon of run {paths.run_id} does not answer: {e}") from None
+    if not reply.get("ok"):
+        raise UsageError(f"the daemon refused: {reply.get('error')}")
+    dumps = _wait_for_dumps(files, before)
+    for k in ranks:
+        text = dumps.get(k)
+        if text:
+            print(f"== rank {k} ({files[k]}) ==")
+            print(text.rstrip())
+        else:
+            print(f"== rank {k}: no stacks within {WAIT_S:g} s (the process is stopped, "
+                  "gone, or not one the daemon started) ==")
+    return EXIT_OK if any(dumps.values()) else EXIT_FAILED
+
+
+def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignore[type-arg]
+    deadline = time.monotonic() + WAIT_S
+    sizes = dict(before)
+    quiet_since: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        for k, f in files.items():
+            size = f.stat().st_size if f.exists() else 0
+            if size != sizes[k]:
+                sizes[k], quiet_since[k] = size, time.monotonic()
+        grown = [k for k in files if sizes[k] > before[k]]
+        settled = all(time.monotonic() - quiet_since.get(k, 0) >= SETTLE_S for k in grown)
+        if len(grown) == len(files) and settled:
+            break
+        time.sleep(0.05)
+    dumps = {}
+    for k, f in files.items():
+        if sizes[k] > before[k]:
+            with f.open("rb") as handle:
+                handle.seek(before[k])
+                dumps[k] = handle.read().decode(errors="replace")
+    return dumps
