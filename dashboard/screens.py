@@ -6,12 +6,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Sparkline, Static
 
+from ddtop.daemon import control
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed
 
@@ -28,7 +30,9 @@ HELP = """\
            (running, stalled, silent, dead, finished, straggler); empty clears
   [b]f[/b]        problems only: stalled, silent, dead and straggling ranks
   [b]p[/b]        pause the view (telemetry is still read, nothing is lost)
-  [b]Enter[/b]    the selected rank's detail: charts, step breakdown, events, log
+  [b]Enter[/b]    the selected rank's detail: charts, step breakdown, events, log;
+           there [b]t[/b] shows the rank's Python stacks now (all threads, also
+           inside a collective), [b]l[/b] the log again
   [b]x[/b]        stop the run (asks first): ranks finish the step, rank 0 checkpoints
   [b]+[/b] / [b]-[/b]    replay faster / slower (with --replay)
 
@@ -38,7 +42,7 @@ HELP = """\
     (and by over 10% of a step: jitter on a busy machine is not flagged)
   STATE  [green]running[/green]  [yellow]stalled[/yellow] (no progress, heartbeats still come)
          [magenta]silent[/magenta] (no message for 5 s)  [red]dead[/red] (exit code or signal)
-         [blue]finished[/blue]
+         [blue]finished[/blue]  [magenta]unreached[/magenta] (never heard from, 30 s into the run)
   COMM%  share of the step spent in the gradient all-reduce
   BUSBW  all-reduce bus bandwidth, GB/s (nccl-tests' definition)
   SYNC s time spent waiting in metric syncs (all_gather_object), in total
@@ -75,16 +79,48 @@ class ConfirmStop(ModalScreen[bool]):
 
 
 class RankDetail(Screen[None]):
-    """One rank: its numbers, step breakdown, charts, events and log tail."""
+    """One rank: its numbers, step breakdown, charts, events and log tail; `t`
+    asks the daemon for the rank's Python stacks and shows them in place of the
+    log (`l` back to the log)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,enter,backspace", "app.pop_screen", "back"),
+        Binding("t", "stacks", "stacks"),
+        Binding("l", "log", "log"),
         Binding("q", "app.quit", "quit"),
     ]
 
     def __init__(self, feed: Feed, rank: int, log: Path | None, fps: float) -> None:
         super().__init__()
         self.feed, self.rank, self.log_path, self.fps = feed, rank, log, fps
+        self.stacks_from: int | None = None  # showing the stacks dumped after this offset
+        self.stacks_note = ""
+
+    @property
+    def stacks_path(self) -> Path | None:
+        return None if self.log_path is None else self.log_path.with_suffix(".stacks")
+
+    def action_stacks(self) -> None:
+        endpoint, path = self.feed.stop_endpoint, self.stacks_path
+        if endpoint is None or path is None:
+            self.notify("stacks: only for a live run opened by its directory", severity="warning")
+            return
+        self.stacks_from = path.stat().st_size if path.exists() else 0
+        self.stacks_note = "asking the daemon..."
+        self._ask_for_stacks(endpoint)
+
+    @work(thread=True, group="stacks", exit_on_error=False)
+    def _ask_for_stacks(self, endpoint: str) -> None:
+        try:
+            reply = control.request(endpoint, "stacks", control.STOP_REQUEST_TIMEOUT_S,
+                                    keys=self.feed.keys, rank=self.rank)
+            self.stacks_note = ("waiting for the rank's dump..." if reply.get("ok")
+                                else f"refused: {reply.get('error')}")
+        except control.Unreachable as e:
+            self.stacks_note = f"the daemon did not answer: {e}"
+
+    def action_log(self) -> None:
+        self.stacks_from = None
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="detail-top"):
@@ -122,7 +158,23 @@ class RankDetail(Screen[None]):
         self.query_one("#detail-comm", Sparkline).data = [p.comm_share for p in history]
         self.query_one("#detail-log", Static).update(self._log_tail())
 
+    def _stacks(self) -> Text:
+        path, start = self.stacks_path, self.stacks_from
+        assert path is not None and start is not None
+        text = Text(f"stacks of rank {self.rank}  ({path})  t again, l the log\n", "bold")
+        try:
+            with path.open("rb") as f:
+                f.seek(start)
+                data = f.read(LOG_TAIL_BYTES * 4).decode(errors="replace")
+        except OSError:
+            data = ""
+        if not data:
+            return text.append(self.stacks_note, "dim")
+        return text.append(data)
+
     def _log_tail(self) -> Text:
+        if self.stacks_from is not None:
+            return self._stacks()
         if self.log_path is None:
             return Text("log: not available when attached by --connect", "bold")
         text = Text(f"log {self.log_path.name}  ({self.log_path.parent})\n", "bold")

@@ -211,6 +211,11 @@ def test_live_run_rows_advance_quit_leaves_it_running_and_x_stops_it(tmp_path: P
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, RankDetail))
             await until(pilot, lambda: "samples/s" in screen_text(app))
+            await pilot.press("t")  # the rank's Python stacks, from the live rank
+            await until(pilot, lambda: "Thread 0x" in screen_text(app))
+            assert "stacks of rank" in screen_text(app)
+            await pilot.press("l")
+            await until(pilot, lambda: ".log" in screen_text(app))
             await pilot.press("escape")
             await pilot.press("q")
 
