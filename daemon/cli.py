@@ -335,9 +335,8 @@ def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The detached daemon: the same Supervisor as --foreground, output to daemon.log."""
-    from ddtop.daemon.supervisor import Supervisor
-
     from ddtop.daemon.runs import log_stream
+    from ddtop.daemon.supervisor import Supervisor
 
     owner_only_umask()  # inherited from ddtrain start; said again for a daemon started by hand
     # Its output is daemon.log: on a disk that fills up, lines are lost, not the daemon.

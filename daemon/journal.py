@@ -8,14 +8,22 @@ daemon's wall-clock time when it received the message (s), and the message
 frame exactly as it arrived (see docs/telemetry.md). Replaying the records into
 a RunState rebuilds what the daemon knew; a torn last record (the daemon was
 killed mid-write) ends the replay without error.
+
+A disk that fills up never stops the daemon: a write the file system refuses
+(`No space left on device`, a quota) is cut back to the last whole record, the
+records it held are dropped and counted (`JournalWriter.dropped`), and for
+RETRY_S after that what comes is dropped and counted without touching the disk;
+then writing is tried again. Dropped records leave gaps in the relay sequence
+numbers, so a replay counts what is missing (`RunState.journal_dropped`).
 """
 
 from __future__ import annotations
 
+import os
 import struct
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import msgspec
 
@@ -24,6 +32,10 @@ from ddtop.daemon.state import RunState
 
 LENGTH = struct.Struct(">I")
 MAX_RECORD_BYTES = wire.MAX_FRAME_BYTES + 64
+# Bytes of records held before they are written without waiting for flush().
+FLUSH_BYTES = 64 * 1024
+# Seconds after a failed write during which records are dropped unwritten.
+RETRY_S = 1.0
 
 
 class Record(msgspec.Struct, array_like=True):
@@ -37,19 +49,70 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 
 class JournalWriter:
-    def __init__(self, path: Path) -> None:
+    """Appends records; never raises for a write the disk refuses (see above)."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
-        self._file: BinaryIO = path.open("ab")
+        self.clock = clock
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        self._end = os.fstat(self._fd).st_size  # where the last whole record ends
+        self._pending = bytearray()
+        self._ends: list[int] = []  # where each pending record ends, in _pending
+        self.dropped = 0  # records not written
+        self.dropped_bytes = 0
+        self.error: OSError | None = None  # why the newest write failed; None once one works
+        self._retry_at = 0.0
+        self._broken = False  # a torn record could not be cut off: nothing more is written
 
     def append(self, seq: int, received: float, frame: bytes) -> None:
         data = _encoder.encode(Record(seq, received, frame))
-        self._file.write(LENGTH.pack(len(data)) + data)
+        if self._broken or (self.error is not None and self.clock() < self._retry_at):
+            self._drop(1, LENGTH.size + len(data))
+            return
+        self._pending += LENGTH.pack(len(data))
+        self._pending += data
+        self._ends.append(len(self._pending))
+        if len(self._pending) >= FLUSH_BYTES:
+            self.flush()
 
     def flush(self) -> None:
-        self._file.flush()
+        if not self._pending:
+            return
+        written = 0
+        try:
+            with memoryview(self._pending) as view:
+                while written < len(view):
+                    written += os.write(self._fd, view[written:])
+        except OSError as e:  # ENOSPC, EDQUOT, EFBIG, EIO: whatever it is, the run goes on
+            self._failed(e, written)
+        else:
+            self._end += written
+            self.error = None
+        self._pending.clear()
+        self._ends.clear()
+
+    def _failed(self, error: OSError, written: int) -> None:
+        """Keep the whole records among the first `written` bytes, cut off the
+        rest, count what is lost, and leave the disk alone for RETRY_S."""
+        kept = sum(1 for end in self._ends if end <= written)
+        whole = self._ends[kept - 1] if kept else 0
+        if written > whole:  # a torn record would hide every record after it from a replay
+            try:
+                os.ftruncate(self._fd, self._end + whole)
+            except OSError:
+                self._broken = True
+        self._end += whole
+        self._drop(len(self._ends) - kept, len(self._pending) - whole)
+        self.error = error
+        self._retry_at = self.clock() + RETRY_S
+
+    def _drop(self, records: int, size: int) -> None:
+        self.dropped += records
+        self.dropped_bytes += size
 
     def close(self) -> None:
-        self._file.close()
+        self.flush()
+        os.close(self._fd)
 
 
 def read(path: Path) -> Iterator[Record]:
@@ -72,15 +135,33 @@ def read(path: Path) -> Iterator[Record]:
 
 
 def replay(path: Path, run: str, upto: int | None = None) -> tuple[RunState, int]:
-    """The RunState after folding the journal (up to relay seq `upto`), and the
-    last relay sequence number folded."""
-    state, last = RunState(run=run), 0
+    """The RunState of run `run` after folding the journal (up to relay seq
+    `upto`), and the last relay sequence number folded. Every record is folded
+    whatever run id it carries: the journal holds only what the daemon accepted
+    for its run, and the run's folder may have been renamed since (see
+    recorded_run). Gaps in the relay sequence (records the daemon could not
+    write) are counted in the state's `journal_dropped`; a sequence starting
+    over is a later daemon of the same run (a resume)."""
+    state, last, previous = RunState(run=run), 0, 0
     for record in read(path):
         if upto is not None and record.seq > upto:
             break
+        state.journal_dropped += record.seq - (previous + 1 if record.seq > previous else 1)
+        previous = record.seq
         try:
-            state.apply(wire.decode([record.frame], run), record.received)
+            state.apply(wire.decode([record.frame]), record.received)
         except wire.WireError:
             continue
         last = record.seq
     return state, last
+
+
+def recorded_run(path: Path) -> str | None:
+    """The run id the journal's first readable record carries (a folder renamed
+    after its run keeps the old id in its records); None when there is none."""
+    for record in read(path):
+        try:
+            return wire.decode([record.frame]).run
+        except wire.WireError:
+            continue
+    return None

@@ -18,7 +18,11 @@ with a key not of this run), `rejected.handshake_failed` (no CURVE, or not
 this daemon's server key).
 
 Every accepted message is folded into the RunState, appended to the journal
-and re-published, in that order, under one relay sequence number. A dashboard
+and re-published, in that order, under one relay sequence number. A journal
+the disk cannot take (full) drops and counts records instead of stopping the
+daemon (daemon/journal.py); the relay says so once, as a warning event and a
+line on stderr, keeps the count in `RunState.journal_dropped` (status,
+run.json) and says when the journal is written again. A dashboard
 subscribes first, then asks for a snapshot (the state and the relay sequence
 number it includes) and applies only the live messages newer than that.
 
@@ -37,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +73,9 @@ HANDSHAKE_FAILURES: dict[int, str] = {
 SOCKET_MAX_BYTES = 1 << 20
 BATCH = 2000  # messages read per socket per serve() call, so no socket starves another
 MAX_REQUEST_BYTES = 4096
+# A journal that fails again this soon after it last warned is not warned about again
+# (a disk hovering at full); its count still grows in the state.
+JOURNAL_WARN_EVERY_S = 60.0
 
 
 class Relay:
@@ -137,6 +145,9 @@ class Relay:
                 self.poller.register(monitor, zmq.POLLIN)
                 self.monitors.append(monitor)
         self.journal = JournalWriter(journal)
+        self._journal_outage = False  # a warning said, its recovery not yet
+        self._journal_warned: float | None = None  # monotonic time of the last warning
+        self._journal_speaking = False
 
     def _bind_all(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], zmq.Socket[bytes]]:
         bound: list[zmq.Socket[bytes]] = []
@@ -205,6 +216,7 @@ class Relay:
         if self.router in ready:
             self._drain_router()
         self.journal.flush()
+        self._watch_journal()
         return [fd for fd in fds if fd in ready]
 
     def _drain_pull(self) -> None:
@@ -250,6 +262,44 @@ class Relay:
         self.daemon_seq += 1
         self._accept(message, wire.encode(message)[0], message.t)
         self.journal.flush()
+        self._watch_journal()
+
+    def _watch_journal(self) -> None:
+        """Keep the journal's dropped count in the state; say when it starts
+        dropping records and when it writes again."""
+        journal = self.journal
+        self.state.journal_dropped = journal.dropped
+        if self._journal_speaking:
+            return  # one of the events below is being emitted
+        now = time.monotonic()
+        if journal.error is not None and not self._journal_outage and (
+                self._journal_warned is None
+                or now - self._journal_warned >= JOURNAL_WARN_EVERY_S):
+            self._journal_outage, self._journal_warned = True, now
+            why = journal.error.strerror or str(journal.error)
+            self._announce("warning", (
+                f"journal: {why} on {journal.path}: {journal.dropped} records not written; "
+                "the run goes on, and the journal is written again when there is room"),
+                error=why)
+        elif journal.error is None and self._journal_outage:
+            self._journal_outage = False
+            self._announce("info", (
+                f"journal: writing again to {journal.path}; {journal.dropped} records "
+                f"({journal.dropped_bytes:,} bytes) were not written"))
+
+    def _announce(self, type: wire.EventType, message: str, **data: str) -> None:
+        """One of the journal's events, and its line on stderr."""
+        journal = self.journal
+        self._journal_speaking = True
+        try:
+            self.emit(wire.Event, type=type, message=message, data={
+                "path": str(journal.path), "dropped": journal.dropped,
+                "dropped_bytes": journal.dropped_bytes, **data})
+        finally:
+            self._journal_speaking = False
+        with contextlib.suppress(OSError):  # stderr on the same full disk: the event said it
+            print(f"ddtrain: {'warning: ' if type == 'warning' else ''}{message}",
+                  file=sys.stderr, flush=True)
 
     def _answer_zap(self) -> None:
         """Who may complete a CURVE handshake: the run's client key, and no one else

@@ -5,12 +5,20 @@ run.json is a `RunRecord`: the RunSummary derived from the daemon's RunState
 (the same one `ddtrain status` asks the live daemon for), plus what only the
 daemon's process knows (its pid and start time, host, endpoints, the
 rendezvous port). It is rewritten atomically whenever the run's status changes.
+
+A disk that fills up does not stop the daemon here either: a run.json that
+cannot be written is said once on stderr and written again at the next change
+of status. So that the final status (succeeded, failed, stopped) is written
+even then, the report keeps a reserve beside run.json (RESERVE_BYTES, made when
+run.json is first written) and gives it up to write the final record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import TextIO
@@ -23,6 +31,11 @@ from ddtop.daemon.runs import RunPaths, atomic_file
 from ddtop.daemon.starters import AGENT, Rank
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord, RunRecord, encode_record
+
+# Room kept on the run directory's disk for the final run.json (a few KiB; this
+# much leaves room for a record of thousands of ranks).
+RESERVE_BYTES = 1 << 20
+RESERVE_NAME = ".run.json.reserve"
 
 
 @dataclass
@@ -38,6 +51,9 @@ class RunReport:
         self.config, self.paths = config, paths
         self.started = time.time()
         self.daemon = ProcessId.of(os.getpid())  # how `status` and `stop` tell it from a stranger
+        self.reserve = paths.root / RESERVE_NAME
+        self._reserved = False  # the reserve is made (on the first write)
+        self.unwritten: OSError | None = None  # why the newest run.json was not written
 
     def elapsed(self) -> float:
         return time.time() - self.started
@@ -53,8 +69,64 @@ class RunReport:
             master_addr=self.config.master_addr, master_port=port,
             max_restarts=self.config.max_restarts, processes=processes,
         ).with_summary(state.summary(time.time()))
+        data = encode_record(record)
+        if not self._reserved:
+            self._reserved = True
+            self._make_reserve()
+        try:
+            self._replace_status(data)
+        except OSError as e:
+            if not (ended and self._release_reserve()):
+                self._not_written(e, ended)
+                return
+            try:  # the final record, in the room the reserve held
+                self._replace_status(data)
+            except OSError as again:
+                self._not_written(again, ended)
+                return
+        if self.unwritten is not None:
+            self.unwritten = None
+            self._say(f"{self.paths.status} written again")
+        if ended:
+            self._release_reserve()
+
+    def _replace_status(self, data: bytes) -> None:
         with atomic_file(self.paths.status, "wb") as f:
-            f.write(encode_record(record))
+            f.write(data)
+
+    def _not_written(self, error: OSError, ended: bool) -> None:
+        if ended:
+            self._say(f"warning: the final {self.paths.status} could not be written "
+                      f"({error.strerror or error}): `ddtrain status` will call the run lost")
+        elif self.unwritten is None:
+            self._say(f"warning: {self.paths.status} could not be written "
+                      f"({error.strerror or error}); tried again at the next change of status")
+        self.unwritten = error
+
+    def _make_reserve(self) -> None:
+        """Hold RESERVE_BYTES of the disk for the final run.json (none when the disk
+        has not that much: nothing to give up later)."""
+        try:
+            fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            finally:
+                os.close(fd)
+        except OSError:
+            self._release_reserve()
+
+    def _release_reserve(self) -> bool:
+        """Give the reserve's room back; True when there was one."""
+        try:
+            self.reserve.unlink()
+        except OSError:
+            return False
+        return True
+
+    @staticmethod
+    def _say(line: str) -> None:
+        with contextlib.suppress(OSError):  # stderr on the same full disk
+            print(f"ddtrain: {line}", file=sys.stderr, flush=True)
 
     # -- the terminal ----------------------------------------------------------------
     def headline(self, outcome: Outcome) -> str:
@@ -89,6 +161,10 @@ class RunReport:
         return "no checkpoint was written yet, so it cannot be resumed"
 
     def print_outcome(self, outcome: Outcome, out: TextIO, err: TextIO) -> None:
+        with contextlib.suppress(OSError):  # the daemon's log on a full disk: run.json has it
+            self._print_outcome(outcome, out, err)
+
+    def _print_outcome(self, outcome: Outcome, out: TextIO, err: TextIO) -> None:
         rid, seconds = self.paths.run_id, self.elapsed()
         if outcome.status == "succeeded":
             where = (f"rank logs in {self.paths.logs}" if self.config.runs_user_code

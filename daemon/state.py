@@ -95,6 +95,7 @@ class RunState(msgspec.Struct, kw_only=True):
     scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS, ignored
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
+    journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
 
     # -- folding -------------------------------------------------------------------
     def apply(self, message: wire.Message, received: float) -> bool:

@@ -122,6 +122,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     samples_per_s: float = 0.0
     telemetry_loss: float = 0.0
     rejected: dict[str, int] = {}
+    journal_dropped: int = 0  # records the daemon could not write to its journal (a full disk)
     slowest_rank: int | None = None
     skew_s: float = 0.0
     stragglers: list[int] = []
@@ -203,6 +204,7 @@ def summarize(state: RunState, now: float) -> RunSummary:
         failure=state.failure, global_step=done, total_steps=total,
         samples_per_s=state.throughput(now), telemetry_loss=state.telemetry_loss(),
         rejected=dict(state.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
+        journal_dropped=state.journal_dropped,
         hang=state.hang(now), ranks=ranks, started=state.started, updated=state.updated,
         metrics=state.aggregate, program=state.program, scalars=state.scalar_summaries())
 

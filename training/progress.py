@@ -4,11 +4,17 @@ log) and metrics.jsonl. The loop does not call this directly: it tells its
 
 Only rank 0 tells the run's story (the others get the base class, so nobody
 asks which rank it is). The one exception: every rank loads a checkpoint on
-resume, so every rank's log says which."""
+resume, so every rank's log says which.
+
+A metrics.jsonl record the disk will not take (full) is dropped, counted and
+warned about once (in the log and as a telemetry warning); training goes on,
+and the file never holds half a record."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from collections.abc import Sized
 from typing import Any
@@ -18,6 +24,7 @@ from torch import nn
 
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.runs import RunPaths
+from ddtop.training import api
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv
 from ddtop.training.metrics import GlobalMetrics
@@ -70,13 +77,24 @@ class RankZeroProgress(Progress):
         self.steps_since_print = 0
         self.loss_since_print: torch.Tensor | None = None
         self.first_step_reported = False
+        self.metrics_dropped = 0  # metrics.jsonl records the disk did not take
 
     def _say(self, line: str) -> None:
         print(line, flush=True)
 
     def _record(self, record: dict[str, Any]) -> None:
-        with self.paths.metrics.open("a") as f:
-            f.write(json.dumps({**record, "time": time.time()}) + "\n")
+        line = (json.dumps({**record, "time": time.time()}) + "\n").encode()
+        try:
+            append_whole(self.paths.metrics, line)
+        except OSError as e:  # a full disk costs the record, never the run
+            self.metrics_dropped += 1
+            if self.metrics_dropped == 1:
+                message = (f"{self.paths.metrics} is not written ({e.strerror or e}): its "
+                           "records are dropped until there is room; training goes on")
+                print(f"warning: {message}", file=sys.stderr, flush=True)
+                live = api.running()
+                if live is not None:
+                    live.warn_once("metrics.jsonl", message)
 
     def started(self, backend: str, device: torch.device, model: nn.Module, train_set: Any,
                 val_set: Any, steps_per_epoch: int) -> None:
@@ -148,3 +166,21 @@ class RankZeroProgress(Progress):
 
     def finished(self, global_step: int) -> None:
         self._say(f"training done: {global_step} steps in {time.monotonic() - self.start:.2f} s")
+
+
+def append_whole(path: os.PathLike[str] | str, data: bytes) -> None:
+    """Append `data` to `path`, all of it or nothing: a write that fails part way
+    (the disk is full) is cut back off, and the OSError raised."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        except OSError:
+            if written:
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
