@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from ddtop.daemon import wire
+from ddtop.daemon.stragglers import Evidence
 
 SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): silent
 STALL_MIN_S = 10.0  # a step phase lasting this long (and STALL_STEPS steps' time): stalled
@@ -92,6 +93,8 @@ class RankView(msgspec.Struct, kw_only=True):
     sender_dropped: int = 0
     missing: set[int] = set()
     history: list[Point] = []
+    # Whether the others wait for it: windows of its steps, judged (daemon/stragglers.py).
+    evidence: Evidence = msgspec.field(default_factory=Evidence)
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -99,14 +102,6 @@ class RankView(msgspec.Struct, kw_only=True):
         if self.comm_s is None or not self.step_time_s:
             return None
         return min(1.0, self.comm_s / self.step_time_s)
-
-    @property
-    def compute_s(self) -> float | None:
-        """Time per step not spent in (or waiting for) the gradient all-reduce:
-        the rank that needs most of it is the one the others wait for."""
-        if self.step_time_s is None:
-            return None
-        return max(0.0, self.step_time_s - (self.comm_s or 0.0))
 
     @property
     def memory(self) -> int | None:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 from typing import Any
 
 import msgspec
 
-from ddtop.daemon import wire
+from ddtop.daemon import stragglers, wire
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import (
     DEAD,
@@ -44,11 +43,6 @@ from ddtop.daemon.rankview import (
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
 from ddtop.daemon.summary import Failure, Restart, RunSummary, ScalarSummary, Status, summarize
 
-STRAGGLER_FACTOR = 1.25  # compute time per step this far above the median: straggler
-STRAGGLER_MIN_S = 0.001
-# ... and by more than this share of the median step time: jitter of a few per cent
-# between ranks on a busy machine is not a straggler.
-STRAGGLER_STEP_SHARE = 0.10
 MAX_EVENTS = 500
 MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 MAX_RANKS = 1 << 16
@@ -95,6 +89,7 @@ class RunState(msgspec.Struct, kw_only=True):
     scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS, ignored
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
+    straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
 
     # -- folding -------------------------------------------------------------------
@@ -124,7 +119,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.last_seen = max(view.last_seen or received, received)
         self.folded += 1
         if isinstance(message, wire.Step):
-            self._apply_step(view, message, late)
+            self._apply_step(view, message, late, received)
         elif isinstance(message, wire.Heartbeat):
             if not late:
                 self._apply_heartbeat(view, message, received)
@@ -172,6 +167,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.phase, view.phase_s, view.phase_at = "setup", 0.0, None
         view.coll_started = view.coll_completed = None
         view.last_step_t = None
+        view.evidence = stragglers.Evidence()
 
     def _apply_hello(self, view: RankView, m: wire.Hello) -> None:
         # A script's rank says hello again when it learns more (its model, device,
@@ -194,10 +190,12 @@ class RunState(msgspec.Struct, kw_only=True):
         if self.status == "starting":
             self.status = "running"
 
-    def _apply_step(self, view: RankView, m: wire.Step, late: bool) -> None:
+    def _apply_step(self, view: RankView, m: wire.Step, late: bool, received: float) -> None:
         view.samples += m.samples
         if late or m.steps <= 0:
             return  # a newer reading is already shown
+        stragglers.add_steps(self.straggler_rounds, view.evidence, m.steps, m.step_s, m.comm_s,
+                             received, self.world_size, self._stepping)
         steps = m.steps
         rate = m.samples / m.step_s if m.step_s > 0 else None
         if view.last_step_t is not None and m.t > view.last_step_t:
@@ -225,6 +223,11 @@ class RunState(msgspec.Struct, kw_only=True):
                                   view.comm_share or 0.0))
         if len(view.history) > HISTORY_POINTS:
             del view.history[: len(view.history) - HISTORY_POINTS]
+
+    def _stepping(self) -> dict[int, stragglers.Evidence]:
+        """Every running rank's straggler evidence (once per round of windows)."""
+        return {r: v.evidence for r, v in self.ranks.items()
+                if not v.exited and v.bye_code is None}
 
     @staticmethod
     def _apply_heartbeat(view: RankView, m: wire.Heartbeat, received: float) -> None:
@@ -357,22 +360,14 @@ class RunState(msgspec.Struct, kw_only=True):
         return self.started is None or now - self.started <= SILENT_AFTER_S * 6
 
     def stragglers(self) -> tuple[int | None, float, list[int]]:
-        """(slowest rank, skew in s per step, straggling ranks) from compute time per
-        step: in DDP every rank waits in the all-reduce for the slowest one, so the
-        slowest is the one that computes longest and waits least."""
-        busy = {r: v.compute_s for r, v in self.ranks.items()
-                if v.compute_s is not None and not v.exited and v.bye_code is None}
-        if len(busy) < 2:
-            return None, 0.0, []
-        values: dict[int, float] = {r: b for r, b in busy.items() if b is not None}
-        slowest = max(values, key=lambda r: values[r])
-        skew = values[slowest] - min(values.values())
-        median = statistics.median(values.values())
-        step = statistics.median(v.step_time_s or 0.0 for r, v in self.ranks.items() if r in busy)
-        margin = max(STRAGGLER_MIN_S, STRAGGLER_STEP_SHARE * step)
-        slow = [r for r, b in sorted(values.items())
-                if b > median * STRAGGLER_FACTOR and b - median > margin]
-        return slowest, skew, slow
+        """(slowest rank, how much longer it computes per step than the median of
+        the others in s, straggling ranks): the ranks the others have persistently
+        waited for in the all-reduce over the last windows of steps, among those
+        still stepping (daemon/stragglers.py); (None, 0.0, []) without evidence."""
+        return stragglers.named(
+            (r, v.evidence) for r, v in self.ranks.items()
+            if v.evidence.verdict.named and not v.exited and v.bye_code is None
+            and not stragglers.quiet(v.evidence, self.updated))
 
     def hang(self, now: float) -> str | None:
         """Which ranks wait in which collective, and for whom, when some are stalled."""

@@ -37,9 +37,9 @@ HELP = """\
   [b]+[/b] / [b]-[/b]    replay faster / slower (with --replay)
 
 [b]Ranks table[/b]
-  [yellow]▲[/yellow] the slowest rank (most compute per step: the one the others wait for)
-  [yellow]![/yellow] a straggler: computes over 25% longer per step than the median rank
-    (and by over 10% of a step: jitter on a busy machine is not flagged)
+  [yellow]![/yellow] a straggler: for 4 windows of 5+ steps in a row it computed 1.25x as
+    long per step as the others' median, and they waited 15% of each step for it
+  [yellow]▲[/yellow] the slowest straggler (the one the others wait for longest)
   STATE  [green]running[/green]  [yellow]stalled[/yellow] (no progress, heartbeats still come)
          [magenta]silent[/magenta] (no message for 5 s)  [red]dead[/red] (exit code or signal)
          [blue]finished[/blue]  [magenta]unreached[/magenta] (never heard from, 30 s into the run)

@@ -72,11 +72,13 @@ def test_dead_rank_shows_its_signal_and_the_failure_banner() -> None:
 
 
 def test_straggler_is_marked_and_the_slowest_named() -> None:
-    # Rank 2 computes for 150 ms per step, the others 80 ms: it is the one they wait for.
+    # Rank 2 computes for 150 ms per step, the others 80 ms: it is the one they wait
+    # for, over 40 steps (one message is no evidence: daemon/stragglers.py).
     msgs: list[wire.Message] = [hello(r) for r in range(3)]
-    for r in range(3):
-        slow = r == 2
-        msgs.append(step(r, 1, 10, step_s=0.2, comm_s=0.05 if slow else 0.12))
+    for seq in range(1, 5):
+        for r in range(3):
+            slow = r == 2
+            msgs.append(step(r, seq, 10 * seq, step_s=0.2, comm_s=0.05 if slow else 0.12))
     s = fold(*msgs)
     rows = rows_by_rank(s, now=100.5)
     assert rows[2].slowest and rows[2].straggler and rows[2].problem
@@ -132,13 +134,16 @@ def test_numbers_for_people() -> None:
 
 
 def test_jitter_of_a_few_per_cent_of_the_step_is_not_a_straggler() -> None:
-    # Compute 10, 10, 13 ms in 100 ms steps: 30% above the median, but 3% of the step.
+    # Compute 10, 10, 13 ms in 100 ms steps: 30% above the median, but 3% of the step,
+    # over 40 steps. The others barely wait for rank 2: nobody is named, not even as
+    # the slowest (a slowest without an effect size flickers through every rank).
     msgs: list[wire.Message] = [hello(r) for r in range(3)]
-    msgs += [step(r, 1, 10, step_s=0.1, comm_s=0.087 if r == 2 else 0.09) for r in range(3)]
+    msgs += [step(r, seq, 10 * seq, step_s=0.1, comm_s=0.087 if r == 2 else 0.09)
+             for seq in range(1, 5) for r in range(3)]
     s = fold(*msgs)
     slowest, _, slow = s.stragglers()
-    assert slowest == 2 and slow == []
-    assert not any(r.straggler for r in fmt.rank_rows(s, 100.5))
+    assert slowest is None and slow == []
+    assert not any(r.straggler or r.slowest for r in fmt.rank_rows(s, 100.5))
 
 
 def test_a_scripts_header_names_it_shows_its_scalars_and_no_made_up_eta() -> None:

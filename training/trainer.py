@@ -47,7 +47,8 @@ class Fault:
     """Failure injection for tests and drills: DDTOP_FAULT=RANK:STEP[:ACTION]
     makes that rank, after that global step, kill itself with a signal (ACTION
     SIGKILL, the default, SIGTERM, ...), raise an exception (`raise`) or stall
-    for N seconds (`sleepN`), as a straggler or a hung rank would. Only in the
+    for N seconds (`sleepN`), as a hung rank would; `slowN` stalls N seconds
+    after every step from that one on, as a straggler would. Only in the
     first attempt: a run restarted after the fault (--max-restarts) goes on."""
 
     step: int
@@ -67,6 +68,9 @@ class Fault:
         return cls(step, parts[2] if len(parts) > 2 else "SIGKILL") if fault_rank == rank else None
 
     def fire_at(self, global_step: int) -> None:
+        if self.action.startswith("slow") and global_step >= self.step:
+            time.sleep(float(self.action[len("slow"):]))
+            return
         if global_step != self.step:
             return
         if self.action == "raise":
