@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -56,6 +57,22 @@ RESUME_FIXED = (
 )
 
 
+# Upper bounds of what one machine can be asked to run. Both launchers start every
+# rank here (local forks them; torchrun runs --standalone), each rank a process
+# with torch loaded, and gloo connects every rank to every other: N - 1 sockets a
+# rank, against the usual limit of 1024 open files.
+MAX_WORLD_SIZE = 1024
+MAX_WORKERS = 1024  # data-loader processes, all ranks together
+MAX_THREADS_PER_RANK = 256
+# Every rank holds the whole synthetic set in memory: 3 KB a sample.
+MAX_SYNTHETIC_SAMPLES = 1_000_000
+MAX_EPOCHS = 1_000_000
+# A run id names a folder, and the sockets inside it: short enough for any file system.
+MAX_RUN_ID_CHARS = 100
+# The longest file name (one path component) Linux file systems take, in bytes.
+NAME_MAX = 255
+
+
 class UsageError(Exception):
     """Bad input: reported as one line, exit code 2, never a traceback."""
 
@@ -72,10 +89,33 @@ class Flag:
     enabled: bool = True  # False: the field has no flag
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values an integer field takes: checked by `TrainConfig.validate` (the
+    error names the flag and the limit), and the upper limit said in --help."""
+
+    low: int
+    high: int | None = None
+    why: str = ""  # the reason for `high`, in the error
+
+    def problem(self, flag: str, value: int) -> str | None:
+        if value < self.low:
+            return f"{flag} must be at least {self.low} (got {value})"
+        if self.high is not None and value > self.high:
+            why = f": {self.why}" if self.why else ""
+            return f"{flag} must be at most {self.high} (got {value}){why}"
+        return None
+
+
 def flag(default: T, *, metavar: str | None = None, short: str | None = None,
-         group: str = "training", default_text: str | None = None) -> T:
-    """A dataclass field's default, with the Flag that the field's type cannot tell."""
-    return field(default=default, metadata={"flag": Flag(metavar, short, group, default_text)})
+         group: str = "training", default_text: str | None = None,
+         low: int | None = None, high: int | None = None, why: str = "") -> T:
+    """A dataclass field's default, with the Flag that the field's type cannot tell
+    and, for a number, the Range of values it takes (`low`, `high`, `why`)."""
+    metadata: dict[str, Any] = {"flag": Flag(metavar, short, group, default_text)}
+    if low is not None:
+        metadata["range"] = Range(low, high, why)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -83,7 +123,9 @@ class TrainConfig:
     """Everything a run needs. Each field but `extra` is a `ddtrain start` flag, and
     the string under a field is both its documentation and its flag's help."""
 
-    world_size: int = flag(1, short="-n", metavar="N")
+    world_size: int = flag(1, short="-n", metavar="N", low=1, high=MAX_WORLD_SIZE,
+                           why="every rank runs on this machine, and gloo connects each "
+                           "rank to every other")
     """number of ranks (processes) to launch"""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """collective backend; auto = nccl when every local rank has a GPU, else gloo"""
@@ -97,19 +139,22 @@ class TrainConfig:
     """folder of torchvision datasets, where --download puts them"""
     download: bool = False
     """download the dataset into --data-dir if it is missing"""
-    epochs: int = flag(3, metavar="E")
+    epochs: int = flag(3, metavar="E", low=1, high=MAX_EPOCHS)
     """passes over the training set"""
-    batch_size: int = flag(64, metavar="B")
+    batch_size: int = flag(64, metavar="B", low=1)
     """global batch, a multiple of --world-size, split evenly across ranks"""
     lr: float = 0.003
     """learning rate of SGD with momentum 0.9"""
+    fail_on_nan: bool = False
+    """fail the run when a rank's loss is NaN or infinite, naming the step (without
+    it, the rank warns once and trains on)"""
     seed: int = flag(0, metavar="S")
     """seed for data order, initial weights and the synthetic dataset"""
-    sync_every: int = flag(0, metavar="K")
+    sync_every: int = flag(0, metavar="K", low=0)
     """also exchange global metrics every K steps; 0: only at epoch ends"""
-    checkpoint_every: int = flag(0, metavar="K")
+    checkpoint_every: int = flag(0, metavar="K", low=0)
     """also checkpoint every K steps; 0: only at epoch ends"""
-    keep_checkpoints: int = flag(3, metavar="K")
+    keep_checkpoints: int = flag(3, metavar="K", low=0)
     """checkpoints kept, newest first; 0 keeps all"""
     resume: bool = False
     """continue --run-id (default: the newest run) from its newest valid checkpoint"""
@@ -119,13 +164,16 @@ class TrainConfig:
     run_id: str | None = flag(None, metavar="ID", group="run",
                               default_text="new, timestamped; with --resume, the newest run")
     """run id"""
-    workers: int = flag(0, metavar="W")
+    workers: int = flag(0, metavar="W", low=0, high=MAX_WORKERS,
+                        why="each is a process on this machine")
     """data-loader worker processes in total, split across ranks"""
-    threads_per_rank: int = flag(1, metavar="T")
+    threads_per_rank: int = flag(1, metavar="T", low=1, high=MAX_THREADS_PER_RANK)
     """intra-op threads per rank, like torchrun's OMP_NUM_THREADS=1"""
-    synthetic_train_samples: int = flag(32768, metavar="N")
+    synthetic_train_samples: int = flag(32768, metavar="N", low=1, high=MAX_SYNTHETIC_SAMPLES,
+                                        why="every rank holds the whole set in memory")
     """size of the synthetic training set"""
-    synthetic_val_samples: int = flag(2048, metavar="N")
+    synthetic_val_samples: int = flag(2048, metavar="N", low=1, high=MAX_SYNTHETIC_SAMPLES,
+                                      why="every rank holds the whole set in memory")
     """size of the synthetic validation set"""
     master_addr: str = flag("127.0.0.1", metavar="ADDR", group="run")
     """address of rank 0's rendezvous store"""
@@ -143,7 +191,7 @@ class TrainConfig:
     launcher: Literal["local", "torchrun"] = flag("local", group="run")
     """local: ranks forked from one process that imported torch; torchrun: the daemon
     runs torchrun --standalone"""
-    max_restarts: int = flag(0, metavar="K", group="run")
+    max_restarts: int = flag(0, metavar="K", group="run", low=0)
     """after a rank fails, restart every rank from the newest checkpoint, up to K times"""
     module: str | None = flag(None, short="-m", metavar="MODULE", group="program",
                               default_text="none")
@@ -182,30 +230,25 @@ class TrainConfig:
     # -- validation --------------------------------------------------------------
     def validate(self) -> TrainConfig:
         """Return self, or raise UsageError naming the flag to fix."""
-        _at_least("--world-size", self.world_size, 1)
-        _at_least("--epochs", self.epochs, 1)
-        _at_least("--batch-size", self.batch_size, 1)
-        _at_least("--sync-every", self.sync_every, 0)
-        _at_least("--checkpoint-every", self.checkpoint_every, 0)
-        _at_least("--keep-checkpoints", self.keep_checkpoints, 0)
-        _at_least("--workers", self.workers, 0)
-        _at_least("--threads-per-rank", self.threads_per_rank, 1)
-        _at_least("--synthetic-train-samples", self.synthetic_train_samples, 1)
-        _at_least("--synthetic-val-samples", self.synthetic_val_samples, 1)
-        _at_least("--max-restarts", self.max_restarts, 0)
+        self.check_ranges()
         if not 0 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be between 0 and 65535 (got {self.master_port})")
         if self.bind and not _BIND.fullmatch(self.bind):
             raise UsageError(f"--bind {self.bind!r}: give an address of this machine (e.g. "
                              "10.0.0.5 or 0.0.0.0), without a scheme or port")
+        if self.run_id is not None and len(self.run_id) > MAX_RUN_ID_CHARS:
+            raise UsageError(f"--run-id is {len(self.run_id)} characters long: give one of at "
+                             f"most {MAX_RUN_ID_CHARS}")
         if self.run_id is not None and not _is_safe_name(self.run_id):
             raise UsageError(
                 f"--run-id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'"
             )
+        _check_path("--runs-dir", self.runs_dir)
         if self.runs_user_code:
             return self  # the built-in trainer's settings below do not apply
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be positive (got {self.lr})")
+        _check_path("--data-dir", self.data_dir)
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UsageError(f"--lr must be positive and finite (got {self.lr})")
         if not self.progress_every > 0:
             raise UsageError(f"--progress-every must be positive (got {self.progress_every})")
         if self.batch_size % self.world_size:
@@ -220,6 +263,17 @@ class TrainConfig:
         if self.dataset != "synthetic" and not self.download and not Path(self.data_dir).is_dir():
             raise UsageError(f"--data-dir {self.data_dir} does not exist: create it with the "
                              f"{self.dataset} files, or add --download")
+        return self
+
+    def check_ranges(self) -> TrainConfig:
+        """Return self, or raise UsageError for the first number out of its Range
+        (a config.json written by hand or damaged is checked with this too)."""
+        for f in dataclasses.fields(self):
+            bounds = f.metadata.get("range")
+            if bounds is not None:
+                problem = bounds.problem("--" + f.name.replace("_", "-"), getattr(self, f.name))
+                if problem is not None:
+                    raise UsageError(problem)
         return self
 
     # -- persistence -------------------------------------------------------------
@@ -254,9 +308,11 @@ def resume_mismatch(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     return diffs
 
 
-def _at_least(flag: str, value: int, low: int) -> None:
-    if value < low:
-        raise UsageError(f"{flag} must be at least {low} (got {value})")
+def _check_path(flag: str, path: str) -> None:
+    """A path the file system would refuse as too long, refused here as bad input."""
+    if any(len(part.encode(errors="surrogateescape")) > NAME_MAX for part in Path(path).parts):
+        raise UsageError(f"{flag}: a folder name in it is longer than {NAME_MAX} bytes, "
+                         "more than file systems take")
 
 
 def _is_safe_name(name: str) -> bool:
@@ -302,6 +358,9 @@ def _add_flag(group: Any, f: dataclasses.Field[Any], how: Flag, hint: Any, doc: 
         kwargs["choices"] = typing.get_args(hint)
     else:
         kwargs["type"], kwargs["metavar"] = _scalar(hint, f.name), how.metavar
+    bounds = f.metadata.get("range")
+    if bounds is not None and bounds.high is not None:
+        doc += f"; at most {bounds.high}"
     if how.default_text is not None:
         doc += f" (default: {how.default_text})"
     elif hint is not bool and f.default not in (None, dataclasses.MISSING):

@@ -25,10 +25,16 @@ FOLLOW_POLL_S = 0.2
 # `ddtrain stop` waits this long past --timeout before it kills the daemon itself
 # (the daemon escalates by itself after the timeout; this is only a backstop).
 STOP_BACKSTOP_S = 15.0
+# The longest `ddtrain stop --timeout`: a day.
+MAX_STOP_TIMEOUT_S = 86_400.0
 
 
 def run_of(args: argparse.Namespace) -> RunPaths:
-    return locate_run(args.runs_dir or default_runs_dir(), args.run)
+    try:
+        return locate_run(args.runs_dir or default_runs_dir(), args.run)
+    except OSError as e:  # a RUN or --runs-dir the file system refuses (too long, ...)
+        raise UsageError(f"cannot look for runs there: {e.strerror or e}; "
+                         "give a run id or a run directory") from None
 
 
 def _fmt(value: Any, spec: str = "", none: str = "-") -> str:
@@ -73,6 +79,9 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
                      f"loss {m.train_loss:.4f} acc {100 * m.train_accuracy:.2f}%{val}")
     if s.hang:
         lines.append(f"  hang: {s.hang}")
+    if s.rejected:
+        lines.append("  rejected by the daemon: " + ", ".join(
+            f"{n} {reason}" for reason, n in sorted(s.rejected.items())))
     if s.stragglers:
         lines.append(f"  stragglers: {', '.join(map(str, s.stragglers))} "
                      f"(skew {1000 * s.skew_s:.1f} ms per step)")
@@ -87,7 +96,7 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
                      f"{_fmt(r.samples_per_s, ',.0f'):>9}  {exit_}")
     f = s.failure
     if f is not None and info.status in ("failed", LOST):
-        lines.append(f"failure: rank {f.rank} {f.how()}" + (f": {f.message}" if f.message else ""))
+        lines.append(f"failure: {f.line()}")
         lines += [f"  | {line}" for line in (f.traceback or "").rstrip().splitlines()
                   [-TRACEBACK_TAIL_LINES:]]
     for e in s.timeline:
@@ -100,7 +109,12 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
 def cmd_list(args: argparse.Namespace) -> int:
     runs_dir = Path(args.runs_dir or default_runs_dir())
     rows: list[dict[str, Any]] = []
-    for info in list_runs(runs_dir):
+    try:
+        runs = list_runs(runs_dir)
+    except OSError as e:  # a --runs-dir the file system refuses (too long, ...)
+        raise UsageError(f"cannot list {runs_dir}/: {e.strerror or e}; "
+                         "pass another --runs-dir") from None
+    for info in runs:
         started, ended = info.record.started, info.record.ended
         end = ended or (time.time() if info.live else None)
         config = info.config
@@ -131,10 +145,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 # -- stop ---------------------------------------------------------------------------
 def cmd_stop(args: argparse.Namespace) -> int:
-    if args.timeout < 0:
-        raise UsageError(f"--timeout must be >= 0 seconds (got {args.timeout:g})")
+    if not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # NaN too: it would never escalate
+        raise UsageError(f"--timeout must be a number of seconds from 0 to "
+                         f"{MAX_STOP_TIMEOUT_S:g} (got {args.timeout:g})")
     info = RunInfo.load(run_of(args))
     rid, pid, daemon = info.paths.run_id, info.daemon_pid, info.daemon
+    if info.problem:
+        print(f"ddtrain: warning: {info.problem}; its daemon, if any, cannot be found from it",
+              file=sys.stderr)
     if not info.live:
         # Nothing is signalled: a pid that names another process now is left alone.
         reused = (f"; pid {pid} is another process now, left alone" if info.status == LOST
@@ -181,11 +199,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
                          f"(ranks 0..{world - 1})")
     ranks = [args.rank] if args.rank is not None else list(range(world))
     tails = {k: LogTail(paths.rank_log(k)) for k in ranks}
+    host = f" {info.record.host}" if info.record.host else ""  # unknown: run.json unreadable
 
     def pump(final: bool) -> None:
         for k, tail in tails.items():
             for line in tail.lines(final):
-                sys.stdout.write(f"[rank {k} {info.record.host}] {line}\n")
+                sys.stdout.write(f"[rank {k}{host}] {line}\n")
         sys.stdout.flush()
 
     try:

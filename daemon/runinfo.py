@@ -51,8 +51,8 @@ class RunInfo:
             record = cls._from_journal(paths)
         try:
             config: TrainConfig | None = TrainConfig.from_dict(
-                msgspec.json.decode(paths.config.read_bytes()))
-        except (OSError, ValueError, UsageError):  # missing, not JSON, or not a config
+                msgspec.json.decode(paths.config.read_bytes())).check_ranges()
+        except (OSError, ValueError, UsageError):  # missing, not JSON, not a config, absurd
             config = None
         return cls(paths, record, config, problem)
 
@@ -135,16 +135,28 @@ class RunInfo:
         return self.record.with_summary(summary)
 
     def _replayed(self) -> RunSummary:
-        """The journal's story, where it has one; else what run.json last said."""
+        """The journal's story, where it has one; else what run.json last said.
+        What the journal cannot tell (frames the daemon refused are not in it)
+        comes from run.json."""
         if not self.paths.journal.exists():
             return self.record
         state, _ = journal.replay(self.paths.journal, self.paths.run_id)
         summary = state.summary(state.updated or time.time())
+        summary.rejected = merged_counts(summary.rejected, self.record.rejected)
         for rank in self.record.ranks:  # ranks that never spoke are still ranks
             if all(r.rank != rank.rank for r in summary.ranks):
                 summary.ranks.append(rank)
         summary.ranks.sort(key=lambda r: r.rank)
         return summary
+
+
+def merged_counts(*counts: dict[str, int]) -> dict[str, int]:
+    """Counts by reason from several tellings of one run: the highest of each."""
+    merged: dict[str, int] = {}
+    for found in counts:
+        for reason, n in found.items():
+            merged[reason] = max(n, merged.get(reason, 0))
+    return merged
 
 
 def list_runs(runs_dir: Path) -> list[RunInfo]:

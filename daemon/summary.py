@@ -10,11 +10,15 @@ from a socket or a file is validated, never trusted.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+import math
+from functools import cache
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 
 from ddtop.daemon import wire
+from ddtop.daemon.config import MAX_WORLD_SIZE
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import DEAD, FINISHED, STARTING
 
@@ -30,6 +34,13 @@ RECORD_SCHEMA = 2
 # Lines of a failed rank's traceback that status, the headless summary and the
 # daemon's final report show.
 TRACEBACK_TAIL_LINES = 8
+# A pid read back from run.json names a process to signal: a positive number no
+# larger than Linux's largest (PID_MAX_LIMIT), or the record is unreadable (a
+# pid of -1 would signal every process of the user).
+PID_MAX = 1 << 22
+Pid = Annotated[int, msgspec.Meta(ge=1, le=PID_MAX)]
+# The ranks a record may hold: no more than a run can have.
+WorldSize = Annotated[int, msgspec.Meta(ge=0, le=MAX_WORLD_SIZE)]
 
 
 class Failure(msgspec.Struct, kw_only=True):
@@ -46,6 +57,12 @@ class Failure(msgspec.Struct, kw_only=True):
     def how(self) -> str:
         """'killed by SIGKILL' or 'exit code 1'."""
         return describe_exit(self.exit_code, self.signal, short=True)
+
+    def line(self) -> str:
+        """'rank 1 exit code 1: RuntimeError: ...', as status, the headless
+        summary and the dashboard's banner say it."""
+        cause = f": {self.message}" if self.message else ""
+        return f"rank {self.rank} {self.how()}{cause}"
 
 
 class Restart(msgspec.Struct, kw_only=True):
@@ -110,7 +127,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     status: Status = "starting"
     # With a final status: the exit code of `ddtrain start --foreground` for the run.
     exit_code: int | None = None
-    world_size: int = 0
+    world_size: WorldSize = 0
     model: str = ""
     dataset: str = ""
     backend: str = ""
@@ -139,7 +156,7 @@ class ProcessRecord(msgspec.Struct, kw_only=True):
     """A process the daemon started for the current attempt, as the OS knows it."""
 
     rank: int  # -1: not a rank but an agent running ranks (torchrun)
-    pid: int | None
+    pid: Pid | None
     # Its start time, clock ticks after boot (/proc/<pid>/stat field 22): with the
     # pid and the record's boot_id it names this one process, never a later one
     # given the same pid. None: unknown (written before it was kept).
@@ -155,7 +172,7 @@ class RunRecord(RunSummary, kw_only=True):
 
     schema: int = RECORD_SCHEMA
     processes: list[ProcessRecord] = []
-    daemon_pid: int | None = None
+    daemon_pid: Pid | None = None
     # The daemon's start time (as ProcessRecord.start_ticks): a live pid that
     # started at another time is another process, and the run is lost.
     daemon_start_ticks: int | None = None
@@ -226,10 +243,15 @@ def decode_record(data: bytes) -> RunRecord:
     (its own field names, translated); raises ValueError when it is neither."""
     try:
         return _record_decoder.decode(data)
-    except msgspec.ValidationError:
+    except msgspec.ValidationError as error:
         raw = msgspec.json.decode(data)
-        if not isinstance(raw, dict) or "schema" in raw:
+        if not isinstance(raw, dict):
             raise
+        if "schema" in raw:  # this layout, perhaps with a NaN (a diverged loss)
+            try:
+                return msgspec.convert(_restore_nan(raw, _record_type()), RunRecord)
+            except msgspec.ValidationError:
+                raise error from None
         try:
             translated = _from_first_layout(raw)
         except (TypeError, AttributeError) as e:  # values of the wrong kind
@@ -239,6 +261,29 @@ def decode_record(data: bytes) -> RunRecord:
 
 def encode_record(record: RunRecord) -> bytes:
     return msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
+
+
+@cache
+def _record_type() -> msgspec.inspect.Type:
+    return msgspec.inspect.type_info(RunRecord)
+
+
+def _restore_nan(value: Any, kind: msgspec.inspect.Type) -> Any:
+    """JSON has no NaN nor infinity, so msgspec writes a non-finite float as null:
+    read null back as NaN where a float is required (metrics of a run whose loss
+    diverged), following structs, lists and optional values."""
+    mi = msgspec.inspect
+    if isinstance(kind, mi.FloatType):
+        return math.nan if value is None else value
+    if isinstance(kind, mi.UnionType) and value is not None:
+        inner = [t for t in kind.types if not isinstance(t, mi.NoneType)]
+        return _restore_nan(value, inner[0]) if len(inner) == 1 else value
+    if isinstance(kind, mi.StructType) and isinstance(value, dict):
+        return {**value, **{f.encode_name: _restore_nan(value[f.encode_name], f.type)
+                            for f in kind.fields if f.encode_name in value}}
+    if isinstance(kind, mi.ListType) and isinstance(value, list):
+        return [_restore_nan(item, kind.item_type) for item in value]
+    return value
 
 
 def _from_first_layout(old: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ Exit codes: 0 the run succeeded (or the dashboard was quit), 1 the run failed,
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -90,12 +91,12 @@ def check(args: argparse.Namespace) -> None:
     from ddtop.dashboard.headless import check_output_arguments
 
     problem = check_output_arguments(args)
-    if problem is None and args.wait < 0:
-        problem = f"--wait must be >= 0 seconds (got {args.wait:g})"
-    if problem is None and args.speed is not None and args.speed < 0:
-        problem = f"--speed must be >= 0 (got {args.speed:g}); 0 replays at once"
-    if problem is None and not args.fps > 0:
-        problem = f"--fps must be > 0 (got {args.fps:g})"
+    if problem is None and not 0 <= args.wait < math.inf:
+        problem = f"--wait must be a number of seconds >= 0 (got {args.wait:g})"
+    if problem is None and args.speed is not None and not 0 <= args.speed < math.inf:
+        problem = f"--speed must be a number >= 0 (got {args.speed:g}); 0 replays at once"
+    if problem is None and not 0 < args.fps < math.inf:
+        problem = f"--fps must be a number > 0 (got {args.fps:g})"
     if problem is None and args.connect is not None:
         if args.run or args.replay:
             problem = "--connect names the run itself: drop RUN and --replay"
@@ -117,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.connect is not None:
             feed = open_feed(args.connect)
         else:
-            paths = resolve(args)
+            try:
+                paths = resolve(args)
+            except OSError as e:  # a RUN or --runs-dir the file system refuses
+                raise UsageError(f"cannot look for runs there: {e.strerror or e}; "
+                                 "give a run id or a run directory") from None
             speed = args.speed if args.speed is not None else (0.0 if headless else 1.0)
             feed = open_feed(paths, replay=args.replay, speed=speed)
     except UsageError as e:
@@ -125,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_USAGE
+    if feed.note:
+        print(f"ddtop: note: {feed.note}", file=sys.stderr)
     try:
         if headless:
             from ddtop.dashboard.headless import Printer, watch

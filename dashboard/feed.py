@@ -7,7 +7,9 @@
                  goes quiet it is pinged (and a relay sequence number ahead of
                  ours asks for a snapshot too); when it is gone the run directory
                  says how the run ended (its journal is replayed), or that it was lost.
-    ReplayFeed   a run's journal played back at a chosen speed (0: at once).
+    ReplayFeed   a run's journal played back at a chosen speed (0: at once); a run
+                 folder renamed since is played all the same (its records carry
+                 the old run id: `note` says so).
     StateFeed    a RunState someone else folds (`ddtrain start --foreground --headless`).
 
 Every feed folds into `feed.state` under `feed.lock` and tells the time with
@@ -18,7 +20,11 @@ Textual worker, or the headless printer); readers in other threads hold the lock
 
 What a reader may do with a feed, the feed says (readers never test its class):
 `replay_controls` (speed and pause: `set_speed`, `set_paused`), `stop_endpoint`
-(where to send `stop`), and `close()`, safe to call on any feed.
+(where to send `stop`), `note` (a line to show once: where the state comes
+from, when that is not what was asked for), and `close()`, safe to call on any feed.
+
+What the journal cannot tell (frames the daemon refused: `rejected`) comes from
+run.json once the run is over.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import zmq
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.keys import secure
-from ddtop.daemon.runinfo import RunInfo
+from ddtop.daemon.runinfo import RunInfo, merged_counts
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, decode_snapshot
 from ddtop.daemon.summary import LOST
@@ -44,6 +50,8 @@ RETRY_S = 1.0  # between attempts to reach a daemon that does not answer
 REQUEST_TIMEOUT_S = 2.0
 INSTANT_STEP_S = 0.1  # journal time folded per pump() of a replay at speed 0
 RCVHWM = 200_000  # relayed messages queued for this reader before ZeroMQ drops (then resync)
+# After a live run's final status, how long to wait for its daemon's last run.json.
+FINAL_RECORD_WAIT_S = 2.0
 
 CONNECTING, LIVE, GONE, ENDED, REPLAY = "connecting", "live", "gone", "ended", "replay"
 
@@ -56,6 +64,7 @@ class Feed:
         self.lock = threading.Lock()
         self.connection = CONNECTING  # connecting | live | gone | ended | replay
         self.detail = ""  # a line for the banner: what is wrong, what is being tried
+        self.note = ""  # a line to show once, e.g. a renamed run folder replayed
         self.finished = False  # nothing more will come: the run is over or its journal played
         self.keys: Path | None = None  # the run's CURVE keys folder, for a daemon over TCP
         self.paths: RunPaths | None = None
@@ -120,7 +129,19 @@ def conclude(state: RunState, paths: RunPaths) -> RunState:
                                     "did not finish: it was killed")
     state.failure = state.failure or info.record.failure
     state.world_size = state.world_size or info.world_size
+    state.rejected = merged_counts(state.rejected, info.record.rejected)
     return state
+
+
+def final_record(paths: RunPaths, wait_s: float = FINAL_RECORD_WAIT_S) -> RunInfo:
+    """The run's run.json once it holds a final status (the daemon publishes the
+    status first, then writes the file), or as it is after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = RunInfo.load(paths)
+        if info.record.status in wire.FINAL_STATUSES or time.monotonic() >= deadline:
+            return info
+        time.sleep(0.02)
 
 
 class LiveFeed(Feed):
@@ -231,6 +252,7 @@ class LiveFeed(Feed):
         if self.state.status in wire.FINAL_STATUSES:
             self.finished = True
             self._close_sub()
+            self._final_counts()
         elif time.monotonic() - self.last_heard > PING_AFTER_S:
             self._check_daemon()
         return folded
@@ -265,6 +287,15 @@ class LiveFeed(Feed):
                 folded += 1
         self.last_heard = time.monotonic()
         return folded
+
+    def _final_counts(self) -> None:
+        """The rejected counts as the daemon wrote them last: they are not relayed,
+        so the snapshot's may be older."""
+        if self.paths is None:
+            return
+        record = final_record(self.paths).record
+        with self.lock:
+            self.state.rejected = merged_counts(self.state.rejected, record.rejected)
 
     def _check_daemon(self) -> None:
         assert self.control is not None
@@ -311,6 +342,10 @@ class ReplayFeed(Feed):
         self.instant_step_s = instant_step_s
         self.replaying = replaying  # False: a finished run read at once, not played back
         self.paths = paths
+        recorded = journal.recorded_run(paths.journal) if paths.journal.exists() else None
+        if recorded not in (None, paths.run_id):
+            self.note = (f"{paths.root}'s telemetry journal is of run {recorded!r}: the folder "
+                         "was renamed since; replaying it all the same")
         self.records: Iterator[journal.Record] = (
             journal.read(paths.journal) if paths.journal.exists() else iter(()))
         self.pending: journal.Record | None = next(self.records, None)
@@ -359,7 +394,8 @@ class ReplayFeed(Feed):
                 if record.received > horizon:
                     break
                 try:
-                    self.state.apply(wire.decode([record.frame], self.state.run), record.received)
+                    # Any run id: the journal holds only what its daemon accepted.
+                    self.state.apply(wire.decode([record.frame]), record.received)
                     folded += 1
                 except wire.WireError:
                     pass  # the journal holds only accepted frames; a damaged one is skipped

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -23,9 +24,9 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, describe_exit, exit_for_status
+from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, exit_for_status
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, ScalarSummary
+from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, Failure, ScalarSummary
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.feed import CONNECTING, Feed
 
@@ -47,7 +48,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_output_arguments(args: argparse.Namespace) -> str | None:
     """A one-line error for bad values, or None."""
-    if not args.interval > 0:
+    if not 0 < args.interval < math.inf:
         return f"--interval must be a number of seconds > 0 (got {args.interval:g})"
     path = args.summary_json
     if path is not None and not path.parent.is_dir():
@@ -60,8 +61,9 @@ class Printer:
     """Turns a feed's RunState into output; `tick()` often, `finish()` once."""
 
     def __init__(self, feed: Feed, format: str = "text", interval: float = DEFAULT_INTERVAL_S,
-                 out: TextIO = sys.stdout, summary_json: Path | None = None,
+                 out: TextIO | None = None, summary_json: Path | None = None,
                  tty: bool | None = None) -> None:
+        out = out or sys.stdout  # the one of the time of the call, not of the import
         self.feed, self.format, self.interval, self.out = feed, format, interval, out
         self.summary_json = summary_json
         self.tty = out.isatty() if tty is None else tty
@@ -152,8 +154,9 @@ class Printer:
         return int(summary["exit_code"])
 
 
-def watch(feed: Feed, printer: Printer, wait_s: float, err: TextIO = sys.stderr) -> int:
+def watch(feed: Feed, printer: Printer, wait_s: float, err: TextIO | None = None) -> int:
     """Pump the feed and print until the run ends; 2 when it cannot be reached in time."""
+    err = err or sys.stderr
     deadline = time.monotonic() + wait_s
     try:
         while not feed.finished:
@@ -259,15 +262,24 @@ def summary_text(summary: dict[str, Any], now: float) -> list[str]:
             how += " (stopped by the daemon)"
         lines.append(f"  rank {r['rank']:>3} {r['state']:<9} step {fmt.num(r['global_step'], 'd')}"
                      f" loss {fmt.num(r['loss'], '.4f')} {how}".rstrip())
+    rejected = summary.get("rejected") or {}
+    if rejected:
+        lines.append("  rejected by the daemon: " + ", ".join(
+            f"{n} {reason}" for reason, n in sorted(rejected.items())))
     failure = summary.get("failure")
     if failure:
-        who = f"rank {failure['rank']} " if failure.get("rank") is not None else ""
-        how = (describe_exit(failure["exit_code"], failure["signal"], short=True)
-               if failure.get("rank") is not None else "")
-        msg = f": {failure['message']}" if failure.get("message") else ""
-        lines.append(f"  failure: {who}{how}{msg}")
+        lines.append(f"  failure: {failure_line(failure)}")
         lines += [f"    | {line}" for line in failure.get("traceback_tail", [])]
     return lines
+
+
+def failure_line(failure: dict[str, Any]) -> str:
+    """The summary's failure in the words `ddtrain status` uses: a rank's
+    (Failure.line), or the message alone when no rank is to blame (a lost run)."""
+    if failure.get("rank") is None:
+        return str(failure.get("message") or "the run did not finish")
+    fields = {k: v for k, v in failure.items() if k != "traceback_tail"}
+    return msgspec.convert(fields, Failure).line()
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
@@ -292,9 +304,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
              for c in summary.get("scalars", [])]
     failure = summary.get("failure")
     if failure:
-        rows.append(f"| failure | rank {failure.get('rank')}: "
-                    f"{failure.get('signal') or failure.get('exit_code') or ''} "
-                    f"{failure.get('message') or ''} |")
+        cell = failure_line(failure).replace("|", "\\|")  # GitHub's tables split on it
+        rows.append(f"| failure | {cell} |")
+    rejected = summary.get("rejected") or {}
+    if rejected:
+        rows.append("| rejected by the daemon | " + ", ".join(
+            f"{n} {reason}" for reason, n in sorted(rejected.items())) + " |")
     rows += ["", "| rank | state | step | loss | samples/s | exit |",
              "|---:|---|---:|---:|---:|---|"]
     for r in summary["ranks"]:

@@ -4,11 +4,12 @@ traceback, and no process left behind."""
 from __future__ import annotations
 
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Run, ddtrain
+from helpers import BIN, Run, ddtrain
 
 SMALL = ("--epochs", "1", "--synthetic-train-samples", "64")
 
@@ -36,6 +37,18 @@ def assert_usage_error(run: Run, *fragments: str) -> None:
     (("--run-id", "../escape"), ("--run-id",)),
     (("--backend", "nccl", "--device", "cpu"), ("--backend gloo",)),
     (("--resume",), ("no runs under runs/",)),
+    # Upper bounds, each naming its limit (docs/cli.md).
+    (("--world-size", "100000"), ("--world-size must be at most 1024 (got 100000)",
+                                  "every rank runs on this machine")),
+    (("--workers", "5000"), ("--workers must be at most 1024 (got 5000)",)),
+    (("--threads-per-rank", "1000"), ("--threads-per-rank must be at most 256 (got 1000)",)),
+    (("--synthetic-train-samples", "100000000"),
+     ("--synthetic-train-samples must be at most 1000000", "in memory")),
+    (("--epochs", "10000000"), ("--epochs must be at most 1000000",)),
+    (("--lr", "inf"), ("--lr must be positive and finite (got inf)",)),
+    (("--lr", "nan"), ("--lr must be positive and finite (got nan)",)),
+    (("--run-id", "r" * 300), ("--run-id is 300 characters long", "at most 100")),
+    (("--runs-dir", "d" * 300), ("--runs-dir", "longer than 255 bytes")),
 ])
 def test_rejected_before_any_rank_starts(tmp_path: Path, args: tuple[str, ...],
                                          fragments: tuple[str, ...]) -> None:
@@ -95,6 +108,14 @@ def test_resume_of_a_damaged_run_config(tmp_path: Path) -> None:
     (("logs", "-f"), ("no runs under runs/",)),
     (("status", "--runs-dir", "elsewhere"), ("no runs under elsewhere/",)),
     (("stop", "--timeout", "soon"), ("--timeout", "invalid float value")),
+    # NaN would never escalate to SIGKILL; inf neither; a negative time is no time.
+    (("stop", "--timeout", "nan"), ("--timeout must be a number of seconds", "(got nan)")),
+    (("stop", "--timeout", "inf"), ("--timeout must be a number of seconds", "(got inf)")),
+    (("stop", "--timeout", "-1"), ("--timeout must be a number of seconds", "(got -1)")),
+    (("status", "r" * 300), ("File name too long",)),
+    (("logs", "r" * 300), ("File name too long",)),
+    (("stop", "r" * 300), ("File name too long",)),
+    (("list", "--runs-dir", "d" * 300), ("File name too long",)),
     (("explode",), ("invalid choice: 'explode'",)),
 ])
 def test_commands_without_a_run(tmp_path: Path, args: tuple[str, ...],
@@ -116,3 +137,19 @@ def test_unknown_run_and_ambiguous_prefix(tmp_path: Path) -> None:
 def test_detached_start_reports_bad_input_at_once(tmp_path: Path) -> None:
     run = ddtrain("start", "-n", "3", "--batch-size", "64", cwd=tmp_path, timeout=30)
     assert_usage_error(run, "--batch-size 64")
+
+
+def test_the_limits_are_in_the_help(tmp_path: Path) -> None:
+    run = ddtrain("start", "--help", cwd=tmp_path, timeout=30)
+    text = " ".join(run.stdout.split())
+    for says in ("number of ranks (processes) to launch; at most 1024",
+                 "split across ranks; at most 1024", "at most 256", "--fail-on-nan"):
+        assert says in text, says
+
+
+def test_ddtop_on_a_run_name_too_long_for_the_file_system(tmp_path: Path) -> None:
+    run = subprocess.run([str(BIN / "ddtop"), "--headless", "r" * 300], cwd=tmp_path,
+                         text=True, capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
+    assert run.returncode == 2
+    assert run.stderr.startswith("ddtop: error: cannot look for runs there: File name too long")
+    assert len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr

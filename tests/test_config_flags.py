@@ -41,6 +41,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--bind": (str, ""),
     "--start-method": (("forkserver", "spawn", "fork"), "forkserver"),
     "--module": (str, None),  # added with the user's own scripts
+    "--fail-on-nan": (bool, False),  # added with non-finite loss events
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir"}
@@ -107,7 +108,7 @@ def test_choices_are_the_literal_arguments_and_bools_are_switches() -> None:
     for name in literals:
         assert tuple(found[name][0].choices or ()) == typing.get_args(HINTS[name]), name
     switches = [n for n, hint in HINTS.items() if hint is bool]
-    assert switches == ["download", "resume"]
+    assert switches == ["download", "fail_on_nan", "resume"]
     for name in switches:
         assert isinstance(found[name][0], argparse._StoreTrueAction), name
 

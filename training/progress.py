@@ -49,8 +49,10 @@ class Progress:
     def epoch_started(self, epoch: int) -> None:
         pass
 
-    def step(self, epoch: int, step: int, steps: int, loss: torch.Tensor, global_step: int) -> None:
-        pass
+    def step(self, epoch: int, step: int, steps: int, loss: torch.Tensor,
+             global_step: int) -> bool:
+        """Count the step; True when a line was printed (its loss read from the device)."""
+        return False
 
     def synced(self, epoch: int, step: int, global_step: int, metrics: GlobalMetrics) -> None:
         pass
@@ -115,7 +117,8 @@ class RankZeroProgress(Progress):
         self.steps_since_print = 0
         self.loss_since_print = None
 
-    def step(self, epoch: int, step: int, steps: int, loss: torch.Tensor, global_step: int) -> None:
+    def step(self, epoch: int, step: int, steps: int, loss: torch.Tensor,
+             global_step: int) -> bool:
         detached = loss.detach()
         self.loss_since_print = (detached if self.loss_since_print is None
                                  else self.loss_since_print + detached)
@@ -128,7 +131,7 @@ class RankZeroProgress(Progress):
                 # is past it, every rank has started.
                 self._say(f"first step done {time.time() - self.launch_time:.2f} s after launch")
         if now - self.last_print < self.config.progress_every and step != steps:
-            return
+            return False
         # Intentional sync point (CUDA): .item() only when a line is printed.
         mean_loss = float(self.loss_since_print.item()) / self.steps_since_print
         rate = self.steps_since_print * self.config.batch_size / max(now - self.last_print, 1e-9)
@@ -138,6 +141,7 @@ class RankZeroProgress(Progress):
             f"{rate:,.0f} samples/s"
         )
         self.last_print, self.steps_since_print, self.loss_since_print = now, 0, None
+        return True
 
     def synced(self, epoch: int, step: int, global_step: int, metrics: GlobalMetrics) -> None:
         self._say(f"epoch {epoch + 1} step {step}: global train loss {metrics.loss:.4f} "

@@ -97,6 +97,14 @@ def agree_on_run(config: TrainConfig, env: RankEnv) -> TrainConfig:
     return config
 
 
+def plus(a: Counter[str], b: Counter[str]) -> Counter[str]:
+    """a + b key by key, keeping every value: Counter's `+` drops results that are
+    not positive, NaN among them (a diverged loss would be summed as 0)."""
+    total = Counter(a)
+    total.update(b)
+    return total
+
+
 def run_paths(config: TrainConfig) -> RunPaths:
     assert config.run_id is not None
     return RunPaths(Path(config.runs_dir) / config.run_id)
@@ -208,7 +216,7 @@ class Trainer:
         for step in range(skip + 1, self.steps_per_epoch + 1):
             if self.stop.due(self.global_step):  # every rank stops after the same step
                 at = Position(epoch, step - 1)
-                self.save(at, totals.counter() + carried)
+                self.save(at, plus(totals.counter(), carried))
                 self.report.stopped(at, self.global_step)
                 return False
             with ddtop.phase("data"):
@@ -229,18 +237,21 @@ class Trainer:
                              y.shape[0])
             if cfg.sync_every and self.global_step % cfg.sync_every == 0:
                 self.report.synced(epoch, step, self.global_step,
-                                   self.gather_metrics(totals.counter() + carried))
+                                   self.gather_metrics(plus(totals.counter(), carried)))
             if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
-                self.save(Position(epoch, step), totals.counter() + carried)
+                self.save(Position(epoch, step), plus(totals.counter(), carried))
             if self.fault is not None:
                 self.fault.fire_at(self.global_step)
-        train_metrics = self.gather_metrics(totals.counter() + carried)
+        train_metrics = self.gather_metrics(plus(totals.counter(), carried))
         val_metrics = self.evaluate()
         self.save(Position(epoch + 1, 0), Counter())
         self.report.epoch_done(epoch, self.global_step, train_metrics, val_metrics)
         return True
 
     def gather_metrics(self, local: Counter[str]) -> GlobalMetrics:
+        # `local` was just read from the device (Totals.counter): a sync point, where
+        # a GPU loss gone NaN is told at no extra cost.
+        self.report.check_loss()
         with ddtop.phase("sync"), self.telemetry.collective("all_gather_object"):
             return GlobalMetrics.from_counter(gather_counters(local))
 
@@ -260,6 +271,7 @@ class Trainer:
 
     def save(self, position: Position, epoch_totals: Counter[str]) -> None:
         """Collective: every rank contributes its RNG state; rank 0 writes."""
+        self.report.check_loss()  # `epoch_totals` was just read from the device
         with ddtop.phase("checkpoint"):
             self._save(position, epoch_totals)
 
