@@ -173,7 +173,7 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
         try:
             claim_new_run(paths)  # atomic: two starts with one --run-id cannot both win
         except OSError as e:
-            raise UsageError(f"cannot create the run directory {paths.root}: {e.strerror}; "
+            raise UsageError(f"cannot write the run directory {paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
         return TrainConfig(**{**config.to_dict(), "run_id": run_id}), paths
     paths = find_run(runs_dir, overrides.get("run_id"))

@@ -42,8 +42,9 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
 
 
 def pid_alive(pid: int | None) -> bool:
-    """True while `pid` names a process that has not exited (a zombie has)."""
-    if not pid:
+    """True while `pid` names a process that has not exited (a zombie has). Only
+    a positive pid names one process (0 and -1 name groups, or everyone)."""
+    if not isinstance(pid, int) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
@@ -133,7 +134,7 @@ def send_signal(process: ProcessId | None, sig: int) -> bool:
     The pidfd is opened before the start time is compared: from then on it
     names that one process, exited or not, so the signal cannot reach a
     process that was given the pid in between."""
-    if process is None:
+    if process is None or process.pid <= 0:  # a group, or every process: never
         return False
     try:
         pidfd = os.pidfd_open(process.pid)

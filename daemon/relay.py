@@ -39,6 +39,7 @@ thread); ZeroMQ sockets are not thread-safe.
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import shutil
 import sys
@@ -363,7 +364,8 @@ class Relay:
             return {"ok": True, "seq": self.seq, "state": encode_snapshot(self.state)}
         if op == "stop":
             timeout = request.get("timeout", 30.0)
-            if not isinstance(timeout, int | float) or timeout < 0:
+            if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+                    or not math.isfinite(timeout) or timeout < 0):
                 return {"ok": False, "error": "timeout must be a number of seconds >= 0"}
             if self.stop_request is None:
                 self.stop_request = float(timeout)
