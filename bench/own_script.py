@@ -1,72 +1,150 @@
 """What watching a user's own training script costs it: steps per second of a
-small-step script (a few ms per step, where per-step instrumentation hurts
-most), uninstrumented against the `import ddtop` API and zero-code mode.
+small-step script (about 2 ms per step here, where per-step instrumentation
+hurts most), uninstrumented against the `import ddtop` API and zero-code mode.
 
-    .venv/bin/python bench/own_script.py [--steps 1500] [--repeats 5] [--world-size 2]
+    .venv/bin/python bench/own_script.py [--rounds 6] [--steps-each 1500] [--width 256]
 
-A small DDP script (gloo on CPU, an MLP, one intra-op thread per rank) is
-written to a temporary folder. It times its own steady state: after `--warmup`
-steps rank 0 reads the clock every 50 steps and reports the median 50-step
-window as its steps/s (a burst of outside load on shared cores moves a few
-windows, not the median), so process start-up (torchrun's fresh interpreters
-against ddtrain's forkserver), the first steps and the shutdown are not in the
-figure. The variants, interleaved
-(the order reversed every other round), `--repeats` runs each:
+Every figure is a ratio of speeds, instrumented over uninstrumented (1.0: no
+cost; the target is at least 0.99), read two ways:
 
-  plain torchrun      `torchrun --standalone` the script, no DDTOP_TELEMETRY
-  API, torchrun       the same with `ddtop.watch(model)` and one
-                      `ddtop.step(loss=loss, samples=...)` per step, sending
-                      to a ZeroMQ PULL socket this process binds and drains
-                      in a thread                        baseline: plain torchrun
-  ddtrain, off        the plain script under `ddtrain start --foreground`
-                      with DDTOP_TELEMETRY=off: the same daemon and forkserver,
-                      nothing instrumented
-  zero-code           the plain script under `ddtrain start --foreground`
-                      (the daemon's relay receives; every rank instrumented)
-                                                          baseline: ddtrain, off
-  zero-code + API     the API script under `ddtrain start --foreground`
-                                                          baseline: ddtrain, off
+- wall: steps per second by the clock, what a user sees, and what any other
+  load on the machine moves;
+- CPU: the CPU seconds a step costs its rank processes, every thread of them
+  (the training thread, gloo's threads, ddtop's sender thread and ZeroMQ's),
+  from `time.process_time()`: baseline CPU per step over instrumented CPU per
+  step. Other programs on the same cores move it less than the clock, but do
+  move it (cache misses, a descheduled virtual CPU), so it is paired too.
 
-Prints the median steps/s, min and max, the ratio of medians to the
-baseline, and a verdict against the target (at least 0.99).
+Each ratio is the median of paired ratios (an instrumented measurement over
+its baseline taken beside it), with a 95% interval for that median that
+assumes nothing about how the ratios are distributed (the sign test's, from
+the order statistics; with fewer than six pairs it is unbounded). The
+verdict reads the interval: "meets 0.99" when its low end is at least 0.99,
+"below 0.99" when its high end is under 0.99, else "cannot tell (the
+interval spans 0.99)".
 
-Part 2 (`--only pieces`) splits the cost by piece, in the same two processes
-(so outside load hits every piece alike): the same MLP as several DDP models
-and hook sets, alternated every `--block` steps for `--rounds` rounds: no
-hook, torch's own Python `allreduce_hook`, ddtop's timed comm hook
-(`ddtop.watch`), the zero-code optimizer hooks, the zero-code forward hooks,
-`ddtop.step(loss=..., samples=...)`, and all of them together; median
-steps/s per piece and the time it adds per step.
+1. Whole runs (`--only launchers`): a small DDP script (gloo on CPU, an MLP,
+   one intra-op thread per rank) is written to a temporary folder and run
+   under each launcher, `--rounds` rounds, each in a random order with a
+   launcher's variants side by side. After `--warmup` steps each rank reads
+   both clocks every 50 steps; a run's wall figure is rank 0's median 50-step
+   window, its CPU figure the median window of both ranks' CPU together, so
+   process start-up (torchrun's fresh interpreters against ddtrain's
+   forkserver) and shutdown are in neither. CPU-io is the CPU per step from
+   each thread's own counter over all timed steps, less gloo's I/O thread
+   (which runs no ddtop code and spends CPU as ranks wait on each other).
+   Pairs are within a round, each launcher against itself:
+
+     plain torchrun      `torchrun --standalone`, no DDTOP_TELEMETRY
+     API, torchrun       the same with `ddtop.watch(model)` and one
+                         `ddtop.step(loss=loss, samples=...)` per step,
+                         sending to a ZeroMQ PULL socket this process binds
+                         and drains in a thread       baseline: plain torchrun
+     ddtrain, off        the plain script under `ddtrain start --foreground`
+                         with DDTOP_TELEMETRY=off: the same daemon and
+                         forkserver, nothing instrumented
+     zero-code           the plain script under `ddtrain start --foreground`
+                         (the daemon's relay receives; every rank
+                         instrumented)                 baseline: ddtrain, off
+     zero-code + API     the API script under `ddtrain start --foreground`
+                                                       baseline: ddtrain, off
+
+   Whole runs pair poorly on shared cores (runs seconds apart, different
+   processes): few pairs, wide intervals.
+
+2. Same processes (`--only pieces`): two gloo ranks hold a pool of DDP
+   models (the same MLP, by comm hook: none, torch's, ddtop's), dealt out to
+   the configurations afresh each round, and step them in turn: one step of
+   every configuration per round, in a new random order
+   each round (a barrier before each step), `--steps-each` rounds. A burst of
+   outside load lands on a whole round, so each step pairs with the round's
+   uninstrumented step taken a few ms away. The configurations: no hook, and
+   no hook again on a second model (the noise floor: it should read 1.0);
+   torch's own Python `allreduce_hook` (what any Python comm hook costs);
+   ddtop's timed comm hook (`ddtop.watch`); the zero-code optimizer hooks; the
+   zero-code forward hooks; `ddtop.step(loss=..., samples=...)`; and the
+   modes: API (timed comm hook + `ddtop.step`), zero-code (timed comm hook +
+   optimizer and forward hooks) and zero-code + API (all of them). ddtop's
+   own threads (sender, ZeroMQ) run throughout and are measured apart; the
+   modes' verdicts charge their CPU to each step.
+
+`--pin` pins each rank process (all its threads) to a core of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import re
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from telemetry import Listener  # bench/telemetry.py, beside this script
 
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
 DDTRAIN = str(BIN / "ddtrain")
-RESULT = re.compile(r"OWN_SCRIPT_RESULT (\{.*\})")
 TARGET = 0.99
 RUN_TIMEOUT_S = 300
+WINDOW = 50  # part 1: steps per timed window
+
+# Helpers both parts run in each rank (part 1 writes them into its script).
+# Pinning takes every thread the process has now (torch's, a forkserver's,
+# ddtop's sender when it started first) and, by inheritance, every thread it
+# starts later. Thread CPU comes from /proc (the scheduler's own nanoseconds).
+RANK_HELPERS = '''\
+def pin_to_core(index):
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    core = {cpus[index % len(cpus)]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:
+            pass  # a thread that ended meanwhile
+
+
+def thread_cpu():
+    """CPU seconds so far of this process's threads: ddtop's own (its sender
+    thread and ZeroMQ's), gloo's I/O loop, and all the others."""
+    import os
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    seconds = {"ddtop": 0.0, "gloo_io": 0.0, "other": 0.0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        name = names.get(int(tid), comm)
+        if name.startswith("ddtop") or comm.startswith("ZMQbg"):
+            seconds["ddtop"] += ns / 1e9
+        elif comm.startswith("gloo_tcp_loop"):
+            seconds["gloo_io"] += ns / 1e9
+        else:
+            seconds["other"] += ns / 1e9
+    return seconds
+'''
 
 SCRIPT = '''\
 """A user's small DDP training script (written by bench/own_script.py)."""
 import argparse
 import json
+import math
+import os
 import time
 
 import torch
@@ -75,16 +153,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=1500)
+parser.add_argument("--steps", type=int, default=1200)
 parser.add_argument("--warmup", type=int, default=200)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--width", type=int, default=256)
 parser.add_argument("--api", action="store_true", help="with the ddtop lines")
+parser.add_argument("--pin", action="store_true", help="one core per rank")
+parser.add_argument("--out", required=True, help="folder for each rank's timings")
 args = parser.parse_args()
+if args.pin:
+    pin_to_core(int(os.environ["LOCAL_RANK"]))
 if args.api:
     import ddtop
 
-threads_seen = torch.get_num_threads()
 torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1, whatever the launcher
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -99,11 +180,15 @@ loss_fn = nn.CrossEntropyLoss()
 generator = torch.Generator().manual_seed(rank)
 batches = [(torch.randn(args.batch, 64, generator=generator),
             torch.randint(0, 10, (args.batch,), generator=generator)) for _ in range(16)]
-WINDOW = 50  # steps per timed window
-marks = []
+WINDOW = @WINDOW@  # steps per timed window
+wall, cpu = [], []
+threads = None
 for step in range(args.steps):
     if step >= args.warmup and (step - args.warmup) % WINDOW == 0:
-        marks.append(time.perf_counter())
+        wall.append(time.perf_counter())
+        cpu.append(time.process_time())  # every thread of this process
+        if threads is None:
+            threads = thread_cpu()
     x, y = batches[step % len(batches)]
     loss = loss_fn(model(x), y)
     loss.backward()
@@ -111,20 +196,52 @@ for step in range(args.steps):
     optimizer.zero_grad()
     if args.api:
         ddtop.step(loss=loss, samples=len(x))
-marks.append(time.perf_counter())
-if rank == 0:
-    timed = args.steps - args.warmup
-    elapsed = marks[-1] - marks[0]
-    windows = sorted(b - a for a, b in zip(marks[:-2], marks[1:-1]))  # whole windows
-    print("OWN_SCRIPT_RESULT " + json.dumps({
-        "steps_per_s": WINDOW / windows[len(windows) // 2],
-        "mean_steps_per_s": timed / elapsed, "ms_per_step": elapsed / timed * 1e3,
-        "threads_seen": threads_seen,
-        "params": sum(p.numel() for p in model.parameters())}), flush=True)
+wall.append(time.perf_counter())
+cpu.append(time.process_time())
+threads = {kind: seconds - threads[kind] for kind, seconds in thread_cpu().items()}
+with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    json.dump({"wall": wall, "cpu": cpu, "threads": threads, "timed": args.steps - args.warmup,
+               "params": sum(p.numel() for p in model.parameters())}, f)
 dist.destroy_process_group()
-'''
+'''.replace("@WINDOW@", str(WINDOW))
 
 
+# -- statistics -------------------------------------------------------------------------------
+@dataclass
+class Estimate:
+    median: float
+    low: float
+    high: float
+    n: int
+
+    def verdict(self) -> str:
+        if self.low >= TARGET:
+            return f"meets {TARGET}"
+        if self.high < TARGET:
+            return f"below {TARGET}"
+        return f"cannot tell (the interval spans {TARGET})"
+
+    def cell(self) -> str:
+        return f"{self.median:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def estimate(ratios: Sequence[float]) -> Estimate:
+    """The median of paired ratios and a 95% interval for it that assumes nothing
+    about their distribution (the sign test's: between the k-th smallest and the
+    k-th largest, k the largest with P(Binomial(n, 1/2) < k) <= 2.5%). Under six
+    pairs there is none: the interval is unbounded."""
+    values = sorted(ratios)
+    n = len(values)
+    k, below = 0, 0  # below: the ways to have fewer than k successes in n
+    while (below + math.comb(n, k)) * 40 <= 2 ** n:  # P(X <= k) <= 1/40
+        below += math.comb(n, k)
+        k += 1
+    if k == 0:
+        return Estimate(statistics.median(values), -math.inf, math.inf, n)
+    return Estimate(statistics.median(values), values[k - 1], values[n - k], n)
+
+
+# -- part 1: whole runs -----------------------------------------------------------------------
 @dataclass
 class Variant:
     name: str
@@ -146,16 +263,28 @@ def variants(endpoint: str) -> list[Variant]:
     ]
 
 
-def run_once(variant: Variant, script: Path, tmp: Path, args: argparse.Namespace) -> dict:
-    script_args = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+@dataclass
+class RunResult:
+    rate: float  # steps/s, rank 0's median window
+    cpu: float  # CPU seconds per step, both ranks together, median window
+    cpu_core: float  # the same, mean over the timed steps, less gloo's I/O thread
+    ddtop_cpu: float  # CPU seconds per step of ddtop's threads, both ranks together
+    params: int
+
+
+def run_once(variant: Variant, script: Path, tmp: Path, args: argparse.Namespace) -> RunResult:
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    script_args = ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--width", str(args.width), "--out", str(out)]
     if variant.api:
         script_args.append("--api")
+    if args.pin:
+        script_args.append("--pin")
     if variant.launcher == "torchrun":
-        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(args.world_size),
-               str(script), *script_args]
+        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script), *script_args]
     else:
-        cmd = [DDTRAIN, "start", "--foreground", "-n", str(args.world_size),
-               "--runs-dir", str(tmp / "runs"), str(script), "--", *script_args]
+        cmd = [DDTRAIN, "start", "--foreground", "-n", "2", "--runs-dir", str(tmp / "runs"),
+               str(script), "--", *script_args]
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)  # each launcher's own default; the script sets 1
     for key, value in variant.env.items():
@@ -168,19 +297,27 @@ def run_once(variant: Variant, script: Path, tmp: Path, args: argparse.Namespace
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=tmp, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         _end_group(proc)
         sys.exit(f"{variant.name}: no result within {RUN_TIMEOUT_S} s")
     finally:
         _end_group(proc)
-    match = RESULT.search(out)
-    if match is None:
-        sys.exit(f"{variant.name} failed ({proc.returncode}):\n{out[-4000:]}")
+    try:
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    except FileNotFoundError:
+        sys.exit(f"{variant.name} failed ({proc.returncode}):\n{output[-4000:]}")
     if proc.returncode != 0:  # e.g. gloo aborting in a rank's teardown, after the result
         print(f"  ({variant.name}: exit {proc.returncode} after its result; "
-              f"{out.strip().splitlines()[-1][:120]})", file=sys.stderr)
-    return json.loads(match.group(1))
+              f"{output.strip().splitlines()[-1][:120]})", file=sys.stderr)
+    walls = [b - a for a, b in zip(ranks[0]["wall"], ranks[0]["wall"][1:], strict=False)]
+    cpus = [sum(rank["cpu"][i + 1] - rank["cpu"][i] for rank in ranks)
+            for i in range(len(ranks[0]["cpu"]) - 1)]
+    ddtop_cpu = sum(rank["threads"]["ddtop"] / rank["timed"] for rank in ranks)
+    core = sum((rank["threads"]["ddtop"] + rank["threads"]["other"]) / rank["timed"]
+               for rank in ranks)
+    return RunResult(WINDOW / statistics.median(walls), statistics.median(cpus) / WINDOW,
+                     core, ddtop_cpu, ranks[0]["params"])
 
 
 def _end_group(proc: subprocess.Popen[str]) -> None:
@@ -205,19 +342,89 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-PIECES = {  # name: (model, optimizer hooks, forward hooks, ddtop.step)
-    "no hook": ("plain", False, False, False),
-    "torch allreduce_hook": ("torch_hook", False, False, False),
-    "timed comm hook": ("watched", False, False, False),
-    "optimizer hooks": ("plain", True, False, False),
-    "forward hooks": ("plain", False, True, False),
-    "ddtop.step": ("plain", False, False, True),
-    "all of them": ("watched", True, True, True),
+def launchers(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
+    listener = Listener()
+    configs = variants(listener.endpoint)
+    results: dict[str, list[RunResult]] = {v.name: [] for v in configs}
+    rng = random.Random(1)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        script = tmp / "train.py"
+        script.write_text(RANK_HELPERS + SCRIPT)
+        launchers = [[v for v in configs if v.launcher == name] for name in ("torchrun", "ddtrain")]
+        for i in range(args.rounds):
+            # A random order, a launcher's variants side by side: a pair is at most
+            # two runs apart.
+            order = [v for group in rng.sample(launchers, 2) for v in rng.sample(group, len(group))]
+            for variant in order:
+                result = run_once(variant, script, tmp, args)
+                results[variant.name].append(result)
+                print(f"  round {i + 1} {variant.name:<16} {result.rate:7.1f} steps/s, "
+                      f"{result.cpu * 1e3:6.3f} CPU ms/step ({result.cpu_core * 1e3:6.3f} less "
+                      f"gloo's I/O thread), ddtop threads "
+                      f"{result.ddtop_cpu * 1e6:4.1f} us/step",
+                      file=sys.stderr)
+    listener.close()
+    timed = args.steps - args.warmup
+    params = results["plain torchrun"][0].params
+    print(f"\n1. Whole runs: 2 gloo ranks on CPU, MLP of {params:,} parameters, {timed} timed "
+          f"steps per run (after {args.warmup} warm-up), {args.rounds} rounds in random order"
+          f"{', ranks pinned' if args.pin else ''}")
+    print("   ratio: median of the rounds' paired ratios to the baseline [95% interval, "
+          "sign test]; CPU: both ranks, all threads; CPU-io: less gloo's I/O thread; "
+          "ddtop: its threads' CPU")
+    print(f"{'variant':<16} | {'steps/s':>7} | {'wall ratio':<21} | {'CPU ms':>6} | "
+          f"{'CPU ratio':<21} | {'CPU-io':>6} | {'CPU-io ratio':<21} | {'ddtop us':>8}")
+    print("-" * 126)
+    found: dict[str, tuple[Estimate, Estimate]] = {}
+    verdicts: list[str] = []
+    for v in configs:
+        mine = results[v.name]
+        cells = ["-", "-", "-"]
+        if v.baseline:
+            base = results[v.baseline]
+            pairs = list(zip(mine, base, strict=True))
+            wall = estimate([m.rate / b.rate for m, b in pairs])
+            cpu = estimate([b.cpu / m.cpu for m, b in pairs])
+            core = estimate([b.cpu_core / m.cpu_core for m, b in pairs])
+            found[v.name] = (wall, cpu)
+            cells = [wall.cell(), cpu.cell(), core.cell()]
+            verdicts.append(f"verdict, whole runs, {v.name}: wall {wall.verdict()}; CPU "
+                            f"{cpu.verdict()}; CPU-io {core.verdict()}")
+        print(f"{v.name:<16} | {statistics.median(r.rate for r in mine):7.1f} | "
+              f"{cells[0]:<21} | {statistics.median(r.cpu for r in mine) * 1e3:6.3f} | "
+              f"{cells[1]:<21} | {statistics.median(r.cpu_core for r in mine) * 1e3:6.3f} | "
+              f"{cells[2]:<21} | {statistics.median(r.ddtop_cpu for r in mine) * 1e6:8.1f}")
+    print(f"(the bench's PULL socket received {listener.count} messages from the API runs)")
+    print("\n".join(verdicts))
+    return found
+
+
+# -- part 2: the pieces, in the same processes --------------------------------------------------
+PIECES = {  # name: (comm hook, optimizer hooks, forward hooks, ddtop.step)
+    "no hook": (None, False, False, False),
+    "no hook, again": (None, False, False, False),  # the noise floor: same as the baseline
+    "torch allreduce_hook": ("torch", False, False, False),
+    "timed comm hook": ("timed", False, False, False),
+    "optimizer hooks": (None, True, False, False),
+    "forward hooks": (None, False, True, False),
+    "ddtop.step": (None, False, False, True),
+    "API": ("timed", False, False, True),
+    "zero-code": ("timed", True, True, False),
+    "zero-code + API": ("timed", True, True, True),
 }
+BASE = "no hook"
+MODES = ("API", "zero-code", "zero-code + API")
+WARM_ROUNDS = 20
+PIECES_TIMEOUT_S = 900
 
 
-def _pieces_rank(rank: int, port: int, endpoint: str, block: int, rounds: int,
+def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, pin: bool,
                  out: str) -> None:
+    helpers: dict[str, Any] = {}
+    exec(RANK_HELPERS, helpers)  # the same code part 1's script runs
+    if pin:
+        helpers["pin_to_core"](rank)
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -237,26 +444,42 @@ def _pieces_rank(rank: int, port: int, endpoint: str, block: int, rounds: int,
 
     autowatch._installed = api.current()  # the hooks' target, without patching DDP
 
-    def mlp() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                             nn.Linear(256, 10))
-
-    torch_hook = DDP(mlp())
-    torch_hook.register_comm_hook(None, allreduce_hook)
-    models = {"plain": DDP(mlp()), "watched": ddtop.watch(DDP(mlp())),
-              "torch_hook": torch_hook}
-    optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-                  for k, m in models.items()}
+    # Models by comm hook, two more of each kind than the configurations that use
+    # it, dealt out afresh every round: each step runs on a different model (no
+    # configuration finds the caches warm from the step before), and no
+    # configuration keeps one model's placement in memory, which alone moves a
+    # step's time by a percent or two.
+    pools: dict[str | None, list[tuple[Any, Any]]] = {}
+    for comm in dict.fromkeys(comm for comm, _, _, _ in PIECES.values()):  # in a fixed order
+        for _ in range(sum(c == comm for c, _, _, _ in PIECES.values()) + 2):
+            torch.manual_seed(0)
+            model = DDP(nn.Sequential(nn.Linear(64, width), nn.ReLU(),
+                                      nn.Linear(width, width), nn.ReLU(),
+                                      nn.Linear(width, 10)))
+            if comm == "torch":
+                model.register_comm_hook(None, allreduce_hook)
+            elif comm == "timed":
+                model = ddtop.watch(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            pools.setdefault(comm, []).append((model, optimizer))
     generator = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(32, 64, generator=generator),
                 torch.randint(0, 10, (32,), generator=generator)) for _ in range(16)]
     loss_fn = nn.CrossEntropyLoss()
-    rates: dict[str, list[float]] = {name: [] for name in PIECES}
-    for r in range(rounds + 1):  # round 0 warms every model up, untimed
-        for name in PIECES if r % 2 == 0 else reversed(PIECES):
-            key, optimizer_hooks, forward_hooks, step_call = PIECES[name]
-            model, optimizer = models[key], optimizers[key]
+    wall: dict[str, list[float]] = {name: [] for name in PIECES}
+    cpu: dict[str, list[float]] = {name: [] for name in PIECES}
+    order = list(PIECES)
+    rng = random.Random(2)  # the same order on both ranks
+    clock, cpu_clock = time.perf_counter, time.process_time
+    threads = helpers["thread_cpu"]()
+    began = clock()
+    for r in range(WARM_ROUNDS + rounds):  # the first rounds warm every model up, untimed
+        rng.shuffle(order)
+        dealt = {comm: rng.sample(pool, len(pool)) for comm, pool in pools.items()}
+        x, y = batches[r % len(batches)]
+        for name in order:
+            comm, optimizer_hooks, forward_hooks, step_call = PIECES[name]
+            model, optimizer = dealt[comm].pop()
             handles = []
             if optimizer_hooks:
                 handles += [register_optimizer_step_pre_hook(autowatch._optimizer_starts),
@@ -264,28 +487,30 @@ def _pieces_rank(rank: int, port: int, endpoint: str, block: int, rounds: int,
             if forward_hooks:
                 handles += [model.register_forward_pre_hook(autowatch._forward_starts),
                             model.register_forward_hook(autowatch._forward_done)]
-            dist.barrier()
-            start = time.perf_counter()
-            for i in range(block):
-                x, y = batches[i % len(batches)]
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                if step_call:
-                    ddtop.step(loss=loss, samples=len(x))
-            elapsed = time.perf_counter() - start
+            dist.barrier()  # both ranks start the step together
+            start, start_cpu = clock(), cpu_clock()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step_call:
+                ddtop.step(loss=loss, samples=len(x))
+            end, end_cpu = clock(), cpu_clock()
             for handle in handles:
                 handle.remove()
-            if r:
-                rates[name].append(block / elapsed)
-    if rank == 0:
-        Path(out).write_text(json.dumps(rates))
+            if r >= WARM_ROUNDS:
+                wall[name].append(end - start)
+                cpu[name].append(end_cpu - start_cpu)
+    duration = clock() - began
+    threads = {kind: s - threads[kind] for kind, s in helpers["thread_cpu"]().items()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"wall": wall, "cpu": cpu, "threads": threads, "duration": duration,
+         "steps": (WARM_ROUNDS + rounds) * len(PIECES)}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def pieces(block: int, rounds: int) -> None:
+def pieces(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
     import socket
 
     import torch.multiprocessing as mp
@@ -294,86 +519,90 @@ def pieces(block: int, rounds: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.start_processes(_pieces_rank, args=(port, listener.endpoint, block, rounds,
-                                               out.name), nprocs=2, start_method="spawn")
-        rates = json.loads(Path(out.name).read_text())
+    with tempfile.TemporaryDirectory() as out:
+        context = mp.start_processes(_pieces_rank, args=(port, listener.endpoint,
+                                                         args.steps_each, args.width, args.pin,
+                                                         out),
+                                     nprocs=2, start_method="spawn", join=False)
+        assert context is not None
+        deadline = time.monotonic() + PIECES_TIMEOUT_S
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                    process.join()
+                sys.exit(f"part 2: no result within {PIECES_TIMEOUT_S} s")
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     listener.close()
-    base = statistics.median(rates["no hook"])
-    print(f"\n2. Per piece: the same MLP in the same 2 gloo ranks, pieces alternated every "
-          f"{block} steps, median of {rounds} blocks each")
-    print(f"{'piece':<21} | {'steps/s':>8} | {'ms/step':>7} | {'ratio':>5} | {'us/step':>7}")
-    print("-" * 62)
-    for name, values in rates.items():
-        med = statistics.median(values)
-        print(f"{name:<21} | {med:8.1f} | {1e3 / med:7.3f} | {med / base:5.3f} | "
-              f"{(1 / med - 1 / base) * 1e6:+7.0f}")
-    print(f"(the bench's PULL socket received {listener.count} messages)")
-
-
-def launchers(args: argparse.Namespace) -> None:
-    listener = Listener()
-    configs = variants(listener.endpoint)
-    rates: dict[str, list[float]] = {v.name: [] for v in configs}
-    info: dict = {}
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        script = tmp / "train.py"
-        script.write_text(SCRIPT)
-        for i in range(args.repeats):
-            order = configs if i % 2 == 0 else list(reversed(configs))
-            for variant in order:
-                result = run_once(variant, script, tmp, args)
-                rates[variant.name].append(result["steps_per_s"])
-                info.setdefault(variant.name, result)
-                print(f"  run {i + 1} {variant.name:<16} {result['steps_per_s']:7.1f} steps/s "
-                      f"(mean {result['mean_steps_per_s']:.1f}, threads seen "
-                      f"{result['threads_seen']})", file=sys.stderr)
-    listener.close()
-    med = {name: statistics.median(values) for name, values in rates.items()}
-    timed = args.steps - args.warmup
-    print(f"\n1. Whole runs: {args.world_size} gloo ranks on CPU, MLP of "
-          f"{info['plain torchrun']['params']:,} parameters, {timed} timed steps per run "
-          f"(after {args.warmup} warm-up), median of {args.repeats} interleaved runs")
-    print(f"{'variant':<16} | {'steps/s':>8} | {'ms/step':>7} | {'min':>7} | {'max':>7} | "
-          f"{'ratio':>5} | baseline")
-    print("-" * 78)
-    verdicts = []
-    for v in configs:
-        values = rates[v.name]
-        ratio = med[v.name] / med[v.baseline] if v.baseline else 1.0
-        if v.baseline:
-            verdicts.append((v.name, ratio))
-        print(f"{v.name:<16} | {med[v.name]:8.1f} | {1e3 / med[v.name]:7.2f} | "
-              f"{min(values):7.1f} | {max(values):7.1f} | {ratio:5.3f} | {v.baseline or '-'}")
-    print(f"(the bench's PULL socket received {listener.count} messages from the API runs)")
-    low = [f"{name} {ratio:.3f}" for name, ratio in verdicts if ratio < TARGET]
-    if low:
-        print(f"verdict: below the {TARGET} target: {', '.join(low)}")
-    else:
-        print(f"verdict: every ratio at least {TARGET} "
-              f"({', '.join(f'{n} {r:.3f}' for n, r in verdicts)})")
-
+    if args.save:
+        Path(args.save).write_text(json.dumps(ranks))
+    wall = ranks[0]["wall"]  # the ranks step together: rank 0's clock is the run's
+    cpu = {name: [a + b for a, b in zip(ranks[0]["cpu"][name], ranks[1]["cpu"][name],
+                                        strict=True)] for name in PIECES}
+    print(f"\n2. Same processes: the MLP (width {args.width}) in 2 gloo ranks, models dealt "
+          f"out afresh each round, one step of each configuration per round in random "
+          f"order, {args.steps_each} rounds"
+          f"{', ranks pinned' if args.pin else ''}")
+    print("   ratio: median of the rounds' paired ratios to 'no hook' [95% interval, "
+          "sign test]; us: median time added per step (CPU: both ranks)")
+    print(f"{'configuration':<20} | {'ms/step':>7} | {'wall ratio':<21} | {'us':>5} | "
+          f"{'CPU ms':>6} | {'CPU ratio':<21} | {'CPU us':>6}")
+    print("-" * 104)
+    found: dict[str, tuple[Estimate, Estimate]] = {}
+    for name in PIECES:
+        w = estimate([b / m for m, b in zip(wall[name], wall[BASE], strict=True)])
+        c = estimate([b / m for m, b in zip(cpu[name], cpu[BASE], strict=True)])
+        found[name] = (w, c)
+        added_wall = statistics.median(m - b for m, b in zip(wall[name], wall[BASE],
+                                                             strict=True))
+        added_cpu = statistics.median(m - b for m, b in zip(cpu[name], cpu[BASE], strict=True))
+        print(f"{name:<20} | {statistics.median(wall[name]) * 1e3:7.3f} | {w.cell():<21} | "
+              f"{added_wall * 1e6:+5.0f} | {statistics.median(cpu[name]) * 1e3:6.3f} | "
+              f"{c.cell():<21} | {added_cpu * 1e6:+6.0f}")
+    # ddtop's own threads run the whole time, whichever step is on: their CPU is
+    # charged to no configuration above, so it is given here, per second and per
+    # step the rank counted.
+    background = sum(rank["threads"]["ddtop"] for rank in ranks)
+    duration = ranks[0]["duration"]
+    print(f"ddtop's threads (sender, ZeroMQ), both ranks: {background * 1e3:.1f} ms of CPU in "
+          f"{duration:.1f} s ({background / duration * 100:.2f}% of a core), "
+          f"{background / ranks[0]['steps'] * 1e6:.1f} us per step of any configuration; "
+          f"the bench's PULL socket received {listener.count} messages")
+    # Every mode runs ddtop's threads: with their CPU per second charged to each
+    # step at that step's length, the CPU ratio of the mode as a whole.
+    per_second = background / duration
+    for name in MODES:
+        w, c = found[name]
+        whole = estimate([b / (m + per_second * t) for m, b, t in
+                          zip(cpu[name], cpu[BASE], wall[name], strict=True)])
+        found[name] = (w, whole)
+        print(f"verdict, same processes, {name}: wall {w.verdict()}; CPU with ddtop's threads "
+              f"{whole.cell()}: {whole.verdict()}")
+    return found
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500, help="steps per run")
+    parser.add_argument("--steps", type=int, default=800, help="part 1: steps per run")
     parser.add_argument("--warmup", type=int, default=200,
-                        help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--block", type=int, default=25, help="part 2: steps per block")
-    parser.add_argument("--rounds", type=int, default=60, help="part 2: blocks per piece")
+                        help="part 1: first steps left out of the timing")
+    parser.add_argument("--rounds", type=int, default=6, help="part 1: runs of each variant")
+    parser.add_argument("--steps-each", type=int, default=1500,
+                        help="part 2: rounds (timed steps of each configuration)")
+    parser.add_argument("--width", type=int, default=256,
+                        help="the MLP's hidden width (256: 85,002 parameters, one bucket)")
+    parser.add_argument("--pin", action="store_true", help="pin each rank to a core")
+    parser.add_argument("--save", help="part 2: write the raw timings to this JSON file")
     parser.add_argument("--only", choices=["launchers", "pieces"], help="run one part only")
     args = parser.parse_args()
-    if args.warmup >= args.steps:
-        parser.error("--warmup must be below --steps")
+    if args.warmup + 2 * WINDOW > args.steps:
+        parser.error(f"--steps must leave at least {2 * WINDOW} timed steps after --warmup")
     if args.only in (None, "launchers"):
         launchers(args)
     if args.only in (None, "pieces"):
-        pieces(args.block, args.rounds)
+        pieces(args)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -50,6 +50,10 @@ class CommTimer:
         self._lock = threading.Lock()  # the hook and its callbacks run on other threads
         self._last_end = 0.0
         self._pending: list[tuple[Any, Any, int]] = []  # CUDA: (start, end, bytes)
+        # Resolved at the first bucket (the group DDP reduces over never changes).
+        self._group: dist.ProcessGroup | None = None
+        self._world_size = 1
+        self._allreduce_opts = dist.AllreduceOptions()  # SUM, async: as dist.all_reduce's
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "CommTimer":
         """A copy of a watched model (an EMA copy, say) shares its timer: the timer
@@ -76,25 +80,39 @@ class CommTimer:
             self.telemetry.comm_done(start.elapsed_time(end) / 1000.0, nbytes)
 
     # -- inside the hook -----------------------------------------------------------
-    def launch(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:  # a dist.GradBucket
-        buffer = bucket.buffer()
-        nbytes = buffer.numel() * buffer.element_size()
+    # DDP calls this once per bucket per step, on the critical path of a step, and
+    # `finished` runs on gloo's thread while the training thread waits for it: at a
+    # few ms per step each Python line here shows, so the group, its size and the
+    # all-reduce's options are looked up once, and the all-reduce is issued as
+    # `dist.all_reduce` issues it (`group.allreduce([tensor], opts)`, SUM, async)
+    # without its per-call checks, which cannot fail for a DDP bucket.
+    def _resolve_group(self) -> dist.ProcessGroup:
         group = self.process_group or dist.group.WORLD
         assert group is not None
+        self._group, self._world_size = group, group.size()
+        return group
+
+    def launch(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:  # a dist.GradBucket
+        buffer = bucket.buffer()
+        nbytes = buffer.nbytes
         inner = self.inner  # read once: a hook registered meanwhile applies from the next bucket
+        group = self._group
+        if group is None:
+            group = self._resolve_group()
         if inner is None:
-            buffer.div_(group.size())  # as allreduce_hook: divide first, then sum
+            buffer.div_(self._world_size)  # as allreduce_hook: divide first, then sum
         coll = self.telemetry.collective_started("allreduce", nbytes)
         if self.cuda:
             start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start_ev.record()
         start = time.perf_counter()
-        if inner is None:
-            fut: torch.futures.Future[Any] = dist.all_reduce(
-                buffer, group=group, async_op=True).get_future()
-        else:
+        if inner is not None:
             hook, state = inner
-            fut = hook(state, bucket)
+            fut: torch.futures.Future[Any] = hook(state, bucket)
+        elif buffer.is_complex():  # dist.all_reduce sums it as real pairs
+            fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        else:
+            fut = group.allreduce([buffer], self._allreduce_opts).get_future()
 
         def finished(f: torch.futures.Future[Any]) -> torch.Tensor:
             if self.cuda:
@@ -109,7 +127,7 @@ class CommTimer:
                     self._last_end = end
                 self.telemetry.comm_done(charged, nbytes)
             self.telemetry.collective_completed(coll)
-            value = f.value()
+            value = f.value()  # raises what the all-reduce raised, into DDP
             # all_reduce's future holds [tensor]; a comm hook's holds the tensor.
             reduced: torch.Tensor = value if inner is not None else value[0]
             return reduced
