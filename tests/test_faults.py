@@ -14,34 +14,52 @@ from pathlib import Path
 from helpers import DDTRAIN, detached, finish, start, tagged_pids
 
 
-def test_a_stop_that_times_out_is_a_stop_and_names_the_rank_that_would_not(
-        tmp_path: Path) -> None:
+def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
+    """One run, rank 1 frozen (SIGSTOP): rank 0 waits in its all-reduce and
+    `ddtrain stacks` still shows where, from faulthandler's C handler (the dump
+    stays in the run); rank 1 cannot answer, which is said. Then a stop that times
+    out (rank 1 can neither finish its step nor die of SIGTERM) is still a stop,
+    not a failure, and names the rank that would not stop."""
     with detached("-n", "2", "--epochs", "200", "--run-id", "frozen", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         status = run.wait_for("frozen", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
         stuck = status["ranks"][1]["pid"]
-        os.kill(stuck, signal.SIGSTOP)  # it cannot finish its step, nor die of SIGTERM
+        os.kill(stuck, signal.SIGSTOP)
         try:
+            time.sleep(1.5)  # rank 0 reaches the all-reduce rank 1 never joins
+            stacks = run.cli("stacks", "frozen", "--rank", "0")
+            every = run.cli("stacks", "frozen")
+            bad = run.cli("stacks", "frozen", "--rank", "7")
             stopped = run.cli("stop", "frozen", "--timeout", "3")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stuck, signal.SIGCONT)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert run.leftovers() == []
-    record = json.loads((tmp_path / "runs" / "frozen" / "run.json").read_text())
+    assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+    assert stacks.stdout.startswith("== rank 0 (")
+    assert "Thread 0x" in stacks.stdout and "trainer.py" in stacks.stdout, stacks.stdout
+    assert "ddtop-telemetry" in stacks.stdout or "telemetry.py" in stacks.stdout  # all threads
+    assert every.returncode == 0 and "== rank 1: no stacks within" in every.stdout
+    assert bad.returncode == 2 and bad.stderr.startswith("ddtrain: error: --rank 7:")
+    root = tmp_path / "runs" / "frozen"
+    assert "trainer.py" in (root / "logs" / "rank-0.stacks").read_text()
+
+    record = json.loads((root / "run.json").read_text())
     assert (record["status"], record["exit_code"]) == ("stopped", 130)
     assert record["failure"] is None
     ranks = {r["rank"]: r for r in record["ranks"]}
     assert ranks[1]["signal"] == "SIGKILL" and ranks[1]["stopped_by_daemon"] is True
-    log = (tmp_path / "runs" / "frozen" / "daemon.log").read_text()
+    log = (root / "daemon.log").read_text()
     assert "rank 1 (" in log and "did not stop within 3 s" in log, log
     assert "rank 1 did not stop in time and was killed with SIGKILL" in log, log
 
 
+
 def test_two_starts_of_one_run_id_at_once_give_one_run(tmp_path: Path) -> None:
-    """Started together, again and again: one wins, the other is one line, exit 2,
-    and there is only ever one daemon."""
-    for attempt in range(2):
+    """Started together: one wins, the other is one line, exit 2, and there is
+    only ever one daemon (before, two of eight tries both won)."""
+    for attempt in range(1):
         rid = f"twice-{attempt}"
         both = [start([DDTRAIN, "start", "-n", "2", "--epochs", "1", "--run-id", rid,
                        "--synthetic-train-samples", "256"], tmp_path)
@@ -77,7 +95,7 @@ def test_ctrl_c_returns_when_everything_it_started_has_exited(tmp_path: Path) ->
     try:
         journal = tmp_path / "runs" / "interrupted" / "telemetry.journal"
         deadline = time.monotonic() + 60
-        while not (journal.exists() and journal.stat().st_size > 20_000):
+        while not (journal.exists() and journal.stat().st_size > 2_000):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole group
@@ -87,33 +105,3 @@ def test_ctrl_c_returns_when_everything_it_started_has_exited(tmp_path: Path) ->
         finish(proc, tag)
     assert proc.returncode == 130
     assert left == []
-
-
-def test_stacks_show_a_rank_blocked_in_a_collective(tmp_path: Path) -> None:
-    """Rank 1 frozen (SIGSTOP): rank 0 waits in its all-reduce, and `ddtrain stacks`
-    still shows where, from faulthandler's C handler; the dump stays in the run."""
-    with detached("-n", "2", "--epochs", "200", "--run-id", "stuck", cwd=tmp_path) as run:
-        assert run.started.returncode == 0, run.started.stderr
-        status = run.wait_for("stuck", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
-        frozen = status["ranks"][1]["pid"]
-        os.kill(frozen, signal.SIGSTOP)
-        try:
-            time.sleep(1.5)  # rank 0 reaches the all-reduce rank 1 never joins
-            stacks = run.cli("stacks", "stuck", "--rank", "0")
-            every = run.cli("stacks", "stuck")
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(frozen, signal.SIGCONT)
-        bad = run.cli("stacks", "stuck", "--rank", "7")
-        stopped = run.cli("stop", "stuck", "--timeout", "30")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert run.leftovers() == []
-    assert stacks.returncode == 0, stacks.stdout + stacks.stderr
-    assert stacks.stdout.startswith("== rank 0 (")
-    assert "Thread 0x" in stacks.stdout and "trainer.py" in stacks.stdout, stacks.stdout
-    assert "ddtop-telemetry" in stacks.stdout or "telemetry.py" in stacks.stdout  # all threads
-    # Rank 1 cannot answer while stopped: said, not waited for forever.
-    assert every.returncode == 0 and "== rank 1: no stacks within" in every.stdout
-    assert bad.returncode == 2 and bad.stderr.startswith("ddtrain: error: --rank 7:")
-    saved = (tmp_path / "runs" / "stuck" / "logs" / "rank-0.stacks").read_text()
-    assert "trainer.py" in saved
