@@ -68,6 +68,7 @@ def main() -> None:
                 model.module(torch.randn(4, 32))
     if args.out and rank == 0:
         torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, args.out)
+    dist.barrier()  # leave together: gloo can abort a rank whose peer is already gone
     dist.destroy_process_group()
 
 

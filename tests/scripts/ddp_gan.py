@@ -33,6 +33,7 @@ def main() -> None:
         g_loss.backward()
         opt_g.step()
         ddtop.step(loss=g_loss, samples=16)
+    dist.barrier()  # leave together: gloo can abort a rank whose peer is already gone
     dist.destroy_process_group()
 
 
