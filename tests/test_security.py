@@ -262,9 +262,11 @@ def test_over_tcp_every_socket_speaks_curve_and_the_owner_gets_in(
         context.term()
 
 
-def forge(endpoints: dict[str, str], keys: RunKeys | None) -> None:
+def forge(run: Detached, endpoints: dict[str, str], keys: RunKeys | None, reason: str) -> None:
     """A Step for rank 0 with an absurd loss, and a stop request, from a peer
-    holding `keys` (None: no CURVE at all)."""
+    holding `keys` (None: no CURVE at all); the peer stays until the daemon has
+    counted its refused handshake under `reason`."""
+    before = run.status(TCP_RUN)["rejected"].get(reason, 0)
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
@@ -278,7 +280,7 @@ def forge(endpoints: dict[str, str], keys: RunKeys | None) -> None:
                      sync_wait_s=0)
     with contextlib.suppress(zmq.Again):
         push.send_multipart(wire.encode(step), zmq.NOBLOCK)
-    time.sleep(1.0)  # it keeps trying to handshake meanwhile
+    run.wait_for(TCP_RUN, lambda s: s["rejected"].get(reason, 0) > before, timeout=30)
     push.close()
     context.term()
     with pytest.raises(control.Unreachable):
@@ -310,17 +312,18 @@ def test_over_tcp_no_key_a_wrong_key_or_another_runs_keys_get_nothing_in(
     run, root = over_tcp
     endpoints = record(root)["endpoints"]
     before = run.status(TCP_RUN)["rejected"]
-    forge(endpoints, None)
-    forge(endpoints, stranger_keys(tmp_path, "wrong-client", server_of=root / "keys"))
-    forge(endpoints, stranger_keys(tmp_path, "other-run", server_of=None))
+    forge(run, endpoints, None, "handshake_failed")
+    forge(run, endpoints, stranger_keys(tmp_path, "wrong-client", server_of=root / "keys"),
+          "unauthenticated")
+    forge(run, endpoints, stranger_keys(tmp_path, "other-run", server_of=None),
+          "handshake_failed")
     status = run.status(TCP_RUN)
     assert status["status"] == "running"  # no stop got through
     rejected = status["rejected"]
     assert rejected.get("unauthenticated", 0) > before.get("unauthenticated", 0), rejected
     assert rejected.get("handshake_failed", 0) > before.get("handshake_failed", 0), rejected
-    forged = [r for r in journal.read(root / "telemetry.journal")
-              if b"loss_sum" in r.frame and wire.decode([r.frame], TCP_RUN).rank == 0
-              and getattr(wire.decode([r.frame], TCP_RUN), "loss_sum", 0) == FORGED_LOSS]
+    decoded = (wire.decode([r.frame], TCP_RUN) for r in journal.read(root / "telemetry.journal"))
+    forged = [m for m in decoded if isinstance(m, wire.Step) and m.loss_sum == FORGED_LOSS]
     assert forged == []
 
 
