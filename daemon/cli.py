@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from ddtop.daemon import control
+from ddtop.daemon import control, inject
 from ddtop.daemon.config import (
     OneLineParser,
     TrainConfig,
@@ -43,6 +43,7 @@ from ddtop.daemon.contract import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    FAULT_ENV,
     owner_only_umask,
 )
 from ddtop.daemon.program import check_program, split_program_args
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_output_arguments(start)
     add_train_arguments(start)
+    drills = start.add_argument_group("fault drills")
+    drills.add_argument(
+        "--inject", action="append", default=[], metavar="SPEC",
+        help="make a rank fail on purpose, to see how the failure is named (repeatable): "
+        "RANK:ACTION[@step=N|@epoch=E] with ACTION kill, stop, hang, raise, segfault, "
+        "exit=CODE, slow=FACTORx or stall-data=SECONDSs; e.g. 1:kill@step=50, "
+        "2:hang@step=80, 1:slow=1.5x, 0:stall-data=2s@step=30 (first attempt only; "
+        "docs/cli.md#failure-drills)")
 
     def with_run(p: argparse.ArgumentParser) -> None:
         p.add_argument("run", nargs="?", metavar="RUN",
@@ -219,8 +228,26 @@ def cmd_start(args: argparse.Namespace) -> int:
         raise
 
 
+def arm_drills(specs: list[str], world_size: int) -> None:
+    """--inject: the specs checked (bad input raises UsageError), and handed to the
+    daemon and every rank in DDTOP_FAULT; without --inject, a DDTOP_FAULT already
+    set is checked the same way."""
+    if specs:
+        source, drills = inject.FLAG, inject.parse_all(specs)
+    elif os.environ.get(FAULT_ENV):
+        source, drills = FAULT_ENV, inject.parse_environ(os.environ[FAULT_ENV])
+    else:
+        return
+    inject.check_ranks(drills, world_size, source)
+    if drills:
+        os.environ[FAULT_ENV] = inject.encode(drills)
+    else:
+        del os.environ[FAULT_ENV]
+
+
 def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:
     verb = "resuming" if config.resume else "starting"
+    arm_drills(args.inject, config.world_size)
     if args.headless:
         return start_headless(args, config, paths)
     if args.foreground:

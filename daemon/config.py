@@ -193,6 +193,9 @@ class TrainConfig:
     runs torchrun --standalone"""
     max_restarts: int = flag(0, metavar="K", group="run", low=0)
     """after a rank fails, restart every rank from the newest checkpoint, up to K times"""
+    hang_timeout: float | None = flag(None, metavar="S", group="run", default_text="off")
+    """fail the run when it has hung (ranks stalled in a collective) for S seconds,
+    naming the rank the others wait for; with --max-restarts it restarts"""
     module: str | None = flag(None, short="-m", metavar="MODULE", group="program",
                               default_text="none")
     """run this Python module (as `python -m MODULE`) as every rank, instead of the
@@ -244,6 +247,10 @@ class TrainConfig:
                 f"--run-id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'"
             )
         _check_path("--runs-dir", self.runs_dir)
+        if self.hang_timeout is not None and not (
+                math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
+            raise UsageError(f"--hang-timeout must be a positive, finite number of seconds "
+                             f"(got {self.hang_timeout}); leave it out to never fail a hang")
         if self.runs_user_code:
             return self  # the built-in trainer's settings below do not apply
         _check_path("--data-dir", self.data_dir)

@@ -44,6 +44,9 @@ class Outcome:
     exit_code: int
     failed_rank: Rank | None = None
     report: ErrorReport | None = None  # what the failed rank said, if it wrote anything
+    # How the failed rank ended, in words, where the daemon decided it (a hang,
+    # --hang-timeout) rather than the rank's exit: "hung for 30 s (--hang-timeout 30)".
+    reason: str | None = None
 
 
 class RunReport:
@@ -146,6 +149,8 @@ class RunReport:
         """How the failed rank ended."""
         rank = outcome.failed_rank
         assert rank is not None and rank.exitcode is not None
+        if outcome.reason is not None:
+            return outcome.reason
         if rank.stopped_by_us and outcome.report is not None:
             # It raised, then was still exiting when the daemon stopped the rest.
             return "raised an error (ddtrain stopped its process while it was exiting)"

@@ -371,6 +371,13 @@ class RunState(msgspec.Struct, kw_only=True):
 
     def hang(self, now: float) -> str | None:
         """Which ranks wait in which collective, and for whom, when some are stalled."""
+        found = self.hung(now)
+        return found[1] if found is not None else None
+
+    def hung(self, now: float) -> tuple[list[int], str] | None:
+        """When some ranks are stalled: the ranks the others wait for (those not
+        inside the collective the others wait in; without one, the stalled ranks;
+        [] when every live rank waits in it), and the hang in words."""
         states = self.rank_states(now)
         stalled = [r for r, s in states.items() if s == STALLED]
         if not stalled:
@@ -380,7 +387,8 @@ class RunState(msgspec.Struct, kw_only=True):
         waiting = {r: c for r in live if r in self.ranks and self.ranks[r].in_collective
                    and (c := self.ranks[r].coll_started) is not None}
         if not waiting:
-            return "; ".join(f"rank {r} stalled {self.ranks[r].where()}" for r in stalled)
+            return stalled, "; ".join(f"rank {r} stalled {self.ranks[r].where()}"
+                                      for r in stalled)
         newest = max(c.seq for c in waiting.values())
         inside = [r for r, c in waiting.items() if c.seq == newest]
         coll = waiting[inside[0]]
@@ -393,7 +401,7 @@ class RunState(msgspec.Struct, kw_only=True):
         dead = [r for r, s in states.items() if s == DEAD]
         if dead:
             text += f"; {rank_list(dead)} dead"
-        return text
+        return others, text
 
     def telemetry_loss(self) -> float:
         """Fraction of rank messages lost (sequence gaps), 0..1."""

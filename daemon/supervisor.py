@@ -37,6 +37,7 @@ from ddtop.daemon.contract import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    FAULT_ENV,
     STACKS_SIGNAL,
     TELEMETRY_ENV,
     ErrorReport,
@@ -46,6 +47,7 @@ from ddtop.daemon.contract import (
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.processes import send_signal
+from ddtop.daemon.rankview import STALLED
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
@@ -63,6 +65,8 @@ INTERRUPT_STOP_TIMEOUT_S = 30.0
 # After a rank fails: seconds the ranks that already wrote an error report get to
 # exit by themselves before the others are stopped (their exits race each other).
 FAILURE_SETTLE_S = 3.0
+# A hang failed by --hang-timeout: seconds the ranks get to write their stacks first.
+STACKS_GRACE_S = 0.3
 
 
 # How ranks are started, by --launcher.
@@ -97,6 +101,9 @@ class Supervisor:
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
         self.attempt_started = 0.0  # wall clock: error reports older than this are stale
+        self.hung_since: float | None = None  # wall clock: since when the run hangs
+        # The hung rank's failure, said by the daemon (--hang-timeout): its exit carries it.
+        self.verdicts: dict[int, ErrorReport] = {}
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
@@ -177,7 +184,7 @@ class Supervisor:
         self.restarts += 1
         newest = self.paths.newest_checkpoint()
         view = self.relay.state.ranks.get(rank.rank)
-        reason = describe_exit(rank.exitcode, None)
+        reason = outcome.reason or describe_exit(rank.exitcode, None)
         step = view.global_step if view else None
         entry: dict[str, Any] = {  # a summary.Restart, sent as the event's data
             "restart": self.restarts, "rank": rank.rank, "pid": rank.process.pid,
@@ -195,6 +202,7 @@ class Supervisor:
         self._status("restarting", message, write=False)
         self.config = replace(self.config, resume=newest is not None)
         self.ranks = []  # a signal before the new ranks exist stops at once
+        self.hung_since, self.verdicts = None, {}
 
     # -- start -----------------------------------------------------------------
     def _start_ranks(self) -> None:
@@ -208,6 +216,11 @@ class Supervisor:
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
             if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
                 os.environ[KEYS_ENV] = str(self.paths.keys)
+        drills = os.environ.get(FAULT_ENV)
+        if drills and not self.restarts:  # --inject (checked by ddtrain start)
+            message = f"fault drills armed: {drills} (in the first attempt only)"
+            print(f"ddtrain: {message}", file=self.err, flush=True)
+            self.relay.emit(wire.Event, type="info", message=message)
         self.ranks = []
         self.starter.start(self.config, self.restarts, self.ranks)
         self._status("running", f"{self.config.world_size} ranks started")
@@ -239,6 +252,9 @@ class Supervisor:
                 self._settle()
                 self._stop_all()
                 return self._failure()
+            hung = self._check_hang()
+            if hung is not None:
+                return hung
 
     def _collect_exits(self, running: list[Rank]) -> bool:
         """Record the exits among `running`; report the clean ones at once. True
@@ -296,6 +312,44 @@ class Supervisor:
             self.relay.emit(wire.Event, type="warning", message=message)
             self._stop_all()
             self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
+
+    def _check_hang(self) -> Outcome | None:
+        """--hang-timeout: a hang the state has declared (daemon/state.py: ranks
+        stalled in a collective) for that long fails the run, blamed on the rank
+        the others wait for; every rank is stopped."""
+        limit = self.config.hang_timeout
+        assert self.relay is not None
+        if limit is None or self.stopping is not None:
+            return None
+        now = time.time()
+        found = self.relay.state.hung(now)
+        if found is None:
+            self.hung_since = None
+            return None
+        if self.hung_since is None:
+            self.hung_since = now
+        if now - self.hung_since < limit:
+            return None
+        waited_for, text = found
+        stalled = [r for r, s in self.relay.state.rank_states(now).items() if s == STALLED]
+        blamed = min(waited_for or stalled or [0])
+        reason = f"hung for {limit:g} s (--hang-timeout {limit:g})"
+        message = f"rank {blamed} {reason}: {text}"
+        print(f"ddtrain: {message}; stopping the ranks (their stacks first: "
+              f"{self.paths.logs}/rank-K.stacks)", file=self.err, flush=True)
+        self.relay.emit(wire.Event, type="warning", message=message)
+        self.verdicts[blamed] = ErrorReport(rank=blamed, message=f"{reason}: {text}")
+        assert self.starter is not None
+        for process in self.starter.numbered().values():  # where each rank hangs, kept
+            send_signal(process, STACKS_SIGNAL)
+        time.sleep(STACKS_GRACE_S)
+        self._stop_all()
+        self._note_exits(blamed)
+        ends = self._rank_ends(self.ranks)
+        failed = next((e for e in ends if e.rank == blamed), None) or next(
+            p for p in self.ranks if p.exitcode is not None)
+        return Outcome("failed", EXIT_FAILED, failed, self.verdicts[blamed],
+                       reason=f"{reason} and was stopped")
 
     def _serve_stacks(self) -> None:
         """`ddtrain stacks`: the stacks signal to the ranks asked for, among the
@@ -380,6 +434,8 @@ class Supervisor:
                 culprit=r.rank == culprit)
 
     def _error_report(self, rank: int) -> ErrorReport | None:
+        if rank in self.verdicts:
+            return self.verdicts[rank]
         return blame.read_error_report(self.paths.rank_error(rank), self.attempt_started)
 
     # -- output ----------------------------------------------------------------

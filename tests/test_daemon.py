@@ -184,8 +184,8 @@ def test_stop_is_graceful_and_leaves_nothing(live: Detached) -> None:
 
 
 def test_a_killed_rank_fails_the_run_and_is_named(tmp_path: Path) -> None:
-    with detached("-n", "2", "--epochs", "1", "--run-id", "kill", cwd=tmp_path,
-                  env={"DDTOP_FAULT": "1:20:SIGKILL"}) as run:
+    with detached("-n", "2", "--epochs", "1", "--run-id", "kill", "--inject", "1:kill@step=20",
+                  cwd=tmp_path) as run:
         status = run.wait_for("kill", lambda s: s["status"] != "running")
         assert run.leftovers() == []
     assert status["status"] == "failed"
@@ -218,7 +218,7 @@ def test_torchrun_launcher_restarts_a_killed_rank(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--launcher", "torchrun", "-n", "2", "--epochs", "2",
                   "--synthetic-train-samples", "4096", "--checkpoint-every", "20",
                   "--max-restarts", "1", "--run-id", "tr", cwd=tmp_path,
-                  env={"DDTOP_FAULT": "1:40:SIGKILL"})
+                  env={"DDTOP_FAULT": "1:kill@step=40"})
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr

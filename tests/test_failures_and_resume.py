@@ -1,6 +1,6 @@
 """Ranks that die, daemons that are stopped, and runs that resume.
 
-Failures are real: DDTOP_FAULT makes a rank SIGKILL itself (or raise) after a
+Failures are real: `--inject` makes a rank SIGKILL itself (or raise) after a
 given step; Ctrl-C and SIGKILL are real signals sent to the daemon (ddtrain start --foreground).
 """
 
@@ -56,7 +56,7 @@ def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
     # Rank 1 is SIGKILLed after global step 11 (epoch 2, step 3); the newest
     # checkpoint is then step 9, mid-epoch.
     crash = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "crash",
-                    "--checkpoint-every", "3", cwd=tmp_path, env={"DDTOP_FAULT": "1:11:SIGKILL"})
+                    "--checkpoint-every", "3", "--inject", "1:kill@step=11", cwd=tmp_path)
     assert crash.returncode == 1, crash.stdout + crash.stderr
     assert "rank 1" in crash.stderr and "killed by SIGKILL" in crash.stderr
     assert "ddtrain start --resume --run-id crash" in crash.stderr
@@ -87,7 +87,7 @@ def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
 def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
         tmp_path: Path, uninterrupted: Path) -> None:
     run = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "again", "--max-restarts", "1",
-                  "--checkpoint-every", "3", cwd=tmp_path, env={"DDTOP_FAULT": "1:11:SIGKILL"})
+                  "--checkpoint-every", "3", "--inject", "1:kill@step=11", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr
     assert "restarting from step-00000009.pt" in run.stderr
@@ -106,15 +106,15 @@ def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
 
 def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
-                  "--synthetic-train-samples", "256", "--run-id", "boom", cwd=tmp_path,
-                  env={"DDTOP_FAULT": "0:2:raise"})
+                  "--synthetic-train-samples", "256", "--run-id", "boom",
+                  "--inject", "0:raise@step=2", cwd=tmp_path)
     assert run.returncode == 1
     assert "rank 0 (pid" in run.stderr and "exited with code 1" in run.stderr
     assert "RuntimeError: injected failure at step 2" in run.stderr
     assert "  | RuntimeError: injected failure" in run.stderr  # the traceback's tail
     assert run.leftovers == []
     report = json.loads((tmp_path / "runs/boom/logs/rank-0.error.json").read_text())
-    assert report["kind"] == "exception" and "fire_at" in report["traceback"]
+    assert report["kind"] == "exception" and "after_step" in report["traceback"]
     # Rank 1 fails too (its all-reduce lost rank 0), and may well be reaped
     # first: run.json and the journal a dashboard folds still blame rank 0.
     status = json.loads((tmp_path / "runs/boom/run.json").read_text())

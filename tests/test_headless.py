@@ -65,7 +65,7 @@ def test_foreground_headless_jsonl_ends_with_a_summary_and_exit_0(tmp_path: Path
 
 def test_killed_rank_fails_the_headless_run_naming_rank_and_signal(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--headless", "--run-id", "bad", *SHORT,
-                  cwd=tmp_path, env={"DDTOP_FAULT": "1:40:SIGKILL"})
+                  "--inject", "1:kill@step=40", cwd=tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert run.leftovers == []
     out = run.stdout.splitlines()

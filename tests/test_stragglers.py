@@ -4,7 +4,7 @@ faster rank spends the difference waiting in it), clean ranks with realistic
 noise are never named, a rank that computes 1.5x as long is named within 20
 steps and stays named while it lasts, is un-named when it recovers, and a
 stopped rank names nobody. One real 2-rank run with a rank slowed by
-DDTOP_FAULT=RANK:STEP:slowN names that rank and no other."""
+`--inject RANK:slow=FACTORx@step=N` names that rank and no other."""
 
 from __future__ import annotations
 
@@ -242,12 +242,13 @@ SLOW_RANK, SLOW_FROM = 1, 100
 
 
 def test_a_slowed_rank_of_a_real_run_is_named_and_no_other(tmp_path: Path) -> None:
-    # Rank 1 sleeps 20 ms after every step from step 100 on: the few-ms steps of this
-    # run become ~25 ms, nearly all of them rank 0 waiting in the all-reduce for it.
+    # Rank 1 takes 8x its step time from step 100 on (it sleeps 7x its own step
+    # time after each step): the few-ms steps of this run become ~25 ms, nearly all
+    # of them rank 0 waiting in the all-reduce for it.
     run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "--interval",
                   "0.2", "-n", "2", "--epochs", "1", "--synthetic-train-samples", "12800",
-                  "--batch-size", "32", "--run-id", "slow", cwd=tmp_path,
-                  env={"DDTOP_FAULT": f"{SLOW_RANK}:{SLOW_FROM}:slow0.02"})
+                  "--batch-size", "32", "--run-id", "slow",
+                  "--inject", f"{SLOW_RANK}:slow=8x@step={SLOW_FROM}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     progress = [line for line in lines if line["kind"] == "progress"]

@@ -93,12 +93,13 @@ def test_comm_hook_keeps_ddp_results_exact(observed: tuple[Run, Path, Collector]
 
 
 def test_a_blocked_rank_still_heartbeats_and_names_its_collective(tmp_path: Path) -> None:
-    # Rank 1 stalls for 4 s after step 3; rank 0 goes on into step 4 and waits in
-    # that step's gradient all-reduce.
+    # Rank 1's data loading for step 4 stalls for 4 s; rank 0 goes on into step 4
+    # and waits in that step's gradient all-reduce.
     with collecting() as got:
         run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
                       "--synthetic-train-samples", "512", cwd=tmp_path,
-                      env={"DDTOP_TELEMETRY": got.endpoint, "DDTOP_FAULT": "1:3:sleep4"})
+                      env={"DDTOP_TELEMETRY": got.endpoint,
+                           "DDTOP_FAULT": "1:stall-data=4s@step=3"})
     assert run.returncode == 0, run.stdout + run.stderr
     waiting = [h for h in got.of(wire.Heartbeat, 0)
                if h.global_step == 3 and h.phase == "backward" and h.coll_started
@@ -114,7 +115,7 @@ def test_error_event_carries_the_traceback(tmp_path: Path) -> None:
     with collecting() as got:
         run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
                       "--synthetic-train-samples", "256", cwd=tmp_path,
-                      env={"DDTOP_TELEMETRY": got.endpoint, "DDTOP_FAULT": "1:2:raise"})
+                      env={"DDTOP_TELEMETRY": got.endpoint, "DDTOP_FAULT": "1:raise@step=2"})
     assert run.returncode == 1
     (error,) = [e for e in got.of(wire.Event, 1) if e.type == "error"]
     assert "RuntimeError: injected failure at step 2" in error.message

@@ -44,7 +44,7 @@ from ddtop.daemon.contract import (
     restore_user_umask,
 )
 from ddtop.daemon.runs import RunPaths, read_json
-from ddtop.training import api, autowatch, worker
+from ddtop.training import api, autowatch, drills, worker
 from ddtop.training.rendezvous import install as install_loopback
 from ddtop.training.worker import (
     enter_rank,
@@ -94,6 +94,7 @@ def run_program(config: TrainConfig, rank: int, error_report: Path | None,
     autowatch.install()
     def body() -> None:
         prepare()
+        drills.install_in_script()  # --inject: after each optimizer step (after autowatch's)
         runner()
 
     code = run_reported(body, rank, error_report, own_frames=_ours)

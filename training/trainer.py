@@ -14,12 +14,10 @@ collectives a rank waits in) goes to `Telemetry` directly.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,55 +28,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddtop
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import ATTEMPT_ENV, EXIT_FAILED, EXIT_USAGE, FAULT_ENV
+from ddtop.daemon.contract import EXIT_FAILED, EXIT_USAGE
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import api, checkpoint, data
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
+from ddtop.training.drills import Drills
 from ddtop.training.metrics import GlobalMetrics, Totals, gather_counters
 from ddtop.training.models import build_model
 from ddtop.training.reporting import Reporter
 from ddtop.training.stopping import StopAgreement
 from ddtop.training.telemetry import Telemetry
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Failure injection for tests and drills: DDTOP_FAULT=RANK:STEP[:ACTION]
-    makes that rank, after that global step, kill itself with a signal (ACTION
-    SIGKILL, the default, SIGTERM, ...), raise an exception (`raise`) or stall
-    for N seconds (`sleepN`), as a hung rank would; `slowN` stalls N seconds
-    after every step from that one on, as a straggler would. Only in the
-    first attempt: a run restarted after the fault (--max-restarts) goes on."""
-
-    step: int
-    action: str
-
-    @classmethod
-    def from_environ(cls, rank: int) -> Fault | None:
-        spec = os.environ.get(FAULT_ENV)
-        if not spec or os.environ.get(ATTEMPT_ENV, "0") != "0":
-            return None
-        parts = spec.split(":")
-        try:
-            fault_rank, step = int(parts[0]), int(parts[1])
-        except (IndexError, ValueError):
-            raise UsageError(f"{FAULT_ENV}={spec!r} must look like RANK:STEP[:ACTION]"
-                             ) from None
-        return cls(step, parts[2] if len(parts) > 2 else "SIGKILL") if fault_rank == rank else None
-
-    def fire_at(self, global_step: int) -> None:
-        if self.action.startswith("slow") and global_step >= self.step:
-            time.sleep(float(self.action[len("slow"):]))
-            return
-        if global_step != self.step:
-            return
-        if self.action == "raise":
-            raise RuntimeError(f"injected failure at step {global_step} ({FAULT_ENV})")
-        if self.action.startswith("sleep"):
-            time.sleep(float(self.action[len("sleep"):]))
-            return
-        os.kill(os.getpid(), signal.Signals[self.action])
 
 
 def agree_on_run(config: TrainConfig, env: RankEnv) -> TrainConfig:
@@ -174,7 +134,7 @@ class Trainer:
         ddtop.init(start_step=self.global_step)  # steps done before a resume
         self.loss_fn = nn.CrossEntropyLoss()
         self.pin = device.type == "cuda"
-        self.fault = Fault.from_environ(env.rank)
+        self.drills = Drills.from_environ(env.rank, phase=ddtop.phase)  # --inject
         self.stop = StopAgreement(env.is_main)
         self.report.started(backend, device, self.model, self.train_set, self.val_set,
                             self.steps_per_epoch)
@@ -240,8 +200,8 @@ class Trainer:
                                    self.gather_metrics(plus(totals.counter(), carried)))
             if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
                 self.save(Position(epoch, step), plus(totals.counter(), carried))
-            if self.fault is not None:
-                self.fault.fire_at(self.global_step)
+            if self.drills is not None:
+                self.drills.after_step(self.global_step, self.steps_per_epoch)
         train_metrics = self.gather_metrics(plus(totals.counter(), carried))
         val_metrics = self.evaluate()
         self.save(Position(epoch + 1, 0), Counter())

@@ -1,0 +1,208 @@
+"""Fault drills: the one grammar of `ddtrain start --inject SPEC`.
+
+    SPEC    = RANK ":" ACTION [ "@" WHEN ]
+    ACTION  = kill | stop | hang | raise | segfault | exit=CODE
+            | slow=FACTORx | stall-data=SECONDSs
+    WHEN    = step=N | epoch=E
+
+e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
+`0:stall-data=2s@step=30`. A drill fires once the rank's global optimizer
+step N is done (steps count from 1, across epochs, as `ddtrain status` shows
+them), or once epoch E (counted from 1) is done, i.e. after its last step;
+`slow` acts on every step from there on (from the first step without WHEN),
+every other action once, and each needs WHEN.
+
+The daemon parses and checks the specs before anything starts (bad input: one
+line naming the problem and the fix) and hands them to the ranks in
+DDTOP_FAULT, comma-separated in the same grammar; the rank parses them again
+with this module (training/drills.py acts on them). DDTOP_FAULT set by hand
+is read the same way. Pure: no torch, no processes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ddtop.daemon.config import UsageError
+from ddtop.daemon.contract import FAULT_ENV
+
+FLAG = "--inject"
+# What each action does, for --help and errors (docs/cli.md#failure-drills says more).
+ACTIONS = {
+    "kill": "SIGKILL itself",
+    "stop": "SIGSTOP itself (frozen: silent, the others wait)",
+    "hang": "block before its next collective, for good (the others wait inside it)",
+    "raise": "raise an exception (a traceback)",
+    "segfault": "crash with a segmentation fault (SIGSEGV)",
+    "exit": "exit=CODE: exit at once with CODE (1-255)",
+    "slow": "slow=FACTORx: take FACTOR times its normal step time (e.g. 1.5x)",
+    "stall-data": "stall-data=SECONDSs: its data loading stalls that long, once (e.g. 2s)",
+}
+ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx or "
+          "stall-data=SECONDSs")
+SEPARATOR = ","
+MAX_EXIT_CODE = 255
+MAX_SLOW_FACTOR = 1000.0
+MAX_STALL_S = 86400.0
+
+_SPEC = re.compile(r"(?P<rank>[^:@]*):(?P<action>[^@=]*)(?:=(?P<value>[^@]*))?"
+                   r"(?:@(?P<when>.*))?")
+_WHEN = re.compile(r"(?P<unit>step|epoch)=(?P<count>.*)")
+_OLD = re.compile(r"(?P<rank>\d+):(?P<step>\d+)(?::(?P<action>.*))?")
+_OLD_ACTIONS = {"": "kill", "SIGKILL": "kill", "SIGSTOP": "stop", "SIGSEGV": "segfault",
+                "raise": "raise"}
+
+
+@dataclass(frozen=True)
+class Drill:
+    """One parsed SPEC."""
+
+    rank: int
+    action: str  # a key of ACTIONS
+    value: float = 0.0  # exit: the code; slow: the factor; stall-data: seconds
+    step: int | None = None  # after this global step (counted from 1) ...
+    epoch: int | None = None  # ... or after the last step of this epoch (from 1)
+
+    @property
+    def repeats(self) -> bool:
+        """True for `slow`: every step from the trigger on, not once."""
+        return self.action == "slow"
+
+    def first_step(self, steps_per_epoch: int) -> int | None:
+        """The global step after which it fires (from which on, for slow); None
+        while an epoch trigger's steps per epoch are unknown (0)."""
+        if self.epoch is not None:
+            return self.epoch * steps_per_epoch if steps_per_epoch > 0 else None
+        return self.step if self.step is not None else 1
+
+    def spec(self) -> str:
+        """The drill in the grammar, as parsed: '1:slow=1.5x@step=10'."""
+        action = self.action
+        if action == "exit":
+            action += f"={int(self.value)}"
+        elif action == "slow":
+            action += f"={self.value:g}x"
+        elif action == "stall-data":
+            action += f"={self.value:g}s"
+        when = (f"@step={self.step}" if self.step is not None
+                else f"@epoch={self.epoch}" if self.epoch is not None else "")
+        return f"{self.rank}:{action}{when}"
+
+
+def parse(text: str, source: str = FLAG) -> Drill:
+    """One SPEC; UsageError naming the problem and the fix (`source` says where the
+    spec came from: --inject or DDTOP_FAULT)."""
+    spec = text.strip()
+
+    def bad(problem: str) -> UsageError:
+        return UsageError(f"{source} {spec!r}: {problem}")
+
+    old = _OLD.fullmatch(spec)
+    if old is not None:  # RANK:STEP[:ACTION], the form before --inject
+        was = old["action"] or ""
+        action = (f"stall-data={was[5:]}s" if was.startswith("sleep") else
+                  "slow=1.5x" if was.startswith("slow") else _OLD_ACTIONS.get(was, "kill"))
+        raise bad(f"write it as RANK:ACTION@step=N, e.g. "
+                  f"{old['rank']}:{action}@step={old['step']} (ACTION: {ONE_OF})")
+    match = _SPEC.fullmatch(spec)
+    if match is None:
+        raise bad(f"write it as RANK:ACTION[@step=N|@epoch=E], e.g. 1:kill@step=50 "
+                  f"(ACTION: {ONE_OF})")
+    rank = _integer(match["rank"])
+    if rank is None:
+        raise bad(f"the rank {match['rank']!r} must be a whole number from 0, e.g. "
+                  f"1:{match['action']}")
+    action = match["action"]
+    if action not in ACTIONS:
+        raise bad(f"unknown action {action!r}: use {ONE_OF}")
+    value = _value(action, match["value"], bad)
+    step = epoch = None
+    when = match["when"]
+    if when is not None:
+        found = _WHEN.fullmatch(when)
+        count = _integer(found["count"]) if found is not None else None
+        if found is None or count is None or count < 1:
+            raise bad(f"'@{when}' must be @step=N or @epoch=E, with N or E a whole number "
+                      "from 1 (steps and epochs count from 1)")
+        if found["unit"] == "step":
+            step = count
+        else:
+            epoch = count
+    elif action != "slow":
+        raise bad(f"say when: add @step=N (after global step N) or @epoch=E "
+                  f"(after epoch E), e.g. {rank}:{match['action']}"
+                  f"{'=' + match['value'] if match['value'] is not None else ''}@step=50")
+    return Drill(rank, action, value, step, epoch)
+
+
+def _value(action: str, text: str | None, bad: Callable[[str], UsageError]) -> float:
+    """The number after '=' that `action` takes (none for the others)."""
+    if action in ("exit", "slow", "stall-data"):
+        if text is None:
+            example = {"exit": "exit=3", "slow": "slow=1.5x", "stall-data": "stall-data=2s"}
+            raise bad(f"{action} needs a value, e.g. {example[action]}")
+    elif text is not None:
+        raise bad(f"{action} takes no value: drop '={text}'")
+    else:
+        return 0.0
+    if action == "exit":
+        code = _integer(text)
+        if code is None or not 1 <= code <= MAX_EXIT_CODE:
+            raise bad(f"exit={text}: the code must be a whole number from 1 to "
+                      f"{MAX_EXIT_CODE} (0 is not a failure), e.g. exit=3")
+        return float(code)
+    if action == "slow":
+        factor = _number(text.removesuffix("x"))
+        if factor is None or not 1.0 < factor <= MAX_SLOW_FACTOR:
+            raise bad(f"slow={text}: the factor must be a number above 1 and at most "
+                      f"{MAX_SLOW_FACTOR:g}, e.g. slow=1.5x (1.5 times its normal step time)")
+        return factor
+    seconds = _number(text.removesuffix("s"))
+    if seconds is None or not 0.0 < seconds <= MAX_STALL_S:
+        raise bad(f"stall-data={text}: give seconds above 0 and at most {MAX_STALL_S:g}, "
+                  "e.g. stall-data=2s")
+    return seconds
+
+
+def _integer(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_all(specs: Iterable[str], source: str = FLAG) -> list[Drill]:
+    """Every SPEC, in order (the first bad one raises)."""
+    return [parse(spec, source) for spec in specs]
+
+
+def parse_environ(value: str) -> list[Drill]:
+    """DDTOP_FAULT's value: specs separated by commas."""
+    return parse_all((part for part in value.split(SEPARATOR) if part.strip()), FAULT_ENV)
+
+
+def check_ranks(drills: Iterable[Drill], world_size: int, source: str = FLAG) -> None:
+    """UsageError for a drill aimed at a rank the run does not have."""
+    for drill in drills:
+        if drill.rank >= world_size:
+            ranks = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
+            raise UsageError(f"{source} {drill.spec()!r}: there is no rank {drill.rank}: "
+                             f"--world-size {world_size} has {ranks}")
+
+
+def encode(drills: Iterable[Drill]) -> str:
+    """The value of DDTOP_FAULT that carries `drills` to the ranks."""
+    return SEPARATOR.join(drill.spec() for drill in drills)
+
+
+def for_rank(drills: Iterable[Drill], rank: int) -> list[Drill]:
+    return [drill for drill in drills if drill.rank == rank]

@@ -1,0 +1,264 @@
+"""Fault drills (`ddtrain start --inject SPEC`) and `--hang-timeout`, on real runs.
+
+Each drill kind is acted out by a real 2-rank run and named by the daemon:
+segfault and exit=CODE@epoch=E (dead ranks, by signal and exit code), raise in
+a user's own script (through the optimizer step hook, the script's line in the
+traceback), slow=FACTORx (named as the straggler, no other rank) with
+stall-data on the other rank, hang (the hung rank and the collective named;
+--hang-timeout fails it, --max-restarts restarts it) and stop (silent, then
+failed by --hang-timeout). kill and raise of the built-in trainer are in
+test_failures_and_resume.py, test_daemon.py and test_headless.py.
+
+The six runs start together (a module fixture), so that the hang runs' 10 s of
+waiting to be declared overlaps the others; each test waits for its own run
+(with a timeout) and checks that nothing it started is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import DDTRAIN, Run, finish, metric_records, start
+
+from ddtop.daemon import inject, journal, wire
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.training.drills import Drills
+
+SCRIPTS = Path(__file__).parent / "scripts"
+# 20 steps an epoch of 8 samples per rank: start-up dominates.
+SHORT = ("-n", "2", "--synthetic-train-samples", "320", "--synthetic-val-samples", "32",
+         "--batch-size", "16")
+JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
+RUN_TIMEOUT_S = 100
+
+RUNS: dict[str, tuple[str, ...]] = {
+    # The hang runs first: they wait longest.
+    "hang": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:hang@step=5",
+             "--hang-timeout", "1", "--max-restarts", "1"),
+    "stop": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:stop@step=5",
+             "--hang-timeout", "1"),
+    "segv": ("--foreground", *SHORT, "--epochs", "1", "--inject", "1:segfault@step=5"),
+    "exit": ("--foreground", *SHORT, "--epochs", "2", "--sync-every", "10",
+             "--inject", "1:exit=3@epoch=1"),
+    "script": ("--foreground", "-n", "2", str(SCRIPTS / "ddp_accum.py"),
+               "--inject", "1:raise@step=3", "--", "--steps", "6"),
+    # 200 steps of 32 samples; rank 1 at twice its step time from the start.
+    "slow": (*JSONL, "-n", "2", "--epochs", "1", "--synthetic-train-samples", "6400",
+             "--synthetic-val-samples", "64", "--batch-size", "32",
+             "--inject", "1:slow=2x", "--inject", "0:stall-data=2s@step=60"),
+}
+
+
+class Started:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[str, tuple[subprocess.Popen[str], str]] = {}
+        self.done: dict[str, Run] = {}
+
+    def result(self, name: str) -> Run:
+        if name not in self.done:
+            proc, tag = self.procs[name]
+            self.done[name] = finish(proc, tag, timeout=RUN_TIMEOUT_S)
+        return self.done[name]
+
+    def run_dir(self, name: str) -> Path:
+        return self.root / name / "runs" / name
+
+
+@pytest.fixture(scope="module")
+def drills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
+    started = Started(tmp_path_factory.mktemp("drills"))
+    try:
+        for name, args in RUNS.items():
+            cwd = started.root / name
+            cwd.mkdir()
+            started.procs[name] = start([DDTRAIN, "start", "--run-id", name, *args], cwd)
+        yield started
+    finally:
+        for name in started.procs:  # every run waited for (and killed on a timeout)
+            if name not in started.done:
+                with contextlib.suppress(AssertionError):
+                    started.result(name)
+
+
+def jsonl(run: Run) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def record(root: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((root / "run.json").read_text())
+    return data
+
+
+# -- the grammar ------------------------------------------------------------------------------
+def test_the_grammar_round_trips() -> None:
+    specs = ["1:kill@step=50", "2:hang@step=80", "3:stop@step=30", "0:raise@step=10",
+             "1:exit=3@epoch=1", "2:segfault@step=20", "1:slow=1.5x", "0:stall-data=2s@step=30",
+             "1:slow=2x@step=10"]
+    drills = inject.parse_all(specs)
+    assert [d.spec() for d in drills] == specs
+    assert inject.parse_environ(inject.encode(drills)) == drills
+    assert inject.parse("1:slow=3").value == 3.0
+    assert inject.parse("0:stall-data=0.5@step=2").value == 0.5
+    assert drills[4].first_step(20) == 20 and drills[4].first_step(0) is None  # epoch 1 ends
+    assert drills[6].first_step(0) == 1 and drills[6].repeats  # slow: from the first step
+
+
+@pytest.mark.parametrize(("spec", "fragment"), [
+    ("1:kil@step=5", "unknown action 'kil': use kill, stop, hang"),
+    ("1:kill", "say when: add @step=N"),
+    ("5:kill@step=3", "there is no rank 5: --world-size 2 has ranks 0-1"),
+    ("1:slow=0.5x", "the factor must be a number above 1"),
+    ("1:slow=infx", "the factor must be a number above 1"),
+    ("1:raise=3@step=2", "raise takes no value"),
+    ("1:exit@step=2", "exit needs a value, e.g. exit=3"),
+    ("1:exit=0@step=2", "from 1 to 255 (0 is not a failure)"),
+    ("1:kill@step=0", "@step=N or @epoch=E"),
+    ("1:kill@steps=4", "@step=N or @epoch=E"),
+    ("0:stall-data=nans@step=3", "give seconds above 0"),
+    ("1:20:SIGKILL", "write it as RANK:ACTION@step=N, e.g. 1:kill@step=20"),
+    ("one:kill@step=1", "the rank 'one' must be a whole number"),
+    ("", "write it as RANK:ACTION[@step=N|@epoch=E]"),
+])
+def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> None:
+    with pytest.raises(UsageError) as bad:
+        inject.check_ranks(inject.parse_all(["0:kill@step=9", spec]), 2)
+    assert str(bad.value).startswith(f"--inject {spec!r}: ") and fragment in str(bad.value)
+
+
+@pytest.mark.parametrize(("args", "env", "fragment"), [
+    (("--inject", "0:kill@step=9", "--inject", "1:kil@step=5"), {},
+     "ddtrain: error: --inject '1:kil@step=5': unknown action 'kil'"),
+    (("--inject", "2:hang@step=3"), {},
+     "ddtrain: error: --inject '2:hang@step=3': there is no rank 2: --world-size 2 has"),
+    ((), {"DDTOP_FAULT": "1:kill@step=3,0:bad"},
+     "ddtrain: error: DDTOP_FAULT '0:bad': unknown action"),
+    (("--hang-timeout", "nan"), {}, "ddtrain: error: --hang-timeout must be a positive, finite"),
+])
+def test_bad_drills_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...],
+                                           env: dict[str, str], fragment: str) -> None:
+    proc, tag = start([DDTRAIN, "start", "-n", "2", *args], tmp_path, env)
+    run = finish(proc, tag, timeout=30)
+    assert run.returncode == 2, run.stdout + run.stderr
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(fragment), line
+    assert run.leftovers == [] and not any((tmp_path / "runs").glob("*"))  # nothing started
+
+
+@pytest.mark.parametrize("seconds", [0.0, -5.0, math.inf, math.nan])
+def test_hang_timeout_is_positive_and_finite(seconds: float) -> None:
+    with pytest.raises(UsageError, match="--hang-timeout must be a positive, finite number"):
+        TrainConfig(hang_timeout=seconds).validate()
+    assert TrainConfig(hang_timeout=0.5).validate().hang_timeout == 0.5
+
+
+def test_the_old_form_is_refused_with_the_new_one() -> None:
+    with pytest.raises(UsageError, match=r"DDTOP_FAULT '1:3:sleep4'.*1:stall-data=4s@step=3"):
+        inject.parse_environ("1:3:sleep4")  # as a rank would read it
+
+
+def test_slow_takes_its_factor_of_the_step_time() -> None:
+    slow = Drills([inject.parse("0:slow=3x@step=3")])
+    began = time.monotonic()
+    for step in range(1, 13):
+        time.sleep(0.02)  # the step's own work
+        if step == 2:
+            began = time.monotonic()  # steps 3-12 are slowed
+        slow.after_step(step, 0)
+    per_step = (time.monotonic() - began) / 10
+    assert 0.05 < per_step < 0.12, per_step  # ~3 x 0.02 s (sleeps overshoot a little)
+
+
+# -- dead ranks ----------------------------------------------------------------------------------
+def test_segfault_is_named_by_its_signal(drills: Started) -> None:
+    run = drills.result("segv")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "fault drills armed: 1:segfault@step=5" in run.stderr
+    assert "rank 1 (pid" in run.stderr and "was killed by SIGSEGV" in run.stderr
+    failure = record(drills.run_dir("segv"))["failure"]
+    assert (failure["rank"], failure["signal"]) == (1, "SIGSEGV")
+    assert run.leftovers == []
+
+
+def test_exit_at_an_epoch_end_is_named_by_its_code(drills: Started) -> None:
+    run = drills.result("exit")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "rank 1 (pid" in run.stderr and "exited with code 3" in run.stderr
+    status = record(drills.run_dir("exit"))
+    assert (status["failure"]["rank"], status["failure"]["exit_code"]) == (1, 3)
+    # After the last step of epoch 1 (its metric sync at step 20 done), before the
+    # epoch's end was agreed.
+    assert [r["global_step"] for r in metric_records(drills.run_dir("exit"), "sync")] == [10, 20]
+    assert metric_records(drills.run_dir("exit"), "epoch") == []
+    assert run.leftovers == []
+
+
+def test_raise_in_a_users_script_goes_through_its_optimizer_step(drills: Started) -> None:
+    run = drills.result("script")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert ("RuntimeError: injected failure at step 3 (--inject 1:raise@step=3)"
+            in run.stderr), run.stderr
+    report = json.loads((drills.run_dir("script") / "logs" / "rank-1.error.json").read_text())
+    assert "ddp_accum.py" in report["traceback"]  # from the script's own optimizer step
+    assert record(drills.run_dir("script"))["failure"]["rank"] == 1
+    assert run.leftovers == []
+
+
+# -- slow and stalled ranks ---------------------------------------------------------------------
+def test_a_slow_rank_is_named_and_a_data_stall_is_data_time(drills: Started) -> None:
+    run = drills.result("slow")
+    assert run.returncode == 0, run.stderr[-2000:]
+    progress = [line for line in jsonl(run) if line["kind"] == "progress"]
+    named = [line["stragglers"] for line in progress if line["stragglers"]]
+    assert named and all(slow == [1] for slow in named), [p["stragglers"] for p in progress]
+    # Rank 0's data loading after step 60 took 2 s more: its data time, not a hang.
+    state_steps = [wire.decode([r.frame]) for r in
+                   journal.read(drills.run_dir("slow") / "telemetry.journal")]
+    stalled = [m for m in state_steps if isinstance(m, wire.Step) and m.rank == 0
+               and m.data_s >= 2.0]
+    assert len(stalled) == 1 and stalled[0].global_step > 60, stalled
+    assert all(line["hang"] is None for line in progress)
+    assert run.leftovers == []
+
+
+# -- hangs ----------------------------------------------------------------------------------------
+def test_a_hang_is_named_then_failed_by_hang_timeout_and_restarted(drills: Started) -> None:
+    run = drills.result("hang")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = jsonl(run)
+    hangs = [line["hang"] for line in lines if line["kind"] == "progress" and line["hang"]]
+    # Rank 0 waits inside the all-reduce of step 6; rank 1 never reached it.
+    assert hangs and "rank 0 wait in allreduce #" in hangs[0], hangs
+    assert "rank 1 is in data of step 6" in hangs[0], hangs
+    assert "rank 1 hung for 1 s (--hang-timeout 1): rank 0 wait in allreduce" in run.stderr
+    assert "restart 1/1: rank 1 hung for 1 s (--hang-timeout 1) and was stopped" in run.stderr
+    status = record(drills.run_dir("hang"))
+    assert (status["status"], status["restarts"]) == ("succeeded", 1)
+    (entry,) = status["timeline"]
+    assert entry["rank"] == 1 and "hung" in entry["reason"]
+    # Its stacks were taken before it was stopped: where it hung.
+    stacks = (drills.run_dir("hang") / "logs" / "rank-1.stacks").read_text()
+    assert "drills.py" in stacks and "trainer.py" in stacks
+    assert run.leftovers == []
+
+
+def test_a_stopped_rank_is_silent_and_hang_timeout_fails_the_run(drills: Started) -> None:
+    run = drills.result("stop")
+    assert run.returncode == 1, run.stderr[-3000:]
+    summary = jsonl(run)[-1]
+    assert summary["kind"] == "summary" and summary["status"] == "failed"
+    failure = summary["failure"]
+    assert failure["rank"] == 1, failure
+    assert failure["message"].startswith("hung for 1 s (--hang-timeout 1): rank 0 wait in "
+                                         "allreduce #"), failure
+    assert "rank 1 is silent, last in " in failure["message"]
+    assert "failed: rank 1 (pid" in run.stderr and "hung for 1 s" in run.stderr
+    assert run.leftovers == []

@@ -1,0 +1,180 @@
+"""Fault drills, acted out by a rank (`ddtrain start --inject`; the grammar and
+its checks are daemon/inject.py's).
+
+`Drills.after_step(global_step, steps_per_epoch)` is called once a global
+optimizer step is done: by the built-in trainer's loop, and in a user's
+script (`ddtrain start train.py`) by a global optimizer step hook, so drills
+need no line of the script. Each action happens right there, between two
+steps:
+
+- kill, stop, segfault: the rank sends itself SIGKILL or SIGSTOP, or reads
+  address 0 (a real SIGSEGV);
+- raise: a RuntimeError out of the step (the loop, or the script's
+  `optimizer.step()`), reported with its traceback like any other;
+- exit=CODE: the rank exits at once with CODE, without a word (`os._exit`);
+- hang: the rank sleeps for good before its next collective, so the other
+  ranks wait inside it (its heartbeats go on: stalled, not silent);
+- slow=FACTORx: every step from then on, the rank sleeps (FACTOR - 1) times
+  its step time (the median of its last steps, measured without the sleeps),
+  so that it takes FACTOR times as long as it would;
+- stall-data=SECONDSs: the rank's next data loading takes SECONDS longer
+  (it sleeps in the data phase), once.
+
+Drills act in the first attempt only: a run restarted after one
+(`--max-restarts`) goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import statistics
+import sys
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from ddtop.daemon import inject
+from ddtop.daemon.contract import ATTEMPT_ENV, FAULT_ENV
+
+# Step times the slow drill takes the median of.
+SLOW_WINDOW = 9
+
+
+class Drills:
+    """The drills aimed at this rank, acted on after each step."""
+
+    def __init__(self, drills: list[inject.Drill], phase: Any = None) -> None:
+        self.drills = drills
+        # A context manager factory for a phase (ddtop.phase), for stall-data.
+        self.phase = phase
+        self.step_times: deque[float] = deque(maxlen=SLOW_WINDOW)
+        self._step_end: float | None = None  # monotonic, after the last step's drills
+        self._announced: set[inject.Drill] = set()  # each says once that it acts
+
+    @classmethod
+    def from_environ(cls, rank: int, phase: Any = None) -> Drills | None:
+        """This rank's drills from DDTOP_FAULT (None: none, or not the first attempt);
+        a malformed value raises UsageError (bad input, exit 2)."""
+        value = os.environ.get(FAULT_ENV)
+        if not value or os.environ.get(ATTEMPT_ENV, "0") != "0":
+            return None
+        mine = inject.for_rank(inject.parse_environ(value), rank)
+        return cls(mine, phase) if mine else None
+
+    @property
+    def need_epochs(self) -> bool:
+        return any(d.epoch is not None for d in self.drills)
+
+    def after_step(self, global_step: int, steps_per_epoch: int) -> None:
+        now = time.monotonic()
+        if self._step_end is not None:
+            self.step_times.append(now - self._step_end)
+        for drill in self.drills:
+            first = drill.first_step(steps_per_epoch)
+            if first is None:
+                continue
+            if drill.repeats and global_step >= first:
+                if drill not in self._announced:
+                    self._announce(drill, global_step)
+                self._slow(drill.value)
+            elif global_step == first:
+                self._announce(drill, global_step)
+                self._act(drill, global_step)
+        self._step_end = time.monotonic()
+
+    def _announce(self, drill: inject.Drill, global_step: int) -> None:
+        """One line in the rank's log as the drill acts, with the wall clock time
+        (what bench/faults.py measures the daemon's diagnosis from)."""
+        self._announced.add(drill)
+        print(f"ddtop drill {drill.spec()}: acting after step {global_step} "
+              f"(at {time.time():.3f})", file=sys.stderr, flush=True)
+
+    def _slow(self, factor: float) -> None:
+        if self.step_times:
+            time.sleep((factor - 1.0) * statistics.median(self.step_times))
+
+    def _act(self, drill: inject.Drill, global_step: int) -> None:
+        what = f"injected failure at step {global_step} (--inject {drill.spec()})"
+        if drill.action == "raise":
+            raise RuntimeError(what)
+        if drill.action == "stall-data":
+            with self.phase("data") if self.phase is not None else contextlib.nullcontext():
+                time.sleep(drill.value)
+            return
+        if drill.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # resumed (SIGCONT): trains on
+        _flush()
+        if drill.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif drill.action == "exit":
+            os._exit(int(drill.value))
+        elif drill.action == "segfault":
+            ctypes.string_at(0)  # reading address 0: SIGSEGV
+            os.kill(os.getpid(), signal.SIGSEGV)  # (should reading it not fault)
+        elif drill.action == "hang":
+            while True:  # before the next collective, for good
+                time.sleep(3600)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+# -- a user's script ---------------------------------------------------------------------
+def install_in_script() -> bool:
+    """Act out this rank's drills in a user's script, after each optimizer step
+    (a global optimizer step hook); False when there are none."""
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        rank = 0
+    import ddtop
+
+    drills = Drills.from_environ(rank, phase=ddtop.phase)
+    if drills is None:
+        return False
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_ScriptSteps(drills))
+    return True
+
+
+class _ScriptSteps:
+    """Global optimizer steps of a script, as ddtop counts them (api.LiveRank:
+    one per step of the first optimizer that steps, steps before a resume
+    included), or, without telemetry, counted here the same way."""
+
+    def __init__(self, drills: Drills) -> None:
+        self.drills = drills
+        self.pacer: weakref.ref[Any] | None = None
+        self.counted = 0
+        self.last = 0
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        from ddtop.training import api
+
+        live = api.running()
+        if live is not None and live.active:
+            steps, per_epoch = live.steps, live.steps_per_epoch
+        else:
+            pacer = self.pacer() if self.pacer is not None else None
+            if pacer is None:
+                self.pacer = weakref.ref(optimizer)
+            elif pacer is not optimizer:
+                return
+            self.counted += 1
+            steps, per_epoch = self.counted, 0
+        if steps == self.last:
+            return  # a second optimizer in the same step (a GAN)
+        self.last = steps
+        if self.drills.need_epochs and not per_epoch and live is not None:
+            live.warn_once("drill-epochs", "an @epoch drill cannot fire: give "
+                           "ddtop.init(total_steps=..., epochs=...) so epochs are known")
+        self.drills.after_step(steps, per_epoch)
