@@ -133,6 +133,11 @@ class TrainConfig:
     """where each rank computes; auto = cuda:<local rank> when available, else cpu"""
     model: Literal["mlp", "cnn", "resnet18"] = "mlp"
     """model to train"""
+    strategy: Literal["ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"] = "ddp"
+    """how ranks synchronise gradients: ddp (torch DDP, gradient buckets), allreduce
+    (an all_reduce per parameter after backward), hooks / hooks-async (per-parameter
+    hooks during backward, blocking / asynchronous), ring (all-reduce from send/recv
+    around a ring), fsdp (FSDP2 fully_shard); see docs/strategies.md"""
     dataset: Literal["synthetic", "mnist", "fashion-mnist", "cifar10"] = "synthetic"
     """dataset; synthetic is built in and needs no download"""
     data_dir: str = flag("data", metavar="DIR")

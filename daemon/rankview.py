@@ -60,6 +60,7 @@ class RankView(msgspec.Struct, kw_only=True):
     comm_s: float | None = None  # per step
     comm_bytes: int | None = None  # per step
     comm_ops: float | None = None  # collectives per step (gradient buckets), averaged
+    comm_overlap_s: float | None = None  # per step, of comm_s: overlapping the rank's work
     algbw_gbps: float | None = None
     busbw_gbps: float | None = None
     sync_wait_s: float = 0.0  # total

@@ -70,6 +70,7 @@ class RunState(msgspec.Struct, kw_only=True):
     program: str = ""  # a user's own script (ddtop.init), else ""
     total_steps: int = 0  # the script's own total (ddtop.init(total_steps=)), else 0
     backend: str = ""
+    strategy: str = ""  # the built-in trainer's --strategy (ddp, fsdp, ...), else ""
     config_digest: str = ""
     status: Status = "starting"
     status_message: str = ""
@@ -183,6 +184,8 @@ class RunState(msgspec.Struct, kw_only=True):
             self.program = m.program
         if not isinstance(m.total_steps, msgspec.UnsetType):
             self.total_steps = max(0, m.total_steps)
+        if not isinstance(m.strategy, msgspec.UnsetType):
+            self.strategy = m.strategy
         if not again:
             where = ", ".join(part for part in (f"{m.host} pid {m.pid}", m.device, m.backend)
                               if part)  # a script's backend is not known at its first hello
@@ -213,6 +216,8 @@ class RunState(msgspec.Struct, kw_only=True):
         view.comm_bytes = m.comm_bytes // steps
         view.comm_ops = m.comm_ops / steps
         view.algbw_gbps, view.busbw_gbps = m.algbw_gbps, m.busbw_gbps
+        view.comm_overlap_s = (None if isinstance(m.comm_overlap_s, msgspec.UnsetType)
+                               else m.comm_overlap_s / steps)
         view.sync_wait_s += m.sync_wait_s
         view.phase_split = {"data": m.data_s / steps, "forward": m.forward_s / steps,
                             "backward": m.backward_s / steps, "optimizer": m.optimizer_s / steps}

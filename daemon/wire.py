@@ -34,6 +34,9 @@ MAX_PROGRAM_CHARS = 200
 ProgramText = Annotated[str, msgspec.Meta(max_length=MAX_PROGRAM_CHARS,
                                           pattern=r"^[^\x00-\x1f\x7f]*$")]
 
+# A --strategy name as a hello carries it: short, printable.
+StrategyName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9_-]*$")]
+
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "metric_sync",
                 "checkpoint", "evaluation", "done"]
 # What an Aggregate covers: a mid-epoch metric sync, or a whole epoch.
@@ -82,6 +85,9 @@ class Hello(_Header, tag="hello", tag_field="kind", kw_only=True):
     # encoded) from senders of an earlier version.
     program: ProgramText | UnsetType = UNSET
     total_steps: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] | UnsetType = UNSET
+    # How the built-in trainer synchronises gradients (--strategy: ddp, allreduce,
+    # hooks, hooks-async, ring, fsdp); absent from a user's script.
+    strategy: StrategyName | UnsetType = UNSET
 
 
 class Step(_Header, tag="step", tag_field="kind", kw_only=True):
@@ -113,6 +119,10 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     # ddtop.step(loss=...) weighs each loss by its samples if given, else by 1.
     # Absent (UNSET) from the built-in trainer: the weight is `samples`.
     loss_weight: float | UnsetType = UNSET
+    # Of `comm_s`, the time that overlapped with the rank's own computation (it
+    # did not sit waiting for it): comm_s minus the time blocked in communication.
+    # Absent (UNSET) where not measured: a user's script.
+    comm_overlap_s: float | UnsetType = UNSET
 
 
 class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):

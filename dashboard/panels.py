@@ -34,6 +34,15 @@ EVENT_STYLE = {"error": "bold red", "warning": "yellow", "exit": "red", "restart
                "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
                "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
 BAR_WIDTH = 30
+# What the comm panel counts, per --strategy of the built-in trainer (docs/strategies.md).
+COMM_OPS = {
+    "ddp": "all-reduce/step (DDP buckets, during backward)",
+    "allreduce": "all-reduce/step (one per parameter, after backward)",
+    "hooks": "all-reduce/step (one per parameter from its hook, blocking backward)",
+    "hooks-async": "all-reduce/step (one per parameter from its hook, async)",
+    "ring": "ring all-reduce/step (one per parameter, send/recv)",
+    "fsdp": "collectives/step (all-gathers, reduce-scatters)",
+}
 
 
 def header(state: RunState, now: float, note: str = "") -> Text:
@@ -48,6 +57,8 @@ def header(state: RunState, now: float, note: str = "") -> Text:
     if note:
         text.append(f"  {note}", "bold yellow")
     what = state.program or f"{state.model or '?'} on {state.dataset or '?'}"
+    if state.strategy:
+        what += f" · strategy {state.strategy}"
     text.append(f"\n{what} · {state.backend or '?'} · "
                 f"{world} ranks on {n_nodes} node{'s' if n_nodes != 1 else ''} · "
                 f"restarts {state.restarts} · telemetry loss {100 * state.telemetry_loss():.2f}%")
@@ -110,10 +121,16 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
         nbytes = med([v.comm_bytes or 0 for v in views])
         secs = med([v.comm_s or 0.0 for v in views])
         per_op = nbytes / ops if ops else 0
-        text.append("all-reduce/step ", "bold")
+        text.append(COMM_OPS.get(state.strategy, "all-reduce/step") + " ", "bold")
         text.append(f"{ops:.0f} ops of {fmt.size(per_op)} = {fmt.size(nbytes)} in "
                     f"{fmt.millis(secs)} ms; algbw {med([v.algbw_gbps or 0 for v in views]):.2f}"
-                    f" busbw {med([v.busbw_gbps or 0 for v in views]):.2f} GB/s\n")
+                    f" busbw {med([v.busbw_gbps or 0 for v in views]):.2f} GB/s")
+        overlaps = [v.comm_overlap_s for v in views if v.comm_overlap_s is not None]
+        if overlaps:
+            overlap = med(overlaps)
+            text.append(f"; overlapped {100 * overlap / secs if secs else 0:.0f}% "
+                        f"({fmt.millis(overlap)} ms)")
+        text.append("\n")
     else:
         text.append("no step reported yet\n", "dim")
     v = state.ranks.get(selected) if selected is not None else None
@@ -201,7 +218,11 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
     text.append(f"{'step':>10} {fmt.millis(v.step_time_s):>7}\n")
     # DDP all-reduces gradient buckets while backward still runs: this time is
     # part of the phases above, not added to them.
-    share_row("all-reduce", v.comm_s, " of the step, overlapping backward")
+    if v.comm_overlap_s is None:
+        share_row("all-reduce", v.comm_s, " of the step, overlapping backward")
+    else:  # measured (the built-in trainer's --strategy)
+        overlapped = v.comm_overlap_s / v.comm_s if v.comm_s else 0.0
+        share_row("comm", v.comm_s, f" of the step, {100 * overlapped:.0f}% of it overlapped")
     for line in fmt.traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text

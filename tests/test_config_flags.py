@@ -42,6 +42,8 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--start-method": (("forkserver", "spawn", "fork"), "forkserver"),
     "--module": (str, None),  # added with the user's own scripts
     "--fail-on-nan": (bool, False),  # added with non-finite loss events
+    # added with gradient synchronisation strategies (docs/strategies.md)
+    "--strategy": (("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"), "ddp"),
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir"}

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -77,6 +78,12 @@ class StepWindow:
     comm_s: float = 0.0
     comm_bytes: int = 0
     comm_ops: int = 0
+    # Bytes weighted by each op's bus factor, 2(n-1)/n for an all-reduce
+    # (busbw = comm_bus_bytes / comm_s).
+    comm_bus_bytes: float = 0.0
+    # Of comm_s, the time the rank sat blocked waiting for it (training/strategies.py);
+    # None: not measured (a user's script).
+    comm_exposed_s: float | None = None
     epoch: int = 0
     step: int = 0
     steps_per_epoch: int = 0
@@ -104,7 +111,10 @@ class Telemetry:
     def collective_completed(self, coll: wire.Collective | None) -> None:
         pass
 
-    def comm_done(self, seconds: float, nbytes: int) -> None:
+    def comm_done(self, seconds: float, nbytes: int, bus_factor: float | None = None) -> None:
+        pass
+
+    def comm_exposed(self, seconds: float) -> None:
         pass
 
     def aggregate(self, scope: wire.Scope, epoch: int, global_step: int, **metrics: Any) -> None:
@@ -127,6 +137,8 @@ class LiveTelemetry(Telemetry):
     def __init__(self, endpoint: str, hello: wire.Hello) -> None:
         self.endpoint, self.run, self.rank = endpoint, hello.run, hello.rank
         self.world_size = hello.world_size
+        n = max(1, self.world_size)
+        self._allreduce_bus_factor = 2 * (n - 1) / n  # nccl-tests' busbw / algbw
         self.memory_device: torch.device | None = None  # the CUDA device the model is on
         # State the training thread writes and the sender thread reads (plain
         # attribute stores, atomic under the GIL).
@@ -294,14 +306,25 @@ class LiveTelemetry(Telemetry):
     def collective_completed(self, coll: wire.Collective | None) -> None:
         self._coll_completed = coll
 
-    def comm_done(self, seconds: float, nbytes: int) -> None:
+    def comm_done(self, seconds: float, nbytes: int, bus_factor: float | None = None) -> None:
         """One gradient all-reduce finished (called by the DDP comm hook). It belongs
         to the step in progress, which is counted later: held until then, so that a
-        window sent in between cannot get the communication without its step."""
+        window sent in between cannot get the communication without its step.
+        `bus_factor`: the op's busbw / algbw when it is not an all-reduce
+        (training/strategies.py: all-gather, reduce-scatter)."""
         with self._lock:
-            self._comm_pending.comm_s += seconds
-            self._comm_pending.comm_bytes += nbytes
-            self._comm_pending.comm_ops += 1
+            pending = self._comm_pending
+            pending.comm_s += seconds
+            pending.comm_bytes += nbytes
+            pending.comm_ops += 1
+            pending.comm_bus_bytes += nbytes * (self._allreduce_bus_factor if bus_factor is None
+                                                else bus_factor)
+
+    def comm_exposed(self, seconds: float) -> None:
+        """Of the step's communication, `seconds` the rank sat waiting for it."""
+        with self._lock:
+            self._comm_pending.comm_exposed_s = (self._comm_pending.comm_exposed_s or 0.0) \
+                + seconds
 
     def _take_comm(self, w: StepWindow) -> None:
         """Under the lock: the communication of the step just counted, into `w`."""
@@ -309,7 +332,11 @@ class LiveTelemetry(Telemetry):
         w.comm_s += pending.comm_s
         w.comm_bytes += pending.comm_bytes
         w.comm_ops += pending.comm_ops
+        w.comm_bus_bytes += pending.comm_bus_bytes
+        if pending.comm_exposed_s is not None:
+            w.comm_exposed_s = (w.comm_exposed_s or 0.0) + pending.comm_exposed_s
         pending.comm_s, pending.comm_bytes, pending.comm_ops = 0.0, 0, 0
+        pending.comm_bus_bytes, pending.comm_exposed_s = 0.0, None
 
     def aggregate(self, scope: wire.Scope, epoch: int, global_step: int, **metrics: Any) -> None:
         self._queue(wire.Aggregate(run=self.run, rank=self.rank, scope=scope, epoch=epoch,
@@ -419,7 +446,11 @@ class LiveTelemetry(Telemetry):
                                           global_step=self._global_step))
 
     def _send_step(self, sock: zmq.Socket[bytes], w: StepWindow) -> None:
-        algbw, busbw = wire.algbw_busbw(w.comm_bytes, w.comm_s, self.world_size)
+        algbw, _ = wire.algbw_busbw(w.comm_bytes, w.comm_s, self.world_size)
+        busbw = w.comm_bus_bytes / w.comm_s / 1e9 if w.comm_s > 0 else 0.0
+        overlap: float | msgspec.UnsetType = msgspec.UNSET  # not measured
+        if w.comm_exposed_s is not None:
+            overlap = max(0.0, w.comm_s - w.comm_exposed_s)
         cuda_allocated, cuda_reserved, rss = self._memory()
         self._send(sock, wire.Step(
             run=self.run, rank=self.rank, epoch=w.epoch, step=w.step,
@@ -430,7 +461,7 @@ class LiveTelemetry(Telemetry):
             comm_s=w.comm_s, comm_bytes=w.comm_bytes, comm_ops=w.comm_ops,
             algbw_gbps=algbw, busbw_gbps=busbw, sync_wait_s=w.sync_wait_s,
             cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
-            loss_weight=w.loss_weight,
+            loss_weight=w.loss_weight, comm_overlap_s=overlap,
         ))
 
     def _memory(self) -> tuple[int | None, int | None, int | None]:

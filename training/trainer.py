@@ -24,13 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddtop
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_USAGE
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
-from ddtop.training import api, checkpoint, data
+from ddtop.training import api, checkpoint, data, strategies
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
 from ddtop.training.drills import Drills
@@ -97,7 +96,8 @@ def start_reporting(config: TrainConfig, device: torch.device, backend: str,
     return api.start(run=config.run_id, device=str(device), backend=backend,
                      config_digest=config.digest(), model=config.model,
                      dataset=config.dataset, epochs=config.epochs,
-                     global_batch=config.batch_size, program="", total_steps=total_steps)
+                     global_batch=config.batch_size, program="", total_steps=total_steps,
+                     strategy=config.strategy)
 
 
 class Trainer:
@@ -123,12 +123,13 @@ class Trainer:
             # Different randomness per rank (dropout), reproducible per seed.
             torch.manual_seed(config.seed + env.rank)
             random.seed(config.seed + env.rank)
-        # DDP broadcasts rank 0's parameters on construction; device_ids only for CUDA.
-        self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        ddtop.watch(self.ddp)  # comm time, bytes and ops per step, through DDP's comm hook
-        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=config.lr, momentum=0.9)
+        # How gradients are averaged (--strategy: DDP by default); every rank starts
+        # from rank 0's weights, and the communication is timed into the telemetry.
+        self.strategy = strategies.build(config.strategy, self.model, device, self.telemetry)
+        self.optimizer = torch.optim.SGD(self.strategy.model.parameters(), lr=config.lr,
+                                         momentum=0.9)
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.strategy.load_optimizer_state(self.optimizer, state["optimizer"])
             checkpoint.set_rng_state(state["rng"][env.rank], device)
         ddtop.watch(self.optimizer)  # its learning rate
         ddtop.init(start_step=self.global_step)  # steps done before a resume
@@ -185,10 +186,10 @@ class Trainer:
                 y = y.to(self.device, non_blocking=True)
             with ddtop.phase("forward"):
                 self.optimizer.zero_grad(set_to_none=True)
-                logits = self.ddp(x)
+                logits = self.strategy.model(x)
                 loss = self.loss_fn(logits, y)
             with ddtop.phase("backward"):
-                loss.backward()  # DDP all-reduces (averages) gradients bucket by bucket here
+                self.strategy.backward(loss)  # and the gradients averaged over the ranks
             with ddtop.phase("optimizer"):
                 self.optimizer.step()
             totals.add(loss, logits, y)
@@ -220,10 +221,10 @@ class Trainer:
         loader = data.val_loader(self.val_set, self.config, self.env, self.pin)
         totals = Totals(self.device)
         self.model.eval()
-        with ddtop.phase("eval"), torch.no_grad():
+        with ddtop.phase("eval"), torch.no_grad(), self.strategy.evaluating() as model:
             for x, y in loader:
-                # The bare module: no DDP collectives, so uneven shards cannot hang.
-                logits = self.model(x.to(self.device, non_blocking=True))
+                # No collective per batch (the bare module), so uneven shards cannot hang.
+                logits = model(x.to(self.device, non_blocking=True))
                 y = y.to(self.device, non_blocking=True)
                 totals.add(self.loss_fn(logits, y), logits, y)
         self.model.train()
@@ -240,11 +241,14 @@ class Trainer:
         with self.telemetry.collective("all_gather_object"):
             dist.all_gather_object(rngs, checkpoint.rng_state(self.device))
             totals = gather_counters(epoch_totals)
+        # Plain state dicts whatever the strategy (fsdp gathers them: every rank takes part).
+        model_state = self.strategy.model_state()
+        optimizer_state = self.strategy.optimizer_state(self.optimizer)
         if not self.env.is_main:
             return
         path = checkpoint.save(self.paths.checkpoints, {
-            "model": self.ddp.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "epoch": position.epoch,
             "step": position.step,
             "sampler_epoch": position.epoch,

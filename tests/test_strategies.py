@@ -1,0 +1,207 @@
+"""Every --strategy on 2 real gloo ranks: the same weights as one process with
+the whole batch, the communication each must do (ops, bytes, bus bandwidth,
+overlap) in its telemetry, checkpoints that resume, and the dashboard.
+
+One torchrun of tests/scripts/strategy_ranks.py runs all six strategies one
+after another in the same two ranks (start-up paid once); one pair of
+`ddtrain start` runs covers the built-in trainer (fsdp, then resumed as ring).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import collecting, ddtrain, torchrun
+from rich.console import Console
+from test_ddp_correctness import SingleProcess, load_weights
+from torch import nn
+
+from ddtop.daemon import wire
+from ddtop.daemon.state import RunState
+from ddtop.dashboard import panels
+from ddtop.training.data import SYNTHETIC_SPEC
+from ddtop.training.models import build_model
+from ddtop.training.strategies import STRATEGIES
+
+SCRIPT = Path(__file__).parent / "scripts" / "strategy_ranks.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from strategy_ranks import LR, SEED, STEPS, batches  # noqa: E402
+
+WORLD = 2
+RUN_TIMEOUT_S = 90  # six strategies in one torchrun, ~10 s on 2 cores
+DRAIN_S = 0.5  # the collector's last messages after torchrun returns
+
+
+@dataclass
+class Comm:
+    """One strategy's telemetry on one rank, summed over its Step messages."""
+
+    steps: int = 0
+    ops: int = 0
+    nbytes: int = 0
+    comm_s: float = 0.0
+    overlap_s: float | None = None
+    algbw: float = 0.0
+    busbw: float = 0.0
+
+
+@dataclass
+class StrategyRun:
+    out: Path
+    comm: dict[tuple[str, int], Comm]  # (strategy, rank)
+    hellos: dict[str, str]  # run -> the strategy its hello named
+
+
+@pytest.fixture(scope="module")
+def strategy_run(tmp_path_factory: pytest.TempPathFactory) -> StrategyRun:
+    out = tmp_path_factory.mktemp("strategies")
+    with collecting() as collector:
+        run = torchrun("--standalone", "--nproc-per-node", str(WORLD), str(SCRIPT), str(out),
+                       cwd=out, env={"DDTOP_TELEMETRY": collector.endpoint},
+                       timeout=RUN_TIMEOUT_S)
+        time.sleep(DRAIN_S)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not run.leftovers
+    comm: dict[tuple[str, int], Comm] = collections.defaultdict(Comm)
+    for m in collector.of(wire.Step):
+        c = comm[(m.run.removeprefix("strategy-"), m.rank)]
+        c.steps += m.steps
+        c.ops += m.comm_ops
+        c.nbytes += m.comm_bytes
+        c.comm_s += m.comm_s
+        c.algbw, c.busbw = m.algbw_gbps, m.busbw_gbps
+        if not isinstance(m.comm_overlap_s, type(wire.UNSET)):
+            c.overlap_s = (c.overlap_s or 0.0) + m.comm_overlap_s
+    hellos = {m.run: m.strategy for m in collector.of(wire.Hello)}
+    return StrategyRun(out, dict(comm), hellos)
+
+
+def one_process_weights() -> dict[str, torch.Tensor]:
+    """The same model, seed and batches in one process with the whole batch."""
+    torch.manual_seed(SEED)
+    model = build_model("mlp", SYNTHETIC_SPEC)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for x, y in batches()[:STEPS]:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_same_weights_as_one_process(strategy_run: StrategyRun, strategy: str) -> None:
+    expected = one_process_weights()
+    got = torch.load(strategy_run.out / f"{strategy}.pt", weights_only=True)
+    assert sorted(got) == sorted(expected)  # fsdp's gathered state: the plain module's keys
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{strategy}, {n}: {m}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_state_resumes_the_same_training(strategy_run: StrategyRun,
+                                                    strategy: str) -> None:
+    """Model and optimizer state saved and loaded into a fresh model under the same
+    strategy: one more step gives what the original's next step gives."""
+    both = torch.load(strategy_run.out / f"{strategy}-resumed.pt", weights_only=True)
+    for name, tensor in both["original"].items():
+        torch.testing.assert_close(both["resumed"][name], tensor, rtol=0, atol=0)
+
+
+def test_telemetry_counts_what_each_strategy_must_do(strategy_run: StrategyRun) -> None:
+    model = build_model("mlp", SYNTHETIC_SPEC)
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    layers = sum(isinstance(m, nn.Linear) for m in model.modules())
+    expected_ops = {
+        "ddp": 1,  # 0.94 MB of gradients: one bucket (DDP's first holds up to 1 MiB)
+        "allreduce": len(params), "hooks": len(params), "hooks-async": len(params),
+        "ring": len(params),
+        # Per layer: all-gathered for forward, again for backward, reduce-scattered.
+        "fsdp": 3 * layers,
+    }
+    expected_bytes = {s: param_bytes for s in STRATEGIES}
+    expected_bytes["fsdp"] = 3 * param_bytes  # no padding: every dim 0 is even
+    ring_factor = 2 * (WORLD - 1) / WORLD  # busbw / algbw of an all-reduce
+    for strategy in STRATEGIES:
+        assert strategy_run.hellos[f"strategy-{strategy}"] == strategy
+        for rank in range(WORLD):
+            c = strategy_run.comm[(strategy, rank)]
+            what = f"{strategy} rank {rank}"
+            assert c.steps == STEPS, what
+            assert c.ops == STEPS * expected_ops[strategy], what
+            assert c.nbytes == STEPS * expected_bytes[strategy], what
+            assert c.comm_s > 0, what
+            factor = (WORLD - 1) / WORLD if strategy == "fsdp" else ring_factor
+            assert c.busbw == pytest.approx(c.algbw * factor, rel=1e-6), what
+            # Overlap is measured for every strategy; blocking ones have none.
+            assert c.overlap_s is not None, what
+            if strategy in ("allreduce", "hooks", "ring", "fsdp"):
+                assert c.overlap_s == 0.0, what
+            assert 0.0 <= c.overlap_s <= c.comm_s, what
+
+
+# As test_ddp_correctness's run (its SingleProcess is the reference), but with 33
+# validation samples: rank 0 evaluates 2 batches of up to 16, rank 1 one batch.
+TRAIN_ARGS = ("--world-size", "2", "--batch-size", "32", "--lr", "0.05", "--seed", "3",
+              "--synthetic-train-samples", "256", "--synthetic-val-samples", "33",
+              "--sync-every", "4")
+
+
+def test_trainer_checkpoints_fsdp_and_resumes_it_as_ring(tmp_path: Path) -> None:
+    """The built-in trainer: epoch 1 under fsdp (gathered checkpoint, evaluation
+    with a different number of batches per rank), epoch 2 resumed from it under ring; both
+    checkpoints hold what one process with the whole batch computes."""
+    env = {"DDTOP_TELEMETRY": "off"}
+    first = ddtrain("start", "--foreground", *TRAIN_ARGS, "--epochs", "1", "--run-id", "s",
+                    "--strategy", "fsdp", cwd=tmp_path, env=env, timeout=60)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = ddtrain("start", "--foreground", "--resume", "--run-id", "s", "--epochs", "2",
+                     "--strategy", "ring", cwd=tmp_path, env=env, timeout=60)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert not first.leftovers and not second.leftovers
+    root = tmp_path / "runs" / "s"
+    checked = []
+
+    def check(step: int, expected: dict[str, torch.Tensor]) -> None:
+        if step % 8:
+            return  # checkpoints at epoch ends only
+        got = load_weights(root, step)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"step {step}, {n}: {m}")
+        checked.append(step)
+
+    SingleProcess().run(check)
+    assert checked == [8, 16]
+
+
+def test_dashboard_shows_the_strategy_and_its_overlap() -> None:
+    state = RunState(run="r")
+    hello = dict(run="r", local_rank=0, host="h", pid=1, device="cpu", backend="gloo",
+                 world_size=1, config_digest="", model="mlp", dataset="synthetic", epochs=1,
+                 global_batch=8)
+    state.apply(wire.Hello(rank=0, strategy="hooks-async", **hello), 1.0)  # type: ignore[arg-type]
+    state.apply(wire.Step(
+        run="r", rank=0, seq=1, t=2.0, epoch=0, step=1, steps_per_epoch=10, global_step=1,
+        steps=1, samples=8, loss_sum=8.0, lr=0.1, step_s=0.010, data_s=0.0, forward_s=0.002,
+        backward_s=0.006, optimizer_s=0.002, comm_s=0.004, comm_bytes=6_000, comm_ops=6,
+        algbw_gbps=0.0015, busbw_gbps=0.0015, sync_wait_s=0.0, comm_overlap_s=0.001), 2.0)
+    console = Console(width=200)
+
+    def shown(text: object) -> str:
+        with console.capture() as capture:
+            console.print(text)
+        return capture.get()
+
+    assert "strategy hooks-async" in shown(panels.header(state, 2.0))
+    comm = shown(panels.comm(state, 2.0, 0, 10))
+    assert "one per parameter from its hook, async" in comm
+    assert "6 ops of" in comm
+    assert "overlapped 25% (1.0 ms)" in comm

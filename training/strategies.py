@@ -1,0 +1,453 @@
+"""How the built-in trainer's ranks synchronise gradients (`--strategy`).
+
+The seeds teach data parallelism in steps; each step is a strategy here, and
+every one reports its communication through the same telemetry (ops, bytes,
+time, bus bandwidth, and how much of it overlapped with the rank's own work),
+so ddtop shows them side by side (docs/strategies.md):
+
+- `ddp`: torch DDP; gradients all-reduced bucket by bucket while backward runs
+  (timed by the comm hook of commtimer.py, attached by `ddtop.watch`).
+- `allreduce`: after backward, one blocking `all_reduce` per parameter's
+  gradient, then a division by the world size (seed 004's average_gradients).
+- `hooks`: a `register_post_accumulate_grad_hook` per parameter all-reduces its
+  gradient the moment it is ready, blocking backward meanwhile (seeds 000, 002).
+- `hooks-async`: the same hooks launch asynchronous all-reduces; backward goes on
+  while they run, and all are waited for before the optimizer step.
+- `ring`: after backward, each gradient all-reduced by a ring of send/recv:
+  reduce-scatter, then all-gather, 2(n-1) exchanges of 1/n of it (seed 004).
+- `fsdp`: FSDP2 `fully_shard` per layer and on the root: each layer's parameters
+  all-gathered before its forward and backward, gradients reduce-scattered.
+
+Whatever the strategy, the averaged gradient is where the optimizer finds it
+when `backward` returns, so the training loop is the same for all.
+
+What is timed, without a device synchronisation (`CommLedger`): on CPU a
+blocking collective on the thread that called it, all of it exposed (the rank
+waits); an asynchronous one from launch to its future's completion, charged
+from when the previous one finished (they queue on one process group), with
+the rank's wait for them as the exposed part. DDP: its buckets by the comm
+hook; exposed is the time from the last gradient being ready to backward
+returning (DDP waits for the last buckets). On CUDA: CUDA events around each
+collective, read back once they have completed; exposure is not measured.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddtop
+from ddtop.training.telemetry import Telemetry
+
+STRATEGIES = ("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp")
+
+
+def allreduce_factor(n: int) -> float:
+    """busbw / algbw of an all-reduce (nccl-tests): a ring moves 2(n-1)/n of it."""
+    return 2 * (n - 1) / n
+
+
+def gather_factor(n: int) -> float:
+    """busbw / algbw of an all-gather or reduce-scatter (nccl-tests): (n-1)/n."""
+    return (n - 1) / n
+
+
+class CommLedger:
+    """Times the collectives a strategy issues itself, into the rank's telemetry."""
+
+    def __init__(self, telemetry: Telemetry, cuda: bool) -> None:
+        self.telemetry, self.cuda = telemetry, cuda
+        self._lock = threading.Lock()  # future callbacks run on the backend's threads
+        self._last_end = 0.0
+        self._pending: list[tuple[Any, Any, int, float]] = []  # CUDA: start, end, bytes, factor
+
+    @contextmanager
+    def blocking(self, op: str, nbytes: int, bus_factor: float) -> Iterator[None]:
+        """Around a collective that returns when it is done (on CPU): all of it is
+        time the rank waits."""
+        coll = self.telemetry.collective_started(op, nbytes)
+        if self.cuda:
+            start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start_ev.record()
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            end_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end_ev.record()
+            with self._lock:
+                self._pending.append((start_ev, end_ev, nbytes, bus_factor))
+        else:
+            end = time.perf_counter()
+            with self._lock:
+                self._last_end = end
+            self.telemetry.comm_done(end - start, nbytes, bus_factor)
+            self.telemetry.comm_exposed(end - start)
+        self.telemetry.collective_completed(coll)
+
+    def launch(self, op: str, nbytes: int, bus_factor: float,
+               call: Callable[[], dist.Work]) -> torch.futures.Future[Any]:
+        """Start an asynchronous collective; a future that completes once it has
+        finished and been accounted for (wait on this one, not the work's)."""
+        coll = self.telemetry.collective_started(op, nbytes)
+        start = time.perf_counter()
+        work = call()
+
+        def finished(f: torch.futures.Future[Any]) -> None:
+            end = time.perf_counter()
+            with self._lock:
+                charged = end - max(start, self._last_end)  # queued behind the previous one
+                self._last_end = end
+            self.telemetry.comm_done(charged, nbytes, bus_factor)
+            self.telemetry.collective_completed(coll)
+            f.value()  # raises what the collective raised, into the waiter
+
+        return work.get_future().then(finished)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around the rank waiting for its asynchronous collectives (exposed time)."""
+        start = time.perf_counter()
+        yield
+        if not self.cuda:
+            self.telemetry.comm_exposed(time.perf_counter() - start)
+
+    def harvest(self) -> None:
+        """CUDA: account for the collectives whose end event has passed (never waits)."""
+        if not self._pending:
+            return
+        with self._lock:
+            done = [p for p in self._pending if p[1].query()]
+            self._pending = [p for p in self._pending if p not in done]
+        for start_ev, end_ev, nbytes, factor in done:
+            self.telemetry.comm_done(start_ev.elapsed_time(end_ev) / 1000.0, nbytes, factor)
+
+
+class Strategy:
+    """`model` is what the loop runs forward through; `backward` leaves every
+    parameter's gradient averaged over the ranks."""
+
+    name = "?"
+
+    def __init__(self, module: nn.Module, ledger: CommLedger) -> None:
+        self.module = module  # the bare model: evaluation, checkpoints
+        self.model: nn.Module = module
+        self.ledger = ledger
+        self.world = dist.get_world_size()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ledger.harvest()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+    # -- checkpoints: the same format for every strategy (a plain module's and a
+    # -- plain optimizer's state dicts), so a run may resume with another one.
+    def model_state(self) -> dict[str, Any]:
+        """Collective for fsdp: every rank calls it; rank 0's is the one to save."""
+        return self.module.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    @contextmanager
+    def evaluating(self) -> Iterator[nn.Module]:
+        """The model to evaluate with: no collective per batch, so uneven shards
+        of the validation set cannot hang."""
+        yield self.module
+
+    def _parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _broadcast_from_rank0(self) -> None:
+        """What DDP does on construction: every rank starts from rank 0's weights."""
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t, src=0)
+
+
+class TorchDDP(Strategy):
+    name = "ddp"
+
+    def __init__(self, module: nn.Module, ledger: CommLedger, device: torch.device) -> None:
+        super().__init__(module, ledger)
+        # DDP broadcasts rank 0's parameters on construction; device_ids only for CUDA.
+        self.model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+        ddtop.watch(self.model)  # comm time, bytes and ops per step, through DDP's comm hook
+        self._ready = 0.0  # when the last gradient of this backward was accumulated
+        if ledger.telemetry.live and not ledger.cuda:
+            for p in self._parameters():
+                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._grad_ready)
+
+    def _grad_ready(self, _: torch.Tensor) -> None:
+        self._ready = time.perf_counter()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._ready = 0.0
+        # DDP all-reduces (averages) gradients bucket by bucket here.
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        if self._ready:  # then waits for the buckets still in flight
+            self.ledger.telemetry.comm_exposed(time.perf_counter() - self._ready)
+
+
+class AllReduceAfterBackward(Strategy):
+    name = "allreduce"
+
+    def __init__(self, module: nn.Module, ledger: CommLedger) -> None:
+        super().__init__(module, ledger)
+        self._broadcast_from_rank0()
+        self.params = self._parameters()
+        self.factor = allreduce_factor(self.world)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        for p in self.params:
+            if p.grad is not None:
+                self.reduce(p.grad)
+                p.grad.div_(self.world)
+
+    def reduce(self, grad: torch.Tensor) -> None:
+        with self.ledger.blocking("allreduce", grad.nbytes, self.factor):
+            dist.all_reduce(grad)
+
+
+class RingAfterBackward(AllReduceAfterBackward):
+    name = "ring"
+
+    def reduce(self, grad: torch.Tensor) -> None:
+        with self.ledger.blocking("ring_allreduce", grad.nbytes, self.factor):
+            if grad.is_contiguous():
+                ring_all_reduce(grad.view(-1))
+            else:
+                flat = grad.reshape(-1).clone()
+                ring_all_reduce(flat)
+                grad.copy_(flat.view_as(grad))
+
+
+def ring_all_reduce(flat: torch.Tensor) -> None:
+    """Sum a contiguous 1-D tensor over all ranks in place, around the ring
+    rank -> rank+1. Reduce-scatter: in n-1 steps each rank passes one chunk
+    (1/n of the tensor) on and adds the one it receives, after which rank r
+    holds the full sum of chunk r+1. All-gather: n-1 more steps pass the
+    summed chunks round. Every rank sends 2(n-1)/n of the tensor in all."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n == 1:
+        return
+    chunks = list(flat.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    scratch = torch.empty_like(chunks[0])
+
+    def exchange(send: int, recv: int, into: torch.Tensor) -> None:
+        # An empty chunk (a tensor smaller than the ring) is neither sent nor
+        # received: the neighbour skips the same chunk, which has the same index.
+        request = dist.isend(chunks[send], right) if chunks[send].numel() else None
+        if into.numel():
+            dist.recv(into, left)
+        if request is not None:
+            request.wait()
+
+    for s in range(n - 1):  # reduce-scatter
+        recv = (rank - s - 1) % n
+        buffer = scratch[: chunks[recv].numel()]
+        exchange((rank - s) % n, recv, buffer)
+        chunks[recv].add_(buffer)
+    for s in range(n - 1):  # all-gather
+        exchange((rank + 1 - s) % n, (rank - s) % n, chunks[(rank - s) % n])
+
+
+class PerParameterHooks(Strategy):
+    """All-reduce each gradient from its post-accumulate-grad hook, during backward."""
+
+    name = "hooks"
+
+    def __init__(self, module: nn.Module, ledger: CommLedger, asynchronous: bool) -> None:
+        super().__init__(module, ledger)
+        self.asynchronous = asynchronous
+        self.name = "hooks-async" if asynchronous else "hooks"
+        self._broadcast_from_rank0()
+        self.factor = allreduce_factor(self.world)
+        self._in_flight: list[torch.futures.Future[Any]] = []
+        for p in self._parameters():
+            p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[no-untyped-call]
+
+    def _ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if not self.asynchronous:  # seed 002: backward stops here until it is summed
+            with self.ledger.blocking("allreduce", grad.nbytes, self.factor):
+                dist.all_reduce(grad)
+            grad.div_(self.world)
+            return
+        grad.div_(self.world)  # divide first, then sum (as DDP's allreduce_hook)
+        self._in_flight.append(self.ledger.launch(
+            "allreduce", grad.nbytes, self.factor,
+            lambda: _work(dist.all_reduce(grad, async_op=True))))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        if self._in_flight:
+            with self.ledger.waiting():  # every gradient summed before the optimizer step
+                for future in self._in_flight:
+                    future.wait()
+            self._in_flight.clear()
+
+
+class TimedAllGather(DefaultAllGather):
+    """FSDP2's own all-gather, timed (FSDPModule.set_custom_all_gather)."""
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger = ledger
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        nbytes, factor = output_tensor.nbytes, gather_factor(group.size())
+        if async_op:  # not on CPU: FSDP2 unshards synchronously unless told otherwise
+            return _accounted(self.ledger, "all_gather", nbytes, factor, super().__call__(
+                output_tensor, input_tensor, group, async_op=True))
+        with self.ledger.blocking("all_gather", nbytes, factor):
+            return super().__call__(output_tensor, input_tensor, group, async_op=False)
+
+
+class TimedReduceScatter(DefaultReduceScatter):
+    """FSDP2's own reduce-scatter, timed (FSDPModule.set_custom_reduce_scatter)."""
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger = ledger
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:
+        nbytes, factor = input_tensor.nbytes, gather_factor(group.size())
+        if async_op:
+            return _accounted(self.ledger, "reduce_scatter", nbytes, factor, super().__call__(
+                output_tensor, input_tensor, group, op, async_op=True))
+        with self.ledger.blocking("reduce_scatter", nbytes, factor):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op=False)
+
+
+def _accounted(ledger: CommLedger, op: str, nbytes: int, factor: float,
+               work: dist.Work | None) -> dist.Work | None:
+    """An asynchronous FSDP collective: FSDP waits on the work itself, so only its
+    duration is known (from its future), not how long the rank waited."""
+    if work is not None:
+        ledger.launch(op, nbytes, factor, lambda: _work(work))
+    return work
+
+
+def _work(work: dist.Work | None) -> dist.Work:
+    """What an async_op=True collective returns (typed as optional)."""
+    assert work is not None
+    return work
+
+
+class FullyShard(Strategy):
+    name = "fsdp"
+
+    def __init__(self, module: nn.Module, ledger: CommLedger, device: torch.device) -> None:
+        super().__init__(module, ledger)
+        # The ranks' device type, not FSDP's guess (CUDA when present, even for --device cpu).
+        mesh = init_device_mesh(device.type, (self.world,))
+        self.layers = shard_units(module)
+        for layer in self.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        # The root keeps its parameters after forward: backward needs them at once.
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        self.units: list[FSDPModule] = [m for m in module.modules()
+                                        if isinstance(m, FSDPModule)]
+        for unit in self.units:  # FSDP2's hooks for its collectives: ours time them
+            unit.set_custom_all_gather(TimedAllGather(ledger))
+            unit.set_custom_reduce_scatter(TimedReduceScatter(ledger))
+        self.names = [name for name, _ in module.named_parameters()]
+
+    def model_state(self) -> dict[str, Any]:
+        """Gathered (every rank takes part), whole on rank 0: a plain state dict."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module, options=_full_state())
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Gathered, whole on rank 0, with parameters numbered as optimizer.state_dict()
+        numbers them (FSDP's own names them)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state: Any = get_optimizer_state_dict(self.module, optimizer, options=_full_state())
+        index = {name: i for i, name in enumerate(self.names)}
+        return {"state": {index[k]: v for k, v in state.get("state", {}).items()},
+                "param_groups": [{**g, "params": [index[p] for p in g["params"]]}
+                                 for g in state.get("param_groups", [])]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        named: Any = {"state": {self.names[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [self.names[i] for i in g["params"]]}
+                                  for g in state["param_groups"]]}
+        set_optimizer_state_dict(self.module, optimizer, named,
+                                 options=StateDictOptions(full_state_dict=True))
+
+    @contextmanager
+    def evaluating(self) -> Iterator[nn.Module]:
+        """Every layer all-gathered once (a collective at a point every rank
+        reaches) and kept for the whole evaluation, so that the batches, whose
+        number may differ by one between ranks, run no collective."""
+        assert isinstance(self.module, FSDPModule)
+        self.module.set_reshard_after_forward(False)
+        for unit in self.units:
+            unit.unshard()
+        try:
+            yield self.module
+        finally:
+            for unit in self.units:
+                unit.reshard()
+            for layer in self.layers:
+                assert isinstance(layer, FSDPModule)
+                layer.set_reshard_after_forward(True, recurse=False)
+
+
+def _full_state() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """What gets its own fully_shard below the root: ResNet's residual blocks,
+    else every Linear and convolution (the root keeps the rest)."""
+    blocks = [m for m in model.modules() if type(m).__name__ in ("BasicBlock", "Bottleneck")]
+    return blocks or [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+
+
+def build(name: str, module: nn.Module, device: torch.device, telemetry: Telemetry) -> Strategy:
+    """`name`'s strategy around `module` (inside the process group; a collective)."""
+    ledger = CommLedger(telemetry, cuda=device.type == "cuda")
+    if name == "ddp":
+        return TorchDDP(module, ledger, device)
+    if name == "allreduce":
+        return AllReduceAfterBackward(module, ledger)
+    if name in ("hooks", "hooks-async"):
+        return PerParameterHooks(module, ledger, asynchronous=name == "hooks-async")
+    if name == "ring":
+        return RingAfterBackward(module, ledger)
+    if name == "fsdp":
+        return FullyShard(module, ledger, device)
+    raise ValueError(f"unknown strategy {name!r}: one of {', '.join(STRATEGIES)}")
