@@ -1,14 +1,18 @@
 """The gradient synchronisation strategies (--strategy) side by side: the same
 model and global batch under each, at world size 2 and 4, in one table.
 
-    .venv/bin/python bench/strategies.py [--world-sizes 2 4] [--model mlp] [--steps 40]
+    .venv/bin/python bench/strategies.py [--world-sizes 2 4] [--model mlp] [--steps 30]
+                                         [--rounds 3]
 
 For each world size one torchrun starts the ranks, which then run every
 strategy in turn (same seed, same batches), through training/strategies.py
 and ddtop's telemetry exactly as `ddtrain start --strategy` does: WARMUP steps,
 a pause so their telemetry leaves, then --steps timed steps between two
-barriers (the bench's own, outside the timed steps). Columns:
-  steps/s      timed steps / wall time of rank 0 between the barriers
+barriers (the bench's own, outside the timed steps); --rounds times over,
+the strategies taking turns within each round, so that a machine that gets
+busier or quieter part-way is spread over all of them. Columns:
+  steps/s      timed steps / wall time of rank 0 between the barriers, the
+               median over the rounds
   comm ms      communication per step (telemetry comm_s; mean over ranks)
   ops, bytes   collectives per step and their payload (rank 0)
   overlap      share of comm time that overlapped the rank's own work
@@ -25,6 +29,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +42,8 @@ WARMUP = 5
 FLUSH_S = 0.3  # > the telemetry's send interval: warm-up steps leave before timed ones
 
 
-def worker(out: Path, model_name: str, batch: int, steps: int, names: list[str]) -> None:
+def worker(out: Path, model_name: str, batch: int, steps: int, names: list[str],
+           rounds: int) -> None:
     """One rank: every strategy in turn (run under torchrun)."""
     import torch
     import torch.distributed as dist
@@ -55,10 +61,11 @@ def worker(out: Path, model_name: str, batch: int, steps: int, names: list[str])
     spec = SYNTHETIC_SPEC
     x = torch.randn(per, spec.channels, spec.size, spec.size, generator=g)
     y = torch.randint(0, SYNTHETIC_SPEC.classes, (per,), generator=g)
-    results = {}
-    for name in names:
-        live = api.start(run=f"bench-{name}", device="cpu", backend="gloo", config_digest="",
-                         model=model_name, dataset="synthetic", epochs=1, global_batch=batch,
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for round_, name in ((r, n) for r in range(rounds) for n in names):
+        live = api.start(run=f"bench-{round_}-{name}", device="cpu", backend="gloo",
+                         config_digest="", model=model_name, dataset="synthetic", epochs=1,
+                         global_batch=batch,
                          program="", total_steps=WARMUP + steps, strategy=name)
         assert live is not None, "DDTOP_TELEMETRY is not set"
         torch.manual_seed(0)
@@ -74,7 +81,7 @@ def worker(out: Path, model_name: str, batch: int, steps: int, names: list[str])
         for _ in range(steps):
             train_step(strategy, optimizer, x, y)
         dist.barrier()
-        results[name] = steps / (time.perf_counter() - start)
+        results[name].append(steps / (time.perf_counter() - start))
         live.close(0)
     if rank == 0:
         (out / "steps_per_s.json").write_text(json.dumps(results))
@@ -98,7 +105,7 @@ def train_step(strategy: Any, optimizer: Any, x: Any, y: Any) -> None:
     ddtop.step(loss=loss, samples=len(y))
 
 
-def measure(world: int, model: str, batch: int, steps: int, names: list[str],
+def measure(world: int, model: str, batch: int, steps: int, rounds: int, names: list[str],
             tmp: Path) -> dict[str, dict[str, float]]:
     import zmq
 
@@ -122,7 +129,8 @@ def measure(world: int, model: str, batch: int, steps: int, names: list[str],
     env = {**os.environ, "DDTOP_TELEMETRY": endpoint, "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
            "--nproc-per-node", str(world), __file__, "--worker", str(tmp), "--model", model,
-           "--batch-size", str(batch), "--steps", str(steps), "--strategies", *names]
+           "--batch-size", str(batch), "--steps", str(steps), "--rounds", str(rounds),
+           "--strategies", *names]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
                          check=False)
     time.sleep(0.5)
@@ -137,7 +145,7 @@ def measure(world: int, model: str, batch: int, steps: int, names: list[str],
         collections.Counter)
     for m in messages:
         if isinstance(m, wire.Step) and m.global_step > WARMUP:
-            c = sums[(m.run.removeprefix("bench-"), m.rank)]
+            c = sums[(m.run.split("-", 2)[2], m.rank)]  # bench-ROUND-NAME
             c["steps"] += m.steps
             c["comm_s"] += m.comm_s
             c["ops"] += m.comm_ops
@@ -152,7 +160,8 @@ def measure(world: int, model: str, batch: int, steps: int, names: list[str],
         overlap = sum(c["overlap_s"] for c in per_rank) / steps_seen
         zero = per_rank[0]
         table[name] = {
-            "steps_per_s": rates[name], "comm_ms": 1000 * comm,
+            "steps_per_s": statistics.median(rates[name]),
+            "low": min(rates[name]), "high": max(rates[name]), "comm_ms": 1000 * comm,
             "ops": zero["ops"] / zero["steps"], "bytes": zero["bytes"] / zero["steps"],
             "overlap": overlap / comm if comm else 0.0, "exposed_ms": 1000 * (comm - overlap),
             "busbw": sum(c["bus"] for c in per_rank) / sum(c["comm_s"] for c in per_rank),
@@ -166,25 +175,31 @@ def main() -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", default="mlp", choices=["mlp", "cnn", "resnet18"])
     parser.add_argument("--batch-size", type=int, default=64, help="global batch")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per strategy")
+    parser.add_argument("--steps", type=int, default=30,
+                        help="timed steps per strategy and round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--strategies", nargs="+",
                         default=["ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.model, args.batch_size, args.steps, args.strategies)
+        worker(args.worker, args.model, args.batch_size, args.steps, args.strategies,
+               args.rounds)
         return 0
-    print(f"model {args.model}, global batch {args.batch_size}, {args.steps} timed steps "
+    print(f"model {args.model}, global batch {args.batch_size}, {args.rounds} rounds of "
+          f"{args.steps} timed steps "
           f"after {WARMUP} warm-up, gloo on CPU, {os.cpu_count()} cores")
-    header = (f"{'world':>5} {'strategy':<12} {'steps/s':>8} {'comm ms':>8} {'ops':>5} "
+    header = (f"{'world':>5} {'strategy':<12} {'steps/s':>8} {'(range)':>11} {'comm ms':>8} "
+              f"{'ops':>5} "
               f"{'MB/step':>8} {'overlap':>8} {'exposed ms':>10} {'busbw GB/s':>10}")
     rows: list[str] = []
     for world in args.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:
             table: dict[str, Any] = measure(world, args.model, args.batch_size, args.steps,
-                                            args.strategies, Path(tmp))
+                                            args.rounds, args.strategies, Path(tmp))
         for name, r in table.items():
-            rows.append(f"{world:>5} {name:<12} {r['steps_per_s']:>8.1f} {r['comm_ms']:>8.2f} "
+            rows.append(f"{world:>5} {name:<12} {r['steps_per_s']:>8.1f} "
+                        f"{r['low']:>5.1f}-{r['high']:<5.1f} {r['comm_ms']:>8.2f} "
                         f"{r['ops']:>5.0f} {r['bytes'] / 1e6:>8.2f} {100 * r['overlap']:>7.0f}% "
                         f"{r['exposed_ms']:>10.2f} {r['busbw']:>10.3f}")
     print(header)
