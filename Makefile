@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/own_script.py
 	$(BIN)/python bench/sockets.py
 	$(BIN)/python bench/strategies.py
+	$(BIN)/python bench/faults.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -340,9 +340,18 @@ class Supervisor:
         self.relay.emit(wire.Event, type="warning", message=message)
         self.verdicts[blamed] = ErrorReport(rank=blamed, message=f"{reason}: {text}")
         assert self.starter is not None
-        for process in self.starter.numbered().values():  # where each rank hangs, kept
+        numbered = self.starter.numbered()
+        for process in numbered.values():  # where each rank hangs, kept
             send_signal(process, STACKS_SIGNAL)
         time.sleep(STACKS_GRACE_S)
+        for r in self.ranks:
+            if r.process.exitcode is None:
+                r.stopped_by_us = True
+                r.process.terminate()
+        # A rank frozen with SIGSTOP dies of its pending SIGTERM once continued (at
+        # once, taking no step; it writes no stacks), not 5 s later of SIGKILL.
+        for process in numbered.values():
+            send_signal(process, signal.SIGCONT)
         self._stop_all()
         self._note_exits(blamed)
         ends = self._rank_ends(self.ranks)

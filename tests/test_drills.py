@@ -261,4 +261,6 @@ def test_a_stopped_rank_is_silent_and_hang_timeout_fails_the_run(drills: Started
                                          "allreduce #"), failure
     assert "rank 1 is silent, last in " in failure["message"]
     assert "failed: rank 1 (pid" in run.stderr and "hung for 1 s" in run.stderr
+    # Continued once its SIGTERM was pending, the frozen rank died of it at once.
+    assert summary["failure"]["signal"] == "SIGTERM"
     assert run.leftovers == []
