@@ -26,9 +26,11 @@ API = "ddtop"
 # What each part may import from the other parts (its own modules are free).
 ALLOWED = {
     # A rank reads its config, run directory and the process contract, and publishes on the wire;
-    # the built-in trainer reports through the public API, as a user's script does (one path).
-    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.keys",
-                 "ddtop.daemon.processes", "ddtop.daemon.runs", "ddtop.daemon.wire", API},
+    # the built-in trainer reports through the public API, as a user's script does (one path);
+    # a rank reads its fault drills with the parser `ddtrain start --inject` checks them with.
+    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.inject",
+                 "ddtop.daemon.keys", "ddtop.daemon.processes", "ddtop.daemon.runs",
+                 "ddtop.daemon.wire", API},
     # The daemon starts ranks by module name (a string), never by import.
     "daemon": set(),
     # `import ddtop` reads the telemetry variable's name from the contract, and

@@ -44,6 +44,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--fail-on-nan": (bool, False),  # added with non-finite loss events
     # added with gradient synchronisation strategies (docs/strategies.md)
     "--strategy": (("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"), "ddp"),
+    "--hang-timeout": (float, None),  # added with fault drills (docs/daemon.md)
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir"}
