@@ -1,6 +1,7 @@
 """`import ddtop` in a user's script, for real: a no-op without an endpoint; with
 one, the right wire messages (real ZeroMQ PULL on loopback); strict mode; and
-zero-code instrumentation of a real 2-rank gloo DDP script under torchrun."""
+zero-code instrumentation of a real 2-rank gloo DDP script under `ddtrain start`
+(its journal holds what the ranks sent)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Collector, collecting, finish, start, torchrun
+from helpers import Collector, collecting, ddtrain, finish, start
 
-from ddtop.daemon import wire
+from ddtop.daemon import journal, wire
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TIMEOUT_S = 60
@@ -126,19 +127,29 @@ def test_init_step_phase_log_send_the_right_messages(tmp_path: Path) -> None:
     assert collector.of(wire.Bye)[-1].exit_code == 0
 
 
-def run_script(collector: Collector | None, tmp_path: Path, *args: str) -> None:
-    env = {"DDTOP_RUN_ID": "run-z"}
-    if collector is not None:
-        env["DDTOP_TELEMETRY"] = collector.endpoint
-        command = [str(SCRIPTS / "autowatch_run.py"), str(SCRIPTS / "ddp_accum.py")]
-    else:
-        command = [str(SCRIPTS / "ddp_accum.py")]
-    run = torchrun("--standalone", "--nproc-per-node", "2", *command, *args, cwd=tmp_path,
-                   env=env, timeout=TIMEOUT_S)
-    assert run.returncode == 0, run.stderr[-3000:]
+class Sent:
+    """What a run's ranks sent, from its telemetry journal, looked up as a
+    Collector's messages are."""
+
+    def __init__(self, run_root: Path) -> None:
+        self.messages = [wire.decode([r.frame])
+                         for r in journal.read(run_root / "telemetry.journal")]
+
+    def of(self, kind: type, rank: int | None = None) -> list:  # type: ignore[type-arg]
+        return [m for m in self.messages
+                if isinstance(m, kind) and (rank is None or m.rank == rank)]
+
+
+def run_script(tmp_path: Path, *args: str, script: str = "ddp_accum.py", run_id: str = "run-z",
+               watched: bool = True) -> Sent | None:
+    """SCRIPT under `ddtrain start --foreground`, 2 ranks, zero lines changed (as a
+    user runs it); unwatched: with DDTOP_TELEMETRY=off, as without ddtop."""
+    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", run_id, str(SCRIPTS / script),
+                  "--", *args, cwd=tmp_path, env=None if watched else {"DDTOP_TELEMETRY": "off"},
+                  timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.leftovers == []
-    if collector is not None:
-        wait_for(collector, wire.Bye, count=2)  # both ranks
+    return Sent(tmp_path / "runs" / run_id) if watched else None
 
 
 # Parameters of ddp_accum.py's model, in bytes: one all-reduce of each per step.
@@ -154,8 +165,8 @@ PARAM_BYTES = (32 * 64 + 64 + 64 * 4 + 4) * 4
 ])
 def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: list[str],
                                                         steps: int) -> None:
-    with collecting() as collector:
-        run_script(collector, tmp_path, *args)
+    collector = run_script(tmp_path, *args)
+    assert collector is not None
     for rank in (0, 1):
         sent = collector.of(wire.Step, rank)
         assert sum(s.steps for s in sent) == steps and sent[-1].global_step == steps
@@ -175,9 +186,10 @@ def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: li
 @pytest.mark.parametrize("hook", ["--own-hook", "--builtin-hook"])
 def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path,
                                                                  hook: str) -> None:
-    run_script(None, tmp_path, hook, "--out", str(tmp_path / "plain.pt"))
-    with collecting() as collector:
-        run_script(collector, tmp_path, hook, "--out", str(tmp_path / "watched.pt"))
+    run_script(tmp_path, hook, "--out", str(tmp_path / "plain.pt"), run_id="plain",
+               watched=False)
+    collector = run_script(tmp_path, hook, "--out", str(tmp_path / "watched.pt"))
+    assert collector is not None
     plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
     assert plain.keys() == watched.keys()
     assert all(torch.equal(plain[k], watched[k]) for k in plain)
@@ -247,15 +259,8 @@ def test_a_watched_model_can_be_deep_copied_and_still_trains(tmp_path: Path) -> 
 def test_a_gan_counts_one_step_per_iteration_with_ddtop_step(tmp_path: Path) -> None:
     """Two models, two optimizers, the second model's forward between the first
     optimizer's step and ddtop.step: one step per iteration, not two."""
-    with collecting() as collector:
-        run = torchrun("--standalone", "--nproc-per-node", "2",
-                       str(SCRIPTS / "autowatch_run.py"), str(SCRIPTS / "ddp_gan.py"), "5",
-                       cwd=tmp_path, env={"DDTOP_RUN_ID": "gan",
-                                          "DDTOP_TELEMETRY": collector.endpoint},
-                       timeout=TIMEOUT_S)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert run.leftovers == []
-        wait_for(collector, wire.Bye, count=2)
+    collector = run_script(tmp_path, "5", script="ddp_gan.py", run_id="gan")
+    assert collector is not None
     for rank in (0, 1):
         sent = collector.of(wire.Step, rank)
         assert sum(s.steps for s in sent) == 5 and sent[-1].global_step == 5

@@ -1,7 +1,7 @@
 """A GAN-style loop: two DDP models, two optimizers, one ddtop.step per iteration
 (the generator's forward runs through the discriminator between the two steps).
 
-    torchrun --nproc-per-node 2 tests/scripts/autowatch_run.py tests/scripts/ddp_gan.py 5
+    ddtrain start --foreground -n 2 tests/scripts/ddp_gan.py -- 5
 """
 
 import sys
