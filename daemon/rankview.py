@@ -14,8 +14,11 @@ from ddtop.daemon import wire
 from ddtop.daemon.stragglers import Evidence
 
 SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): silent
-STALL_MIN_S = 10.0  # a step phase lasting this long (and STALL_STEPS steps' time): stalled
-STALL_STEPS = 20
+# A step phase lasting this long (and STALL_STEPS steps' time): stalled. A hung rank
+# is named within max(5 s, 3 step times) of its fault: the others are in their
+# collective a moment after it, and a heartbeat every second tells the phase.
+STALL_MIN_S = 4.5
+STALL_STEPS = 3
 SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
 HISTORY_POINTS = 120  # per rank
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "metric_sync")
