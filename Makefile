@@ -12,7 +12,7 @@ WORLD_SIZE ?= 8
 help:
 	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset and watch them in ddtop"
 	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
-	@echo "make bench      benchmarks: start-up, telemetry, dashboard, own scripts, sockets, strategies (bench/)"
+	@echo "make bench      benchmarks: start-up, telemetry, dashboard, own scripts, comm timing, sockets, strategies, faults (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
 $(STAMP): pyproject.toml
@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/telemetry.py
 	$(BIN)/python bench/dashboard.py
 	$(BIN)/python bench/own_script.py
+	$(BIN)/python bench/comm_timing.py
 	$(BIN)/python bench/sockets.py
 	$(BIN)/python bench/strategies.py
 	$(BIN)/python bench/faults.py
