@@ -228,10 +228,11 @@ def cmd_start(args: argparse.Namespace) -> int:
         raise
 
 
-def arm_drills(specs: list[str], world_size: int) -> None:
+def arm_drills(specs: list[str], world_size: int, epochs: int | None = None) -> None:
     """--inject: the specs checked (bad input raises UsageError), and handed to the
     daemon and every rank in DDTOP_FAULT; without --inject, a DDTOP_FAULT already
-    set is checked the same way."""
+    set is checked the same way. `epochs`: the built-in trainer's (a user's
+    script's epochs are its own business)."""
     if specs:
         source, drills = inject.FLAG, inject.parse_all(specs)
     elif os.environ.get(FAULT_ENV):
@@ -239,6 +240,8 @@ def arm_drills(specs: list[str], world_size: int) -> None:
     else:
         return
     inject.check_ranks(drills, world_size, source)
+    if epochs is not None:
+        inject.check_epochs(drills, epochs, source)
     if drills:
         os.environ[FAULT_ENV] = inject.encode(drills)
     else:
@@ -247,7 +250,8 @@ def arm_drills(specs: list[str], world_size: int) -> None:
 
 def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:
     verb = "resuming" if config.resume else "starting"
-    arm_drills(args.inject, config.world_size)
+    arm_drills(args.inject, config.world_size,
+               None if config.runs_user_code else config.epochs)
     if args.headless:
         return start_headless(args, config, paths)
     if args.foreground:

@@ -84,12 +84,19 @@ class Drill:
         if action == "exit":
             action += f"={int(self.value)}"
         elif action == "slow":
-            action += f"={self.value:g}x"
+            action += f"={_spelled(self.value)}x"
         elif action == "stall-data":
-            action += f"={self.value:g}s"
+            action += f"={_spelled(self.value)}s"
         when = (f"@step={self.step}" if self.step is not None
                 else f"@epoch={self.epoch}" if self.epoch is not None else "")
         return f"{self.rank}:{action}{when}"
+
+
+def _spelled(value: float) -> str:
+    """Short where that is exact ('1.5', '2'), else every digit: a spec carried to
+    the ranks parses back to the value that was checked."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def parse(text: str, source: str = FLAG) -> Drill:
@@ -197,6 +204,15 @@ def check_ranks(drills: Iterable[Drill], world_size: int, source: str = FLAG) ->
             ranks = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
             raise UsageError(f"{source} {drill.spec()!r}: there is no rank {drill.rank}: "
                              f"--world-size {world_size} has {ranks}")
+
+
+def check_epochs(drills: Iterable[Drill], epochs: int, source: str = FLAG) -> None:
+    """UsageError for a drill at an epoch the built-in trainer never ends."""
+    for drill in drills:
+        if drill.epoch is not None and drill.epoch > epochs:
+            raise UsageError(f"{source} {drill.spec()!r}: the run trains --epochs {epochs}, so "
+                             f"epoch {drill.epoch} never ends: use @epoch=1 to @epoch={epochs}, "
+                             "or more --epochs")
 
 
 def encode(drills: Iterable[Drill]) -> str:

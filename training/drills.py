@@ -106,6 +106,9 @@ class Drills:
                 time.sleep(drill.value)
             return
         if drill.action == "stop":
+            # The steps since the sender's last message (it sends every 0.1 s) go out
+            # first, so the frozen rank is shown where it froze, not a window earlier.
+            time.sleep(STOP_FLUSH_S)
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # resumed (SIGCONT): trains on
         _flush()
@@ -119,6 +122,9 @@ class Drills:
         elif drill.action == "hang":
             while True:  # before the next collective, for good
                 time.sleep(3600)
+
+
+STOP_FLUSH_S = 0.3
 
 
 def _flush() -> None:

@@ -74,6 +74,9 @@ class CommLedger:
         self._lock = threading.Lock()  # future callbacks run on the backend's threads
         self._last_end = 0.0
         self._pending: list[tuple[Any, Any, int, float]] = []  # CUDA: start, end, bytes, factor
+        # Not a training step's communication (an evaluation's all-gathers): not
+        # counted, or it would land in the next step's numbers.
+        self.paused = False
 
     @contextmanager
     def blocking(self, op: str, nbytes: int, bus_factor: float) -> Iterator[None]:
@@ -317,6 +320,8 @@ class TimedAllGather(DefaultAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        if self.ledger.paused:
+            return super().__call__(output_tensor, input_tensor, group, async_op=async_op)
         nbytes, factor = output_tensor.nbytes, gather_factor(group.size())
         if async_op:  # not on CPU: FSDP2 unshards synchronously unless told otherwise
             return _accounted(self.ledger, "all_gather", nbytes, factor, super().__call__(
@@ -333,6 +338,8 @@ class TimedReduceScatter(DefaultReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:
+        if self.ledger.paused:
+            return super().__call__(output_tensor, input_tensor, group, op, async_op=async_op)
         nbytes, factor = input_tensor.nbytes, gather_factor(group.size())
         if async_op:
             return _accounted(self.ledger, "reduce_scatter", nbytes, factor, super().__call__(
@@ -412,11 +419,13 @@ class FullyShard(Strategy):
         number may differ by one between ranks, run no collective."""
         assert isinstance(self.module, FSDPModule)
         self.module.set_reshard_after_forward(False)
-        for unit in self.units:
-            unit.unshard()
+        self.ledger.paused = True  # the evaluation's all-gathers are not a step's
         try:
+            for unit in self.units:
+                unit.unshard()
             yield self.module
         finally:
+            self.ledger.paused = False
             for unit in self.units:
                 unit.reshard()
             for layer in self.layers:
