@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.runinfo import RunInfo
@@ -308,6 +309,20 @@ class Tui:
         os.close(self.master)
 
 
+def _stop_watcher(watcher: Any) -> None:
+    """A dashboard this part started, gone (a Tui, or a ddtop --headless process)."""
+    if isinstance(watcher, Tui):
+        if watcher.proc.poll() is None:  # not closed by its phase already
+            watcher.close()
+    elif watcher.poll() is None:
+        watcher.terminate()
+        try:
+            watcher.wait(10)
+        except subprocess.TimeoutExpired:
+            watcher.kill()
+            watcher.wait()
+
+
 def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, root: Path
                    ) -> None:
     cwd = root / "watch"
@@ -321,7 +336,12 @@ def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, roo
     info = RunInfo.load(RunPaths(cwd / "runs" / run_id))
     daemon = info.record.daemon_pid
     assert daemon is not None
+    deadline = time.monotonic() + 120
     while not status(info)["global_step"]:  # past start-up
+        if time.monotonic() > deadline:
+            subprocess.run([DDTRAIN, "stop", run_id, "--timeout", "20"], cwd=cwd,
+                           capture_output=True, timeout=120, check=False)
+            sys.exit("part 2: the run took no step within 120 s (see its logs)")
         time.sleep(0.5)
     time.sleep(2)
     rows: list[tuple[str, float, float]] = []
@@ -335,22 +355,26 @@ def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, roo
         rows.append((name, (b - a) / (t1 - t0), t1 - t0))
         print(f"  {name}: {rows[-1][1]:.1f} steps/s", file=sys.stderr)
 
+    watchers: list[Any] = []  # every dashboard started, stopped however the part ends
     try:
         phase("none", phase_s)
         for _ in range(cycles):
             headless = subprocess.Popen([DDTOP, "--headless", run_id], cwd=cwd,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            watchers.append(headless)
             time.sleep(2)
             phase("ddtop --headless attached", phase_s)
             headless.terminate()
             headless.wait(10)
             phase("none", phase_s)
             tui = Tui(run_id, cwd)
+            watchers.append(tui)
             time.sleep(3)
             phase("ddtop (TUI) attached", phase_s)
             tui.close()
             phase("none", phase_s)
         tui = Tui(run_id, cwd)
+        watchers.append(tui)
         time.sleep(3)
         os.kill(tui.proc.pid, signal.SIGSTOP)
         phase(f"ddtop (TUI) frozen with SIGSTOP for {frozen_s:g} s", frozen_s)
@@ -359,6 +383,8 @@ def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, roo
         phase("none", phase_s)
         rss_after = rss_kib(daemon)
     finally:
+        for watcher in watchers:
+            _stop_watcher(watcher)
         subprocess.run([DDTRAIN, "stop", run_id, "--timeout", "20"], cwd=cwd,
                        capture_output=True, timeout=120, check=False)
     # Each watched phase against the mean of the no-dashboard phases either side of it.
