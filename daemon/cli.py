@@ -172,10 +172,17 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
     if "program" in overrides or "module" in overrides:
         overrides["workdir"] = str(Path.cwd())
         check_program(overrides.get("program"), overrides.get("module"), overrides["workdir"])
+    if overrides.get("nnodes", 1) > 1:
+        if overrides.get("resume"):
+            raise UsageError("--resume is not supported for a multi-node job yet: start a "
+                             "new one with another --run-id")
+        overrides.setdefault("world_size", overrides["nnodes"] * overrides.get("nproc_per_node", 1))
+        overrides["launcher"] = "torchrun"  # torchrun's agent does the c10d rendezvous
     if not overrides.get("resume"):
         config = TrainConfig(**overrides).validate()
         run_id = config.run_id or new_run_id()
-        paths = RunPaths(Path(runs_dir) / run_id)
+        # Node K > 0 of a multi-node job keeps its own files in runs/<id>/nodes/<K>/.
+        paths = RunPaths(Path(runs_dir) / run_id).node(config.node_rank)
         if paths.config.exists():
             raise UsageError(f"run {run_id} already exists in {runs_dir}/: add --resume to "
                              "continue it, or pick another --run-id")

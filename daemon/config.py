@@ -62,6 +62,7 @@ RESUME_FIXED = (
 # with torch loaded, and gloo connects every rank to every other: N - 1 sockets a
 # rank, against the usual limit of 1024 open files.
 MAX_WORLD_SIZE = 1024
+MAX_NNODES = 1024  # machines of one multi-node job
 MAX_WORKERS = 1024  # data-loader processes, all ranks together
 MAX_THREADS_PER_RANK = 256
 # Every rank holds the whole synthetic set in memory: 3 KB a sample.
@@ -201,6 +202,22 @@ class TrainConfig:
     hang_timeout: float | None = flag(None, metavar="S", group="run", default_text="off")
     """fail the run when it has hung (ranks stalled in a collective) for S seconds,
     naming the rank the others wait for; with --max-restarts it restarts"""
+    nnodes: int = flag(1, metavar="N", group="multi-node", low=1, high=MAX_NNODES)
+    """machines (nodes) of the job, one `ddtrain start` on each; more than 1 runs the
+    ranks through torchrun's c10d rendezvous at --rdzv-endpoint (docs/multi-node.md)"""
+    node_rank: int = flag(0, metavar="K", group="multi-node", low=0)
+    """this node's number, 0 to --nnodes - 1; node 0's daemon is the job's hub"""
+    nproc_per_node: int = flag(1, metavar="P", group="multi-node", low=1, high=MAX_WORLD_SIZE)
+    """ranks on each node of a multi-node job: the world size is --nnodes x P"""
+    rdzv_endpoint: str = flag("", metavar="HOST:PORT", group="multi-node", default_text="none")
+    """the job's rendezvous (torchrun --rdzv-endpoint): node 0's host and a free port"""
+    hub: str = flag("", metavar="tcp://HOST:PORT", group="multi-node",
+                    default_text="found in the shared run directory")
+    """node 1 and up, without a shared file system: the hub's control endpoint (its
+    `hub.json`, written by node 0's daemon)"""
+    hub_keys: str = flag("", metavar="DIR", group="multi-node",
+                         default_text="the run directory's keys/")
+    """with --hub: a copy of the job's keys folder (runs/<id>/keys on node 0)"""
     module: str | None = flag(None, short="-m", metavar="MODULE", group="program",
                               default_text="none")
     """run this Python module (as `python -m MODULE`) as every rank, instead of the
@@ -252,6 +269,7 @@ class TrainConfig:
                 f"--run-id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'"
             )
         _check_path("--runs-dir", self.runs_dir)
+        self.check_nodes()
         if self.hang_timeout is not None and not (
                 math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
             raise UsageError(f"--hang-timeout must be a positive, finite number of seconds "
@@ -276,6 +294,54 @@ class TrainConfig:
             raise UsageError(f"--data-dir {self.data_dir} does not exist: create it with the "
                              f"{self.dataset} files, or add --download")
         return self
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def is_hub(self) -> bool:
+        """This daemon gathers the job: a single-node run's, or node 0's."""
+        return self.node_rank == 0
+
+    def check_nodes(self) -> None:
+        """The multi-node flags, consistent with each other (UsageError otherwise)."""
+        if not self.multi_node:
+            for name in ("node_rank", "rdzv_endpoint", "hub", "hub_keys"):
+                if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default:
+                    raise UsageError(f"--{name.replace('_', '-')} is for a multi-node job: add "
+                                     "--nnodes N (N > 1), or leave it out")
+            return
+        if self.node_rank >= self.nnodes:
+            raise UsageError(f"--node-rank {self.node_rank} must be below --nnodes "
+                             f"{self.nnodes} (nodes are numbered from 0)")
+        if not self.rdzv_endpoint:
+            raise UsageError("a multi-node job needs --rdzv-endpoint HOST:PORT (node 0's host "
+                             "and a free port, the same on every node)")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if not host or not _BIND.fullmatch(host.strip("[]")) or not port.isdigit() or not (
+                0 < int(port) <= 65535):
+            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: give HOST:PORT, e.g. "
+                             "node0:29400")
+        if self.world_size != self.nnodes * self.nproc_per_node:
+            raise UsageError(f"--world-size {self.world_size} must be --nnodes x "
+                             f"--nproc-per-node = {self.nnodes * self.nproc_per_node}: leave "
+                             "--world-size out of a multi-node job")
+        if self.run_id is None:
+            raise UsageError("a multi-node job needs --run-id ID, the same on every node")
+        if self.hub and (self.is_hub or not re.fullmatch(r"tcp://[^\s/]+:\d+", self.hub)):
+            raise UsageError(f"--hub {self.hub!r}: give node 0's control endpoint "
+                             "tcp://HOST:PORT (from its hub.json), on nodes 1 and up only")
+        if bool(self.hub) != bool(self.hub_keys):
+            raise UsageError("--hub and --hub-keys go together: the hub's endpoint and a copy "
+                             "of the job's keys folder")
+        if self.max_restarts:
+            raise UsageError("--max-restarts is not supported for a multi-node job yet: "
+                             "leave it out")
+
+    @property
+    def rdzv_host(self) -> str:
+        return self.rdzv_endpoint.rpartition(":")[0].strip("[]")
 
     def check_ranges(self) -> TrainConfig:
         """Return self, or raise UsageError for the first number out of its Range

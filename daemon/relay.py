@@ -73,7 +73,7 @@ HANDSHAKE_FAILURES: dict[int, str] = {
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
 BATCH = 2000  # messages read per socket per serve() call, so no socket starves another
-MAX_REQUEST_BYTES = 4096
+MAX_REQUEST_BYTES = 16384  # a node daemon's heartbeat lists its ranks
 # A journal that fails again this soon after it last warned is not warned about again
 # (a disk hovering at full); its count still grows in the state.
 JOURNAL_WARN_EVERY_S = 60.0
@@ -83,12 +83,14 @@ class Relay:
     def __init__(self, run: str, journal: Path, sockets: Path | None = None,
                  world_size: int | None = None,
                  rank_pid: Callable[[int, int], bool] | None = None,
-                 bind: str | None = None, keys: RunKeys | None = None) -> None:
+                 bind: str | None = None, keys: RunKeys | None = None,
+                 nodes: bool = False) -> None:
         """`sockets`: the owner-only folder for the ipc sockets (None, or a path too
         long for a unix socket: a private folder of the daemon's own). `world_size`:
         the ranks there are (None: any, up to the state's bound). `rank_pid(rank,
         pid)`: whether a hello's pid is that rank's process (None: not checked).
-        `bind`: listen on TCP at this address instead, CURVE with `keys`."""
+        `bind`: listen on TCP at this address instead, CURVE with `keys`. `nodes`: a
+        multi-node job's hub: a fourth socket (PULL, TCP) for node daemons' forwards."""
         assert bind is None or keys is not None, "TCP only with the run's keys"
         self.run = run
         self.world_size = world_size
@@ -99,6 +101,11 @@ class Relay:
         self.stop_request: float | None = None  # a `stop` request's timeout, once asked
         self.stacks_requests: list[int | None] = []  # ranks asked for stacks (None: all)
         self.bind, self.keys = bind, keys
+        # A multi-node job (daemon/nodes.py): the hub's node table, or a node
+        # daemon's forwarder, fed every message this relay folds.
+        self.hub: Any = None
+        self.forward: Callable[[bytes], None] | None = None
+        self.nodes: zmq.Socket[bytes] | None = None
         self.sockets: Path | None = None  # the ipc sockets' folder (None over TCP)
         self._own_folder = False
         if bind is None:
@@ -133,6 +140,14 @@ class Relay:
         self.router.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.poller = zmq.Poller()
+        if nodes and bind is not None:
+            try:
+                self.nodes = self._bind(zmq.PULL, "nodes")
+            except zmq.ZMQError as e:
+                self._abandon()
+                raise UsageError(f"--bind {bind}: cannot listen there ({e})") from None
+            self.nodes.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_BYTES)
+            self.poller.register(self.nodes, zmq.POLLIN)
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.router, zmq.POLLIN)
         self.monitors: list[zmq.Socket[bytes]] = []
@@ -141,7 +156,7 @@ class Relay:
             events = 0
             for event in HANDSHAKE_FAILURES:
                 events |= event
-            for sock in (self.pull, self.pub, self.router):
+            for sock in (self.pull, self.pub, self.router, *([self.nodes] if self.nodes else [])):
                 monitor = sock.get_monitor_socket(events)
                 self.poller.register(monitor, zmq.POLLIN)
                 self.monitors.append(monitor)
@@ -192,9 +207,12 @@ class Relay:
 
     @property
     def endpoints(self) -> dict[str, str]:
-        return {"telemetry": self.pull.getsockopt_string(zmq.LAST_ENDPOINT),
-                "publish": self.pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                "control": self.router.getsockopt_string(zmq.LAST_ENDPOINT)}
+        found = {"telemetry": self.pull.getsockopt_string(zmq.LAST_ENDPOINT),
+                 "publish": self.pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                 "control": self.router.getsockopt_string(zmq.LAST_ENDPOINT)}
+        if self.nodes is not None:
+            found["nodes"] = self.nodes.getsockopt_string(zmq.LAST_ENDPOINT)
+        return found
 
     # -- the loop --------------------------------------------------------------------
     def serve(self, timeout_s: float, fds: Sequence[int] = ()) -> list[int]:
@@ -214,6 +232,8 @@ class Relay:
                 self._count_refusals(monitor)
         if self.pull in ready:
             self._drain_pull()
+        if self.nodes is not None and self.nodes in ready:
+            self._drain_nodes()
         if self.router in ready:
             self._drain_router()
         self.journal.flush()
@@ -244,6 +264,34 @@ class Relay:
                 continue
             self._accept(message, frames[0], received)
 
+    def _drain_nodes(self) -> None:
+        """What node daemons forward: [header, node, frame], from CURVE-authenticated
+        peers only; trusted for display (daemon/nodes.py)."""
+        assert self.nodes is not None
+        for _ in range(BATCH):
+            try:
+                frames = self.nodes.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            received = time.time()
+            if (len(frames) != 3 or frames[0] != b"ddtop-node/1" or not frames[1].isdigit()
+                    or self.hub is None):
+                self._reject("bad_forward")
+                continue
+            try:
+                message = wire.decode(frames[2:], self.run)
+            except wire.WireError as e:
+                self._reject(e.reason)
+                continue
+            self.hub.forwarded(int(frames[1]), message, frames[2], received)
+
+    def accept_forwarded(self, message: wire.Message, frame: bytes, received: float) -> None:
+        """A rank's message from a node daemon: its rank in range, its pid for display."""
+        if self.world_size is not None and not 0 <= message.rank < self.world_size:
+            self._reject("rank_out_of_range")
+            return
+        self._accept(message, frame, received)
+
     def _reject(self, reason: str) -> None:
         self.state.rejected[reason] = self.state.rejected.get(reason, 0) + 1
 
@@ -253,6 +301,8 @@ class Relay:
         self.seq += 1
         self.journal.append(self.seq, received, frame)
         self.pub.send_multipart(wire.relay_frames(self.seq, frame), zmq.NOBLOCK)
+        if self.forward is not None:
+            self.forward(frame)
 
     def emit(self, kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event],
              **fields: Any) -> None:
@@ -370,6 +420,9 @@ class Relay:
             if self.stop_request is None:
                 self.stop_request = float(timeout)
             return {"ok": True, "status": "stopping"}
+        if op == "node" and self.hub is not None:  # a node daemon's heartbeat
+            reply: dict[str, Any] = self.hub.request(request)
+            return reply
         if op == "stacks":
             rank = request.get("rank")
             if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
@@ -384,7 +437,7 @@ class Relay:
 
     def close(self) -> None:
         self.journal.close()
-        sockets = [self.pull, self.pub, self.router]
+        sockets = [self.pull, self.pub, self.router, *([self.nodes] if self.nodes else [])]
         if self.monitors:
             for sock in sockets:
                 sock.disable_monitor()

@@ -47,6 +47,9 @@ class Outcome:
     # How the failed rank ended, in words, where the daemon decided it (a hang,
     # --hang-timeout) rather than the rank's exit: "hung for 30 s (--hang-timeout 30)".
     reason: str | None = None
+    # Who failed, where it is not one of this daemon's ranks (a multi-node job:
+    # "node 1 (host) lost", "rank 3 on node 1 (host)").
+    who: str | None = None
 
 
 class RunReport:
@@ -136,7 +139,8 @@ class RunReport:
         """The final RunStatus line: "run failed after 3.1 s: rank 1 was killed by SIGKILL"."""
         seconds = self.elapsed()
         if outcome.status == "failed" and outcome.failed_rank is not None:
-            return (f"run failed after {seconds:.1f} s: {self._who(outcome.failed_rank)} "
+            who = outcome.who or self._who(outcome.failed_rank)
+            return (f"run failed after {seconds:.1f} s: {who} "
                     f"{self._how(outcome)}")
         return f"run {outcome.status} after {seconds:.1f} s"
 
@@ -187,7 +191,8 @@ class RunReport:
             print(f"ddtrain: error: {report.message}", file=err, flush=True)
             return
         cause = f": {report.message}" if report is not None and report.message else ""
-        lines = [f"ddtrain: run {rid} failed: {self._who(rank)} (pid {rank.process.pid}) "
+        who = outcome.who or self._who(rank)
+        lines = [f"ddtrain: run {rid} failed: {who} (pid {rank.process.pid}) "
                  f"{self._how(outcome)}{cause}"]
         tb = report.traceback.rstrip().splitlines() if report is not None else []
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]

@@ -35,6 +35,7 @@ from ddtop.daemon.config import UsageError
 
 # Checkpoint files, named by the global step after which they were written.
 CHECKPOINT_GLOB = "step-*.pt"
+NODES_DIR = "nodes"  # runs/<id>/nodes/<K>/: node K's daemon's files (multi-node jobs)
 # What atomic_file leaves of a checkpoint whose writer was killed mid-write.
 CHECKPOINT_TEMP_GLOB = f".{CHECKPOINT_GLOB}.*.tmp"
 
@@ -60,7 +61,19 @@ class RunPaths:
 
     @property
     def run_id(self) -> str:
+        # runs/<id>/nodes/<K>/: node K's own files of a multi-node job (docs/multi-node.md)
+        if self.root.parent.name == NODES_DIR and self.root.name.isdigit():
+            return self.root.parent.parent.name
         return self.root.name
+
+    def node(self, k: int) -> RunPaths:
+        """Node k's own folder of a multi-node job (node 0, the hub, keeps the run's)."""
+        return self if k == 0 else RunPaths(self.root / NODES_DIR / str(k))
+
+    @property
+    def hub_file(self) -> Path:
+        """Where node 0's daemon writes its endpoints for the other nodes."""
+        return self.root / "hub.json"
 
     @property
     def config(self) -> Path:
@@ -240,6 +253,9 @@ def claim_new_run(paths: RunPaths) -> None:
     try:
         paths.root.mkdir(mode=0o700)
     except FileExistsError:
+        if paths.root.name != NODES_DIR and not paths.config.exists() and {
+                p.name for p in paths.root.iterdir()} <= {NODES_DIR}:
+            return  # a multi-node job's folder where another node came first
         what = "already exists" if paths.config.exists() else "exists (a folder that holds no run)"
         raise UsageError(f"run {paths.run_id} {what} in {paths.root.parent}/: add --resume to "
                          "continue it, or pick another --run-id") from None

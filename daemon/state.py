@@ -92,6 +92,10 @@ class RunState(msgspec.Struct, kw_only=True):
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
+    # A multi-node job (daemon/nodes.py): each rank's node, and each node's state
+    # (up, unreachable, lost, done), from the hub's node events.
+    rank_nodes: dict[int, int] = {}
+    node_states: dict[int, str] = {}
 
     # -- folding -------------------------------------------------------------------
     def apply(self, message: wire.Message, received: float) -> bool:
@@ -329,11 +333,23 @@ class RunState(msgspec.Struct, kw_only=True):
             self.world_size = m.world_size or self.world_size
             self._event(m.t, m.rank, "status", m.message or f"run {m.status}")
         elif isinstance(m, wire.Event):
+            self._apply_node(m.data)
             if m.type == "restart":
                 # A malformed entry is left out of the timeline; the event still shows.
                 with contextlib.suppress(msgspec.ValidationError):
                     self.timeline.append(msgspec.convert(m.data, Restart))
             self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
+
+    def _apply_node(self, data: dict[str, Any]) -> None:
+        node, ranks, state = data.get("node"), data.get("ranks"), data.get("node_state")
+        if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < MAX_RANKS:
+            return
+        if isinstance(state, str) and len(self.node_states) < MAX_RANKS:
+            self.node_states[node] = state[:16]
+        if isinstance(ranks, str) and ranks:
+            for part in ranks.split(",")[:MAX_RANKS]:
+                if part.isdigit() and int(part) < MAX_RANKS:
+                    self.rank_nodes[int(part)] = node
 
     def _event(self, t: float, rank: int, type: str, message: str,
                data: dict[str, Any] | None = None, traceback: str | None = None) -> None:
@@ -359,6 +375,10 @@ class RunState(msgspec.Struct, kw_only=True):
                     states[r] = RUNNING
         for r in range(self.world_size):
             states.setdefault(r, STARTING if self._young(now) else UNREACHED)
+        for r, node in self.rank_nodes.items():  # a node gone silent: its ranks, unknown
+            if self.node_states.get(node) in ("unreachable", "lost") and states.get(r) not in (
+                    None, "dead", "finished"):
+                states[r] = "unreachable"
         return dict(sorted(states.items()))
 
     def _young(self, now: float) -> bool:

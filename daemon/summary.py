@@ -83,6 +83,7 @@ class RankSummary(msgspec.Struct, kw_only=True):
     rank: int
     state: str  # starting | running | stalled | silent | dead | finished | lost
     host: str = ""
+    node: int | None = None  # a multi-node job: the node it runs on (daemon/nodes.py)
     pid: int | None = None
     epoch: int = 0
     step: int = 0
@@ -205,10 +206,11 @@ def summarize(state: RunState, now: float) -> RunSummary:
     for r, rank_state in states.items():
         v = state.ranks.get(r)
         if v is None:
-            ranks.append(RankSummary(rank=r, state=rank_state))
+            ranks.append(RankSummary(rank=r, state=rank_state, node=state.rank_nodes.get(r)))
             continue
         ranks.append(RankSummary(
-            rank=r, state=rank_state, host=v.host, pid=v.pid, epoch=v.epoch, step=v.step,
+            rank=r, state=rank_state, host=v.host, node=state.rank_nodes.get(r), pid=v.pid,
+            epoch=v.epoch, step=v.step,
             global_step=v.global_step, loss=v.loss, samples_per_s=v.samples_per_s,
             comm_share=v.comm_share, exit_code=v.exit_code, signal=v.signal, phase=v.phase,
             stopped_by_daemon=v.stopped_by_daemon,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any, TextIO
 
-from ddtop.daemon import blame, wire
+from ddtop.daemon import blame, nodes, wire
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.contract import (
     EXIT_FAILED,
@@ -46,12 +47,12 @@ from ddtop.daemon.contract import (
 )
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.local import LocalRanks
-from ddtop.daemon.processes import send_signal
+from ddtop.daemon.processes import ExitedProcess, send_signal
 from ddtop.daemon.rankview import STALLED
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
-from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
+from ddtop.daemon.starters import AGENT, Rank, RankStarter, choose_port, rank_program
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord
 from ddtop.daemon.torchrun import TorchrunRanks
@@ -104,6 +105,11 @@ class Supervisor:
         self.hung_since: float | None = None  # wall clock: since when the run hangs
         # The hung rank's failure, said by the daemon (--hang-timeout): its exit carries it.
         self.verdicts: dict[int, ErrorReport] = {}
+        # A multi-node job (daemon/nodes.py): node 0's node table, or node K's forwarder.
+        self.hub: nodes.Hub | None = None
+        self.forwarder: nodes.Forwarder | None = None
+        self.final: dict[str, Any] | None = None  # how this node ended, for the hub
+        self.hub_ranks: list[int] = []  # the hub's own ranks, as last said
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
@@ -112,10 +118,14 @@ class Supervisor:
             self.paths.create()
             self.lock = hold_run(self.paths)  # the one daemon of this run, until it exits
             write_json_atomic(self.paths.config, self.config.to_dict())
-            keys = RunKeys.create(self.paths.keys) if self.config.bind else None
+            hub = self.config.multi_node and self.config.is_hub
+            bind = nodes.hub_bind_address(self.config) if hub else self.config.bind
+            keys = RunKeys.create(self.paths.keys) if bind else None
             self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
                                world_size=self.config.world_size,
-                               bind=self.config.bind or None, keys=keys)
+                               bind=bind or None, keys=keys, nodes=hub)
+            if hub:
+                self._become_hub(bind)
             if not self.config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(self.config.master_addr, 0)
@@ -123,6 +133,8 @@ class Supervisor:
             self.relay.rank_pid = self.starter.is_rank  # a hello from any other pid: dropped
             self._status("starting", f"run {self.paths.run_id} starting "
                          f"{self.config.world_size} ranks")
+            if self.config.multi_node and not self.config.is_hub:
+                self._join_hub()
         except OSError as e:
             if self.relay is not None:
                 self.relay.close()
@@ -133,6 +145,8 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            if self.forwarder is not None:
+                self.forwarder.close(self._local_ranks(), self.final or {"status": "failed"})
             self.starter.close()  # the forkserver and resource tracker, waited for
             self.relay.close()  # its sockets (and a private sockets folder) go with it
             if self.lock is not None:
@@ -143,7 +157,7 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
-                outcome = self._attempts()
+                outcome = self._with_nodes(self._attempts())
             except Stopped as stop:
                 for s in previous:  # a second Ctrl-C must not interrupt the clean-up
                     signal.signal(s, signal.SIG_IGN)
@@ -163,6 +177,8 @@ class Supervisor:
             print(f"ddtrain: {names} did not stop in time and was killed with SIGKILL",
                   file=self.err, flush=True)
         self._status(outcome.status, headline, exit_code=outcome.exit_code)
+        if self.forwarder is not None:
+            self.final = self._final(outcome, headline)
         if self.on_tick is not None:
             self.on_tick(self.relay.state)
         self.report.print_outcome(outcome, self.out, self.err)
@@ -203,6 +219,129 @@ class Supervisor:
         self.config = replace(self.config, resume=newest is not None)
         self.ranks = []  # a signal before the new ranks exist stops at once
         self.hung_since, self.verdicts = None, {}
+
+    # -- multi-node (daemon/nodes.py) -------------------------------------------
+    def _become_hub(self, bind: str) -> None:
+        """Node 0: serve the node daemons, and tell them where (hub.json)."""
+        assert self.relay is not None
+        self.hub = nodes.Hub(self.config, self.relay)
+        self.relay.hub = self.hub
+        host = self.config.rdzv_host if bind in ("0.0.0.0", "::") else bind
+        endpoints = self.relay.endpoints
+        self.hub.nodes_endpoint = nodes.public(endpoints["nodes"], host)
+        control = nodes.public(endpoints["control"], host)
+        nodes.write_hub_file(self.paths, control, self.hub.nodes_endpoint)
+        print(f"ddtrain: node 0 is the hub of {self.config.nnodes} nodes: {control} "
+              f"(keys in {self.paths.keys}; written to {self.paths.hub_file})",
+              file=self.err, flush=True)
+
+    def _join_hub(self) -> None:
+        """Node K: find the hub (shared run directory, or --hub), forward to it."""
+        assert self.relay is not None
+        job = RunPaths(self.paths.root.parent.parent)
+        control, keys = nodes.find_hub(self.config, job, lambda m: print(
+            f"ddtrain: {m}", file=self.err, flush=True))
+        self.forwarder = nodes.Forwarder(self.config, control, keys)
+        self.relay.forward = self.forwarder.send
+        print(f"ddtrain: node {self.config.node_rank} forwards to the hub at {control}",
+              file=self.err, flush=True)
+
+    def _local_ranks(self) -> list[int]:
+        seen = getattr(self.starter, "seen", None)
+        return sorted(seen) if isinstance(seen, dict) else []
+
+    def _nodes_tick(self) -> None:
+        assert self.relay is not None
+        if self.hub is not None:
+            self.hub.check()
+            if self.hub.stop is None and self.relay.stop_request is not None:
+                self.hub.stop = self.relay.stop_request  # every node stops too
+            ranks = self._local_ranks()
+            if ranks != self.hub_ranks:
+                self.hub_ranks = ranks
+                self.relay.emit(wire.Event, type="info", message=(
+                    f"node 0 ({socket.gethostname()}): ranks {', '.join(map(str, ranks))}"),
+                    data={"node": 0, "node_state": nodes.UP, "ranks": ",".join(map(str, ranks)),
+                          "host": socket.gethostname()})
+        if self.forwarder is not None:
+            self.forwarder.tick(self._local_ranks(), self.relay.state.status)
+            if self.forwarder.stop is not None and self.relay.stop_request is None:
+                self.relay.stop_request = self.forwarder.stop
+
+    def _final(self, outcome: Outcome, headline: str) -> dict[str, Any]:
+        """How node K ended, for the hub: status, headline, the rank it blamed."""
+        final: dict[str, Any] = {"status": outcome.status, "message": headline[:1000]}
+        rank = outcome.failed_rank
+        if outcome.status == "failed" and rank is not None and rank.exitcode is not None:
+            report = outcome.report
+            cause, _ = blame.blame_order(blame.RankEnd(rank.exitcode, rank.stopped_by_us), report)
+            final["failure"] = {"rank": rank.rank, "pid": rank.process.pid,
+                                "exit_code": rank.exitcode, "cause": cause,
+                                "how": headline.partition(": ")[2][:500],
+                                "message": (report.message if report else "")[:1000]}
+        return final
+
+    def _with_nodes(self, outcome: Outcome) -> Outcome:
+        """The hub, once its own ranks ended: wait (bounded) for every node to say
+        how it ended; a node that went silent is lost; the job's outcome names the
+        node and rank to blame."""
+        hub, relay = self.hub, self.relay
+        if hub is None or relay is None:
+            return outcome
+        self._note_exits(None)
+        deadline = time.monotonic() + nodes.NODE_FINAL_WAIT_S + nodes.NODE_TIMEOUT_S
+        while not hub.settled() and time.monotonic() < deadline:
+            relay.serve(POLL_S)
+            hub.check()
+            if self.on_tick is not None:
+                self.on_tick(relay.state)
+        for k in hub.missing():  # never heard from
+            hub.nodes[k] = nodes.NodeSeen(k, state=nodes.UNREACHABLE)
+        for seen in hub.nodes.values():
+            if seen.state == nodes.UP:  # still running at the deadline: silent to us
+                seen.state = nodes.UNREACHABLE
+        lost = hub.lose_unreachable()
+        ours = outcome.failed_rank
+        our_cause = 9
+        if outcome.status == "failed" and ours is not None and ours.exitcode is not None:
+            our_cause = blame.blame_order(blame.RankEnd(ours.exitcode, ours.stopped_by_us),
+                                          outcome.report)[0]
+        theirs = [(s.failure["cause"], s) for s in hub.nodes.values()
+                  if s.state == nodes.DONE and s.status == "failed"
+                  and isinstance(s.failure, dict) and isinstance(s.failure.get("cause"), int)
+                  and isinstance(s.failure.get("rank"), int)]
+        theirs.sort(key=lambda c: c[0])
+        if theirs and theirs[0][0] < our_cause:
+            seen = theirs[0][1]
+            f = seen.failure or {}
+            raw_code, raw_pid = f.get("exit_code"), f.get("pid")
+            code = raw_code if isinstance(raw_code, int) else 1
+            pid = raw_pid if isinstance(raw_pid, int) else None
+            rank = Rank(f["rank"], ExitedProcess(pid, code), exitcode=code, noted=True)
+            how = str(f.get("how", "failed")).partition(f"rank {f['rank']} ")[2] or "failed"
+            message = str(f.get("message", ""))
+            relay.emit(wire.RankExit, exited=f["rank"], pid=pid,  # the job's culprit, named
+                       exit_code=code if code >= 0 else None, signal=signal_name(code),
+                       message=message or None, culprit=True)
+            return Outcome("failed", EXIT_FAILED, rank,
+                           ErrorReport(rank=f["rank"], message=message) if message else None,
+                           reason=how, who=f"rank {f['rank']} on node {seen.node} ({seen.host})")
+        if lost and outcome.status != "stopped" and our_cause >= 3:
+            first = lost[0]
+            names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in lost)
+            ranks = ", ".join(str(r) for s in lost for r in s.ranks) or "unknown"
+            return Outcome("failed", EXIT_FAILED,
+                           Rank(AGENT, ExitedProcess(first.pid, 1), exitcode=1, noted=True),
+                           reason=(f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
+                                   f"ranks {ranks} unreachable"), who=names)
+        if outcome.status == "succeeded" and any(
+                s.status in ("failed", "stopped") for s in hub.nodes.values()):
+            worst = next(s for s in hub.nodes.values() if s.status in ("failed", "stopped"))
+            return Outcome("failed", EXIT_FAILED,
+                           Rank(AGENT, ExitedProcess(worst.pid, 1), exitcode=1, noted=True),
+                           reason=worst.message or worst.status,
+                           who=f"node {worst.node} ({worst.host})")
+        return outcome
 
     # -- start -----------------------------------------------------------------
     def _start_ranks(self) -> None:
@@ -245,6 +384,7 @@ class Supervisor:
             self.relay.serve(POLL_S, [r.process.sentinel for r in running])
             if self.on_tick is not None:
                 self.on_tick(self.relay.state)
+            self._nodes_tick()
             self._check_stop()
             self._serve_stacks()
             self._echo_logs()

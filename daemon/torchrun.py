@@ -35,6 +35,7 @@ from ddtop.daemon.starters import AGENT, Rank, rank_program
 from ddtop.daemon.state import RunState
 
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RESCAN_S = 1.0  # at most one /proc scan a second for hellos from pids not known yet
 FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                              r"(-?\d+) \(pid: (\d+)\)")
@@ -48,6 +49,7 @@ class TorchrunRanks:
         self.tails: list[tuple[str, LogTail]] = []
         self.log_start = 0  # where this attempt's part of torchrun's log begins
         self.world_size = 0
+        self.nodes = False  # a multi-node job: only some of the ranks are this node's
         self.agent: ProcessId | None = None  # this attempt's agent
         self.scanned = 0.0  # when rank_processes last ran for is_rank
         self.seen: dict[int, ProcessId] = {}  # rank -> its process, as last found below the agent
@@ -55,13 +57,25 @@ class TorchrunRanks:
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         write_json_atomic(self.paths.config, config.to_dict())
         self.world_size = config.world_size
+        self.nodes = config.multi_node
+        env = {**os.environ, CONFIG_ENV: str(self.paths.config),
+               DAEMON_PID_ENV: str(os.getpid()), ATTEMPT_ENV: str(attempt)}
+        if config.multi_node:
+            # c10d rendezvous at node 0's endpoint; the ranks' numbers come from the
+            # order nodes join (each rank's node is what its node daemon reports).
+            where = ["--nnodes", str(config.nnodes), "--node-rank", str(config.node_rank),
+                     "--nproc-per-node", str(config.nproc_per_node), "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", config.rdzv_endpoint, "--rdzv-id", config.run_id or "",
+                     "--rdzv-conf", f"is_host={'1' if config.is_hub else '0'}"]
+            if config.rdzv_host in LOOPBACK:  # every node on this machine: gloo on lo too
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        else:
+            where = ["--standalone", "--nproc-per-node", str(config.world_size)]
         with self.log.open("ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", str(config.world_size), "--max-restarts", "0",
+                [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts", "0",
                  "-m", rank_program(config).torchrun_module],
-                env={**os.environ, CONFIG_ENV: str(self.paths.config),
-                     DAEMON_PID_ENV: str(os.getpid()), ATTEMPT_ENV: str(attempt)},
+                env=env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 preexec_fn=set_parent_death_signal,
             )
@@ -117,7 +131,10 @@ class TorchrunRanks:
             log = f.read().decode(errors="replace")
         failed = {int(m[1]): (int(m[2]), int(m[3])) for m in FAILURE_SUMMARY.finditer(log)}
         ranks = []
-        for k in range(self.world_size):
+        # A multi-node job: this node's ranks only (found below the agent, or in its summary).
+        local = (range(self.world_size) if not self.nodes
+                 else sorted(set(self.seen) | set(failed)))
+        for k in local:
             view = state.ranks.get(k)
             # Shown, never signalled: torchrun's pid, else the one found below the
             # agent, else the one the rank's hello claimed.

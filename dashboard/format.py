@@ -220,7 +220,10 @@ def rank_rows(state: RunState, now: float, scalars: Sequence[str] = ()) -> list[
         fraction = (v.step / spe) if spe else 0.0
         sync_per_step = v.sync_wait_s / v.global_step if v.global_step else None
         cells = {
-            "rank": str(rank), "host": v.host or "-", "device": v.device or "-",
+            # A multi-node job: the host cell says the node too ("n1" filters by node).
+            "rank": str(rank), "device": v.device or "-",
+            "host": (v.host or "-") + (f" n{state.rank_nodes[rank]}"
+                                       if rank in state.rank_nodes else ""),
             "state": _state_text(v, st), "epoch": str(v.epoch + 1) if v.last_seen else "-",
             "step": f"{v.step}/{spe}" if spe else str(v.step),
             "progress": bar(fraction, 10), "loss": num(v.loss, ".4f"),

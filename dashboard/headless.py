@@ -260,7 +260,10 @@ def summary_text(summary: dict[str, Any], now: float) -> list[str]:
                                   else "")
         if how and r.get("stopped_by_daemon") and r.get("exit_code") != 0:
             how += " (stopped by the daemon)"
-        lines.append(f"  rank {r['rank']:>3} {r['state']:<9} step {fmt.num(r['global_step'], 'd')}"
+        node = r.get("node")
+        where = f" node {node} {r.get('host') or '?'}" if node is not None else ""
+        lines.append(f"  rank {r['rank']:>3}{where} {r['state']:<9} step "
+                     f"{fmt.num(r['global_step'], 'd')}"
                      f" loss {fmt.num(r['loss'], '.4f')} {how}".rstrip())
     rejected = summary.get("rejected") or {}
     if rejected:

@@ -45,6 +45,9 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     # added with gradient synchronisation strategies (docs/strategies.md)
     "--strategy": (("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"), "ddp"),
     "--hang-timeout": (float, None),  # added with fault drills (docs/daemon.md)
+    # added with multi-node jobs (docs/multi-node.md)
+    "--nnodes": (int, 1), "--node-rank": (int, 0), "--nproc-per-node": (int, 1),
+    "--rdzv-endpoint": (str, ""), "--hub": (str, ""), "--hub-keys": (str, ""),
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir"}

@@ -18,7 +18,10 @@ target is in the store; every rank stops after exactly the target step.
 
 from __future__ import annotations
 
+import math
+import os
 import signal
+import time
 from types import FrameType
 
 import torch.distributed as dist
@@ -26,6 +29,10 @@ import torch.distributed as dist
 STOP_SIGNAL = signal.SIGUSR1
 STORE_KEY = "ddtop/stop_after"
 MARGIN = 3
+# A multi-node job: the other nodes' ranks get the signal from their own daemon,
+# up to about a second later (its heartbeat to the hub), so the target is this
+# many seconds of steps ahead (docs/multi-node.md).
+NODES_MARGIN_S = 3.0
 
 _requested = False
 
@@ -44,6 +51,8 @@ class StopAgreement:
     def __init__(self, is_main: bool) -> None:
         self.is_main = is_main
         self.target: int | None = None
+        self.nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1) > 1
+        self.since = (time.monotonic(), 0)  # for the step rate of a multi-node job
 
     def due(self, global_step: int) -> bool:
         """True when this rank should stop now, having completed `global_step` steps."""
@@ -52,7 +61,12 @@ class StopAgreement:
         if self.target is None:
             store = dist.distributed_c10d._get_default_store()
             if self.is_main:
-                self.target = global_step + MARGIN
+                margin = MARGIN
+                if self.nodes:
+                    t0, step0 = self.since
+                    rate = (global_step - step0) / max(time.monotonic() - t0, 1e-3)
+                    margin = max(MARGIN, math.ceil(rate * NODES_MARGIN_S))
+                self.target = global_step + margin
                 store.set(STORE_KEY, str(self.target))
             elif store.check([STORE_KEY]):
                 self.target = int(store.get(STORE_KEY))

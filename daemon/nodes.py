@@ -1,0 +1,295 @@
+"""Multi-node jobs: node daemons forward to node 0's daemon, the hub.
+
+    node K's daemon ── PUSH (CURVE) ──► hub's `nodes` PULL    every message it folds
+                    ── DEALER (CURVE) ─► hub's control ROUTER  {"op": "node"} once a second;
+                                                               the reply carries a stop request
+
+Node 0's daemon (the hub) serves its sockets on TCP with the job's CURVE keys
+(runs/<id>/keys): only a peer holding the job's client key completes a
+handshake; every other attempt is counted under `rejected` as for any TCP
+socket of a run (daemon/relay.py). What node daemons forward is trusted for
+display only: the ranks' pids are never signalled, a rank number must be in
+the job's world size, and a node daemon's own messages (a rank's exit, its
+events) are re-said by the hub under the node's name.
+
+Liveness: a node daemon's heartbeat (its `node` request) comes every second;
+none for NODE_TIMEOUT_S makes the node `unreachable` (its ranks are shown so,
+not as dead). When the job ends (the hub's own ranks exited, or one failed)
+while a node is unreachable, that node is `lost` and the outcome names it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from ddtop.daemon import wire
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.keys import RunKeys
+from ddtop.daemon.runs import RunPaths, write_json_atomic
+
+HEARTBEAT_S = 1.0  # a node daemon's `node` request, this often
+NODE_TIMEOUT_S = 5.0  # no heartbeat for this long: the node is unreachable
+FORWARD_HWM = 10_000  # messages a node daemon holds for the hub before it drops (counted)
+HUB_WAIT_S = 120.0  # how long node K waits for the hub's hub.json (shared file system)
+NODE_FINAL_WAIT_S = 10.0  # how long the hub waits, at the end, for nodes to say how they ended
+NODE_HEADER = b"ddtop-node/1"
+
+# A node's state, as the hub sees it.
+UP, UNREACHABLE, LOST, DONE = "up", "unreachable", "lost", "done"
+
+
+def hub_bind_address(config: TrainConfig) -> str:
+    """Where node 0 listens: --bind, else the rendezvous host when it is an address
+    of this machine (loopback on one machine), else every interface."""
+    if config.bind:
+        return config.bind
+    host = config.rdzv_host
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+        return host
+    except OSError:
+        return "0.0.0.0"
+
+
+def public(endpoint: str, host: str) -> str:
+    """tcp://0.0.0.0:PORT as other nodes reach it: tcp://HOST:PORT."""
+    port = endpoint.rpartition(":")[2]
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+@dataclass
+class NodeSeen:
+    node: int
+    host: str = ""
+    pid: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    beat: float = 0.0  # monotonic time of the last heartbeat
+    state: str = UP
+    status: str = ""  # the node daemon's own run status (running, failed, ...)
+    message: str = ""  # its final headline
+    failure: dict[str, Any] | None = None  # the rank it blamed, if it failed
+    dropped: int = 0  # messages it could not forward (its high-water mark)
+
+
+class Hub:
+    """Node 0's side: the node table, fed by the relay (forwarded frames, `node`
+    requests); `check` turns silences into `unreachable` events."""
+
+    def __init__(self, config: TrainConfig, relay: Any) -> None:
+        self.config, self.relay = config, relay
+        self.nodes: dict[int, NodeSeen] = {}
+        self.nodes_endpoint = ""  # where node daemons push (public address)
+        self.stop: float | None = None  # a stop for every node (its timeout)
+
+    # -- from the relay ------------------------------------------------------------
+    def request(self, request: dict[str, Any]) -> dict[str, Any]:
+        node = request.get("node")
+        if not isinstance(node, int) or isinstance(node, bool) or not (
+                0 < node < self.config.nnodes):
+            return {"ok": False, "error": f"node must be 1 to {self.config.nnodes - 1}"}
+        seen = self.nodes.get(node)
+        if seen is None:
+            seen = self.nodes[node] = NodeSeen(node)
+        was = seen.state
+        seen.beat = time.monotonic()
+        seen.host = str(request.get("host", ""))[:255]
+        pid = request.get("pid")
+        seen.pid = pid if isinstance(pid, int) else None
+        ranks = request.get("ranks")
+        if isinstance(ranks, list):
+            ranks = sorted({r for r in ranks if isinstance(r, int)
+                            and 0 <= r < self.config.world_size})
+            if ranks != seen.ranks:
+                seen.ranks = ranks
+                self._say(node, "info", f"node {node} ({seen.host}): ranks "
+                          f"{', '.join(map(str, ranks)) or 'none yet'}")
+        status = request.get("status")
+        if isinstance(status, str):
+            seen.status = status[:32]
+        dropped = request.get("dropped")
+        seen.dropped = dropped if isinstance(dropped, int) else seen.dropped
+        if status in wire.FINAL_STATUSES:
+            seen.state = DONE
+            message = request.get("message")
+            seen.message = message[:2000] if isinstance(message, str) else ""
+            failure = request.get("failure")
+            seen.failure = failure if isinstance(failure, dict) else None
+        elif was != UP and seen.state != DONE:
+            seen.state = UP
+            self._say(node, "info", f"node {node} ({seen.host}) is reachable again")
+        return {"ok": True, "stop": self.stop, "nodes": self.nodes_endpoint}
+
+    def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
+        """A message node `node` folded: its ranks' (relayed as they are) or its own."""
+        if message.rank != wire.DAEMON_RANK:
+            self.relay.accept_forwarded(message, frame, received)
+            return
+        if isinstance(message, wire.RankExit):
+            if 0 <= message.exited < self.config.world_size:
+                fields = {f: getattr(message, f) for f in message.__struct_fields__
+                          if f not in ("run", "rank", "seq", "t", "kind")}
+                self.relay.emit(wire.RankExit, **fields)
+        elif isinstance(message, wire.Event):
+            self._say(node, message.type if message.type != "restart" else "info",
+                      f"node {node}: {message.message}", traceback=message.traceback)
+        # A node's RunStatus is its own: the hub learns it from its heartbeat.
+
+    # -- the hub's loop ------------------------------------------------------------
+    def check(self) -> None:
+        now = time.monotonic()
+        for seen in self.nodes.values():
+            if seen.state == UP and now - seen.beat > NODE_TIMEOUT_S:
+                seen.state = UNREACHABLE
+                self._say(seen.node, "warning",
+                          f"node {seen.node} ({seen.host or '?'}) unreachable: no heartbeat "
+                          f"for {NODE_TIMEOUT_S:g} s (ranks {self._ranks(seen)})")
+
+    def missing(self) -> list[int]:
+        """Nodes never heard from."""
+        return [k for k in range(1, self.config.nnodes) if k not in self.nodes]
+
+    def settled(self) -> bool:
+        """Every node has said how it ended, or is unreachable."""
+        return not self.missing() and all(
+            s.state in (DONE, UNREACHABLE, LOST) for s in self.nodes.values())
+
+    def lose_unreachable(self) -> list[NodeSeen]:
+        lost = []
+        for seen in self.nodes.values():
+            if seen.state == UNREACHABLE:
+                seen.state = LOST
+                self._say(seen.node, "error", f"node {seen.node} ({seen.host or '?'}) lost: "
+                          f"its daemon stopped answering (ranks {self._ranks(seen)})")
+                lost.append(seen)
+        return lost
+
+    @staticmethod
+    def _ranks(seen: NodeSeen) -> str:
+        return ", ".join(map(str, seen.ranks)) or "unknown"
+
+    def _say(self, node: int, type: Any, message: str, traceback: str | None = None) -> None:
+        seen = self.nodes.get(node)
+        data: dict[str, Any] = {"node": node, "node_state": seen.state if seen else UP,
+                                "ranks": ",".join(map(str, seen.ranks)) if seen else "",
+                                "host": seen.host if seen else ""}
+        self.relay.emit(wire.Event, type=type, message=message, data=data, traceback=traceback)
+
+
+def write_hub_file(paths: RunPaths, control: str, nodes: str) -> None:
+    """hub.json in the run directory: where nodes 1 and up find the hub (owner-only)."""
+    write_json_atomic(paths.hub_file, {"control": control, "nodes": nodes,
+                                       "keys": str(paths.keys.absolute()),
+                                       "pid": os.getpid()})
+
+
+def find_hub(config: TrainConfig, job: RunPaths, say: Any) -> tuple[str, RunKeys]:
+    """Node K: the hub's control endpoint and the job's keys, from --hub/--hub-keys,
+    else from the shared run directory (waiting up to HUB_WAIT_S for node 0)."""
+    if config.hub:
+        return config.hub, RunKeys.load(config.hub_keys)
+    deadline = time.monotonic() + HUB_WAIT_S
+    said = 0.0
+    hub_file = job.hub_file
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            found = json.loads(hub_file.read_text())
+            keys = RunKeys.load(Path(found["keys"]))
+            return str(found["control"]), keys
+        now = time.monotonic()
+        if now > deadline:
+            raise UsageError(f"node {config.node_rank}: no hub after {HUB_WAIT_S:g} s: "
+                             f"{hub_file} did not appear; start node 0 with the same --runs-dir "
+                             "and --run-id on a shared file system, or give --hub and --hub-keys")
+        if now - said >= 10:
+            said = now
+            say(f"waiting for node 0's daemon (the hub) to write {hub_file}")
+        time.sleep(0.2)
+
+
+class Forwarder:
+    """Node K's side: every message its relay folds goes to the hub (bounded,
+    never blocking), plus a heartbeat with this node's ranks and status."""
+
+    def __init__(self, config: TrainConfig, control: str, keys: RunKeys) -> None:
+        self.node = config.node_rank
+        self.context = zmq.Context()
+        self.control = self.context.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.SNDHWM, 4)
+        keys.client(self.control)
+        self.control.connect(control)
+        self.push: zmq.Socket[bytes] | None = None
+        self.keys = keys
+        self.waiting: collections.deque[bytes] = collections.deque(maxlen=FORWARD_HWM)
+        self.dropped = 0
+        self.last_beat = 0.0
+        self.stop: float | None = None  # the hub asked every node to stop
+        self.heard: float | None = None  # monotonic time of the hub's last reply
+        self.host = socket.gethostname()
+
+    def send(self, frame: bytes) -> None:
+        if self.push is None:
+            if len(self.waiting) == self.waiting.maxlen:
+                self.dropped += 1
+            self.waiting.append(frame)
+            return
+        try:
+            self.push.send_multipart([NODE_HEADER, str(self.node).encode(), frame], zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+
+    def tick(self, ranks: list[int], status: str, final: dict[str, Any] | None = None) -> None:
+        """Answers from the hub; a heartbeat when one is due (or `final`: at once)."""
+        for _ in range(100):
+            try:
+                body = self.control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            with contextlib.suppress(msgspec.DecodeError, TypeError, AttributeError):
+                reply = msgspec.msgpack.decode(body)
+                self.heard = time.monotonic()
+                stop = reply.get("stop")
+                if isinstance(stop, int | float) and not isinstance(stop, bool):
+                    self.stop = float(stop)
+                nodes = reply.get("nodes")
+                if self.push is None and isinstance(nodes, str) and nodes.startswith("tcp://"):
+                    self._connect(nodes)
+        now = time.monotonic()
+        if final is None and now - self.last_beat < HEARTBEAT_S:
+            return
+        self.last_beat = now
+        beat: dict[str, Any] = {"op": "node", "node": self.node, "host": self.host,
+                                "pid": os.getpid(), "ranks": ranks, "status": status,
+                                "dropped": self.dropped, **(final or {})}
+        with contextlib.suppress(zmq.ZMQError):
+            self.control.send(msgspec.msgpack.encode(beat), zmq.NOBLOCK)
+
+    def _connect(self, endpoint: str) -> None:
+        self.push = self.context.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 2000)  # the last words (exits, final status) get out
+        self.push.setsockopt(zmq.SNDHWM, FORWARD_HWM)
+        self.keys.client(self.push)
+        self.push.connect(endpoint)
+        while self.waiting:
+            self.send(self.waiting.popleft())
+
+    def close(self, ranks: list[int], final: dict[str, Any]) -> None:
+        """Say how this node ended, then let the last messages go (bounded)."""
+        self.tick(ranks, final.get("status", "failed"), final)
+        time.sleep(0.3)
+        self.control.close(linger=1000)
+        if self.push is not None:
+            self.push.close()
+        self.context.term()

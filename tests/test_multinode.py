@@ -1,0 +1,169 @@
+"""A multi-node job on this machine: two `ddtrain start --nnodes 2` commands,
+two ranks each, c10d rendezvous over loopback, node 0's daemon the hub.
+
+Real processes, real ZeroMQ (CURVE), real gloo. Three jobs: one stopped with
+`ddtrain stop` on node 0 (status, headless summary and a forwarder with wrong
+keys checked while it runs), one where a rank is killed, one where node 1's
+daemon is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+pytestmark = pytest.mark.timeout(90)
+
+SMALL = ["--synthetic-train-samples", "2048", "--synthetic-val-samples", "128",
+         "--batch-size", "64", "--progress-every", "30"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ddtrain(*args: str, cwd: Path, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddtop.daemon", *args], cwd=cwd, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+class Job:
+    """Both nodes of one job, started here; every process they started, ended."""
+
+    def __init__(self, tmp: Path, run_id: str, *extra: str) -> None:
+        self.tmp, self.run_id = tmp, run_id
+        self.runs = tmp / "runs"
+        port = free_port()
+        self.nodes: list[subprocess.Popen[str]] = []
+        for k in (0, 1):
+            self.nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "ddtop.daemon", "start", "--foreground", "--headless",
+                 "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-id", run_id,
+                 "--runs-dir", str(self.runs), *SMALL, *extra],
+                cwd=tmp, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True))
+            time.sleep(0.3)  # node 0 first: it hosts the rendezvous and the hub
+
+    def status(self) -> dict:
+        done = ddtrain("status", self.run_id, "--json", "--runs-dir", str(self.runs), cwd=self.tmp)
+        return json.loads(done.stdout) if done.stdout.strip().startswith("{") else {}
+
+    def wait_running(self, timeout: float = 40) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.status()
+            ranks = s.get("ranks", [])
+            if (len(ranks) == 4 and all(r["state"] == "running" for r in ranks)
+                    and {r.get("node") for r in ranks} == {0, 1}):
+                return s
+            assert all(p.poll() is None for p in self.nodes), self.output()
+            time.sleep(0.3)
+        raise AssertionError(f"not all 4 ranks running on 2 nodes: {self.status()}")
+
+    def wait(self, timeout: float = 40) -> list[tuple[int, str, str]]:
+        ends = []
+        for p in self.nodes:
+            out, err = p.communicate(timeout=timeout)
+            ends.append((p.returncode, out, err))
+        return ends
+
+    def output(self) -> str:
+        return "\n".join(f"node {k} rc={p.poll()}" for k, p in enumerate(self.nodes))
+
+    def close(self) -> None:
+        for p in self.nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the group this test started
+            p.communicate(timeout=10)
+
+
+@pytest.fixture
+def job_factory(tmp_path: Path) -> Iterator[list[Job]]:
+    jobs: list[Job] = []
+    yield jobs
+    for job in jobs:
+        job.close()
+
+
+def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
+        tmp_path: Path, job_factory: list[Job]) -> None:
+    job = Job(tmp_path, "stopjob", "--epochs", "1000")
+    job_factory.append(job)
+    status = job.wait_running()
+    # node 0's status lists every rank with its node and host
+    assert sorted(r["rank"] for r in status["ranks"]) == [0, 1, 2, 3]
+    assert sorted(r["node"] for r in status["ranks"]) == [0, 0, 1, 1]
+    assert all(r["host"] for r in status["ranks"])
+    table = ddtrain("status", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path).stdout
+    assert "NODE" in table and "HOST" in table
+    # node 1 keeps its own files; the hub wrote where it is, owner-only
+    assert (job.runs / "stopjob" / "nodes" / "1" / "run.json").is_file()
+    hub = json.loads((job.runs / "stopjob" / "hub.json").read_text())
+    assert (job.runs / "stopjob" / "hub.json").stat().st_mode & 0o077 == 0
+    # a forwarder without the job's keys: refused and counted
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        public, secret = zmq.curve_keypair()
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_serverkey = (job.runs / "stopjob" / "keys" / "server.key").read_text(
+        ).split('public-key = "')[1].split('"')[0].encode()
+        sock.connect(hub["nodes"])
+        for _ in range(5):
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart([b"ddtop-node/1", b"1", b"forged"], zmq.NOBLOCK)
+        deadline = time.monotonic() + 10
+        while not job.status().get("rejected", {}).get("unauthenticated"):
+            assert time.monotonic() < deadline, job.status().get("rejected")
+            time.sleep(0.2)
+    finally:
+        ctx.destroy(linger=0)
+    # ddtrain stop on node 0 stops both nodes
+    stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path)
+    assert stop.returncode == 0, stop.stderr
+    (rc0, out0, err0), (rc1, _, err1) = job.wait()
+    assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
+    # the headless summary on node 0 shows the four ranks with their node
+    for k in range(4):
+        assert f"rank   {k} node " in out0
+    assert sum(f" node {n} " in out0 for n in (0, 1)) == 2
+
+
+def test_a_rank_killed_on_node_1_is_named_on_node_0(
+        tmp_path: Path, job_factory: list[Job]) -> None:
+    job = Job(tmp_path, "killjob", "--epochs", "1000", "--inject", "3:kill@step=20")
+    job_factory.append(job)
+    (rc0, _, err0), _ = job.wait(60)
+    assert rc0 == 1, err0[-3000:]
+    nodes = json.loads((job.runs / "killjob" / "run.json").read_text())
+    node_of_3 = next(r["node"] for r in nodes["ranks"] if r["rank"] == 3)
+    where = " on node 1" if node_of_3 == 1 else ""
+    assert f"rank 3{where}" in err0 and "SIGKILL" in err0, err0[-3000:]
+    assert nodes["failure"]["rank"] == 3, nodes["failure"]
+
+
+def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:
+    job = Job(tmp_path, "lostjob", "--epochs", "1000")
+    job_factory.append(job)
+    job.wait_running()
+    job.nodes[1].send_signal(signal.SIGKILL)  # node 1's daemon, started by this test
+    (rc0, _, err0), _ = job.wait(60)
+    assert rc0 == 1, err0[-3000:]
+    assert "node 1 (" in err0 and "lost" in err0, err0[-3000:]
+    record = json.loads((job.runs / "lostjob" / "run.json").read_text())
+    assert record["status"] == "failed"
