@@ -322,13 +322,16 @@ def start_detached(config: TrainConfig, paths: RunPaths) -> int:
         if daemon.poll() is not None or time.monotonic() > deadline:
             return _start_failed(daemon, paths)
         time.sleep(0.05)
-    up = _wait_for_ranks(daemon, RunInfo.load(paths), config.world_size)
+    # Node K > 0 of a multi-node job waits for its own ranks; the hub for every node's.
+    expected = config.world_size if config.is_hub else config.nproc_per_node
+    up = _wait_for_ranks(daemon, RunInfo.load(paths), expected)
     if daemon.poll() is not None and daemon.returncode != 0:
         return _start_failed(daemon, paths)
     rid = paths.run_id
     state = ("all ranks up" if up else
              "ranks still starting" if daemon.poll() is None else "already finished")
-    print(f"ddtrain: started run {rid}: {config.world_size} ranks ({state}), "
+    node = (f"node {config.node_rank} of {config.nnodes}, " if config.multi_node else "")
+    print(f"ddtrain: started run {rid}: {node}{expected} ranks ({state}), "
           f"daemon pid {daemon.pid}\n"
           f"  directory  {paths.root}\n"
           f"  watch      ddtop {rid}\n"
@@ -337,8 +340,8 @@ def start_detached(config: TrainConfig, paths: RunPaths) -> int:
     return EXIT_OK
 
 
-def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, world_size: int) -> bool:
-    """Until every rank has said hello (True), the daemon exits, or START_WATCH_S."""
+def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, expected: int) -> bool:
+    """Until `expected` ranks have said hello (True), the daemon exits, or START_WATCH_S."""
     deadline = time.monotonic() + START_WATCH_S
     while time.monotonic() < deadline and daemon.poll() is None and info.control:
         try:
@@ -347,7 +350,7 @@ def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, world_size: 
         except (control.Unreachable, msgspec.ValidationError):
             time.sleep(0.1)
             continue
-        if len(ranks) == world_size and all(r.state != "starting" for r in ranks):
+        if sum(r.state != "starting" for r in ranks) >= expected:
             return True
         time.sleep(0.1)
     return False

@@ -161,6 +161,8 @@ class RunReport:
         return describe_exit(rank.exitcode, None)
 
     def resume_hint(self) -> str:
+        if self.config.multi_node:
+            return "a multi-node job cannot be resumed yet (docs/multi-node.md)"
         if self.config.runs_user_code:
             return ("start it again with: ddtrain start --resume --run-id "
                     f"{self.paths.run_id} (your program resumes from its own checkpoints)")

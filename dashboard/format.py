@@ -135,7 +135,10 @@ def elapsed(state: RunState, now: float) -> float:
 
 
 def nodes(state: RunState) -> int:
-    return len({v.host for v in state.ranks.values() if v.host}) or 1
+    """Machines of the run: the nodes of a multi-node job (two on one host count
+    as two), else the hosts its ranks said hello from."""
+    hosts = len({v.host for v in state.ranks.values() if v.host})
+    return max(len(set(state.rank_nodes.values())), hosts) or 1
 
 
 # -- the ranks table ---------------------------------------------------------------

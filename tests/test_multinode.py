@@ -23,6 +23,10 @@ from pathlib import Path
 import pytest
 import zmq
 
+from ddtop.daemon import wire
+from ddtop.daemon.state import RunState
+from ddtop.dashboard import format as fmt
+
 pytestmark = pytest.mark.timeout(90)
 
 SMALL = ["--synthetic-train-samples", "2048", "--synthetic-val-samples", "128",
@@ -167,3 +171,57 @@ def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[J
     assert "node 1 (" in err0 and "lost" in err0, err0[-3000:]
     record = json.loads((job.runs / "lostjob" / "run.json").read_text())
     assert record["status"] == "failed"
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "--run-id", "j"],
+     "--node-rank 2 must be below --nnodes 2"),
+    (["--nnodes", "2", "--run-id", "j"], "needs --rdzv-endpoint"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "needs --run-id"),
+    (["--nnodes", "2", "--rdzv-endpoint", "nohostport", "--run-id", "j"], "give HOST:PORT"),
+    (["--nnodes", "2", "--nproc-per-node", "2", "-n", "3", "--rdzv-endpoint", "h:1",
+      "--run-id", "j"], "--world-size 3 must be --nnodes x --nproc-per-node = 4"),
+    (["--node-rank", "1"], "--node-rank is for a multi-node job"),
+    (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "--run-id", "j",
+      "--hub", "tcp://h:5"], "--hub and --hub-keys go together"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--run-id", "j", "--hub", "tcp://h:5",
+      "--hub-keys", "k"], "on nodes 1 and up only"),
+])
+def test_bad_multi_node_flags_are_one_line_and_exit_2(
+        tmp_path: Path, flags: list[str], says: str) -> None:
+    done = ddtrain("start", "--runs-dir", str(tmp_path / "runs"), *flags, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "runs" / "j" / "config.json").exists()
+
+
+def test_the_dashboard_shows_each_ranks_node_and_a_silent_nodes_ranks_as_unreachable() -> None:
+    """The fold the dashboard and status share: the hub's node events give each
+    rank its node; the host cell says it (and the filter finds `n1`)."""
+    state = RunState(run="j")
+
+    def hello(rank: int) -> wire.Hello:
+        return wire.Hello(run="j", rank=rank, seq=0, t=100.0, local_rank=rank % 2, host="vm",
+                          pid=1000 + rank, device="cpu", backend="gloo", world_size=4,
+                          config_digest="", model="mlp", dataset="synthetic", epochs=1,
+                          global_batch=64)
+
+    def node_event(seq: int, node: int, ranks: str, node_state: str) -> wire.Event:
+        return wire.Event(run="j", rank=wire.DAEMON_RANK, seq=seq, t=100.0, type="info",
+                          message=f"node {node}", data={"node": node, "ranks": ranks,
+                                                        "node_state": node_state, "host": "vm"})
+
+    for rank in range(4):
+        state.apply(hello(rank), 100.0)
+    state.apply(node_event(0, 0, "0,1", "up"), 100.0)
+    state.apply(node_event(1, 1, "2,3", "up"), 100.0)
+    rows = fmt.rank_rows(state, 101.0)
+    assert [r.cells["host"] for r in rows] == ["vm n0", "vm n0", "vm n1", "vm n1"]
+    assert [r.cells["rank"] for r in fmt.filter_rows(rows, "n1", False)] == ["2", "3"]
+    assert fmt.nodes(state) == 2
+    state.apply(node_event(2, 1, "2,3", "unreachable"), 106.0)
+    states = state.rank_states(106.5)
+    assert (states[2], states[3]) == ("unreachable", "unreachable")
+    assert states[0] != "unreachable"
+    summary = state.summary(106.5)
+    assert [(r.rank, r.node) for r in summary.ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
