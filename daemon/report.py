@@ -50,6 +50,7 @@ class Outcome:
     # Who failed, where it is not one of this daemon's ranks (a multi-node job:
     # "node 1 (host) lost", "rank 3 on node 1 (host)").
     who: str | None = None
+    log: str | None = None  # where its log is, when not in this run's logs/
 
 
 class RunReport:
@@ -200,5 +201,5 @@ class RunReport:
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
         log = self.paths.logs / "torchrun.log" if rank.rank == AGENT else (
             self.paths.rank_log(rank.rank))
-        lines.append(f"  log: {log}; {self.resume_hint()}")
+        lines.append(f"  log: {outcome.log or log}; {self.resume_hint()}")
         print("\n".join(lines), file=err, flush=True)

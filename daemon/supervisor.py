@@ -325,7 +325,9 @@ class Supervisor:
                        message=message or None, culprit=True)
             return Outcome("failed", EXIT_FAILED, rank,
                            ErrorReport(rank=f["rank"], message=message) if message else None,
-                           reason=how, who=f"rank {f['rank']} on node {seen.node} ({seen.host})")
+                           reason=how, who=f"rank {f['rank']} on node {seen.node} ({seen.host})",
+                           log=f"{self.paths.node(seen.node).rank_log(f['rank'])} on node "
+                               f"{seen.node} ({seen.host})")
         if lost and outcome.status != "stopped" and our_cause >= 3:
             first = lost[0]
             names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in lost)

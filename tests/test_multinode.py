@@ -137,11 +137,25 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
             time.sleep(0.2)
     finally:
         ctx.destroy(linger=0)
-    # ddtrain stop on node 0 stops both nodes
-    stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path)
-    assert stop.returncode == 0, stop.stderr
-    (rc0, out0, err0), (rc1, _, err1) = job.wait()
-    assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
+    # ddtop --headless on node 0 follows the whole job and exits with its outcome
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "ddtop.dashboard", "stopjob", "--headless", "--runs-dir",
+         str(job.runs), "--interval", "1"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT)
+    try:
+        time.sleep(1.0)
+        # ddtrain stop on node 0 stops both nodes
+        stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path)
+        assert stop.returncode == 0, stop.stderr
+        (rc0, out0, err0), (rc1, _, err1) = job.wait()
+        assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
+        watched, _ = watcher.communicate(timeout=20)
+        assert watcher.returncode == 130, watched[-2000:]
+        assert "rank   3 node " in watched, watched[-2000:]
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
     # the headless summary on node 0 shows the four ranks with their node
     for k in range(4):
         assert f"rank   {k} node " in out0
