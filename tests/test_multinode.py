@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,20 +48,37 @@ def ddtrain(*args: str, cwd: Path, timeout: float = 30) -> subprocess.CompletedP
 class Job:
     """Both nodes of one job, started here; every process they started, ended."""
 
-    def __init__(self, tmp: Path, run_id: str, *extra: str) -> None:
+    def __init__(self, tmp: Path, run_id: str, *extra: str, shared: bool = True) -> None:
+        """`shared`: both nodes' --runs-dir the same folder (a shared file system);
+        else node 1 has its own and is given --hub and a copy of the keys."""
         self.tmp, self.run_id = tmp, run_id
         self.runs = tmp / "runs"
         port = free_port()
         self.nodes: list[subprocess.Popen[str]] = []
         for k in (0, 1):
+            where = ["--runs-dir", str(self.runs)]
+            if k and not shared:
+                where = ["--runs-dir", str(tmp / "node1-runs"), *self.hub_flags()]
             self.nodes.append(subprocess.Popen(
                 [sys.executable, "-m", "ddtop.daemon", "start", "--foreground", "--headless",
                  "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-id", run_id,
-                 "--runs-dir", str(self.runs), *SMALL, *extra],
+                 *where, *SMALL, *extra],
                 cwd=tmp, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True))
             time.sleep(0.3)  # node 0 first: it hosts the rendezvous and the hub
+
+    def hub_flags(self) -> list[str]:
+        """What a node without the shared folder is given: the endpoint node 0
+        wrote, and its keys folder copied (as `scp -rp` would)."""
+        hub_file = self.runs / self.run_id / "hub.json"
+        deadline = time.monotonic() + 20
+        while not hub_file.is_file():
+            assert time.monotonic() < deadline and self.nodes[0].poll() is None
+            time.sleep(0.05)
+        keys = self.tmp / "copied-keys"
+        shutil.copytree(self.runs / self.run_id / "keys", keys)
+        return ["--hub", json.loads(hub_file.read_text())["control"], "--hub-keys", str(keys)]
 
     def status(self) -> dict:
         done = ddtrain("status", self.run_id, "--json", "--runs-dir", str(self.runs), cwd=self.tmp)
@@ -162,9 +180,11 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
     assert sum(f" node {n} " in out0 for n in (0, 1)) == 2
 
 
-def test_a_rank_killed_on_node_1_is_named_on_node_0(
+def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
         tmp_path: Path, job_factory: list[Job]) -> None:
-    job = Job(tmp_path, "killjob", "--epochs", "1000", "--inject", "3:kill@step=20")
+    # node 1 without the shared folder: --hub and a copy of the keys
+    job = Job(tmp_path, "killjob", "--epochs", "1000", "--inject", "3:kill@step=20",
+              shared=False)
     job_factory.append(job)
     (rc0, _, err0), _ = job.wait(60)
     assert rc0 == 1, err0[-3000:]
@@ -173,6 +193,7 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0(
     where = " on node 1" if node_of_3 == 1 else ""
     assert f"rank 3{where}" in err0 and "SIGKILL" in err0, err0[-3000:]
     assert nodes["failure"]["rank"] == 3, nodes["failure"]
+    assert (tmp_path / "node1-runs" / "killjob" / "nodes" / "1" / "run.json").is_file()
 
 
 def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:
