@@ -90,14 +90,15 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
                      f"(skew {1000 * s.skew_s:.1f} ms per step)")
     nodes = any(r.node is not None for r in s.ranks)  # a multi-node job: NODE and HOST
     where = f"{'NODE':>4}  {'HOST':<16}  " if nodes else ""
-    lines.append(f"{'RANK':>4}  {where}{'PID':>7}  {'STATE':<11} {'EPOCH':>5}  {'STEP':>7}  "
+    w = 11 if nodes else 9  # a node's ranks may be "unreachable"
+    lines.append(f"{'RANK':>4}  {where}{'PID':>7}  {'STATE':<{w}} {'EPOCH':>5}  {'STEP':>7}  "
                  f"{'LOSS':>8}  {'SAMPLES/S':>9}  EXIT")
     for r in s.ranks:
         exit_ = r.signal or _fmt(r.exit_code)
         if r.stopped_by_daemon and exit_ not in ("-", "0"):
             exit_ += " (stopped)"
         where = f"{_fmt(r.node):>4}  {r.host[:16]:<16}  " if nodes else ""
-        lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<11} {r.epoch + 1:>5}  "
+        lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<{w}} {r.epoch + 1:>5}  "
                      f"{r.global_step:>7}  {_fmt(r.loss, '.4f'):>8}  "
                      f"{_fmt(r.samples_per_s, ',.0f'):>9}  {exit_}")
     f = s.failure
