@@ -141,7 +141,7 @@ class Hub:
                 fields = {f: getattr(message, f) for f in message.__struct_fields__
                           if f not in ("run", "rank", "seq", "t", "kind")}
                 self.relay.emit(wire.RankExit, **fields)
-        elif isinstance(message, wire.Event):
+        elif isinstance(message, wire.Event) and message.data.get("local") is not True:
             self._say(node, message.type if message.type != "restart" else "info",
                       f"node {node}: {message.message}", traceback=message.traceback)
         # A node's RunStatus is its own: the hub learns it from its heartbeat.

@@ -96,6 +96,8 @@ class RunState(msgspec.Struct, kw_only=True):
     # (up, unreachable, lost, done), from the hub's node events.
     rank_nodes: dict[int, int] = {}
     node_states: dict[int, str] = {}
+    # Node K's own daemon: the ranks it runs (the others are the hub's to show).
+    local_ranks: list[int] = []
 
     # -- folding -------------------------------------------------------------------
     def apply(self, message: wire.Message, received: float) -> bool:
@@ -350,6 +352,8 @@ class RunState(msgspec.Struct, kw_only=True):
             for part in ranks.split(",")[:MAX_RANKS]:
                 if part.isdigit() and int(part) < MAX_RANKS:
                     self.rank_nodes[int(part)] = node
+            if data.get("local") is True:
+                self.local_ranks = sorted(r for r, k in self.rank_nodes.items() if k == node)
 
     def _event(self, t: float, rank: int, type: str, message: str,
                data: dict[str, Any] | None = None, traceback: str | None = None) -> None:
@@ -374,7 +378,8 @@ class RunState(msgspec.Struct, kw_only=True):
                         and v.coll_started is not None and v.coll_started.seq > reached):
                     states[r] = RUNNING
         for r in range(self.world_size):
-            states.setdefault(r, STARTING if self._young(now) else UNREACHED)
+            if not self.local_ranks or r in self.local_ranks:
+                states.setdefault(r, STARTING if self._young(now) else UNREACHED)
         for r, node in self.rank_nodes.items():  # a node gone silent: its ranks, unknown
             if self.node_states.get(node) in ("unreachable", "lost") and states.get(r) not in (
                     None, "dead", "finished"):

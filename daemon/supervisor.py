@@ -109,7 +109,7 @@ class Supervisor:
         self.hub: nodes.Hub | None = None
         self.forwarder: nodes.Forwarder | None = None
         self.final: dict[str, Any] | None = None  # how this node ended, for the hub
-        self.hub_ranks: list[int] = []  # the hub's own ranks, as last said
+        self.hub_ranks: list[int] = []  # this node's own ranks, as last said
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
@@ -264,7 +264,15 @@ class Supervisor:
                     data={"node": 0, "node_state": nodes.UP, "ranks": ",".join(map(str, ranks)),
                           "host": socket.gethostname()})
         if self.forwarder is not None:
-            self.forwarder.tick(self._local_ranks(), self.relay.state.status)
+            ranks = self._local_ranks()
+            if ranks != self.hub_ranks:  # this node's ranks: shown here, not the others'
+                self.hub_ranks = ranks
+                k, host = self.config.node_rank, socket.gethostname()
+                self.relay.emit(wire.Event, type="info", message=(
+                    f"node {k} ({host}): ranks {', '.join(map(str, ranks))}"),
+                    data={"node": k, "node_state": nodes.UP, "local": True,
+                          "ranks": ",".join(map(str, ranks)), "host": host})
+            self.forwarder.tick(ranks, self.relay.state.status)
             if self.forwarder.stop is not None and self.relay.stop_request is None:
                 self.relay.stop_request = self.forwarder.stop
 

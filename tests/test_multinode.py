@@ -186,8 +186,10 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     job = Job(tmp_path, "killjob", "--epochs", "1000", "--inject", "3:kill@step=20",
               shared=False)
     job_factory.append(job)
-    (rc0, _, err0), _ = job.wait(60)
+    (rc0, _, err0), (_, out1, _) = job.wait(60)
     assert rc0 == 1, err0[-3000:]
+    # node 1's own summary: its two ranks, not the hub's as "starting"
+    assert sum(line.startswith("  rank ") for line in out1.splitlines()) == 2, out1[-2000:]
     nodes = json.loads((job.runs / "killjob" / "run.json").read_text())
     node_of_3 = next(r["node"] for r in nodes["ranks"] if r["rank"] == 3)
     where = " on node 1" if node_of_3 == 1 else ""
@@ -260,3 +262,11 @@ def test_the_dashboard_shows_each_ranks_node_and_a_silent_nodes_ranks_as_unreach
     assert states[0] != "unreachable"
     summary = state.summary(106.5)
     assert [(r.rank, r.node) for r in summary.ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    # node 1's own daemon shows its own ranks only
+    node1 = RunState(run="j")
+    for rank in (2, 3):
+        node1.apply(hello(rank), 100.0)
+    event = node_event(0, 1, "2,3", "up")
+    event.data["local"] = True
+    node1.apply(event, 100.0)
+    assert sorted(node1.rank_states(140.0)) == [2, 3]
