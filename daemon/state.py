@@ -204,7 +204,7 @@ class RunState(msgspec.Struct, kw_only=True):
         if late or m.steps <= 0:
             return  # a newer reading is already shown
         stragglers.add_steps(self.straggler_rounds, view.evidence, m.steps, m.step_s, m.comm_s,
-                             received, self.world_size, self._stepping)
+                             received, self.world_size, self._stepping, m.compute_trim_s)
         steps = m.steps
         rate = m.samples / m.step_s if m.step_s > 0 else None
         if view.last_step_t is not None and m.t > view.last_step_t:

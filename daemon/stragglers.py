@@ -21,7 +21,13 @@ named the newest reading's slowest flickered through every rank). So:
   the others little, and on a shared machine clean ranks differ that much all
   the time;
 - hysteresis: a rank is named after NAME_AFTER windows over in a row and
-  un-named after CLEAR_AFTER windows in a row that are not.
+  un-named after CLEAR_AFTER windows in a row that are not; or sooner, after
+  NAME_AFTER_ROBUST windows holding NAME_AFTER_STEPS steps together, when each
+  of them is over by FACTOR_STRONG and robust: every message in it carried its
+  compute per step without its longest step (Step.compute_trim_s, from 3 steps
+  a message), so one step the rank was descheduled in does not count. A sender
+  packs ~0.1 s of steps in a message: at 8 steps a message that is 2 windows,
+  16 steps, where 4 windows would take 32.
 
 A rank that sends no steps is neither judged nor a reference for the others: a
 stopped rank names nobody (the others block in the all-reduce and send no steps
@@ -37,6 +43,7 @@ in tests/test_stragglers.py.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 
@@ -47,7 +54,14 @@ FACTOR = 1.25  # compute per step at least this many times the others' median ..
 STEP_SHARE = 0.15  # ... and above it by this share of the median step time ...
 MIN_EXCESS_S = 0.001  # ... and by at least this much: over
 NAME_AFTER = 4  # windows over in a row to name a rank: 20 steps at least
+# ... or, when every window's messages left out their longest step (a spike),
+# this many windows holding NAME_AFTER_STEPS steps together.
+# Each of them over by FACTOR_STRONG: fewer steps of evidence, a larger effect.
+NAME_AFTER_ROBUST = 2
+NAME_AFTER_STEPS = 16
+FACTOR_STRONG = 1.3
 CLEAR_AFTER = 4  # windows not over in a row to un-name it
+TRIM_MIN_STEPS = 3  # a message's steps without the longest one: only from this many
 # A named rank that has not stepped for this long (or QUIET_STEPS of its steps, if
 # longer), as of the newest message the run received, is not shown: no fresh evidence.
 QUIET_AFTER_S = 5.0
@@ -60,6 +74,9 @@ class Window(msgspec.Struct, array_like=True):
     steps: int = 0
     step_s: float = 0.0
     compute_s: float = 0.0  # step time outside the gradient all-reduce
+    # Every message of it carried its steps' compute without the longest step
+    # (Step.compute_trim_s): one descheduled step does not move it.
+    robust: bool = True
 
 
 class Verdict(msgspec.Struct, array_like=True):
@@ -67,14 +84,26 @@ class Verdict(msgspec.Struct, array_like=True):
 
     named: bool = False
     streak: int = 0  # windows in a row that said the opposite of `named`
+    streak_steps: int = 0  # the steps in those windows
+    streak_robust: bool = True  # every one of them robust (Window.robust)
 
-    def judge(self, over: bool) -> None:
+    def judge(self, over: bool, window: Window | None = None, strong: bool = False) -> None:
+        """`strong`: over by FACTOR_STRONG (what the short robust streak counts)."""
         if over == self.named:
-            self.streak = 0
+            self.streak, self.streak_steps, self.streak_robust = 0, 0, True
             return
         self.streak += 1
-        if self.streak >= (NAME_AFTER if over else CLEAR_AFTER):
-            self.named, self.streak = over, 0
+        if window is not None:
+            self.streak_steps += window.steps
+            self.streak_robust = self.streak_robust and window.robust and strong
+        if over:
+            due = self.streak >= NAME_AFTER or (
+                window is not None and self.streak_robust
+                and self.streak >= NAME_AFTER_ROBUST and self.streak_steps >= NAME_AFTER_STEPS)
+        else:
+            due = self.streak >= CLEAR_AFTER
+        if due:
+            self.named, self.streak, self.streak_steps, self.streak_robust = over, 0, 0, True
 
 
 class Evidence(msgspec.Struct, kw_only=True):
@@ -99,7 +128,8 @@ class Rounds(msgspec.Struct, kw_only=True):
 
 def add_steps(rounds: Rounds, evidence: Evidence, steps: int, step_s: float, comm_s: float,
               received: float, world_size: int,
-              stepping: Callable[[], Mapping[int, Evidence]]) -> None:
+              stepping: Callable[[], Mapping[int, Evidence]],
+              compute_trim_s: float | None = None) -> None:
     """Fold one Step message's sums (`steps` steps of `step_s` seconds in all,
     `comm_s` of it in the all-reduce, received at `received`) into a rank's
     evidence, judging a round when one is due. `stepping()`: the evidence of
@@ -110,8 +140,13 @@ def add_steps(rounds: Rounds, evidence: Evidence, steps: int, step_s: float, com
     w = evidence.open
     w.steps += steps
     w.step_s += step_s
-    if step_s > comm_s:
-        w.compute_s += step_s - comm_s
+    if (compute_trim_s is not None and steps >= TRIM_MIN_STEPS and math.isfinite(compute_trim_s)
+            and compute_trim_s >= 0):
+        w.compute_s += compute_trim_s * steps
+    else:
+        w.robust = False
+        if step_s > comm_s:
+            w.compute_s += step_s - comm_s
     if w.steps < WINDOW_STEPS:
         return
     evidence.open = Window()
@@ -139,8 +174,9 @@ def judge(rounds: Rounds, ranks: Mapping[int, Evidence]) -> None:
         mine = e.newest.compute_s / e.newest.steps
         others = _median_without(values, mine)
         e.excess_s = mine - others
-        e.verdict.judge(mine >= FACTOR * others
-                        and e.excess_s >= max(MIN_EXCESS_S, STEP_SHARE * step))
+        big = e.excess_s >= max(MIN_EXCESS_S, STEP_SHARE * step)
+        e.verdict.judge(mine >= FACTOR * others and big, e.newest,
+                        strong=mine >= FACTOR_STRONG * others and big)
     rounds.number += 1
     rounds.unjudged = 0
 

@@ -123,6 +123,11 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     # did not sit waiting for it): comm_s minus the time blocked in communication.
     # Absent (UNSET) where not measured: a user's script.
     comm_overlap_s: float | UnsetType = UNSET
+    # Per step, the time outside the gradient all-reduce, averaged over this
+    # message's steps but the longest one (a step the rank was descheduled in);
+    # None with fewer than 3 steps, or from senders that do not measure it. What
+    # the straggler rule weighs (daemon/stragglers.py).
+    compute_trim_s: float | None = None
 
 
 class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):

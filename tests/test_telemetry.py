@@ -60,6 +60,14 @@ def test_steps_cover_every_step_exactly_once(observed: tuple[Run, Path, Collecto
         assert sum(s.step_s for s in steps) >= sum(
             s.forward_s + s.backward_s + s.optimizer_s for s in steps)
         assert all(s.rss and s.rss > 10**8 for s in steps)
+        # Per step, the time outside the all-reduce without the longest step: from 3
+        # steps a message, never more than the mean step time.
+        for s in steps:
+            if s.steps < 3:
+                assert s.compute_trim_s is None, s
+            else:
+                assert s.compute_trim_s is not None
+                assert 0 <= s.compute_trim_s <= s.step_s / s.steps + 1e-9, s
     # Loss sums from both ranks, per epoch, give the global training loss.
     for epoch, record in enumerate(epochs):
         total = sum(s.loss_sum for s in got.of(wire.Step) if s.epoch == epoch)

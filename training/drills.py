@@ -82,6 +82,10 @@ class Drills:
                     self._announce(drill, global_step)
                 self._slow(drill.value)
             elif global_step == first:
+                if drill.action == "stop":
+                    # The steps since the sender's last message (it sends every 0.1 s)
+                    # go out first, so the frozen rank is shown where it froze.
+                    time.sleep(STOP_FLUSH_S)
                 self._announce(drill, global_step)
                 self._act(drill, global_step)
         self._step_end = time.monotonic()
@@ -106,9 +110,6 @@ class Drills:
                 time.sleep(drill.value)
             return
         if drill.action == "stop":
-            # The steps since the sender's last message (it sends every 0.1 s) go out
-            # first, so the frozen rank is shown where it froze, not a window earlier.
-            time.sleep(STOP_FLUSH_S)
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # resumed (SIGCONT): trains on
         _flush()

@@ -63,6 +63,7 @@ CLOSE_TIMEOUT_S = 2.0
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
 STEP_PHASES = frozenset({"data", "forward", "backward", "optimizer", "metric_sync"})
+TRIM_MIN_STEPS = 3  # Step.compute_trim_s from this many steps (as daemon/stragglers.py reads it)
 
 
 @dataclass
@@ -78,6 +79,11 @@ class StepWindow:
     comm_s: float = 0.0
     comm_bytes: int = 0
     comm_ops: int = 0
+    # Each step's time outside its communication: summed, the longest, and how
+    # many (Step.compute_trim_s leaves the longest out: a descheduled step).
+    compute_sum_s: float = 0.0
+    compute_max_s: float = 0.0
+    compute_steps: int = 0
     # Bytes weighted by each op's bus factor, 2(n-1)/n for an all-reduce
     # (busbw = comm_bus_bytes / comm_s).
     comm_bus_bytes: float = 0.0
@@ -215,11 +221,17 @@ class LiveTelemetry(Telemetry):
             if w.steps and w.epoch != epoch:  # never one message across two epochs
                 self._finished.append(w)
                 w = self._window = StepWindow()
+            comm_s = self._comm_pending.comm_s  # this step's, before it joins the window
             self._take_comm(w)
             for phase, spent in list(self._phase_acc.items()):
                 w.phase_s[phase] += spent
             w.steps += 1
-            w.step_s += max(0.0, now - self._step_start - self._excluded)
+            step_s = max(0.0, now - self._step_start - self._excluded)
+            w.step_s += step_s
+            compute = max(0.0, step_s - comm_s)
+            w.compute_sum_s += compute
+            w.compute_max_s = max(w.compute_max_s, compute)
+            w.compute_steps += 1
             w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch
             w.global_step, w.lr = global_step, lr
             self._add_loss(w, loss, samples)
@@ -452,6 +464,8 @@ class LiveTelemetry(Telemetry):
         if w.comm_exposed_s is not None:
             overlap = max(0.0, w.comm_s - w.comm_exposed_s)
         cuda_allocated, cuda_reserved, rss = self._memory()
+        n = w.compute_steps
+        trimmed = (w.compute_sum_s - w.compute_max_s) / (n - 1) if n >= TRIM_MIN_STEPS else None
         self._send(sock, wire.Step(
             run=self.run, rank=self.rank, epoch=w.epoch, step=w.step,
             steps_per_epoch=w.steps_per_epoch, global_step=w.global_step, steps=w.steps,
@@ -461,7 +475,7 @@ class LiveTelemetry(Telemetry):
             comm_s=w.comm_s, comm_bytes=w.comm_bytes, comm_ops=w.comm_ops,
             algbw_gbps=algbw, busbw_gbps=busbw, sync_wait_s=w.sync_wait_s,
             cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
-            loss_weight=w.loss_weight, comm_overlap_s=overlap,
+            loss_weight=w.loss_weight, comm_overlap_s=overlap, compute_trim_s=trimmed,
         ))
 
     def _memory(self) -> tuple[int | None, int | None, int | None]:
