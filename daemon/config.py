@@ -211,6 +211,10 @@ class TrainConfig:
     """ranks on each node of a multi-node job: the world size is --nnodes x P"""
     rdzv_endpoint: str = flag("", metavar="HOST:PORT", group="multi-node", default_text="none")
     """the job's rendezvous (torchrun --rdzv-endpoint): node 0's host and a free port"""
+    local_addr: str = flag("", metavar="ADDR", group="multi-node",
+                           default_text="this machine's host name")
+    """this node's address as the other nodes reach it (torchrun --local-addr): where
+    the ranks' store is found when this node has group rank 0"""
     hub: str = flag("", metavar="tcp://HOST:PORT", group="multi-node",
                     default_text="found in the shared run directory")
     """node 1 and up, without a shared file system: the hub's control endpoint (its
@@ -307,7 +311,7 @@ class TrainConfig:
     def check_nodes(self) -> None:
         """The multi-node flags, consistent with each other (UsageError otherwise)."""
         if not self.multi_node:
-            for name in ("node_rank", "rdzv_endpoint", "hub", "hub_keys"):
+            for name in ("node_rank", "rdzv_endpoint", "hub", "hub_keys", "local_addr"):
                 if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default:
                     raise UsageError(f"--{name.replace('_', '-')} is for a multi-node job: add "
                                      "--nnodes N (N > 1), or leave it out")
@@ -332,6 +336,9 @@ class TrainConfig:
         if self.hub and (self.is_hub or not re.fullmatch(r"tcp://[^\s/]+:\d+", self.hub)):
             raise UsageError(f"--hub {self.hub!r}: give node 0's control endpoint "
                              "tcp://HOST:PORT (from its hub.json), on nodes 1 and up only")
+        if self.local_addr and not _BIND.fullmatch(self.local_addr):
+            raise UsageError(f"--local-addr {self.local_addr!r}: give this node's address or "
+                             "host name, without a scheme or port")
         if bool(self.hub) != bool(self.hub_keys):
             raise UsageError("--hub and --hub-keys go together: the hub's endpoint and a copy "
                              "of the job's keys folder")

@@ -67,6 +67,8 @@ class TorchrunRanks:
                      "--nproc-per-node", str(config.nproc_per_node), "--rdzv-backend", "c10d",
                      "--rdzv-endpoint", config.rdzv_endpoint, "--rdzv-id", config.run_id or "",
                      "--rdzv-conf", f"is_host={'1' if config.is_hub else '0'}"]
+            if config.local_addr:
+                where += ["--local-addr", config.local_addr]
             if config.rdzv_host in LOOPBACK:  # every node on this machine: gloo on lo too
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         else:

@@ -48,6 +48,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     # added with multi-node jobs (docs/multi-node.md)
     "--nnodes": (int, 1), "--node-rank": (int, 0), "--nproc-per-node": (int, 1),
     "--rdzv-endpoint": (str, ""), "--hub": (str, ""), "--hub-keys": (str, ""),
+    "--local-addr": (str, ""),
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir"}

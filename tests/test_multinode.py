@@ -48,24 +48,32 @@ def ddtrain(*args: str, cwd: Path, timeout: float = 30) -> subprocess.CompletedP
 class Job:
     """Both nodes of one job, started here; every process they started, ended."""
 
-    def __init__(self, tmp: Path, run_id: str, *extra: str, shared: bool = True) -> None:
+    def __init__(self, tmp: Path, run_id: str, *extra: str, shared: bool = True,
+                 net: tuple[str, str, str, str] | None = None) -> None:
         """`shared`: both nodes' --runs-dir the same folder (a shared file system);
-        else node 1 has its own and is given --hub and a copy of the keys."""
+        else node 1 has its own and is given --hub and a copy of the keys. `net`:
+        each node in its own network namespace (`namespaces`), else loopback."""
         self.tmp, self.run_id = tmp, run_id
         self.runs = tmp / "runs"
-        port = free_port()
+        host = "10.77.0.1" if net else "127.0.0.1"
+        port = free_port() if net is None else 29400
         self.nodes: list[subprocess.Popen[str]] = []
         for k in (0, 1):
             where = ["--runs-dir", str(self.runs)]
             if k and not shared:
                 where = ["--runs-dir", str(tmp / "node1-runs"), *self.hub_flags()]
+            prefix, env = [], dict(os.environ)
+            if net is not None:  # its namespace, its address, gloo on its interface
+                prefix = ["ip", "netns", "exec", net[k]]
+                where += ["--local-addr", f"10.77.0.{k + 1}"]
+                env["GLOO_SOCKET_IFNAME"] = net[2 + k]
             self.nodes.append(subprocess.Popen(
-                [sys.executable, "-m", "ddtop.daemon", "start", "--foreground", "--headless",
-                 "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
-                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-id", run_id,
+                [*prefix, sys.executable, "-m", "ddtop.daemon", "start", "--foreground",
+                 "--headless", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
+                 "--rdzv-endpoint", f"{host}:{port}", "--run-id", run_id,
                  *where, *SMALL, *extra],
                 cwd=tmp, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True))
+                env=env, start_new_session=True))
             time.sleep(0.3)  # node 0 first: it hosts the rendezvous and the hub
 
     def hub_flags(self) -> list[str]:
@@ -181,10 +189,13 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
 
 
 def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
-        tmp_path: Path, job_factory: list[Job]) -> None:
-    # node 1 without the shared folder: --hub and a copy of the keys
+        tmp_path: Path, namespaces: tuple[str, str, str, str] | None,
+        job_factory: list[Job]) -> None:
+    """Node 1 without the shared folder (--hub and a copy of the keys); where
+    the test may make them (root), each node in its own network namespace, so
+    that the rendezvous, gloo and the forwarding cross an interface."""
     job = Job(tmp_path, "killjob", "--epochs", "1000", "--inject", "3:kill@step=20",
-              shared=False)
+              shared=False, net=namespaces)
     job_factory.append(job)
     (rc0, _, err0), (_, out1, _) = job.wait(60)
     assert rc0 == 1, err0[-3000:]
@@ -196,6 +207,8 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     assert f"rank 3{where}" in err0 and "SIGKILL" in err0, err0[-3000:]
     assert nodes["failure"]["rank"] == 3, nodes["failure"]
     assert (tmp_path / "node1-runs" / "killjob" / "nodes" / "1" / "run.json").is_file()
+    control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
+    assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
 
 
 def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:
@@ -270,3 +283,37 @@ def test_the_dashboard_shows_each_ranks_node_and_a_silent_nodes_ranks_as_unreach
     event.data["local"] = True
     node1.apply(event, 100.0)
     assert sorted(node1.rank_states(140.0)) == [2, 3]
+
+
+@pytest.fixture
+def namespaces() -> Iterator[tuple[str, str, str, str] | None]:
+    """Two network namespaces joined by a veth pair (10.77.0.1 and 10.77.0.2), as
+    two machines; None where they cannot be made (not root, no iproute2)."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        yield None
+        return
+    tag = f"{os.getpid() % 100000}"
+    ns, veth = (f"ddtA{tag}", f"ddtB{tag}"), (f"vA{tag}", f"vB{tag}")
+    made: list[str] = []
+    try:
+        for name in ns:
+            if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode:
+                break
+            made.append(name)
+        if len(made) < 2:
+            yield None
+            return
+        steps = [["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]]]
+        for name, dev, addr in zip(ns, veth, ("10.77.0.1/24", "10.77.0.2/24"), strict=True):
+            steps += [["ip", "link", "set", dev, "netns", name],
+                      ["ip", "-n", name, "addr", "add", addr, "dev", dev],
+                      ["ip", "-n", name, "link", "set", dev, "up"],
+                      ["ip", "-n", name, "link", "set", "lo", "up"]]
+        if all(subprocess.run(step, capture_output=True).returncode == 0 for step in steps):
+            yield ns[0], ns[1], veth[0], veth[1]
+        else:
+            yield None
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
