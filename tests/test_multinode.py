@@ -9,6 +9,7 @@ daemon is killed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -25,8 +26,12 @@ import pytest
 import zmq
 
 from ddtop.daemon import wire
+from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
+from ddtop.dashboard.app import DashboardApp
+from ddtop.dashboard.feed import LiveFeed
+from ddtop.dashboard.widgets import RankTable
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -140,6 +145,25 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
     assert all(r["host"] for r in status["ranks"])
     table = ddtrain("status", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path).stdout
     assert "NODE" in table and "HOST" in table
+    # the dashboard on node 0 (App.run_test, attached to the hub): all four ranks, by node
+    feed = LiveFeed(RunPaths(job.runs / "stopjob"))
+    app = DashboardApp(feed, fps=10)
+    rows: list[str] = []
+
+    async def watch() -> None:
+        async with app.run_test(size=(160, 40)) as pilot:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                rows[:] = [line for line in app.query_one(RankTable).visible_text() if line][1:]
+                if len(rows) == 4 and sum(" n1" in r for r in rows) == 2:
+                    break
+                await pilot.pause(0.1)
+
+    try:
+        asyncio.run(watch())
+    finally:
+        feed.close()
+    assert sum(" n0" in r for r in rows) == 2 and sum(" n1" in r for r in rows) == 2, rows
     # node 1 keeps its own files; the hub wrote where it is, owner-only
     assert (job.runs / "stopjob" / "nodes" / "1" / "run.json").is_file()
     hub = json.loads((job.runs / "stopjob" / "hub.json").read_text())
