@@ -321,7 +321,8 @@ class RunState(msgspec.Struct, kw_only=True):
             if m.culprit or (failed and self.failure is None):
                 self.failure = Failure(rank=m.exited, pid=m.pid, exit_code=m.exit_code,
                                        signal=m.signal, message=view.error,
-                                       traceback=view.traceback, global_step=view.global_step)
+                                       traceback=view.traceback, global_step=view.global_step,
+                                       node=self.rank_nodes.get(m.exited))
             if failed or m.exit_code != 0:
                 by = " (stopped by the daemon)" if m.stopped_by_daemon else ""
                 self._event(m.t, m.exited, "exit" if not failed else "error",

@@ -53,6 +53,7 @@ class Failure(msgspec.Struct, kw_only=True):
     message: str | None = None  # the rank's own error report
     traceback: str | None = None
     global_step: int = 0  # the last step the rank reported
+    node: int | None = None  # a multi-node job: the node the rank ran on
 
     def how(self) -> str:
         """'killed by SIGKILL' or 'exit code 1'."""
@@ -62,7 +63,11 @@ class Failure(msgspec.Struct, kw_only=True):
         """'rank 1 exit code 1: RuntimeError: ...', as status, the headless
         summary and the dashboard's banner say it."""
         cause = f": {self.message}" if self.message else ""
-        return f"rank {self.rank} {self.how()}{cause}"
+        return f"{self.who()} {self.how()}{cause}"
+
+    def who(self) -> str:
+        """'rank 3', or in a multi-node job 'rank 3 on node 1'."""
+        return f"rank {self.rank}" + (f" on node {self.node}" if self.node is not None else "")
 
 
 class Restart(msgspec.Struct, kw_only=True):

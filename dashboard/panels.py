@@ -100,10 +100,16 @@ def banner(state: RunState, now: float, connection: str, detail: str) -> Text | 
         return Text(f"⚠ {detail}", "bold yellow")
     if state.status == LOST:
         return Text(f"✖ run lost: {state.status_message}", "bold red")
+    lost = [k for k, s in sorted(state.node_states.items()) if s in ("lost", "unreachable")]
+    if lost and state.status in ("failed", "running", "stopping"):  # a multi-node job
+        ranks = ", ".join(str(r) for r, k in sorted(state.rank_nodes.items()) if k in lost)
+        what = "lost" if state.node_states[lost[0]] == "lost" else "unreachable"
+        return Text(f"✖ node {', '.join(map(str, lost))} {what}: no heartbeat from its daemon"
+                    f" (ranks {ranks or '?'})", "bold red")
     failure = state.failure
     if failure is not None and state.status in ("failed", "running", "stopping"):
         msg = f": {failure.message}" if failure.message else ""
-        return Text(f"✖ rank {failure.rank} {failure.how()}{msg}", "bold red")
+        return Text(f"✖ {failure.who()} {failure.how()}{msg}", "bold red")
     hang = state.hang(now)
     if hang:
         return Text(f"⏸ hang: {hang}", "bold yellow")

@@ -29,6 +29,7 @@ from ddtop.daemon import wire
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
+from ddtop.dashboard import panels
 from ddtop.dashboard.app import DashboardApp
 from ddtop.dashboard.feed import LiveFeed
 from ddtop.dashboard.widgets import RankTable
@@ -221,7 +222,7 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     job = Job(tmp_path, "killjob", "--epochs", "1000", "--inject", "3:kill@step=20",
               shared=False, net=namespaces)
     job_factory.append(job)
-    (rc0, _, err0), (_, out1, _) = job.wait(60)
+    (rc0, out0, err0), (_, out1, _) = job.wait(60)
     assert rc0 == 1, err0[-3000:]
     # node 1's own summary: its two ranks, not the hub's as "starting"
     assert sum(line.startswith("  rank ") for line in out1.splitlines()) == 2, out1[-2000:]
@@ -230,6 +231,7 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     where = " on node 1" if node_of_3 == 1 else ""
     assert f"rank 3{where}" in err0 and "SIGKILL" in err0, err0[-3000:]
     assert nodes["failure"]["rank"] == 3, nodes["failure"]
+    assert f"failure: rank 3{where} killed by SIGKILL" in out0, out0[-2000:]
     assert (tmp_path / "node1-runs" / "killjob" / "nodes" / "1" / "run.json").is_file()
     control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
@@ -296,6 +298,9 @@ def test_the_dashboard_shows_each_ranks_node_and_a_silent_nodes_ranks_as_unreach
     state.apply(node_event(2, 1, "2,3", "unreachable"), 106.0)
     states = state.rank_states(106.5)
     assert (states[2], states[3]) == ("unreachable", "unreachable")
+    banner = panels.banner(state, 106.5, "live", "")
+    assert banner is not None and "node 1 unreachable" in banner.plain and "ranks 2, 3" in (
+        banner.plain)
     assert states[0] != "unreachable"
     summary = state.summary(106.5)
     assert [(r.rank, r.node) for r in summary.ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
