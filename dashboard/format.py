@@ -243,7 +243,9 @@ def rank_rows(state: RunState, now: float, scalars: Sequence[str] = ()) -> list[
             "comm_share": v.comm_share or 0.0, "seen": seen if seen is not None else 1e9,
             "sync": sync_per_step or 0.0, "comm_ms": v.comm_s or 0.0,
             "busbw": v.busbw_gbps or 0.0, "memory": v.memory or 0, "epoch": v.epoch,
-            "progress": fraction, "host": v.host, "device": v.device,
+            # by host, then node: a multi-node job's ranks grouped by node
+            "progress": fraction, "host": (v.host, state.rank_nodes.get(rank, -1)),
+            "device": v.device,
         }
         for key, by_rank in logged:
             value = by_rank.get(rank)

@@ -295,6 +295,13 @@ def test_the_dashboard_shows_each_ranks_node_and_a_silent_nodes_ranks_as_unreach
     assert [r.cells["host"] for r in rows] == ["vm n0", "vm n0", "vm n1", "vm n1"]
     assert [r.cells["rank"] for r in fmt.filter_rows(rows, "n1", False)] == ["2", "3"]
     assert fmt.nodes(state) == 2
+    # sorting by host groups ranks by node, whatever their numbers
+    state.apply(node_event(5, 1, "0,3", "up"), 100.0)
+    state.apply(node_event(6, 0, "1,2", "up"), 100.0)
+    by_host = fmt.sort_rows(fmt.rank_rows(state, 101.0), "host")
+    assert [r.cells["rank"] for r in by_host] == ["1", "2", "0", "3"]
+    state.apply(node_event(7, 0, "0,1", "up"), 100.0)
+    state.apply(node_event(8, 1, "2,3", "up"), 100.0)
     state.apply(node_event(2, 1, "2,3", "unreachable"), 106.0)
     states = state.rank_states(106.5)
     assert (states[2], states[3]) == ("unreachable", "unreachable")
