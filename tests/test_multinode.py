@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ddtop.daemon import wire
+from ddtop.daemon import journal, wire
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
@@ -232,6 +232,16 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     assert f"rank 3{where}" in err0 and "SIGKILL" in err0, err0[-3000:]
     assert nodes["failure"]["rank"] == 3, nodes["failure"]
     assert f"failure: rank 3{where} killed by SIGKILL" in out0, out0[-2000:]
+    # named on node 0 as soon as on node 1 itself: the exit's receive times
+    def exit_of_3(path: Path) -> float:
+        return next(r.received for r in journal.read(path)
+                    if isinstance(m := wire.decode([r.frame]), wire.RankExit) and m.exited == 3)
+
+    if node_of_3 == 1:  # (the rendezvous decides where rank 3 runs)
+        on_node_1 = exit_of_3(tmp_path / "node1-runs" / "killjob" / "nodes" / "1" /
+                              "telemetry.journal")
+        on_hub = exit_of_3(job.runs / "killjob" / "telemetry.journal")
+        assert 0 <= on_hub - on_node_1 < 1.0, (on_node_1, on_hub)
     assert (tmp_path / "node1-runs" / "killjob" / "nodes" / "1" / "run.json").is_file()
     control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
