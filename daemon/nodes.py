@@ -237,6 +237,7 @@ class Forwarder:
         self.last_beat = 0.0
         self.stop: float | None = None  # the hub asked every node to stop
         self.heard: float | None = None  # monotonic time of the hub's last reply
+        self.started = time.monotonic()
         self.host = socket.gethostname()
 
     def send(self, frame: bytes) -> None:

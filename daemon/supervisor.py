@@ -110,6 +110,7 @@ class Supervisor:
         self.forwarder: nodes.Forwarder | None = None
         self.final: dict[str, Any] | None = None  # how this node ended, for the hub
         self.hub_ranks: list[int] = []  # this node's own ranks, as last said
+        self.hub_silent = False  # node K: the hub has not answered for a while
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
@@ -273,8 +274,24 @@ class Supervisor:
                     data={"node": k, "node_state": nodes.UP, "local": True,
                           "ranks": ",".join(map(str, ranks)), "host": host})
             self.forwarder.tick(ranks, self.relay.state.status)
+            self._watch_hub()
             if self.forwarder.stop is not None and self.relay.stop_request is None:
                 self.relay.stop_request = self.forwarder.stop
+
+    def _watch_hub(self) -> None:
+        """Node K: say when the hub stops answering (this node trains on, holding
+        what it forwards up to the high-water mark) and when it answers again."""
+        assert self.forwarder is not None and self.relay is not None
+        heard = self.forwarder.heard or self.forwarder.started
+        silent = time.monotonic() - heard > nodes.NODE_TIMEOUT_S
+        if silent != self.hub_silent:
+            self.hub_silent = silent
+            message = (f"the hub (node 0) has not answered for {nodes.NODE_TIMEOUT_S:g} s; "
+                       f"this node goes on, holding up to {nodes.FORWARD_HWM:,} messages for it"
+                       if silent else "the hub (node 0) answers again")
+            print(f"ddtrain: {'warning: ' if silent else ''}{message}", file=self.err, flush=True)
+            self.relay.emit(wire.Event, type="warning" if silent else "info", message=message,
+                            data={"local": True})
 
     def _final(self, outcome: Outcome, headline: str) -> dict[str, Any]:
         """How node K ended, for the hub: status, headline, the rank it blamed."""
