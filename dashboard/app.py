@@ -1,19 +1,23 @@
 """The Textual dashboard: the App routes, the widgets display, the feed folds.
 
-A thread worker pumps the feed (sockets or journal) into its RunState and posts
-`FeedChanged`, which collapses to the latest when the app is busy. The app
-redraws on a timer at a fixed frame rate (never once per message): under the
-feed's lock it builds the header, the rows and the panels from the RunState,
-then hands them to the widgets. Requests to the daemon (`x`: stop the run) go
-out from a thread worker too, so that a daemon that does not answer never
-freezes the screen; the answer comes back as a `StopAnswered` message.
+A thread worker pumps the feed (sockets or journal) into its RunState (a live
+feed at most once per PUMP_S) and posts `FeedChanged` only when the connection
+changes or the first ranks come. The app redraws on a timer at a fixed frame
+rate (never once per message), when the state's fold count moved, else once a
+second: under the feed's lock it builds the header, the rows and the panels
+from the RunState, then hands them to the widgets, which draw again only the
+lines that changed (a redraw costs Textual far more than building the text).
+Requests to the daemon (`x`: stop the run) go out from a thread worker too, so
+that a daemon that does not answer never freezes the screen; the answer comes
+back as a `StopAnswered` message.
 """
 
 from __future__ import annotations
 
 import time
-from typing import ClassVar
+from typing import ClassVar, cast
 
+from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
@@ -28,9 +32,10 @@ from ddtop.daemon import control
 from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
+from ddtop.dashboard.feed import BATCH, LiveFeed
 from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
-from ddtop.dashboard.widgets import RankTable
+from ddtop.dashboard.widgets import RankTable, TextPanel
 
 PUMP_S = 0.05
 CHART_POINTS = 120
@@ -93,9 +98,13 @@ class DashboardApp(App[None]):
         self.frames = 0
         self.series: tuple[list[float], list[float]] = ([], [])  # run-wide rate, comm share
         self.series_at, self.series_folded = 0.0, -1
+        self.shown: dict[str, object] = {}  # panel -> what it shows (see _show)
+        self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
+        self.events_key: tuple[int, int, int] | None = None  # what events_text was built from
+        self.events_text = Text()
 
     def compose(self) -> ComposeResult:
-        yield Static(id="header")
+        yield TextPanel(id="header")
         yield Static(id="banner")
         yield RankTable(id="ranks")
         with Horizontal(id="lower"):
@@ -108,8 +117,8 @@ class DashboardApp(App[None]):
                 yield Sparkline([], id="rate")
                 yield Static("comm share", id="comm-title", classes="chart-title")
                 yield Sparkline([], id="comm-share")
-            yield Static(id="comm")
-            yield Static(id="events")
+            yield TextPanel(id="comm")
+            yield TextPanel(id="events")
         yield Input(placeholder="filter: rank, host, state or 'straggler'; Enter applies, "
                     "empty clears", id="filter")
         yield Footer()
@@ -124,22 +133,37 @@ class DashboardApp(App[None]):
     def tick(self) -> None:
         """A frame when something was folded since the last one, else once a second
         (ages and states move on with the clock alone)."""
-        if self.dirty or time.monotonic() - self.last_render >= IDLE_REDRAW_S:
+        if (self.dirty or self._folded() != self.shown_folded
+                or time.monotonic() - self.last_render >= IDLE_REDRAW_S):
             self.render_view()
 
     # -- the worker: sockets or journal -> RunState -------------------------------------
     @work(thread=True, exclusive=True, exit_on_error=False)
     def pump(self) -> None:
+        """Fold, then tell the app only what a frame cannot see for itself: the
+        connection changed, or the first messages came (drawn at once). The frame
+        timer sees new messages by the state's fold count. A live feed is folded at
+        most once per PUMP_S (what comes meanwhile waits in the socket and is folded
+        together, unless a full batch came): one wakeup per PUMP_S, not per message."""
         worker = get_current_worker()
         seen: tuple[str, str, bool] | None = None
+        paced = isinstance(self.feed, LiveFeed)
         while not worker.is_cancelled:
+            start = time.monotonic()
             folded = self.feed.pump(PUMP_S)
             now = (self.feed.connection, self.feed.detail, self.feed.finished)
-            if folded or now != seen:
+            if now != seen or (folded and not self.shown_run):
                 seen = now
                 self.post_message(FeedChanged(folded))
             if self.feed.finished and not folded:
                 return
+            if paced and 0 < folded < BATCH:
+                time.sleep(max(0.0, start + PUMP_S - time.monotonic()))
+
+    def _folded(self) -> tuple[int, int]:
+        """Changes when the worker folds a message (or swaps in a new state)."""
+        state = self.feed.state
+        return id(state), state.folded
 
     def on_rank_table_columns_changed(self, message: RankTable.ColumnsChanged) -> None:
         self.dirty = True  # the next frame builds the cells of the scalars now shown
@@ -163,6 +187,7 @@ class DashboardApp(App[None]):
     def _render(self, table: RankTable) -> None:
         with self.feed.lock:
             state, now = self.feed.state, self.feed.now()
+            self.shown_folded = self._folded()
             if state.folded != self.series_folded and (
                     self.feed.finished or time.monotonic() - self.series_at >= SERIES_EVERY_S):
                 self.series = panels.run_series(state, CHART_POINTS)
@@ -183,25 +208,51 @@ class DashboardApp(App[None]):
             rank_loss = [p.loss for p in view.history] if view is not None else []
             global_loss = [p.train_loss for p in state.global_history]
             comm = panels.comm(state, now, selected, max(4, self._height("#comm")))
-            events = panels.events(state, max(3, self._height("#events") - 1))
-        self.query_one("#header", Static).update(header)
+            lines = max(3, self._height("#events") - 1)
+            if self.events_key != (state.event_count, id(state), lines):
+                # The events change seldom: the panel is built again when one comes.
+                self.events_key = (state.event_count, id(state), lines)
+                self.events_text = panels.events(state, lines)
+            events = self.events_text
+        self._show("#header", header)
         banner_widget = self.query_one("#banner", Static)
-        banner_widget.display = banner is not None
+        if banner_widget.display != (banner is not None):
+            banner_widget.display = banner is not None
         if banner is not None:
-            banner_widget.update(banner)
+            self._show("#banner", banner, layout=True)  # its height follows its lines
         table.set_rows(rows)
         self._fit_table(table, len(rows), banner_widget.outer_size.height if banner else 0)
-        self.query_one("#loss-global", Sparkline).data = global_loss
-        self.query_one("#loss-rank", Sparkline).data = rank_loss
-        self.query_one("#rank-loss-title", Static).update(
-            f"loss: rank {selected}" if selected is not None else "loss: selected rank")
-        self.query_one("#rate", Sparkline).data = self.series[0]
-        self.query_one("#comm-share", Sparkline).data = self.series[1]
-        self.query_one("#comm", Static).update(comm)
-        self.query_one("#events", Static).update(events)
+        self._chart("#loss-global", global_loss)
+        self._chart("#loss-rank", rank_loss)
+        self._show("#rank-loss-title",
+                   f"loss: rank {selected}" if selected is not None else "loss: selected rank")
+        self._chart("#rate", self.series[0])
+        self._chart("#comm-share", self.series[1])
+        self._show("#comm", comm)
+        self._show("#events", events)
         self.frames += 1
         self.dirty = False
         self.last_render = time.monotonic()
+
+    def _show(self, selector: str, content: str | Text, layout: bool = False) -> None:
+        """Hand a panel its content, only when it differs from what it shows: an update
+        makes Textual render the widget again (and, with `layout`, lay out the screen),
+        which costs far more than building the content. The panels have fixed sizes
+        (ddtop.tcss), so only the banner's height follows its content."""
+        key = (content.plain, content.spans, content.style) if isinstance(content, Text) \
+            else content
+        if self.shown.get(selector) != key:
+            self.shown[selector] = key
+            widget = self.query_one(selector)
+            if isinstance(widget, TextPanel):
+                widget.set_text(content)  # redraws the lines that changed
+            else:
+                cast(Static, widget).update(content, layout=layout)
+
+    def _chart(self, selector: str, data: list[float]) -> None:
+        chart = self.query_one(selector, Sparkline)
+        if chart.data != data:
+            chart.data = data
 
     def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
         """The ranks table takes the lines its rows need (and its title), up to what
@@ -296,7 +347,7 @@ class DashboardApp(App[None]):
         else:
             with self.feed.lock:
                 header = panels.header(self.feed.state, self.feed.now(), self._note())
-            self.query_one("#header", Static).update(header)
+            self._show("#header", header)
 
     def action_speed(self, factor: float) -> None:
         if self.feed.replay_controls:

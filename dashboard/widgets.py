@@ -18,10 +18,13 @@ from typing import ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
+from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
+from textual.geometry import Region
 from textual.message import Message
 from textual.strip import Strip
+from textual.visual import Visual, visualize
 from textual.widget import Widget
 
 from ddtop.dashboard import format as fmt
@@ -133,8 +136,11 @@ class RankTable(Widget, can_focus=True):
 
     # -- data in ---------------------------------------------------------------------
     def set_rows(self, rows: list[fmt.Row]) -> None:
-        """New rows for this frame; the cursor stays on the same rank."""
+        """New rows for this frame; the cursor stays on the same rank. Only the lines
+        whose row (or cursor) changed are drawn again: a redraw costs Textual far more
+        than comparing the few rows on screen."""
         keep = self.selected_rank
+        before, cursor, top = self.rows, self.cursor, self.top
         self.rows = rows
         if keep is not None:
             for i, row in enumerate(rows):
@@ -142,9 +148,19 @@ class RankTable(Widget, can_focus=True):
                     self.cursor = i
                     break
         self.cursor = max(0, min(self.cursor, len(rows) - 1))
-        self._strips.clear()
         self._scroll_to_cursor()
-        self.refresh()
+        # The strips cached are those of the lines on screen: keep the unchanged ones.
+        self._strips = {i: strip for i, strip in self._strips.items()
+                        if i < len(rows) and i < len(before) and rows[i] == before[i]
+                        and (i == self.cursor) == (i == cursor)}
+        if self.top != top or len(rows) != len(before):
+            self.refresh()
+            return
+        width = self.size.width
+        changed = [Region(0, y, width, 1) for y in range(1, self.size.height)
+                   if self.top + y - 1 < len(rows) and self.top + y - 1 not in self._strips]
+        if changed:
+            self.refresh(*changed)
 
     def set_scalars(self, names: list[str]) -> None:
         """The run's ddtop.log scalars, in column order. The columns change only
@@ -300,3 +316,63 @@ class RankTable(Widget, can_focus=True):
     def visible_text(self) -> list[str]:
         """The table as plain text lines, as drawn (for tests and snapshots)."""
         return [self.render_line(y).text.rstrip() for y in range(self.size.height)]
+
+
+class TextPanel(Widget):
+    """Lines of text that change a few at a time (the header, the comm panel, the
+    events), drawn with the Line API: `set_text` compares the new lines with those
+    shown and has Textual draw again only the lines that changed, each rendered
+    alone the way a Static renders it (the widget's CSS: no wrap, "…" at the end).
+    A Static draws all its lines again, and lays out the screen, on every update:
+    at five frames a second that was most of the dashboard's CPU time."""
+
+    def __init__(self, text: str | Text = "", id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._lines: list[Text] = []
+        self._keys: list[tuple[object, ...]] = []
+        self._strips: dict[int, Strip] = {}
+        if text:
+            self.set_text(text)
+
+    def set_text(self, text: str | Text) -> None:
+        whole = Text(text) if isinstance(text, str) else text
+        lines = list(whole.split("\n", allow_blank=True))
+        keys: list[tuple[object, ...]] = [(line.plain, tuple(line.spans), str(line.style))
+                                          for line in lines]
+        if keys == self._keys:
+            return
+        if not self.is_mounted or len(keys) != len(self._keys):
+            changed = None  # all of it
+        else:
+            changed = [y for y, (new, old) in enumerate(zip(keys, self._keys, strict=True))
+                       if new != old]
+        self._lines, self._keys = lines, keys
+        if changed is None:
+            self._strips.clear()
+            self.refresh()
+            return
+        width = self.size.width
+        for y in changed:
+            self._strips.pop(y, None)
+        self.refresh(*(Region(0, y, width, 1) for y in changed))
+
+    @property
+    def text(self) -> str:
+        """What the panel shows, as plain text."""
+        return "\n".join(line.plain for line in self._lines)
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        if y >= len(self._lines):
+            return Strip.blank(width, self.visual_style.rich_style)
+        strip = self._strips.get(y)
+        if strip is None:
+            strips = Visual.to_strips(self, visualize(self, self._lines[y]), width, 1,
+                                      self.visual_style)
+            strip = strips[0] if strips else Strip.blank(width, self.visual_style.rich_style)
+            self._strips[y] = strip
+        return strip
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._strips.clear()
+        self.refresh()
