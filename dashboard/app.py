@@ -1,8 +1,8 @@
 """The Textual dashboard: the App routes, the widgets display, the feed folds.
 
 A thread worker pumps the feed (sockets or journal) into its RunState (a live
-feed at most once per PUMP_S) and posts `FeedChanged` only when the connection
-changes or the first ranks come. The app redraws on a timer at a fixed frame
+feed of a few ranks at most once per PUMP_S) and posts `FeedChanged` only when
+the connection changes or the first ranks come. The app redraws on a timer at a fixed frame
 rate (never once per message), when the state's fold count moved, else once a
 second: under the feed's lock it builds the header, the rows and the panels
 from the RunState, then hands them to the widgets, which draw again only the
@@ -38,6 +38,7 @@ from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable, TextPanel
 
 PUMP_S = 0.05
+PACE_BELOW = 2000  # messages/s under which a live feed is folded once per PUMP_S (see pump)
 CHART_POINTS = 120
 SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
@@ -142,12 +143,15 @@ class DashboardApp(App[None]):
     def pump(self) -> None:
         """Fold, then tell the app only what a frame cannot see for itself: the
         connection changed, or the first messages came (drawn at once). The frame
-        timer sees new messages by the state's fold count. A live feed is folded at
-        most once per PUMP_S (what comes meanwhile waits in the socket and is folded
-        together, unless a full batch came): one wakeup per PUMP_S, not per message."""
+        timer sees new messages by the state's fold count. A live feed of fewer than
+        PACE_BELOW messages a second is folded at most once per PUMP_S (what comes
+        meanwhile waits in the socket and is folded together): one wakeup per PUMP_S,
+        not per message. A busier one (hundreds of ranks) comes in bursts that each
+        wake the worker once anyway, and is folded as it comes."""
         worker = get_current_worker()
         seen: tuple[str, str, bool] | None = None
         paced = isinstance(self.feed, LiveFeed)
+        count, since, busy = 0, time.monotonic(), False  # messages folded in the last second
         while not worker.is_cancelled:
             start = time.monotonic()
             folded = self.feed.pump(PUMP_S)
@@ -157,7 +161,11 @@ class DashboardApp(App[None]):
                 self.post_message(FeedChanged(folded))
             if self.feed.finished and not folded:
                 return
-            if paced and 0 < folded < BATCH:
+            count += folded
+            if start - since >= 1.0:
+                busy = count >= PACE_BELOW * (start - since)
+                count, since = 0, start
+            if paced and not busy and 0 < folded < BATCH:
                 time.sleep(max(0.0, start + PUMP_S - time.monotonic()))
 
     def _folded(self) -> tuple[int, int]:
