@@ -132,41 +132,39 @@ def test_hostile_input_is_counted_and_dropped_and_the_daemon_keeps_serving(live:
     before = live.status("live")["ranks"][0]["global_step"]
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 30_000)  # a loaded daemon drains the flood before term()
-    push.connect(endpoints["telemetry"])
-    good = msgspec.to_builtins(wire.Bye(run="live", rank=0, seq=10**9, exit_code=0))
-    flood = 20_000
-    for _ in range(flood):
-        push.send(b"\xc1 not msgpack")
-    # The other kinds from a second sender: twice in CI (fresh clone, loaded cores),
-    # the five frames sent on the flooding connection after its flood were never
-    # counted, though the flood was; not reproduced outside CI (see the closing
-    # note of that change). Each kind is still sent, counted and checked.
-    tail = context.socket(zmq.PUSH)
-    tail.setsockopt(zmq.LINGER, 30_000)
-    tail.connect(endpoints["telemetry"])
-    tail.send(b"x" * (wire.MAX_FRAME_BYTES + 1), copy=True)
-    tail.send(msgspec.msgpack.encode({**good, "v": 99}))
-    tail.send(msgspec.msgpack.encode({**good, "run": "another-run"}))
-    tail.send_multipart([b"two", b"frames"])
-    tail.send(msgspec.msgpack.encode({**good, "rank": -1, "kind": "run_status",
-                                      "status": "failed", "world_size": 2}))
     dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoints["control"])
-    dealer.send(b"\x00garbage")
-    assert dealer.poll(5000), "the daemon stopped answering requests"
-    assert msgspec.msgpack.decode(dealer.recv())["ok"] is False
-    dealer.send(msgspec.msgpack.encode({"op": "reboot"}))
-    assert dealer.poll(5000)
-    assert "unknown op" in msgspec.msgpack.decode(dealer.recv())["error"]
-    push.close()
-    tail.close()
-    dealer.close()
-    context.term()
-    expected = {"malformed": flood + 1, "oversized": 1, "wrong_version": 1, "wrong_run": 1,
-                "forged": 1, "bad_request": 2}
-    status = live.wait_for("live", lambda s: s["rejected"] == expected, timeout=30)
+    try:
+        push.connect(endpoints["telemetry"])
+        good = msgspec.to_builtins(wire.Bye(run="live", rank=0, seq=10**9, exit_code=0))
+        flood = 20_000
+        for _ in range(flood):
+            push.send(b"\xc1 not msgpack")
+        # The sender stays open until the daemon has counted everything it sent: libzmq
+        # may drop what is still in flight over ipc when a sender under back-pressure
+        # closes, whatever its linger (zeromq/libzmq#4660); twice in CI that cost the
+        # frames at the end of this stream, though the daemon counted all it received.
+        live.wait_for("live", lambda s: s["rejected"].get("malformed") == flood, timeout=60)
+        push.send(b"x" * (wire.MAX_FRAME_BYTES + 1), copy=True)
+        push.send(msgspec.msgpack.encode({**good, "v": 99}))
+        push.send(msgspec.msgpack.encode({**good, "run": "another-run"}))
+        push.send_multipart([b"two", b"frames"])
+        push.send(msgspec.msgpack.encode({**good, "rank": -1, "kind": "run_status",
+                                          "status": "failed", "world_size": 2}))
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoints["control"])
+        dealer.send(b"\x00garbage")
+        assert dealer.poll(5000), "the daemon stopped answering requests"
+        assert msgspec.msgpack.decode(dealer.recv())["ok"] is False
+        dealer.send(msgspec.msgpack.encode({"op": "reboot"}))
+        assert dealer.poll(5000)
+        assert "unknown op" in msgspec.msgpack.decode(dealer.recv())["error"]
+        expected = {"malformed": flood + 1, "oversized": 1, "wrong_version": 1, "wrong_run": 1,
+                    "forged": 1, "bad_request": 2}
+        status = live.wait_for("live", lambda s: s["rejected"] == expected, timeout=30)
+    finally:
+        push.close(linger=0)
+        dealer.close(linger=0)
+        context.term()
     assert status["status"] == "running"  # the forged "failed" was not believed
     after = live.wait_for("live", lambda s: s["ranks"][0]["global_step"] > before)
     assert all(r["state"] == "running" for r in after["ranks"])
