@@ -130,27 +130,33 @@ def test_messages_for_ranks_beyond_the_world_size_are_dropped_and_counted(
     before = rss_kb(daemon)
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(record(root)["endpoints"]["telemetry"])
-    forged = 0
-    for rank in range(2, 3001):
-        for seq in range(3):
-            beat = wire.Heartbeat(run=RUN, rank=rank, seq=seq, t=time.time(), phase="forward",
-                                  epoch=0, global_step=1, phase_s=0.1)
-            push.send_multipart(wire.encode(beat))
-            forged += 1
-    push.close()
-    context.term()
-    deadline = time.monotonic() + 30
-    while True:
-        status = run.status(RUN)
-        refused = status["rejected"].get("rank_out_of_range", 0)
-        if refused >= forged or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    try:
+        push.connect(record(root)["endpoints"]["telemetry"])
+        forged = 0
+        for rank in range(2, 3001):
+            for seq in range(3):
+                beat = wire.Heartbeat(run=RUN, rank=rank, seq=seq, t=time.time(),
+                                      phase="forward", epoch=0, global_step=1, phase_s=0.1)
+                push.send_multipart(wire.encode(beat))
+                forged += 1
+        # Open until all is counted: libzmq may drop frames in flight when a
+        # back-pressured sender closes (zeromq/libzmq#4660; see test_daemon).
+        deadline = time.monotonic() + 30
+        while True:
+            status = run.status(RUN)
+            refused = status["rejected"].get("rank_out_of_range", 0)
+            if refused >= forged or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        push.close(linger=0)
+        context.term()
     assert refused == forged
     assert [r["rank"] for r in status["ranks"]] == [0, 1]
-    assert rss_kb(daemon) - before < 30 * 1024, (before, rss_kb(daemon))
+    after = rss_kb(daemon)
+    print(f"daemon RSS under {forged} forged heartbeats: {before / 1024:.1f} MiB before, "
+          f"{after / 1024:.1f} MiB after")
+    assert after - before < 30 * 1024, (before, after)
 
 
 def test_a_hello_from_a_pid_that_is_not_the_ranks_is_dropped_and_counted(
