@@ -3,7 +3,7 @@
     .venv/bin/python bench/faults.py [--repeats 3] [--world-size 4]
                                      [--phase-seconds 10] [--frozen-seconds 60]
                                      [--cycles 2]
-                                     [--no-drills] [--no-dashboard]
+                                     [--no-drills] [--drills NAME,...] [--no-dashboard]
 
 Part 1, drills. Each drill of `ddtrain start --inject` runs on the built-in
 trainer (`ddtrain start --foreground`, world size 4 by default), --repeats
@@ -21,8 +21,9 @@ then; the hang rule depends on the time asked, so it is asked at each point):
                and the collective they wait in; --hang-timeout 2: the failure;
   stop         (SIGSTOP) the same, the rank called silent;
   slow=1.5x    from step 100: optimizer steps of the slowed rank until it is
-               named the straggler, whether it stays named, and any other rank
-               named; a clean run: samples (every 250 ms) naming anyone.
+               named the straggler (its global step in the state at the first
+               50 ms moment naming it), whether it stays named, and any other
+               rank named; a clean run: samples (every 250 ms) naming anyone.
 
 Part 2, watching. One long run (detached) in phases of --phase-seconds, --cycles
 times: no dashboard, `ddtop --headless` attached, no dashboard, ddtop (the TUI,
@@ -78,6 +79,11 @@ class Drill:
     signal: str | None = None
     exit_code: int | None = None
     extra: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """What --drills calls it: kill, segfault, raise, exit, hang, stop, slow, clean."""
+        return self.name.split()[0].split("=")[0]
 
     @property
     def rank(self) -> int:
@@ -192,17 +198,20 @@ def run_drill(drill: Drill, world: int, root: Path, index: int) -> Result:
         result.failed_s = first(paths.journal, run_id, fault_t, failed)
     else:
         named_at, samples, kept, after, wrong = None, 0, 0, 0, 0
-        for i, (_, state) in enumerate(moments(paths.journal, run_id, until_s=0)):
-            if i % 5 or state.status not in ("running", "starting"):
-                continue  # every 250 ms while it runs
+        for i, (t, state) in enumerate(moments(paths.journal, run_id, until_s=0)):
+            if state.status not in ("running", "starting"):
+                continue
             names = state.stragglers()[2]
+            if drill.check == "slow" and named_at is None and names == [k]:
+                named_at = state.ranks[k].global_step  # asked every 50 ms, as status may be
+                assert fault_t is not None
+                result.named_s = t - fault_t
+            if i % 5:
+                continue  # the samples: every 250 ms while it runs
             samples += 1
             if drill.check == "clean":
                 wrong += bool(names)
                 continue
-            step = state.ranks[k].global_step if k in state.ranks else 0
-            if named_at is None and names == [k]:
-                named_at = step
             if named_at is not None:
                 after += 1
                 kept += names == [k]
@@ -225,10 +234,11 @@ def spread(values: list[float | None], unit: str = " s", digits: int = 2) -> str
     return text + (f", {missed} never" if missed else "")
 
 
-def part_drills(world: int, repeats: int, root: Path) -> None:
+def part_drills(world: int, repeats: int, root: Path, only: set[str] | None = None) -> None:
+    chosen = [d for d in drills(world) if only is None or d.key in only]
     results: dict[str, list[Result]] = {}
     for index in range(repeats):
-        for drill in drills(world):
+        for drill in chosen:
             started = time.monotonic()
             result = run_drill(drill, world, root, index)
             results.setdefault(drill.name, []).append(result)
@@ -239,7 +249,7 @@ def part_drills(world: int, repeats: int, root: Path) -> None:
     print(f"{'drill':<16} | {'fault -> named in status':<34} | "
           f"fault -> failed (--hang-timeout {HANG_TIMEOUT_S})")
     print("-" * 96)
-    for drill in drills(world):
+    for drill in chosen:
         got = results[drill.name]
         if drill.check == "dead":
             how = drill.signal or f"exit code {drill.exit_code}"
@@ -253,6 +263,7 @@ def part_drills(world: int, repeats: int, root: Path) -> None:
                            " steps", 0)
             kept = spread([100 * r.kept if r.kept is not None else None for r in got], "%", 0)
             wrong = sum(r.wrong for r in got)
+            steps += f", {spread([r.named_s for r in got])}"
             print(f"{drill.name:<16} | {steps:<34} | named in {kept} of the samples after; "
                   f"another rank named in {wrong} of {sum(r.samples for r in got)}")
         else:
@@ -418,12 +429,22 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=2,
                         help="none / headless / none / TUI / none cycles (default 2)")
     parser.add_argument("--no-drills", action="store_true")
+    parser.add_argument("--drills", metavar="NAME,...",
+                        help="only these drills: " + ", ".join(
+                            d.key for d in drills(4)) + " (default: all)")
     parser.add_argument("--no-dashboard", action="store_true")
     args = parser.parse_args()
+    only = None
+    if args.drills:
+        only = set(args.drills.split(","))
+        known = {d.key for d in drills(args.world_size)}
+        if only - known:
+            parser.error(f"unknown drill {', '.join(sorted(only - known))}; "
+                         f"choose from {', '.join(sorted(known))}")
     print(f"{os.cpu_count()} CPUs; world size {args.world_size}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_drills:
-            part_drills(args.world_size, args.repeats, Path(tmp))
+            part_drills(args.world_size, args.repeats, Path(tmp), only)
         if not args.no_dashboard:
             part_dashboard(args.world_size, args.phase_seconds, args.frozen_seconds,
                            args.cycles, Path(tmp))
