@@ -28,7 +28,9 @@ ATTEMPT_ENV = "DDTOP_ATTEMPT"
 # The run id telemetry must carry (the daemon drops other runs' messages); set by
 # the daemon for a user's script, whose ranks have no config.json to read it from.
 RUN_ID_ENV = "DDTOP_RUN_ID"
-# Failure injection for tests and drills: RANK:STEP[:ACTION] (training/trainer.py).
+# Fault drills: how `ddtrain start --inject` hands its specs to the ranks, comma-
+# separated in daemon/inject.py's grammar (1:kill@step=50,0:slow=1.5x); a rank acts
+# on its own in training/drills.py.
 FAULT_ENV = "DDTOP_FAULT"
 # Where runs live when --runs-dir is not given (else ./runs).
 RUNS_DIR_ENV = "DDTOP_RUNS_DIR"
