@@ -29,9 +29,11 @@ number it includes) and applies only the live messages newer than that.
 Nothing a socket receives can stop the daemon: undecodable, oversized,
 wrong-version and wrong-run frames are counted in `RunState.rejected` and
 dropped; so are messages for a rank outside the world size the daemon
-launched (so what senders claim cannot grow its memory) and hellos whose pid
-is not the process the daemon started as that rank (`rank_pid`). A flood is
-read in bounded batches so requests are still answered.
+launched (so what senders claim cannot grow its memory), hellos whose pid
+is not the process the daemon started as that rank (`rank_pid`) and, over
+ipc, any message sent by a process that is not that rank's (the kernel says
+which process sent each frame). A flood is read in bounded batches so
+requests are still answered.
 All three sockets belong to the thread that calls `serve` (the daemon's main
 thread); ZeroMQ sockets are not thread-safe.
 """
@@ -79,6 +81,19 @@ MAX_REQUEST_BYTES = 16384  # a node daemon's heartbeat lists its ranks
 JOURNAL_WARN_EVERY_S = 60.0
 
 
+def peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process that sent `frame` over ipc (ZeroMQ's Peer-Address
+    there ends ':uid:gid:pid'); None where the platform does not say."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    if not isinstance(address, str):
+        return None
+    pid = address.rpartition(":")[2]
+    return int(pid) if pid.isdigit() and int(pid) > 0 else None
+
+
 class Relay:
     def __init__(self, run: str, journal: Path, sockets: Path | None = None,
                  world_size: int | None = None,
@@ -88,13 +103,15 @@ class Relay:
         """`sockets`: the owner-only folder for the ipc sockets (None, or a path too
         long for a unix socket: a private folder of the daemon's own). `world_size`:
         the ranks there are (None: any, up to the state's bound). `rank_pid(rank,
-        pid)`: whether a hello's pid is that rank's process (None: not checked).
+        pid)`: whether a pid is that rank's process, asked of a hello's pid and,
+        over ipc, of the process that sent each message (None: not checked).
         `bind`: listen on TCP at this address instead, CURVE with `keys`. `nodes`: a
         multi-node job's hub: a fourth socket (PULL, TCP) for node daemons' forwards."""
         assert bind is None or keys is not None, "TCP only with the run's keys"
         self.run = run
         self.world_size = world_size
         self.rank_pid = rank_pid
+        self._senders: dict[int, int] = {}  # rank -> the pid its frames last came from
         self.state = RunState(run=run)
         self.seq = 0  # relay sequence number of the newest accepted message
         self.daemon_seq = 0
@@ -241,9 +258,18 @@ class Relay:
         return [fd for fd in fds if fd in ready]
 
     def _drain_pull(self) -> None:
+        # Over ipc the kernel names the process that sent each frame (SO_PEERCRED,
+        # ZeroMQ's Peer-Address): only a rank's own process may speak for it.
+        by_sender = self.rank_pid is not None and self.bind is None
         for _ in range(BATCH):
+            sender: int | None = None
             try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK)
+                if by_sender:
+                    parts = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                    sender = peer_pid(parts[0])
+                    frames = [part.bytes for part in parts]
+                else:
+                    frames = self.pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             received = time.time()
@@ -262,7 +288,21 @@ class Relay:
                     and not self.rank_pid(message.rank, message.pid)):
                 self._reject("foreign_pid")  # not the process started as that rank
                 continue
+            if sender is not None and not self._sent_by_rank(message.rank, sender):
+                self._reject("foreign_pid")  # sent by a process that is not that rank
+                continue
             self._accept(message, frames[0], received)
+
+    def _sent_by_rank(self, rank: int, pid: int) -> bool:
+        """Whether `pid` is rank `rank`'s process: the last one found so, else asked
+        of the starter (a restarted rank's new process is found there)."""
+        if self._senders.get(rank) == pid:
+            return True
+        assert self.rank_pid is not None
+        if not self.rank_pid(rank, pid):
+            return False
+        self._senders[rank] = pid
+        return True
 
     def _drain_nodes(self) -> None:
         """What node daemons forward: [header, node, frame], from CURVE-authenticated

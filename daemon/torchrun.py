@@ -36,7 +36,7 @@ from ddtop.daemon.state import RunState
 
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-RESCAN_S = 1.0  # at most one /proc scan a second for hellos from pids not known yet
+RESCAN_S = 0.25  # at most four /proc scans a second for senders whose pid is not known yet
 FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                              r"(-?\d+) \(pid: (\d+)\)")
 

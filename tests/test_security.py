@@ -184,6 +184,47 @@ def test_a_hello_from_a_pid_that_is_not_the_ranks_is_dropped_and_counted(
     assert status["ranks"][0]["global_step"] >= before["ranks"][0]["global_step"]
 
 
+def test_messages_sent_by_a_process_that_is_not_the_rank_are_dropped_and_counted(
+        guarded: tuple[Detached, Path]) -> None:
+    """The forgeries that once reached the dashboard (a Step with loss 12345 and a
+    huge sequence number for rank 0, a Bye making rank 1 look dead, a heartbeat),
+    sent by a process of the owner's that is not the rank (here: this test): over
+    ipc the kernel names the sender, so each is dropped and counted."""
+    run, root = guarded
+    before = run.status(RUN)["rejected"].get("foreign_pid", 0)
+    forged = [
+        wire.Step(run=RUN, rank=0, seq=10**9, t=time.time(), epoch=0, step=1,
+                  steps_per_epoch=10, global_step=10**6, steps=1, samples=32,
+                  loss_sum=12345.0 * 32, lr=0.1, step_s=0.01, data_s=0.0, forward_s=0.0,
+                  backward_s=0.0, optimizer_s=0.0, comm_s=0.0, comm_bytes=0, comm_ops=0,
+                  algbw_gbps=0.0, busbw_gbps=0.0, sync_wait_s=0.0),
+        wire.Bye(run=RUN, rank=1, seq=10**9, t=time.time(), exit_code=0),
+        wire.Heartbeat(run=RUN, rank=1, seq=10**9 + 1, t=time.time(), phase="done",
+                       epoch=0, global_step=1, phase_s=0.1),
+    ]
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    try:
+        push.connect(record(root)["endpoints"]["telemetry"])
+        for message in forged:
+            push.send_multipart(wire.encode(message))
+        deadline = time.monotonic() + 30
+        while (status := run.status(RUN))["rejected"].get("foreign_pid", 0) < before + 3:
+            assert time.monotonic() < deadline, status["rejected"]
+            time.sleep(0.2)
+    finally:
+        push.close(linger=0)
+        context.term()
+    assert status["rejected"]["foreign_pid"] == before + 3
+    later = run.wait_for(RUN, lambda s: all(r["global_step"] > status["ranks"][r["rank"]][
+        "global_step"] for r in s["ranks"]))  # both ranks still heard: no duplicate drops
+    assert [r["state"] for r in later["ranks"]] == ["running", "running"]
+    assert all(r["global_step"] < 10**6 and r["loss"] < 1000 for r in later["ranks"])
+    assert all(r["phase"] != "done" for r in later["ranks"])
+    kept = [wire.decode([r.frame]) for r in journal.read(root / "telemetry.journal")]
+    assert not [m for m in kept if m.rank >= 0 and m.seq >= 10**9]  # none of them journaled
+
+
 def listening_addresses(pid: int) -> list[str]:
     """The local addresses of the TCP sockets process `pid` listens on."""
     inodes = set()
