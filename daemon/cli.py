@@ -237,22 +237,23 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def arm_drills(specs: list[str], world_size: int, epochs: int | None = None) -> None:
     """--inject: the specs checked (bad input raises UsageError), and handed to the
-    daemon and every rank in DDTOP_FAULT; without --inject, a DDTOP_FAULT already
-    set is checked the same way. `epochs`: the built-in trainer's (a user's
-    script's epochs are its own business)."""
-    if specs:
-        source, drills = inject.FLAG, inject.parse_all(specs)
-    elif os.environ.get(FAULT_ENV):
-        source, drills = FAULT_ENV, inject.parse_environ(os.environ[FAULT_ENV])
-    else:
+    daemon and every rank in DDTOP_FAULT, its transport and nothing else: this
+    process's environment is what the daemon (this process, or the detached one)
+    and every rank it starts inherit, with any launcher, so a DDTOP_FAULT the user
+    had set is replaced, or removed without --inject (and said to be ignored).
+    `epochs`: the built-in trainer's (a user's script's epochs are its own business)."""
+    inherited = os.environ.pop(FAULT_ENV, None)
+    if not specs:
+        if inherited:
+            print(f"ddtrain: note: {FAULT_ENV} in the environment is ignored: drills are "
+                  f"given with {inject.FLAG} SPEC (docs/cli.md#failure-drills)",
+                  file=sys.stderr, flush=True)
         return
-    inject.check_ranks(drills, world_size, source)
+    drills = inject.parse_all(specs)
+    inject.check_ranks(drills, world_size)
     if epochs is not None:
-        inject.check_epochs(drills, epochs, source)
-    if drills:
-        os.environ[FAULT_ENV] = inject.encode(drills)
-    else:
-        del os.environ[FAULT_ENV]
+        inject.check_epochs(drills, epochs)
+    os.environ[FAULT_ENV] = inject.encode(drills)
 
 
 def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:

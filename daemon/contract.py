@@ -30,7 +30,8 @@ ATTEMPT_ENV = "DDTOP_ATTEMPT"
 RUN_ID_ENV = "DDTOP_RUN_ID"
 # Fault drills: how `ddtrain start --inject` hands its specs to the ranks, comma-
 # separated in daemon/inject.py's grammar (1:kill@step=50,0:slow=1.5x); a rank acts
-# on its own in training/drills.py.
+# on its own in training/drills.py. Set from --inject only: `ddtrain start` removes
+# one it inherits (daemon/cli.py arm_drills).
 FAULT_ENV = "DDTOP_FAULT"
 # Where runs live when --runs-dir is not given (else ./runs).
 RUNS_DIR_ENV = "DDTOP_RUNS_DIR"

@@ -12,11 +12,12 @@ them), or once epoch E (counted from 1) is done, i.e. after its last step;
 `slow` acts on every step from there on (from the first step without WHEN),
 every other action once, and each needs WHEN.
 
-The daemon parses and checks the specs before anything starts (bad input: one
-line naming the problem and the fix) and hands them to the ranks in
-DDTOP_FAULT, comma-separated in the same grammar; the rank parses them again
-with this module (training/drills.py acts on them). DDTOP_FAULT set by hand
-is read the same way. Pure: no torch, no processes.
+`ddtrain start` parses and checks the specs before anything starts (bad input:
+one line naming the problem and the fix) and hands them to the daemon and the
+ranks in DDTOP_FAULT, comma-separated in the same grammar; the rank parses them
+again with this module (training/drills.py acts on them). DDTOP_FAULT is only
+that transport: `ddtrain start` sets it from --inject alone and removes one it
+inherited (daemon/cli.py arm_drills). Pure: no torch, no processes.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def _spelled(value: float) -> str:
 
 def parse(text: str, source: str = FLAG) -> Drill:
     """One SPEC; UsageError naming the problem and the fix (`source` says where the
-    spec came from: --inject or DDTOP_FAULT)."""
+    spec came from: --inject, or DDTOP_FAULT as a rank reads it)."""
     spec = text.strip()
 
     def bad(problem: str) -> UsageError:

@@ -221,8 +221,8 @@ def test_killing_the_daemon_leaves_no_rank_behind(tmp_path: Path) -> None:
 def test_torchrun_launcher_restarts_a_killed_rank(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--launcher", "torchrun", "-n", "2", "--epochs", "2",
                   "--synthetic-train-samples", "4096", "--checkpoint-every", "20",
-                  "--max-restarts", "1", "--run-id", "tr", cwd=tmp_path,
-                  env={"DDTOP_FAULT": "1:kill@step=40"})
+                  "--max-restarts", "1", "--run-id", "tr", "--inject", "1:kill@step=40",
+                  cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr

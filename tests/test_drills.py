@@ -7,9 +7,11 @@ traceback), slow=FACTORx (named as the straggler, no other rank) with
 stall-data on the other rank, hang (the hung rank and the collective named;
 --hang-timeout fails it, --max-restarts restarts it) and stop (silent, then
 failed by --hang-timeout). kill and raise of the built-in trainer are in
-test_failures_and_resume.py, test_daemon.py and test_headless.py.
+test_failures_and_resume.py, test_daemon.py and test_headless.py. A
+DDTOP_FAULT set by hand without --inject does nothing (it is only --inject's
+transport), with the local and the torchrun launcher.
 
-The six runs start together (a module fixture), so that the hang runs' seconds
+The eight runs start together (a module fixture), so that the hang runs' seconds
 of waiting to be declared overlap the others; each test waits for its own run
 (with a timeout) and checks that nothing it started is left.
 """
@@ -53,10 +55,18 @@ RUNS: dict[str, tuple[str, ...]] = {
              "--inject", "1:exit=3@epoch=1"),
     "script": ("--foreground", "-n", "2", str(SCRIPTS / "ddp_accum.py"),
                "--inject", "1:raise@step=3", "--", "--steps", "6"),
+    # DDTOP_FAULT set by hand (ENV below) without --inject: no drill, with either launcher.
+    "ignored": ("--foreground", "-n", "2", str(SCRIPTS / "ddp_accum.py"), "--", "--steps", "6"),
+    "ignored-torchrun": ("--foreground", "--launcher", "torchrun", *SHORT, "--epochs", "1"),
     # 200 steps of 32 samples; rank 1 at twice its step time from the start.
     "slow": (*JSONL, "-n", "2", "--epochs", "1", "--synthetic-train-samples", "6400",
              "--synthetic-val-samples", "64", "--batch-size", "32",
              "--inject", "1:slow=2x", "--inject", "0:stall-data=2s@step=60"),
+}
+# Environment variables a run's `ddtrain start` gets besides the test's own.
+ENV: dict[str, dict[str, str]] = {
+    "ignored": {"DDTOP_FAULT": "1:kill@step=3"},
+    "ignored-torchrun": {"DDTOP_FAULT": "1:kill@step=3"},
 }
 
 
@@ -83,7 +93,8 @@ def drills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
         for name, args in RUNS.items():
             cwd = started.root / name
             cwd.mkdir()
-            started.procs[name] = start([DDTRAIN, "start", "--run-id", name, *args], cwd)
+            started.procs[name] = start([DDTRAIN, "start", "--run-id", name, *args], cwd,
+                                        ENV.get(name))
         yield started
     finally:
         for name in started.procs:  # every run waited for (and killed on a timeout)
@@ -142,8 +153,8 @@ def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> N
      "ddtrain: error: --inject '1:kil@step=5': unknown action 'kil'"),
     (("--inject", "2:hang@step=3"), {},
      "ddtrain: error: --inject '2:hang@step=3': there is no rank 2: --world-size 2 has"),
-    ((), {"DDTOP_FAULT": "1:kill@step=3,0:bad"},
-     "ddtrain: error: DDTOP_FAULT '0:bad': unknown action"),
+    (("--inject", "1:kill@step=3", "--inject", "0:bad"), {"DDTOP_FAULT": "1:kill@step=3"},
+     "ddtrain: error: --inject '0:bad': unknown action"),
     (("--hang-timeout", "nan"), {}, "ddtrain: error: --hang-timeout must be a positive, finite"),
     (("--epochs", "2", "--inject", "1:exit=3@epoch=3"), {},
      "ddtrain: error: --inject '1:exit=3@epoch=3': the run trains --epochs 2, so epoch 3 "
@@ -181,6 +192,23 @@ def test_slow_takes_its_factor_of_the_step_time() -> None:
         slow.after_step(step, 0)
     per_step = (time.monotonic() - began) / 10
     assert 0.05 < per_step < 0.2, per_step  # ~3 x 0.02 s (sleeps overshoot on busy cores)
+
+
+@pytest.mark.parametrize("name", ["ignored", "ignored-torchrun"])
+def test_a_fault_set_by_hand_without_inject_does_nothing(drills: Started, name: str) -> None:
+    """DDTOP_FAULT is --inject's transport only: one in the environment of
+    `ddtrain start` reaches neither the daemon nor a rank (local forkserver, and
+    torchrun's workers), and is said to be ignored."""
+    run = drills.result(name)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ("ddtrain: note: DDTOP_FAULT in the environment is ignored: drills are given "
+            "with --inject SPEC") in run.stderr, run.stderr
+    assert "fault drills armed" not in run.stderr
+    logs = (drills.run_dir(name) / "logs").glob("*.log")  # the ranks', torchrun's
+    for text in (run.stdout, run.stderr, *(log.read_text() for log in logs)):
+        assert "ddtop drill" not in text and "injected failure" not in text
+    assert record(drills.run_dir(name))["status"] == "succeeded"
+    assert run.leftovers == []
 
 
 # -- dead ranks ----------------------------------------------------------------------------------

@@ -105,9 +105,9 @@ def test_a_blocked_rank_still_heartbeats_and_names_its_collective(tmp_path: Path
     # and waits in that step's gradient all-reduce.
     with collecting() as got:
         run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
-                      "--synthetic-train-samples", "512", cwd=tmp_path,
-                      env={"DDTOP_TELEMETRY": got.endpoint,
-                           "DDTOP_FAULT": "1:stall-data=4s@step=3"})
+                      "--synthetic-train-samples", "512",
+                      "--inject", "1:stall-data=4s@step=3", cwd=tmp_path,
+                      env={"DDTOP_TELEMETRY": got.endpoint})
     assert run.returncode == 0, run.stdout + run.stderr
     waiting = [h for h in got.of(wire.Heartbeat, 0)
                if h.global_step == 3 and h.phase == "backward" and h.coll_started
@@ -122,8 +122,8 @@ def test_a_blocked_rank_still_heartbeats_and_names_its_collective(tmp_path: Path
 def test_error_event_carries_the_traceback(tmp_path: Path) -> None:
     with collecting() as got:
         run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
-                      "--synthetic-train-samples", "256", cwd=tmp_path,
-                      env={"DDTOP_TELEMETRY": got.endpoint, "DDTOP_FAULT": "1:raise@step=2"})
+                      "--synthetic-train-samples", "256", "--inject", "1:raise@step=2",
+                      cwd=tmp_path, env={"DDTOP_TELEMETRY": got.endpoint})
     assert run.returncode == 1
     (error,) = [e for e in got.of(wire.Event, 1) if e.type == "error"]
     assert "RuntimeError: injected failure at step 2" in error.message
