@@ -1,17 +1,18 @@
 """Fault drills (`ddtrain start --inject SPEC`) and `--hang-timeout`, on real runs.
 
 Each drill kind is acted out by a real 2-rank run and named by the daemon:
-segfault and exit=CODE@epoch=E (dead ranks, by signal and exit code), raise in
-a user's own script (through the optimizer step hook, the script's line in the
-traceback), slow=FACTORx (named as the straggler, no other rank) with
-stall-data on the other rank, hang (the hung rank and the collective named;
---hang-timeout fails it, --max-restarts restarts it) and stop (silent, then
-failed by --hang-timeout). kill and raise of the built-in trainer are in
-test_failures_and_resume.py, test_daemon.py and test_headless.py. A
-DDTOP_FAULT set by hand without --inject does nothing (it is only --inject's
-transport), with the local and the torchrun launcher.
+segfault and exit=CODE@epoch=E (dead ranks, by signal and exit code),
+slow=FACTORx (named as the straggler, no other rank) with stall-data on the
+other rank, hang (the hung rank and the collective named; --hang-timeout fails
+it, --max-restarts restarts it) and stop (silent, then failed by
+--hang-timeout). In a user's own script, through the optimizer step hook: raise
+(the script's line in the traceback), kill (named by its signal), stop (silent,
+failed by --hang-timeout) and slow=2x (named as the straggler). kill and raise
+of the built-in trainer are in test_failures_and_resume.py, test_daemon.py and
+test_headless.py. A DDTOP_FAULT set by hand without --inject does nothing (it
+is only --inject's transport), with the local and the torchrun launcher.
 
-The eight runs start together (a module fixture), so that the hang runs' seconds
+The eleven runs start together (a module fixture), so that the hang runs' seconds
 of waiting to be declared overlap the others; each test waits for its own run
 (with a timeout) and checks that nothing it started is left.
 """
@@ -40,6 +41,7 @@ SHORT = ("-n", "2", "--synthetic-train-samples", "320", "--synthetic-val-samples
          "--batch-size", "16")
 JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
 RUN_TIMEOUT_S = 100
+ACCUM = (str(SCRIPTS / "ddp_accum.py"), "--")  # then the script's own arguments
 
 RUNS: dict[str, tuple[str, ...]] = {
     # The hang runs first: they wait longest.
@@ -50,13 +52,21 @@ RUNS: dict[str, tuple[str, ...]] = {
              "--hang-timeout", "2", "--max-restarts", "1"),
     "stop": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:stop@step=5",
              "--hang-timeout", "3"),
+    # A user's script (ACCUM: no ddtop line in it), the drills acting from the
+    # optimizer step hook: stop, kill, raise and slow.
+    "script-stop": (*JSONL, "-n", "2", "--inject", "1:stop@step=3", "--hang-timeout", "3",
+                    *ACCUM, "--steps", "20"),
     "segv": ("--foreground", *SHORT, "--epochs", "1", "--inject", "1:segfault@step=5"),
     "exit": ("--foreground", *SHORT, "--epochs", "2", "--sync-every", "10",
              "--inject", "1:exit=3@epoch=1"),
-    "script": ("--foreground", "-n", "2", str(SCRIPTS / "ddp_accum.py"),
-               "--inject", "1:raise@step=3", "--", "--steps", "6"),
+    "script": ("--foreground", "-n", "2", "--inject", "1:raise@step=3", *ACCUM, "--steps", "6"),
+    "script-kill": ("--foreground", "-n", "2", "--inject", "1:kill@step=3",
+                    *ACCUM, "--steps", "6"),
+    # 500 steps of a few ms (one micro-batch each), rank 1 at twice its step time.
+    "script-slow": (*JSONL, "-n", "2", "--inject", "1:slow=2x",
+                    *ACCUM, "--steps", "500", "--accum", "1"),
     # DDTOP_FAULT set by hand (ENV below) without --inject: no drill, with either launcher.
-    "ignored": ("--foreground", "-n", "2", str(SCRIPTS / "ddp_accum.py"), "--", "--steps", "6"),
+    "ignored": ("--foreground", "-n", "2", *ACCUM, "--steps", "6"),
     "ignored-torchrun": ("--foreground", "--launcher", "torchrun", *SHORT, "--epochs", "1"),
     # 200 steps of 32 samples; rank 1 at twice its step time from the start.
     "slow": (*JSONL, "-n", "2", "--epochs", "1", "--synthetic-train-samples", "6400",
@@ -246,6 +256,32 @@ def test_raise_in_a_users_script_goes_through_its_optimizer_step(drills: Started
     assert run.leftovers == []
 
 
+def test_kill_in_a_users_script_is_named_by_its_signal(drills: Started) -> None:
+    run = drills.result("script-kill")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "fault drills armed: 1:kill@step=3" in run.stderr
+    assert "rank 1 (pid" in run.stderr and "was killed by SIGKILL" in run.stderr, run.stderr
+    failure = record(drills.run_dir("script-kill"))["failure"]
+    assert (failure["rank"], failure["signal"]) == (1, "SIGKILL")
+    log = (drills.run_dir("script-kill") / "logs" / "rank-1.log").read_text()
+    assert "ddtop drill 1:kill@step=3: acting after step 3" in log  # from the step hook
+    assert run.leftovers == []
+
+
+def test_a_stopped_rank_in_a_users_script_is_silent_and_fails_the_run(drills: Started) -> None:
+    run = drills.result("script-stop")
+    assert run.returncode == 1, run.stderr[-3000:]
+    summary = jsonl(run)[-1]
+    assert summary["kind"] == "summary" and summary["status"] == "failed"
+    failure = summary["failure"]
+    assert failure["rank"] == 1, failure
+    assert failure["message"].startswith("hung for 3 s (--hang-timeout 3): rank 0 wait in "
+                                         "allreduce #"), failure
+    assert "rank 1 is silent, last in " in failure["message"]
+    assert "failed: rank 1 (pid" in run.stderr and "hung for 3 s" in run.stderr
+    assert run.leftovers == []
+
+
 # -- slow and stalled ranks ---------------------------------------------------------------------
 def test_a_slow_rank_is_named_and_a_data_stall_is_data_time(drills: Started) -> None:
     run = drills.result("slow")
@@ -260,6 +296,20 @@ def test_a_slow_rank_is_named_and_a_data_stall_is_data_time(drills: Started) -> 
                and m.data_s >= 2.0]
     assert len(stalled) == 1 and stalled[0].global_step > 60, stalled
     assert all(line["hang"] is None for line in progress)
+    assert run.leftovers == []
+
+
+def test_a_slow_rank_in_a_users_script_is_named(drills: Started) -> None:
+    run = drills.result("script-slow")
+    assert run.returncode == 0, run.stderr[-2000:]
+    progress = [line for line in jsonl(run) if line["kind"] == "progress"]
+    named = [line for line in progress if line["stragglers"]]
+    # Named while it ran, and no other rank ever.
+    assert named and all(line["stragglers"] == [1] for line in named), [
+        (p["global_step"], p["stragglers"]) for p in progress]
+    assert all(line["skew_s"] > 0 for line in named)  # the others wait for it
+    log = (drills.run_dir("script-slow") / "logs" / "rank-1.log").read_text()
+    assert "ddtop drill 1:slow=2x: acting after step 1" in log
     assert run.leftovers == []
 
 
