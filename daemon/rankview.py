@@ -77,6 +77,10 @@ class RankView(msgspec.Struct, kw_only=True):
     phase: str = "setup"
     phase_s: float = 0.0
     phase_at: float | None = None
+    # Global steps done when the phase reading was taken: the heartbeat's, or a
+    # newer Step message's (a step done since ends the phase and any collective
+    # the heartbeat said; RunState._apply_step). -1: no reading in this process.
+    phase_step: int = -1
     coll_started: wire.Collective | None = None
     coll_completed: wire.Collective | None = None
     first_seen: float | None = None

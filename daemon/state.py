@@ -171,7 +171,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.exited = False
         view.exit_code = view.signal = view.error = view.traceback = None
         view.stopped_by_daemon = False
-        view.phase, view.phase_s, view.phase_at = "setup", 0.0, None
+        view.phase, view.phase_s, view.phase_at, view.phase_step = "setup", 0.0, None, -1
         view.coll_started = view.coll_completed = None
         view.last_step_t = None
         view.evidence = stragglers.Evidence()
@@ -203,6 +203,16 @@ class RunState(msgspec.Struct, kw_only=True):
         view.samples += m.samples
         if late or m.steps <= 0:
             return  # a newer reading is already shown
+        if view.phase_at is not None and m.global_step > view.phase_step:
+            # A step done since the rank's newest heartbeat (one a second): the phase
+            # and the collective that heartbeat named are over (a stopped rank that
+            # resumes, and the ranks that waited for it, step at once). As the
+            # rank's own clock does, the phase starts again with the step.
+            view.phase_s, view.phase_at, view.phase_step = 0.0, received, m.global_step
+            if view.phase == "setup":
+                view.phase = "data"
+            if view.in_collective:
+                view.coll_completed = view.coll_started
         stragglers.add_steps(self.straggler_rounds, view.evidence, m.steps, m.step_s, m.comm_s,
                              received, self.world_size, self._stepping, m.compute_trim_s)
         steps = m.steps
@@ -243,6 +253,7 @@ class RunState(msgspec.Struct, kw_only=True):
     @staticmethod
     def _apply_heartbeat(view: RankView, m: wire.Heartbeat, received: float) -> None:
         view.phase, view.phase_s, view.phase_at = m.phase, m.phase_s, received
+        view.phase_step = m.global_step
         view.coll_started, view.coll_completed = m.coll_started, m.coll_completed
         view.epoch = max(view.epoch, m.epoch)
         view.global_step = max(view.global_step, m.global_step)
@@ -424,6 +435,12 @@ class RunState(msgspec.Struct, kw_only=True):
         inside = [r for r, c in waiting.items() if c.seq == newest]
         coll = waiting[inside[0]]
         others = [r for r in live if r not in inside]
+        # A rank whose steps went past the step they wait in is not waited for: it
+        # has been through their collective, so their reading is stale (a stopped
+        # rank resumed; their own steps and heartbeats are on the way).
+        waits_in = min(self.ranks[r].phase_step for r in inside)
+        if any(self.ranks[r].phase_step > waits_in for r in others if r in self.ranks):
+            return None
         text = f"{rank_list(inside)} wait in {coll.op} #{coll.seq}"
         for r in others:
             view = self.ranks.get(r)

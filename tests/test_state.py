@@ -254,3 +254,100 @@ def test_a_rank_stuck_in_its_own_step_stays_stalled_while_another_evaluates() ->
              beat(0, 2, "evaluation", 40, phase_s=30.0, started=40, completed=40),
              beat(1, 2, "forward", 40, phase_s=30.0, started=40, completed=40))
     assert s.rank_states(100.5) == {0: state.RUNNING, 1: state.STALLED}
+
+
+@pytest.mark.parametrize("rank0_ticks", [0.05, 0.13])
+@pytest.mark.parametrize("stopped_in", ["forward", "allreduce"])
+def test_a_stopped_rank_that_resumes_is_not_misnamed_while_heartbeats_catch_up(
+        stopped_in: str, rank0_ticks: float) -> None:
+    """Ranks 0 and 1 in lockstep (a step every 0.05 s, all-reduce #g in step g;
+    Step messages every 0.1 s, heartbeats every 1 s, as a rank's sender sends
+    them). Rank 1 is stopped (SIGSTOP) at 100.04 in step 41, in its forward or
+    inside all-reduce #41, and continued at 110.0: its sender's first heartbeat
+    still says where it was stopped, 10 s ago; its steps come 0.1 s later, rank
+    0's within 0.1 s of them, while their next heartbeats come up to a second
+    later. From rank 1's first new Step message on, the hang is gone or names
+    rank 1; once both ranks' steps have come, it is gone. Was: 'ranks 0-1 wait
+    in allreduce #41' (no one waited for) and then 'rank 1 wait in allreduce #41;
+    rank 0 is in forward' (rank 0 waited for) until rank 1's next heartbeat, or
+    rank 1 still named after both ranks' steps came."""
+    inside = stopped_in == "allreduce"
+    seqs = [1, 1]
+    timeline: list[tuple[float, wire.Message]] = []
+
+    def send(at: float, m: wire.Message) -> None:
+        m.seq, m.t = seqs[m.rank], at
+        seqs[m.rank] += 1
+        timeline.append((at, m))
+
+    def counted(at: float) -> int:  # global steps done by time `at`
+        if at < 110.0:
+            return min(40, int((at - 98.0) / 0.05 + 1e-9))
+        return 40 + max(0, int((at - 110.03) / 0.05 + 1e-9) + 1)
+
+    # Before the stop: Step messages of the steps since the previous one.
+    for rank, first in ((0, 99.03), (1, 99.0)):
+        done = counted(first - 0.1)
+        for k in range(12):
+            at = round(first + 0.1 * k, 3)
+            if counted(at) > done:
+                send(at, step(rank, 0, counted(at), counted(at) - done))
+                done = counted(at)
+    send(99.8, beat(0, 0, "forward", counted(99.8), 0.01, counted(99.8), counted(99.8)))
+    send(100.03, beat(1, 0, "backward" if inside else "forward", 40, 0.01,
+                      41 if inside else 40, 40))
+    # Rank 0 waits in all-reduce #41 from 100.02 on; its heartbeats say so.
+    for k in range(11):
+        at = 100.8 + k
+        send(at, beat(0, 0, "backward", 40, at - 100.02, 41, 40))
+    # Continued at 110.0: rank 1's sender wakes with the reading of 10 s ago.
+    send(110.001, beat(1, 0, "backward" if inside else "forward", 40, 9.98,
+                       41 if inside else 40, 40))
+    firsts = []
+    for rank, first in ((0, 110.0 + rank0_ticks), (1, 110.1)):
+        done = 40
+        for k in range(25):
+            at = round(first + 0.1 * k, 3)
+            if counted(at) > done:
+                send(at, step(rank, 0, counted(at), counted(at) - done, t=at))
+                done = counted(at)
+        firsts.append(min(at for at, m in timeline
+                          if m.rank == rank and isinstance(m, wire.Step) and at > 110.0))
+    # Their next heartbeats: rank 0 in a forward, rank 1 inside an all-reduce.
+    for at in (110.8, 111.8):
+        g = counted(at)
+        send(at, beat(0, 0, "forward", g, 0.01, g, g))
+    for at in (111.0, 112.0):
+        g = counted(at)
+        send(at, beat(1, 0, "backward", g, 0.02, g + 1, g))
+
+    timeline.sort(key=lambda item: item[0])
+    s = RunState(run=RUN)
+    for r in (0, 1):
+        s.apply(hello(r), 98.0)
+    pending = iter(timeline)
+    upcoming = next(pending, None)
+
+    def fold_until(now: float) -> None:
+        nonlocal upcoming
+        while upcoming is not None and upcoming[0] <= now:
+            s.apply(upcoming[1], upcoming[0])
+            upcoming = next(pending, None)
+
+    fold_until(106.0)  # rank 1 silent, rank 0 stalled in its all-reduce
+    found = s.hung(106.0)
+    assert found is not None and found[1].startswith(
+        "ranks 0-1 wait in allreduce #41" if inside else "rank 0 wait in allreduce #41"), found
+    if not inside:
+        assert found == ([1], "rank 0 wait in allreduce #41; rank 1 is silent, last in forward"
+                              " of step 41")
+    resumed, flowing = firsts[1], max(firsts)
+    for i in range(int((112.5 - resumed) / 0.01) + 1):
+        now = round(resumed + 0.01 * i, 3)
+        fold_until(now)
+        found = s.hung(now)
+        if now >= flowing:
+            assert found is None, (now, found)
+        else:
+            assert found is None or (found[0] == [1] and found[1].startswith(
+                "rank 0 wait in allreduce #41; rank 1 ")), (now, found)
