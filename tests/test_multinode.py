@@ -36,6 +36,7 @@ from ddtop.dashboard.widgets import RankTable
 
 pytestmark = pytest.mark.timeout(90)
 
+SBATCH = Path(__file__).resolve().parent.parent / "examples" / "slurm" / "ddtrain.sbatch"
 SMALL = ["--synthetic-train-samples", "2048", "--synthetic-val-samples", "128",
          "--batch-size", "64", "--progress-every", "30"]
 
@@ -49,6 +50,11 @@ def free_port() -> int:
 def ddtrain(*args: str, cwd: Path, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ddtop.daemon", *args], cwd=cwd, text=True,
                           capture_output=True, timeout=timeout)
+
+
+def journal_messages(path: Path) -> list[tuple[float, wire.Message]]:
+    """(received, message) of every record of a daemon's telemetry journal."""
+    return [(r.received, wire.decode([r.frame])) for r in journal.read(path)]
 
 
 class Job:
@@ -196,9 +202,12 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
     try:
         time.sleep(1.0)
         # ddtrain stop on node 0 stops both nodes
+        asked = time.monotonic()
         stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path)
         assert stop.returncode == 0, stop.stderr
         (rc0, out0, err0), (rc1, _, err1) = job.wait()
+        print(f"\nddtrain stop on node 0: both nodes exited {time.monotonic() - asked:.1f} s "
+              "after the command started")
         assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
         watched, _ = watcher.communicate(timeout=20)
         assert watcher.returncode == 130, watched[-2000:]
@@ -241,7 +250,14 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
         on_node_1 = exit_of_3(tmp_path / "node1-runs" / "killjob" / "nodes" / "1" /
                               "telemetry.journal")
         on_hub = exit_of_3(job.runs / "killjob" / "telemetry.journal")
+        outcome = max(t for t, m in journal_messages(job.runs / "killjob" / "telemetry.journal")
+                      if isinstance(m, wire.RunStatus) and m.status == "failed")
+        print(f"\nrank 3 killed on node 1: its exit in the hub's journal "
+              f"{(on_hub - on_node_1) * 1000:.0f} ms after node 1's; the hub's outcome "
+              f"{outcome - on_hub:.2f} s after that")
         assert 0 <= on_hub - on_node_1 < 1.0, (on_node_1, on_hub)
+    else:
+        print("\nrank 3 ran on node 0: the cross-node timing was not measured")
     assert (tmp_path / "node1-runs" / "killjob" / "nodes" / "1" / "run.json").is_file()
     control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
@@ -251,12 +267,25 @@ def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[J
     job = Job(tmp_path, "lostjob", "--epochs", "1000")
     job_factory.append(job)
     job.wait_running()
+    killed = time.time()
     job.nodes[1].send_signal(signal.SIGKILL)  # node 1's daemon, started by this test
     (rc0, _, err0), _ = job.wait(60)
+    ended = time.time()
     assert rc0 == 1, err0[-3000:]
     assert "node 1 (" in err0 and "lost" in err0, err0[-3000:]
     record = json.loads((job.runs / "lostjob" / "run.json").read_text())
     assert record["status"] == "failed"
+    said = [t for t, m in journal_messages(job.runs / "lostjob" / "telemetry.journal")
+            if isinstance(m, wire.Event) and m.data.get("node") == 1
+            and m.data.get("node_state") == "unreachable"]
+    assert said, "no unreachable event for node 1"
+    print(f"\nnode 1's daemon killed: the hub said node 1 unreachable {said[0] - killed:.1f} s "
+          f"later, node 0 exited naming it lost {ended - killed:.1f} s later")
+
+
+def test_the_slurm_example_is_valid_bash() -> None:
+    done = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize(("flags", "says"), [
