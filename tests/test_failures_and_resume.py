@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -84,24 +85,37 @@ def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
             assert got_epochs[epoch][key] == want_epochs[epoch][key]
 
 
+# RUN_ARGS train 2 epochs of 8 steps; with --checkpoint-every 3 rank 0 saves after
+# steps 3, 6, 9, 12 and 15 (and at each epoch's end, after the drills of its last
+# step). A rank killed after step K leaves the newest checkpoint at the multiple
+# of 3 below K; K itself a multiple of 3 is left out: rank 0 may or may not finish
+# writing that step's checkpoint before the daemon stops it.
+KILL_STEPS = [k for k in range(4, 17) if k % 3]
+
+
 def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
         tmp_path: Path, uninterrupted: Path) -> None:
+    kill = random.Random(os.urandom(8)).choice(KILL_STEPS)
+    print(f"rank 1 killed after step {kill} (--inject 1:kill@step={kill})")
+    saved = kill - kill % 3
+    saved_as = f"step-{saved:08d}.pt"
+    epoch, step = divmod(saved - 1, 8)
     run = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "again", "--max-restarts", "1",
-                  "--checkpoint-every", "3", "--inject", "1:kill@step=11", cwd=tmp_path)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr
-    assert "restarting from step-00000009.pt" in run.stderr
-    assert "resumed from step-00000009.pt: epoch 2, step 1" in run.stdout
+                  "--checkpoint-every", "3", "--inject", f"1:kill@step={kill}", cwd=tmp_path)
+    assert run.returncode == 0, (kill, run.stdout + run.stderr)
+    assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr, (kill, run.stderr)
+    assert f"restarting from {saved_as}" in run.stderr, (kill, run.stderr)
+    assert f"resumed from {saved_as}: epoch {epoch + 1}, step {step + 1}" in run.stdout, (
+        kill, run.stdout)
     assert run.leftovers == []
     root = tmp_path / "runs" / "again"
     status = json.loads((root / "run.json").read_text())
     assert (status["status"], status["restarts"]) == ("succeeded", 1)
     (entry,) = status["timeline"]
-    assert (entry["rank"], entry["signal"], entry["checkpoint"]) == (1, "SIGKILL",
-                                                                     "step-00000009.pt")
+    assert (entry["rank"], entry["signal"], entry["checkpoint"]) == (1, "SIGKILL", saved_as), kill
     want, got = final_state(uninterrupted), final_state(root)
     for name in want:
-        assert torch.equal(want[name], got[name]), name
+        assert torch.equal(want[name], got[name]), (kill, name)
 
 
 def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
