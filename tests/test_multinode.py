@@ -52,6 +52,19 @@ def ddtrain(*args: str, cwd: Path, timeout: float = 30) -> subprocess.CompletedP
                           capture_output=True, timeout=timeout)
 
 
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether `pid` is `ancestor` or a process below it (by /proc's parent pids)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rpartition(")")[2].split()[1])
+    return False
+
+
 def journal_messages(path: Path) -> list[tuple[float, wire.Message]]:
     """(received, message) of every record of a daemon's telemetry journal."""
     return [(r.received, wire.decode([r.frame])) for r in journal.read(path)]
@@ -65,8 +78,10 @@ class Job:
         """`shared`: both nodes' --runs-dir the same folder (a shared file system);
         else node 1 has its own and is given --hub and a copy of the keys. `net`:
         each node in its own network namespace (`namespaces`), else loopback."""
-        self.tmp, self.run_id = tmp, run_id
+        self.tmp, self.run_id, self.net = tmp, run_id, net
         self.runs = tmp / "runs"
+        # node 1's own run directory (its daemon's files)
+        self.node1 = (self.runs if shared else tmp / "node1-runs") / run_id / "nodes" / "1"
         host = "10.77.0.1" if net else "127.0.0.1"
         port = free_port() if net is None else 29400
         self.nodes: list[subprocess.Popen[str]] = []
@@ -100,8 +115,15 @@ class Job:
         shutil.copytree(self.runs / self.run_id / "keys", keys)
         return ["--hub", json.loads(hub_file.read_text())["control"], "--hub-keys", str(keys)]
 
-    def status(self) -> dict:
-        done = ddtrain("status", self.run_id, "--json", "--runs-dir", str(self.runs), cwd=self.tmp)
+    def status(self, node: int = 0) -> dict:
+        """`ddtrain status --json` as run on node 0 (the whole job) or on node 1 (its
+        own ranks): in that node's namespace, where the daemon's endpoints are."""
+        run = self.run_id if node == 0 else str(self.node1)
+        cmd = [sys.executable, "-m", "ddtop.daemon", "status", run, "--json",
+               "--runs-dir", str(self.runs)]
+        if self.net is not None:
+            cmd = ["ip", "netns", "exec", self.net[node], *cmd]
+        done = subprocess.run(cmd, cwd=self.tmp, text=True, capture_output=True, timeout=30)
         return json.loads(done.stdout) if done.stdout.strip().startswith("{") else {}
 
     def wait_running(self, timeout: float = 40) -> dict:
@@ -125,6 +147,18 @@ class Job:
 
     def output(self) -> str:
         return "\n".join(f"node {k} rc={p.poll()}" for k, p in enumerate(self.nodes))
+
+    def node1_rank_pid(self, rank: int, timeout: float = 20) -> int:
+        """The pid of `rank` as node 1's own daemon reports it (`ddtrain status
+        --json` on node 1), checked to be a process below node 1's daemon."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid = next((r["pid"] for r in self.status(1).get("ranks", [])
+                        if r["rank"] == rank and r["pid"]), None)
+            if pid is not None and descends_from(pid, self.nodes[1].pid):
+                return int(pid)
+            time.sleep(0.2)
+        raise AssertionError(f"node 1's status has no pid for rank {rank}: {self.status(1)}")
 
     def close(self) -> None:
         for p in self.nodes:
@@ -227,38 +261,42 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
         job_factory: list[Job]) -> None:
     """Node 1 without the shared folder (--hub and a copy of the keys); where
     the test may make them (root), each node in its own network namespace, so
-    that the rendezvous, gloo and the forwarding cross an interface."""
-    job = Job(tmp_path, "killjob", "--epochs", "1000", "--inject", "3:kill@step=20",
-              shared=False, net=namespaces)
+    that the rendezvous, gloo and the forwarding cross an interface. The rank
+    killed is one that runs on node 1 (the rendezvous decides which ranks those
+    are), so its exit always travels from node 1's daemon to the hub."""
+    job = Job(tmp_path, "killjob", "--epochs", "1000", shared=False, net=namespaces)
     job_factory.append(job)
-    (rc0, out0, err0), (_, out1, _) = job.wait(60)
+    status = job.wait_running()
+    victim = max(r["rank"] for r in status["ranks"] if r["node"] == 1)
+    node1 = job.node1
+    pid = job.node1_rank_pid(victim)
+    killed = time.time()
+    os.kill(pid, signal.SIGKILL)  # a rank of node 1, started by this test's node 1
+    (rc0, out0, err0), (rc1, out1, err1) = job.wait(60)
     assert rc0 == 1, err0[-3000:]
+    assert rc1 == 1, err1[-3000:]  # node 1's own outcome: its rank was killed
     # node 1's own summary: its two ranks, not the hub's as "starting"
     assert sum(line.startswith("  rank ") for line in out1.splitlines()) == 2, out1[-2000:]
-    nodes = json.loads((job.runs / "killjob" / "run.json").read_text())
-    node_of_3 = next(r["node"] for r in nodes["ranks"] if r["rank"] == 3)
-    where = " on node 1" if node_of_3 == 1 else ""
-    assert f"rank 3{where}" in err0 and "SIGKILL" in err0, err0[-3000:]
-    assert nodes["failure"]["rank"] == 3, nodes["failure"]
-    assert f"failure: rank 3{where} killed by SIGKILL" in out0, out0[-2000:]
-    # named on node 0 as soon as on node 1 itself: the exit's receive times
-    def exit_of_3(path: Path) -> float:
-        return next(r.received for r in journal.read(path)
-                    if isinstance(m := wire.decode([r.frame]), wire.RankExit) and m.exited == 3)
+    record = json.loads((job.runs / "killjob" / "run.json").read_text())
+    assert f"rank {victim} on node 1" in err0 and "SIGKILL" in err0, err0[-3000:]
+    assert record["failure"]["rank"] == victim, record["failure"]
+    assert f"failure: rank {victim} on node 1 killed by SIGKILL" in out0, out0[-2000:]
 
-    if node_of_3 == 1:  # (the rendezvous decides where rank 3 runs)
-        on_node_1 = exit_of_3(tmp_path / "node1-runs" / "killjob" / "nodes" / "1" /
-                              "telemetry.journal")
-        on_hub = exit_of_3(job.runs / "killjob" / "telemetry.journal")
-        outcome = max(t for t, m in journal_messages(job.runs / "killjob" / "telemetry.journal")
-                      if isinstance(m, wire.RunStatus) and m.status == "failed")
-        print(f"\nrank 3 killed on node 1: its exit in the hub's journal "
-              f"{(on_hub - on_node_1) * 1000:.0f} ms after node 1's; the hub's outcome "
-              f"{outcome - on_hub:.2f} s after that")
-        assert 0 <= on_hub - on_node_1 < 1.0, (on_node_1, on_hub)
-    else:
-        print("\nrank 3 ran on node 0: the cross-node timing was not measured")
-    assert (tmp_path / "node1-runs" / "killjob" / "nodes" / "1" / "run.json").is_file()
+    # named on node 0 as soon as on node 1 itself: the exit's receive times
+    def exit_of_victim(path: Path) -> float:
+        return next(t for t, m in journal_messages(path)
+                    if isinstance(m, wire.RankExit) and m.exited == victim)
+
+    on_node_1 = exit_of_victim(node1 / "telemetry.journal")
+    on_hub = exit_of_victim(job.runs / "killjob" / "telemetry.journal")
+    outcome = max(t for t, m in journal_messages(job.runs / "killjob" / "telemetry.journal")
+                  if isinstance(m, wire.RunStatus) and m.status == "failed")
+    print(f"\nrank {victim} killed on node 1 ({'namespaces' if namespaces else 'loopback'}): "
+          f"its exit in node 1's journal {on_node_1 - killed:.2f} s after the kill, in the "
+          f"hub's {(on_hub - on_node_1) * 1000:.0f} ms after node 1's; the hub's outcome "
+          f"{outcome - on_hub:.2f} s after that")
+    assert 0 <= on_hub - on_node_1 < 1.0, (on_node_1, on_hub)
+    assert (node1 / "run.json").is_file()
     control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
 
@@ -365,6 +403,7 @@ def namespaces() -> Iterator[tuple[str, str, str, str] | None]:
     """Two network namespaces joined by a veth pair (10.77.0.1 and 10.77.0.2), as
     two machines; None where they cannot be made (not root, no iproute2)."""
     if os.geteuid() != 0 or not shutil.which("ip"):
+        print("\nno network namespaces (not root, or no `ip`): both nodes on loopback")
         yield None
         return
     tag = f"{os.getpid() % 100000}"
@@ -376,6 +415,7 @@ def namespaces() -> Iterator[tuple[str, str, str, str] | None]:
                 break
             made.append(name)
         if len(made) < 2:
+            print("\n`ip netns add` failed: both nodes on loopback")
             yield None
             return
         steps = [["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]]]
@@ -384,9 +424,12 @@ def namespaces() -> Iterator[tuple[str, str, str, str] | None]:
                       ["ip", "-n", name, "addr", "add", addr, "dev", dev],
                       ["ip", "-n", name, "link", "set", dev, "up"],
                       ["ip", "-n", name, "link", "set", "lo", "up"]]
-        if all(subprocess.run(step, capture_output=True).returncode == 0 for step in steps):
+        failed = next((step for step in steps
+                       if subprocess.run(step, capture_output=True).returncode), None)
+        if failed is None:
             yield ns[0], ns[1], veth[0], veth[1]
         else:
+            print(f"\n`{' '.join(failed)}` failed: both nodes on loopback")
             yield None
     finally:
         for name in made:
