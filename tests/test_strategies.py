@@ -1,6 +1,8 @@
 """Every --strategy on 2 real gloo ranks: the same weights as one process with
 the whole batch, the communication each must do (ops, bytes, bus bandwidth,
-overlap) in its telemetry, checkpoints that resume, and the dashboard.
+overlap) in its telemetry, checkpoints that resume, and the dashboard; and
+`fsdp` on a torch without FSDP2's collectives is a one-line error while the
+other strategies still work.
 
 One torchrun of tests/scripts/strategy_ranks.py runs all six strategies one
 after another in the same two ranks (start-up paid once); one pair of
@@ -10,7 +12,9 @@ after another in the same two ranks (start-up paid once); one pair of
 from __future__ import annotations
 
 import collections
+import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,3 +209,62 @@ def test_dashboard_shows_the_strategy_and_its_overlap() -> None:
     assert "one per parameter from its hook, async" in comm
     assert "6 ops of" in comm
     assert "overlapped 25% (1.0 ms)" in comm
+
+
+# What an older torch lacks: the private module FSDP2's collectives live in (and
+# that `fsdp` times through). None in sys.modules makes importing it fail, as it
+# does where it does not exist.
+FSDP_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+BLOCK = f"import sys\nsys.modules[{FSDP_COLLECTIVES!r}] = None\n"
+
+
+def test_without_fsdp2_every_other_strategy_trains_and_fsdp_says_why() -> None:
+    """The strategies module (which the trainer always imports) imports nothing of
+    FSDP until `fsdp` is built."""
+    code = BLOCK + textwrap.dedent("""
+        import torch
+        import torch.distributed as dist
+        from ddtop.daemon.config import UsageError
+        from ddtop.training import strategies, trainer
+        from ddtop.training.data import SYNTHETIC_SPEC
+        from ddtop.training.models import build_model
+        from ddtop.training.telemetry import Telemetry
+
+        print("fsdp imported:", sorted(m for m in sys.modules if ".fsdp" in m and sys.modules[m]))
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        for name in strategies.STRATEGIES:
+            if name == "fsdp":
+                continue
+            model = build_model("mlp", SYNTHETIC_SPEC)
+            strategy = strategies.build(name, model, torch.device("cpu"), Telemetry())
+            strategy.backward(strategy.model(torch.randn(4, 1, 28, 28)).sum())
+            assert all(p.grad is not None for p in model.parameters()), name
+            print("trained", name)
+        try:
+            strategies.build("fsdp", build_model("mlp", SYNTHETIC_SPEC),
+                             torch.device("cpu"), Telemetry())
+        except UsageError as e:
+            print("fsdp:", e)
+        dist.destroy_process_group()
+        """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "fsdp imported: []"
+    assert lines[1:6] == [f"trained {s}" for s in STRATEGIES if s != "fsdp"]
+    assert lines[6].startswith("fsdp: --strategy fsdp needs torch 2.9 or newer, this is "
+                               f"torch {torch.__version__}"), lines[6]
+
+
+def test_ddtrain_start_fsdp_without_fsdp2_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(BLOCK)  # in every process ddtrain starts
+    run = ddtrain("start", "--foreground", "-n", "1", "--epochs", "1", "--strategy", "fsdp",
+                  "--synthetic-train-samples", "64", "--synthetic-val-samples", "16",
+                  cwd=tmp_path, env={"DDTOP_TELEMETRY": "off", "PYTHONPATH": str(tmp_path)},
+                  timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+    assert run.stderr.splitlines()[-1].startswith(
+        "ddtrain: error: --strategy fsdp needs torch 2.9 or newer"), run.stderr
+    assert not run.leftovers

@@ -43,17 +43,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddtop
+from ddtop.daemon.config import UsageError
 from ddtop.training.telemetry import Telemetry
 
 STRATEGIES = ("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp")
+# FSDP2's public fully_shard and its custom all-gather / reduce-scatter hooks
+# (set_custom_all_gather and the private DefaultAllGather it is timed through)
+# arrived in this release; pyproject.toml allows older torch for the rest.
+FSDP_MIN_TORCH = "2.9"
 
 
 def allreduce_factor(n: int) -> float:
@@ -312,40 +312,51 @@ class PerParameterHooks(Strategy):
             self._in_flight.clear()
 
 
-class TimedAllGather(DefaultAllGather):
-    """FSDP2's own all-gather, timed (FSDPModule.set_custom_all_gather)."""
+def _timed_comm_types() -> tuple[type, type]:
+    """FSDP2's own all-gather and reduce-scatter, timed (for FSDPModule's
+    set_custom_all_gather / set_custom_reduce_scatter). Imported here, not at the
+    top: the private module that holds FSDP2's defaults exists only in recent
+    torch releases, and only `fsdp` needs it (ImportError on an older torch)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
 
-    def __init__(self, ledger: CommLedger) -> None:
-        self.ledger = ledger
+    class TimedAllGather(DefaultAllGather):
+        def __init__(self, ledger: CommLedger) -> None:
+            self.ledger = ledger
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        if self.ledger.paused:
-            return super().__call__(output_tensor, input_tensor, group, async_op=async_op)
-        nbytes, factor = output_tensor.nbytes, gather_factor(group.size())
-        if async_op:  # not on CPU: FSDP2 unshards synchronously unless told otherwise
-            return _accounted(self.ledger, "all_gather", nbytes, factor, super().__call__(
-                output_tensor, input_tensor, group, async_op=True))
-        with self.ledger.blocking("all_gather", nbytes, factor):
-            return super().__call__(output_tensor, input_tensor, group, async_op=False)
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+            if self.ledger.paused:
+                return super().__call__(output_tensor, input_tensor, group, async_op=async_op)
+            nbytes, factor = output_tensor.nbytes, gather_factor(group.size())
+            if async_op:  # not on CPU: FSDP2 unshards synchronously unless told otherwise
+                return _accounted(self.ledger, "all_gather", nbytes, factor, super().__call__(
+                    output_tensor, input_tensor, group, async_op=True))
+            with self.ledger.blocking("all_gather", nbytes, factor):
+                return super().__call__(output_tensor, input_tensor, group, async_op=False)
 
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __init__(self, ledger: CommLedger) -> None:
+            self.ledger = ledger
 
-class TimedReduceScatter(DefaultReduceScatter):
-    """FSDP2's own reduce-scatter, timed (FSDPModule.set_custom_reduce_scatter)."""
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, op: Any,
+                     async_op: bool = False) -> dist.Work | None:
+            if self.ledger.paused:
+                return super().__call__(output_tensor, input_tensor, group, op,
+                                        async_op=async_op)
+            nbytes, factor = input_tensor.nbytes, gather_factor(group.size())
+            if async_op:
+                return _accounted(self.ledger, "reduce_scatter", nbytes, factor,
+                                  super().__call__(output_tensor, input_tensor, group, op,
+                                                   async_op=True))
+            with self.ledger.blocking("reduce_scatter", nbytes, factor):
+                return super().__call__(output_tensor, input_tensor, group, op,
+                                        async_op=False)
 
-    def __init__(self, ledger: CommLedger) -> None:
-        self.ledger = ledger
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:
-        if self.ledger.paused:
-            return super().__call__(output_tensor, input_tensor, group, op, async_op=async_op)
-        nbytes, factor = input_tensor.nbytes, gather_factor(group.size())
-        if async_op:
-            return _accounted(self.ledger, "reduce_scatter", nbytes, factor, super().__call__(
-                output_tensor, input_tensor, group, op, async_op=True))
-        with self.ledger.blocking("reduce_scatter", nbytes, factor):
-            return super().__call__(output_tensor, input_tensor, group, op, async_op=False)
+    return TimedAllGather, TimedReduceScatter
 
 
 def _accounted(ledger: CommLedger, op: str, nbytes: int, factor: float,
@@ -367,6 +378,13 @@ class FullyShard(Strategy):
     name = "fsdp"
 
     def __init__(self, module: nn.Module, ledger: CommLedger, device: torch.device) -> None:
+        try:  # FSDP2 and its collectives: only this strategy needs them (a recent torch)
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+            all_gather, reduce_scatter = _timed_comm_types()
+        except ImportError as e:
+            raise UsageError(f"--strategy fsdp needs torch {FSDP_MIN_TORCH} or newer, this is "
+                             f"torch {torch.__version__} ({e}): upgrade torch or pick another "
+                             f"--strategy") from e
         super().__init__(module, ledger)
         # The ranks' device type, not FSDP's guess (CUDA when present, even for --device cpu).
         mesh = init_device_mesh(device.type, (self.world,))
@@ -378,8 +396,8 @@ class FullyShard(Strategy):
         self.units: list[FSDPModule] = [m for m in module.modules()
                                         if isinstance(m, FSDPModule)]
         for unit in self.units:  # FSDP2's hooks for its collectives: ours time them
-            unit.set_custom_all_gather(TimedAllGather(ledger))
-            unit.set_custom_reduce_scatter(TimedReduceScatter(ledger))
+            unit.set_custom_all_gather(all_gather(ledger))
+            unit.set_custom_reduce_scatter(reduce_scatter(ledger))
         self.names = [name for name, _ in module.named_parameters()]
 
     def model_state(self) -> dict[str, Any]:
@@ -417,6 +435,8 @@ class FullyShard(Strategy):
         """Every layer all-gathered once (a collective at a point every rank
         reaches) and kept for the whole evaluation, so that the batches, whose
         number may differ by one between ranks, run no collective."""
+        from torch.distributed.fsdp import FSDPModule  # imported by __init__ already
+
         assert isinstance(self.module, FSDPModule)
         self.module.set_reshard_after_forward(False)
         self.ledger.paused = True  # the evaluation's all-gathers are not a step's
