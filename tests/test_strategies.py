@@ -1,12 +1,14 @@
 """Every --strategy on 2 real gloo ranks: the same weights as one process with
 the whole batch, the communication each must do (ops, bytes, bus bandwidth,
-overlap) in its telemetry, checkpoints that resume, and the dashboard; and
-`fsdp` on a torch without FSDP2's collectives is a one-line error while the
-other strategies still work.
+overlap) in its telemetry, checkpoints that resume, and the dashboard; the
+same weights again on 3 ranks, where the ring takes two hops per phase and
+every tensor splits into uneven pieces; and `fsdp` on a torch without FSDP2's
+collectives is a one-line error while the other strategies still work.
 
 One torchrun of tests/scripts/strategy_ranks.py runs all six strategies one
-after another in the same two ranks (start-up paid once); one pair of
-`ddtrain start` runs covers the built-in trainer (fsdp, then resumed as ring).
+after another in the same ranks (start-up paid once), once with two ranks and
+once with three; one pair of `ddtrain start` runs covers the built-in trainer
+(fsdp, then resumed as ring).
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ from ddtop.training.strategies import STRATEGIES
 
 SCRIPT = Path(__file__).parent / "scripts" / "strategy_ranks.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from strategy_ranks import LR, SEED, STEPS, batches  # noqa: E402
+from strategy_ranks import BATCH, LR, SEED, STEPS, batches  # noqa: E402
 
 WORLD = 2
+# Three ranks: the ring's 2 hops per phase, and uneven pieces of every tensor
+# (the MLP's 200704, 256, 32768, 128, 1280 and 10 elements, none divisible by 3;
+# for fsdp, dims 0 of 256, 128 and 10 rows need padding).
+WORLD_3 = 3
 RUN_TIMEOUT_S = 90  # six strategies in one torchrun, ~10 s on 2 cores
 DRAIN_S = 0.5  # the collector's last messages after torchrun returns
 
@@ -86,26 +92,50 @@ def strategy_run(tmp_path_factory: pytest.TempPathFactory) -> StrategyRun:
     return StrategyRun(out, dict(comm), hellos)
 
 
-def one_process_weights() -> dict[str, torch.Tensor]:
-    """The same model, seed and batches in one process with the whole batch."""
+@pytest.fixture(scope="module")
+def strategy_run_3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """All six strategies on three ranks (weights only: no telemetry collected)."""
+    out = tmp_path_factory.mktemp("strategies3")
+    run = torchrun("--standalone", "--nproc-per-node", str(WORLD_3), str(SCRIPT), str(out),
+                   cwd=out, env={"DDTOP_TELEMETRY": "off"}, timeout=RUN_TIMEOUT_S)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not run.leftovers
+    return out
+
+
+def one_process_weights(world: int = WORLD) -> dict[str, torch.Tensor]:
+    """The same model, seed and batches in one process with the whole batch: the
+    samples the ranks train on (BATCH // world each, the rest of a batch unused)."""
+    used = BATCH // world * world
     torch.manual_seed(SEED)
     model = build_model("mlp", SYNTHETIC_SPEC)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     for x, y in batches()[:STEPS]:
         optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(x[:used]), y[:used]).backward()
         optimizer.step()
     return model.state_dict()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_same_weights_as_one_process(strategy_run: StrategyRun, strategy: str) -> None:
-    expected = one_process_weights()
-    got = torch.load(strategy_run.out / f"{strategy}.pt", weights_only=True)
+def assert_same_weights(out: Path, strategy: str, world: int) -> None:
+    expected = one_process_weights(world)
+    got = torch.load(out / f"{strategy}.pt", weights_only=True)
     assert sorted(got) == sorted(expected)  # fsdp's gathered state: the plain module's keys
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, n=name: f"{strategy}, {n}: {m}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_same_weights_as_one_process(strategy_run: StrategyRun, strategy: str) -> None:
+    assert_same_weights(strategy_run.out, strategy, WORLD)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_same_weights_as_one_process_on_3_ranks(strategy_run_3: Path, strategy: str) -> None:
+    """Where 2 ranks cannot tell: the ring's chunk indices over two hops, and
+    chunks of unequal size (tensor_split's first pieces are one longer)."""
+    assert_same_weights(strategy_run_3, strategy, WORLD_3)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
