@@ -37,6 +37,7 @@ from ddtop.dashboard.widgets import RankTable
 pytestmark = pytest.mark.timeout(90)
 
 SBATCH = Path(__file__).resolve().parent.parent / "examples" / "slurm" / "ddtrain.sbatch"
+TUTORIAL = SBATCH.parent.parent / "ddp_tutorial.py"
 SMALL = ["--synthetic-train-samples", "2048", "--synthetic-val-samples", "128",
          "--batch-size", "64", "--progress-every", "30"]
 
@@ -74,10 +75,13 @@ class Job:
     """Both nodes of one job, started here; every process they started, ended."""
 
     def __init__(self, tmp: Path, run_id: str, *extra: str, shared: bool = True,
-                 net: tuple[str, str, str, str] | None = None) -> None:
+                 net: tuple[str, str, str, str] | None = None,
+                 program: list[str] | None = None) -> None:
         """`shared`: both nodes' --runs-dir the same folder (a shared file system);
         else node 1 has its own and is given --hub and a copy of the keys. `net`:
-        each node in its own network namespace (`namespaces`), else loopback."""
+        each node in its own network namespace (`namespaces`), else loopback.
+        `program`: a user's script and its arguments (`SCRIPT -- ARGS`) in place
+        of the built-in trainer and its SMALL flags."""
         self.tmp, self.run_id, self.net = tmp, run_id, net
         self.runs = tmp / "runs"
         # node 1's own run directory (its daemon's files)
@@ -98,7 +102,7 @@ class Job:
                 [*prefix, sys.executable, "-m", "ddtop.daemon", "start", "--foreground",
                  "--headless", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
                  "--rdzv-endpoint", f"{host}:{port}", "--run-id", run_id,
-                 *where, *SMALL, *extra],
+                 *where, *(SMALL if program is None else []), *extra, *(program or [])],
                 cwd=tmp, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=env, start_new_session=True))
             time.sleep(0.3)  # node 0 first: it hosts the rendezvous and the hub
@@ -299,6 +303,38 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     assert (node1 / "run.json").is_file()
     control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
+
+
+def test_two_nodes_run_a_users_script(tmp_path: Path, job_factory: list[Job]) -> None:
+    """examples/ddp_tutorial.py (the DDP tutorial, not the built-in trainer) as
+    a two-node job over loopback: 512 samples over 4 ranks in batches of 32, 4
+    optimizer steps an epoch, 3 epochs. The hub sees every rank's node, steps and
+    DDP's comm timing (node 1's forwarded), and both nodes succeed."""
+    job = Job(tmp_path, "userjob", program=[
+        str(TUTORIAL), "--", "--epochs", "3", "--save-every", "2", "--dataset-size", "512",
+        "--batch-size", "32", "--snapshot-path", "snapshot.pt"])
+    job_factory.append(job)
+    (rc0, out0, err0), (rc1, out1, err1) = job.wait(80)
+    assert (rc0, rc1) == (0, 0), (err0[-2000:], err1[-2000:])
+    status = job.status()
+    assert status["status"] == "succeeded", status
+    ranks = {r["rank"]: r for r in status["ranks"]}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert sorted(r["node"] for r in ranks.values()) == [0, 0, 1, 1], ranks
+    assert all(r["host"] and r["state"] == "finished" for r in ranks.values()), ranks
+    assert all(r["global_step"] == 12 for r in ranks.values()), ranks
+    assert all(r["comm_share"] and r["comm_share"] > 0 for r in ranks.values()), ranks
+    # every rank's DDP all-reduce timed in its steps, as the hub received them
+    steps = [m for _, m in journal_messages(job.runs / "userjob" / "telemetry.journal")
+             if isinstance(m, wire.Step)]
+    for rank in range(4):
+        mine = [m for m in steps if m.rank == rank]
+        assert sum(m.steps for m in mine) == 12, (rank, len(mine))
+        assert sum(m.comm_ops for m in mine) >= 12 and sum(m.comm_s for m in mine) > 0, rank
+    # node 1's own summary: its two ranks; node 0's: the job's, both nodes
+    assert sum(line.startswith("  rank ") for line in out1.splitlines()) == 2, out1[-2000:]
+    assert sum(f" node {n} " in out0 for n in (0, 1)) == 2, out0[-2000:]
+    assert (tmp_path / "snapshot.pt").is_file()  # rank 0 saved, wherever it ran
 
 
 def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:
