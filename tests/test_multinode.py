@@ -1,10 +1,11 @@
 """A multi-node job on this machine: two `ddtrain start --nnodes 2` commands,
 two ranks each, c10d rendezvous over loopback, node 0's daemon the hub.
 
-Real processes, real ZeroMQ (CURVE), real gloo. Three jobs: one stopped with
+Real processes, real ZeroMQ (CURVE), real gloo. Jobs: one stopped with
 `ddtrain stop` on node 0 (status, headless summary and a forwarder with wrong
-keys checked while it runs), one where a rank is killed, one where node 1's
-daemon is killed.
+keys checked while it runs), one where a rank on node 1 is killed, one running
+a user's script, one whose hub is frozen for a while, one where node 1's
+daemon is killed. Run with -s, they print what they measure (docs/multi-node.md).
 """
 
 from __future__ import annotations
@@ -335,6 +336,74 @@ def test_two_nodes_run_a_users_script(tmp_path: Path, job_factory: list[Job]) ->
     assert sum(line.startswith("  rank ") for line in out1.splitlines()) == 2, out1[-2000:]
     assert sum(f" node {n} " in out0 for n in (0, 1)) == 2, out0[-2000:]
     assert (tmp_path / "snapshot.pt").is_file()  # rank 0 saved, wherever it ran
+
+
+def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
+        tmp_path: Path, job_factory: list[Job]) -> None:
+    """Node 0's daemon frozen (SIGSTOP) for 6 s while both nodes' ranks train:
+    node 1 goes on and says the hub has not answered; once it runs again the
+    hub shows node 1's ranks running and has every message node 1 folded."""
+    job = Job(tmp_path, "outagejob", "--epochs", "1000")
+    job_factory.append(job)
+    job.wait_running()
+
+    def node1_steps() -> dict[int, int]:
+        return {r["rank"]: r["global_step"] for r in job.status(1).get("ranks", [])}
+
+    def said(journal_path: Path, text: str) -> list[float]:
+        return [t for t, m in journal_messages(journal_path)
+                if isinstance(m, wire.Event) and text in m.message]
+
+    hub_daemon = job.nodes[0].pid  # node 0's daemon, started by this test
+    before = node1_steps()
+    assert len(before) == 2, before
+    frozen = time.time()
+    os.kill(hub_daemon, signal.SIGSTOP)
+    try:
+        time.sleep(6.5)
+        during = node1_steps()  # node 1's own daemon answers for its own ranks
+        warned = said(job.node1 / "telemetry.journal", "the hub (node 0) has not answered")
+    finally:
+        os.kill(hub_daemon, signal.SIGCONT)
+    thawed = time.time()
+    assert sorted(during) == sorted(before), (before, during)
+    assert all(during[r] > before[r] for r in before), (before, during)
+    # (5 s after the hub's last reply, which came up to a second before it froze)
+    assert warned and 4.0 <= warned[0] - frozen < 6.5, (frozen, warned)
+    # the hub catches up: node 1's ranks running again, and node 1 hears it answer
+    deadline = time.monotonic() + 20
+    while True:
+        ranks = job.status().get("ranks", [])
+        if (len(ranks) == 4 and all(r["state"] == "running" for r in ranks)
+                and all(r["global_step"] >= during.get(r["rank"], 0) for r in ranks)):
+            break
+        assert time.monotonic() < deadline, ranks
+        time.sleep(0.3)
+    caught_up = time.time()
+    deadline = time.monotonic() + 10
+    while not (again := said(job.node1 / "telemetry.journal", "the hub (node 0) answers again")):
+        assert time.monotonic() < deadline, "node 1 never said the hub answers again"
+        time.sleep(0.3)
+    print(f"\nhub frozen 6.5 s: node 1 warned {warned[0] - frozen:.1f} s in, its ranks went "
+          f"from step {min(before.values())} to {min(during.values())}; after SIGCONT the hub "
+          f"showed all 4 ranks running {caught_up - thawed:.1f} s later, node 1 heard it "
+          f"{again[0] - thawed:.1f} s later")
+    stop = ddtrain("stop", "outagejob", "--runs-dir", str(job.runs), cwd=tmp_path)
+    assert stop.returncode == 0, stop.stderr
+    (rc0, _, err0), (rc1, _, err1) = job.wait()
+    assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
+    assert "warning: the hub (node 0) has not answered for 5 s" in err1, err1[-2000:]
+    # nothing dropped: every step node 1's daemon folded reached the hub's journal
+    def steps_of(path: Path) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for _, m in journal_messages(path):
+            if isinstance(m, wire.Step) and m.rank in before:
+                counts[m.rank] = counts.get(m.rank, 0) + 1
+        return counts
+
+    on_node_1 = steps_of(job.node1 / "telemetry.journal")
+    assert steps_of(job.runs / "outagejob" / "telemetry.journal") == on_node_1
+    assert sum(on_node_1.values()) > 0
 
 
 def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:
