@@ -4,6 +4,7 @@
                                      [--phase-seconds 10] [--frozen-seconds 60]
                                      [--cycles 2]
                                      [--no-drills] [--drills NAME,...] [--no-dashboard]
+                                     [--tui-fps N]
 
 Part 1, drills. Each drill of `ddtrain start --inject` runs on the built-in
 trainer (`ddtrain start --foreground`, world size 4 by default), --repeats
@@ -291,11 +292,12 @@ def rss_kib(pid: int) -> int:
 class Tui:
     """ddtop (the Textual app) in a pseudo-terminal of 120x40, its output drained."""
 
-    def __init__(self, run_id: str, cwd: Path) -> None:
+    def __init__(self, run_id: str, cwd: Path, fps: float | None = None) -> None:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
-        self.proc = subprocess.Popen([DDTOP, run_id], cwd=cwd, stdin=slave, stdout=slave,
+        rate = ["--fps", f"{fps:g}"] if fps is not None else []
+        self.proc = subprocess.Popen([DDTOP, run_id, *rate], cwd=cwd, stdin=slave, stdout=slave,
                                      stderr=slave, env=env, start_new_session=True)
         os.close(slave)
         self.master = master
@@ -334,8 +336,8 @@ def _stop_watcher(watcher: Any) -> None:
             watcher.wait()
 
 
-def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, root: Path
-                   ) -> None:
+def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, root: Path,
+                   fps: float | None = None) -> None:
     cwd = root / "watch"
     cwd.mkdir()
     run_id = "watch"
@@ -378,13 +380,13 @@ def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, roo
             headless.terminate()
             headless.wait(10)
             phase("none", phase_s)
-            tui = Tui(run_id, cwd)
+            tui = Tui(run_id, cwd, fps)
             watchers.append(tui)
             time.sleep(3)
             phase("ddtop (TUI) attached", phase_s)
             tui.close()
             phase("none", phase_s)
-        tui = Tui(run_id, cwd)
+        tui = Tui(run_id, cwd, fps)
         watchers.append(tui)
         time.sleep(3)
         os.kill(tui.proc.pid, signal.SIGSTOP)
@@ -433,6 +435,8 @@ def main() -> int:
                         help="only these drills: " + ", ".join(
                             d.key for d in drills(4)) + " (default: all)")
     parser.add_argument("--no-dashboard", action="store_true")
+    parser.add_argument("--tui-fps", type=float, metavar="N",
+                        help="the TUI's --fps in part 2 (default: ddtop's own)")
     args = parser.parse_args()
     only = None
     if args.drills:
@@ -447,7 +451,7 @@ def main() -> int:
             part_drills(args.world_size, args.repeats, Path(tmp), only)
         if not args.no_dashboard:
             part_dashboard(args.world_size, args.phase_seconds, args.frozen_seconds,
-                           args.cycles, Path(tmp))
+                           args.cycles, Path(tmp), args.tui_fps)
     return 0
 
 
