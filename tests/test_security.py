@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import Detached, ddtrain, detached
+from helpers import BIN, Detached, ddtrain, detached, tagged_env
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.keys import RunKeys
@@ -265,6 +266,7 @@ def test_the_ranks_listen_on_loopback_only(guarded: tuple[Detached, Path]) -> No
 
 # -- beyond loopback: TCP with CURVE ------------------------------------------------------
 TCP_RUN = "overtcp"
+DDTOP = str(BIN / "ddtop")
 FORGED_LOSS = 12345.0
 
 
@@ -414,3 +416,39 @@ def test_an_address_that_cannot_be_bound_is_one_line_and_exit_2(tmp_path: Path) 
     assert run.stderr.strip().splitlines() == [
         "ddtrain: error: --bind 192.0.2.1: cannot listen there (Cannot assign requested "
         "address (addr='tcp://192.0.2.1:*')): give an address of this machine"]
+
+
+def test_a_dashboard_elsewhere_needs_the_runs_keys_and_follows_the_run_with_them(
+        over_tcp: tuple[Detached, Path], tmp_path: Path) -> None:
+    """`ddtop --connect tcp://...` from outside the run's folder (another machine's
+    view): without the keys, one line saying to set DDTOP_KEYS, exit 2; with a
+    copy of the keys folder in DDTOP_KEYS, the live run's progress."""
+    run, root = over_tcp
+    control = record(root)["endpoints"]["control"]
+    keys = tmp_path / "keys"
+    shutil.copytree(root / "keys", keys)  # as copied to the machine the dashboard runs on
+    bare = subprocess.run([DDTOP, "--headless", "--connect", control, "--wait", "2"],
+                          cwd=tmp_path, env=tagged_env(run.tag), text=True,
+                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert bare.returncode == 2, bare.stdout + bare.stderr
+    assert len(bare.stderr.strip().splitlines()) == 1 and "DDTOP_KEYS" in bare.stderr
+    watcher = subprocess.Popen(
+        [DDTOP, "--headless", "--format", "jsonl", "--interval", "1", "--connect", control],
+        cwd=tmp_path, env=tagged_env(run.tag, {"DDTOP_KEYS": str(keys)}), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        progress = None
+        deadline = time.monotonic() + 60
+        assert watcher.stdout is not None
+        for line in watcher.stdout:  # one record a second at least: not a long block
+            record_ = json.loads(line)
+            if (record_["kind"] == "progress" and len(record_["ranks"]) == 2
+                    and all(r["global_step"] > 0 for r in record_["ranks"])):
+                progress = record_
+                break
+            assert time.monotonic() < deadline, line
+    finally:
+        watcher.terminate()
+        watcher.communicate(timeout=30)
+    assert progress is not None and progress["status"] == "running"
+    assert [r["state"] for r in progress["ranks"]] == ["running", "running"]
