@@ -81,6 +81,8 @@ class RankView(msgspec.Struct, kw_only=True):
     # newer Step message's (a step done since ends the phase and any collective
     # the heartbeat said; RunState._apply_step). -1: no reading in this process.
     phase_step: int = -1
+    # When (receiver clock) a Step message last moved phase_step past a heartbeat's.
+    stepped_at: float | None = None
     coll_started: wire.Collective | None = None
     coll_completed: wire.Collective | None = None
     first_seen: float | None = None

@@ -172,6 +172,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.exit_code = view.signal = view.error = view.traceback = None
         view.stopped_by_daemon = False
         view.phase, view.phase_s, view.phase_at, view.phase_step = "setup", 0.0, None, -1
+        view.stepped_at = None
         view.coll_started = view.coll_completed = None
         view.last_step_t = None
         view.evidence = stragglers.Evidence()
@@ -209,6 +210,7 @@ class RunState(msgspec.Struct, kw_only=True):
             # resumes, and the ranks that waited for it, step at once). As the
             # rank's own clock does, the phase starts again with the step.
             view.phase_s, view.phase_at, view.phase_step = 0.0, received, m.global_step
+            view.stepped_at = received
             if view.phase == "setup":
                 view.phase = "data"
             if view.in_collective:
@@ -435,11 +437,15 @@ class RunState(msgspec.Struct, kw_only=True):
         inside = [r for r, c in waiting.items() if c.seq == newest]
         coll = waiting[inside[0]]
         others = [r for r in live if r not in inside]
-        # A rank whose steps went past the step they wait in is not waited for: it
-        # has been through their collective, so their reading is stale (a stopped
-        # rank resumed; their own steps and heartbeats are on the way).
+        # A rank that stepped past the step they wait in since their newest reading
+        # is not waited for: it has been through their collective, so that reading
+        # is stale (a stopped rank resumed; their own steps and heartbeats are on
+        # the way). Only since their reading: a rank that is ahead and stuck (a
+        # constant offset, rank 0 alone saving) is waited for once they report again.
         waits_in = min(self.ranks[r].phase_step for r in inside)
-        if any(self.ranks[r].phase_step > waits_in for r in others if r in self.ranks):
+        read_at = max(self.ranks[r].phase_at or 0.0 for r in inside)
+        if any(v.phase_step > waits_in and v.stepped_at is not None and v.stepped_at > read_at
+               for r in others if (v := self.ranks.get(r)) is not None):
             return None
         text = f"{rank_list(inside)} wait in {coll.op} #{coll.seq}"
         for r in others:

@@ -351,3 +351,24 @@ def test_a_stopped_rank_that_resumes_is_not_misnamed_while_heartbeats_catch_up(
         else:
             assert found is None or (found[0] == [1] and found[1].startswith(
                 "rank 0 wait in allreduce #41; rank 1 ")), (now, found)
+
+
+def test_a_rank_ahead_and_stuck_is_still_named_as_the_one_waited_for() -> None:
+    """Rank 1 counts 5 global steps ahead of rank 0 (it stepped past the step rank 0
+    waits in long ago) and then stops in its forward, while rank 0 waits in
+    all-reduce #41. A rank past the others' step is excused only when its step came
+    after their newest reading (test above); here rank 0 keeps reporting, so the hang
+    names rank 1 (was: no hang named at all, so --hang-timeout never fired)."""
+    s = RunState(run=RUN)
+    for r in (0, 1):
+        s.apply(hello(r), 90.0)
+    s.apply(beat(0, 1, "forward", 39, 0.01, 40, 40), 99.0)
+    s.apply(beat(1, 1, "forward", 44, 0.01, 45, 45), 99.0)
+    s.apply(step(0, 2, 40, t=99.9), 99.9)  # both step after their heartbeats
+    s.apply(step(1, 2, 45, t=99.9), 99.9)
+    for k in range(11):
+        at = 100.5 + k
+        s.apply(beat(0, 3 + k, "backward", 40, at - 100.0, 41, 40), at)
+        s.apply(beat(1, 3 + k, "forward", 45, at - 100.0, 45, 45), at + 0.3)
+    assert s.rank_states(111.0) == {0: state.STALLED, 1: state.STALLED}
+    assert s.hung(111.0) == ([1], "rank 0 wait in allreduce #41; rank 1 is in forward of step 46")
