@@ -180,6 +180,26 @@ def descendants(root: ProcessId) -> list[tuple[ProcessId, int]]:
     return found
 
 
+def lineage(pid: int, root: ProcessId, limit: int = 32) -> list[int] | None:
+    """`pid` and its parents up to, not including, `root` (a few /proc reads, not
+    a scan of every process), or None when `root` is not among its first `limit`
+    ancestors. Each process started no earlier than its parent."""
+    if not same_process(root):
+        return None
+    chain: list[int] = []
+    stat = read_stat(pid)
+    while stat is not None and stat.state != "Z" and len(chain) < limit:
+        chain.append(pid)
+        parent = read_stat(stat.ppid) if stat.ppid > 0 else None
+        if parent is not None and parent.start > stat.start:
+            return None  # a parent younger than its child: the pid was reused meanwhile
+        if stat.ppid == root.pid:
+            same = root.start is None or (parent is not None and parent.start == root.start)
+            return chain if same else None
+        pid, stat = stat.ppid, parent
+    return None
+
+
 def environ_value(pid: int, name: str) -> str | None:
     """The variable `name` in the environment process `pid` started with (readable
     for one's own processes), None when absent or unreadable."""

@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
@@ -28,6 +27,7 @@ from ddtop.daemon.processes import (
     ProcessId,
     descendants,
     environ_value,
+    lineage,
     set_parent_death_signal,
 )
 from ddtop.daemon.runs import RunPaths, write_json_atomic
@@ -36,7 +36,6 @@ from ddtop.daemon.state import RunState
 
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-RESCAN_S = 0.25  # at most four /proc scans a second for senders whose pid is not known yet
 FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                              r"(-?\d+) \(pid: (\d+)\)")
 
@@ -51,7 +50,6 @@ class TorchrunRanks:
         self.world_size = 0
         self.nodes = False  # a multi-node job: only some of the ranks are this node's
         self.agent: ProcessId | None = None  # this attempt's agent
-        self.scanned = 0.0  # when rank_processes last ran for is_rank
         self.seen: dict[int, ProcessId] = {}  # rank -> its process, as last found below the agent
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
@@ -116,12 +114,25 @@ class TorchrunRanks:
 
     def is_rank(self, rank: int, pid: int) -> bool:
         seen = self.seen.get(rank)
-        now = time.monotonic()
-        if (seen is None or seen.pid != pid) and now - self.scanned >= RESCAN_S:
-            self.scanned = now  # a flood of foreign hellos costs one /proc scan a second
-            self.rank_processes()  # a worker the agent started since last looked
-            seen = self.seen.get(rank)
-        return seen is not None and seen.pid == pid
+        if seen is not None and seen.pid == pid:
+            return True
+        # A pid not known as the rank's yet (its first message, or a claim): asked
+        # of that process itself, never by scanning /proc, so a flood of claims
+        # costs a few reads each and cannot starve a new worker's first messages.
+        # The rank is the shallowest process below the agent whose environment says
+        # RANK=rank; its children (data loader workers, ...) inherit RANK.
+        if self.agent is None or not 0 <= rank < self.world_size:
+            return False
+        chain = lineage(pid, self.agent)
+        if chain is None or environ_value(pid, "RANK") != str(rank):
+            return False
+        if any(environ_value(parent, "RANK") == str(rank) for parent in chain[1:]):
+            return False  # a process the rank started
+        found = ProcessId.of(pid)
+        if found is None:
+            return False
+        self.seen[rank] = found
+        return True
 
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         """Each rank's exit, from torchrun's failure summary (exit code or signal,

@@ -28,12 +28,13 @@ from ddtop.daemon.processes import (
     boot_id,
     descendants,
     environ_value,
+    lineage,
     parse_stat,
     read_stat,
     same_process,
     send_signal,
 )
-from ddtop.daemon.runs import write_json_atomic
+from ddtop.daemon.runs import RunPaths, write_json_atomic
 from ddtop.daemon.summary import ProcessRecord, RunRecord, encode_record
 
 # A command name that defeats splitting /proc/<pid>/stat on spaces, and on the first ')'.
@@ -123,6 +124,42 @@ def test_descendants_and_their_environment() -> None:
                 assert same_process(child)
             # A root that is no longer itself has no descendants.
             assert descendants(ProcessId(proc.pid, (root.start or 0) + 1, root.boot)) == []
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_senders_lineage_and_torchruns_rank_check(tmp_path: Path) -> None:
+    """torchrun's workers are checked on the claimed process itself: its parents
+    up to the agent (lineage), RANK in its environment, and no parent with the
+    same RANK (a worker's own children inherit it). Here a shell stands for the
+    agent, a shell with RANK=1 for the worker, and its `sleep` for a data loader."""
+    from ddtop.daemon.torchrun import TorchrunRanks
+
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    script = f"RANK=1 sh -c 'sleep {SLEEP_S} & wait' & wait"
+    with sleeper(["sh", "-c", script], env=env, start_new_session=True) as proc:
+        try:
+            agent = ProcessId.of(proc.pid)
+            assert agent is not None
+            wait_for(lambda: len(descendants(agent)) == 2)
+            (worker, _), = [(p, d) for p, d in descendants(agent) if d == 1]
+            (loader, _), = [(p, d) for p, d in descendants(agent) if d == 2]
+            assert lineage(loader.pid, agent) == [loader.pid, worker.pid]
+            assert lineage(worker.pid, agent) == [worker.pid]
+            mine = ProcessId.of(os.getpid())
+            assert mine is not None
+            assert lineage(loader.pid, mine) == [loader.pid, worker.pid, proc.pid]
+            assert lineage(os.getpid(), agent) is None  # not below the agent
+            assert lineage(loader.pid, ProcessId(proc.pid, (agent.start or 0) + 1, agent.boot)) \
+                is None  # the agent's pid, but not the agent: a later process
+
+            ranks = TorchrunRanks(RunPaths(tmp_path / "run"), 0, time.time())
+            ranks.agent, ranks.world_size = agent, 2
+            assert not ranks.is_rank(1, os.getpid())  # RANK unset, not below the agent
+            assert not ranks.is_rank(1, loader.pid)  # the worker's child
+            assert not ranks.is_rank(0, worker.pid)  # the worker of another rank
+            assert not ranks.is_rank(2, worker.pid)  # no such rank
+            assert ranks.is_rank(1, worker.pid) and ranks.seen[1].pid == worker.pid
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
 
