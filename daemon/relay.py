@@ -112,6 +112,7 @@ class Relay:
         self.world_size = world_size
         self.rank_pid = rank_pid
         self._senders: dict[int, int] = {}  # rank -> the pid its frames last came from
+        self._retired: set[tuple[int, int]] = set()  # (rank, pid) of ranks' earlier processes
         self.state = RunState(run=run)
         self.seq = 0  # relay sequence number of the newest accepted message
         self.daemon_seq = 0
@@ -289,9 +290,18 @@ class Relay:
                 self._reject("foreign_pid")  # not the process started as that rank
                 continue
             if sender is not None and not self._sent_by_rank(message.rank, sender):
-                self._reject("foreign_pid")  # sent by a process that is not that rank
+                if (message.rank, sender) not in self._retired:  # else: left by a restart
+                    self._reject("foreign_pid")  # sent by a process that is not that rank
                 continue
             self._accept(message, frames[0], received)
+
+    def retire_senders(self) -> None:
+        """The ranks are started again: their earlier processes speak for them no
+        more. What those left queued is dropped without being counted as foreign
+        (it is theirs, only late), and their pids are not believed again unless the
+        starter says a new rank has that pid."""
+        self._retired.update(self._senders.items())
+        self._senders.clear()
 
     def _sent_by_rank(self, rank: int, pid: int) -> bool:
         """Whether `pid` is rank `rank`'s process: the last one found so, else asked

@@ -219,6 +219,7 @@ class Supervisor:
         self._status("restarting", message, write=False)
         self.config = replace(self.config, resume=newest is not None)
         self.ranks = []  # a signal before the new ranks exist stops at once
+        self.relay.retire_senders()  # the old processes' pids are not the ranks' now
         self.hung_since, self.verdicts = None, {}
 
     # -- multi-node (daemon/nodes.py) -------------------------------------------

@@ -185,12 +185,34 @@ def test_a_hello_from_a_pid_that_is_not_the_ranks_is_dropped_and_counted(
     assert status["ranks"][0]["global_step"] >= before["ranks"][0]["global_step"]
 
 
+def needs_sender_pids(folder: Path) -> None:
+    """Skip where this libzmq does not name the sending process of an ipc frame
+    (its Peer-Address without a pid): the daemon then checks the hello alone."""
+    from ddtop.daemon.relay import peer_pid
+
+    context = zmq.Context()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    try:
+        pull.bind(f"ipc://{folder}/peer-check.sock")
+        push.connect(f"ipc://{folder}/peer-check.sock")
+        push.send(b"x")
+        if not pull.poll(5000):
+            pytest.fail("a frame over ipc did not arrive in 5 s")
+        if peer_pid(pull.recv(copy=False)) != os.getpid():
+            pytest.skip("this libzmq names no sender pid over ipc")
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        context.term()
+
+
 def test_messages_sent_by_a_process_that_is_not_the_rank_are_dropped_and_counted(
-        guarded: tuple[Detached, Path]) -> None:
+        guarded: tuple[Detached, Path], tmp_path: Path) -> None:
     """The forgeries that once reached the dashboard (a Step with loss 12345 and a
     huge sequence number for rank 0, a Bye making rank 1 look dead, a heartbeat),
     sent by a process of the owner's that is not the rank (here: this test): over
     ipc the kernel names the sender, so each is dropped and counted."""
+    needs_sender_pids(tmp_path)
     run, root = guarded
     before = run.status(RUN)["rejected"].get("foreign_pid", 0)
     forged = [
@@ -452,3 +474,51 @@ def test_a_dashboard_elsewhere_needs_the_runs_keys_and_follows_the_run_with_them
         watcher.communicate(timeout=30)
     assert progress is not None and progress["status"] == "running"
     assert [r["state"] for r in progress["ranks"]] == ["running", "running"]
+
+
+def test_after_a_restart_the_old_processes_pids_no_longer_speak_for_their_ranks(
+        tmp_path: Path) -> None:
+    """A real relay over ipc with the starter's answer in the test's hands: this
+    process is rank 0's until the ranks are restarted (retire_senders, as the
+    supervisor does); then what it still sends as rank 0 is dropped (left over
+    from rank 0's earlier process: not counted as foreign), and what it sends as
+    rank 1 is dropped and counted. Without retiring, its frames stayed believed."""
+    from ddtop.daemon.relay import Relay
+
+    needs_sender_pids(tmp_path)
+    mine = os.getpid()
+    owner = {0: mine}
+    relay = Relay(RUN, tmp_path / "telemetry.journal", tmp_path / "sockets", world_size=2,
+                  rank_pid=lambda rank, pid: owner.get(rank) == pid)
+    push = relay.context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(relay.endpoints["telemetry"])
+
+    def heartbeat(rank: int, seq: int, step: int) -> wire.Heartbeat:
+        return wire.Heartbeat(run=RUN, rank=rank, seq=seq, t=time.time(), phase="forward",
+                              epoch=0, global_step=step, phase_s=0.1)
+
+    def settle(check: object) -> None:
+        deadline = time.monotonic() + 10
+        while not check():  # type: ignore[operator]
+            assert time.monotonic() < deadline, relay.state.rejected
+            relay.serve(0.02)
+
+    try:
+        push.send_multipart(wire.encode(heartbeat(0, 1, 5)))
+        settle(lambda: 0 in relay.state.ranks)
+        assert relay.state.ranks[0].global_step == 5
+        relay.retire_senders()
+        owner[0] = -1  # rank 0 restarted: its process is another now
+        seq_before = relay.seq
+        push.send_multipart(wire.encode(heartbeat(0, 2, 7)))  # the old process, late
+        push.send_multipart(wire.encode(heartbeat(1, 1, 9)))  # and as another rank
+        settle(lambda: relay.state.rejected.get("foreign_pid", 0) >= 1)
+        for _ in range(10):
+            relay.serve(0.02)
+        assert relay.state.rejected == {"foreign_pid": 1}
+        assert relay.seq == seq_before and relay.state.ranks[0].global_step == 5
+        assert 1 not in relay.state.ranks
+    finally:
+        push.close()
+        relay.close()
