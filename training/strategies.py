@@ -381,6 +381,9 @@ class FullyShard(Strategy):
         try:  # FSDP2 and its collectives: only this strategy needs them (a recent torch)
             from torch.distributed.fsdp import FSDPModule, fully_shard
             all_gather, reduce_scatter = _timed_comm_types()
+            for hook in ("set_custom_all_gather", "set_custom_reduce_scatter"):
+                if not hasattr(FSDPModule, hook):  # an FSDP2 without custom collectives
+                    raise ImportError(f"FSDPModule has no {hook}")
         except ImportError as e:
             raise UsageError(f"--strategy fsdp needs torch {FSDP_MIN_TORCH} or newer, this is "
                              f"torch {torch.__version__} ({e}): upgrade torch or pick another "
