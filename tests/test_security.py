@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import socket
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -454,24 +456,44 @@ def test_a_dashboard_elsewhere_needs_the_runs_keys_and_follows_the_run_with_them
                           capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     assert bare.returncode == 2, bare.stdout + bare.stderr
     assert len(bare.stderr.strip().splitlines()) == 1 and "DDTOP_KEYS" in bare.stderr
-    watcher = subprocess.Popen(
-        [DDTOP, "--headless", "--format", "jsonl", "--interval", "1", "--connect", control],
-        cwd=tmp_path, env=tagged_env(run.tag, {"DDTOP_KEYS": str(keys)}), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    lines: queue.Queue[str | None] = queue.Queue()
+    with (tmp_path / "ddtop.err").open("w") as err:
+        watcher = subprocess.Popen(
+            [DDTOP, "--headless", "--format", "jsonl", "--interval", "1", "--connect", control],
+            cwd=tmp_path, env=tagged_env(run.tag, {"DDTOP_KEYS": str(keys)}), text=True,
+            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+
+    def read() -> None:  # a thread, so that a silent watcher cannot block the test
+        assert watcher.stdout is not None
+        for line in watcher.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         progress = None
         deadline = time.monotonic() + 60
-        assert watcher.stdout is not None
-        for line in watcher.stdout:  # one record a second at least: not a long block
+        while progress is None:
+            left = deadline - time.monotonic()
+            assert left > 0, (tmp_path / "ddtop.err").read_text()
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, (tmp_path / "ddtop.err").read_text()  # it ended
             record_ = json.loads(line)
             if (record_["kind"] == "progress" and len(record_["ranks"]) == 2
                     and all(r["global_step"] > 0 for r in record_["ranks"])):
                 progress = record_
-                break
-            assert time.monotonic() < deadline, line
     finally:
         watcher.terminate()
-        watcher.communicate(timeout=30)
+        try:
+            watcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            watcher.kill()
+            watcher.wait(timeout=30)
+        reader.join(timeout=30)
     assert progress is not None and progress["status"] == "running"
     assert [r["state"] for r in progress["ranks"]] == ["running", "running"]
 
