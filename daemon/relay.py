@@ -285,13 +285,13 @@ class Relay:
             if self.world_size is not None and not 0 <= message.rank < self.world_size:
                 self._reject("rank_out_of_range")
                 continue
-            if (isinstance(message, wire.Hello) and self.rank_pid is not None
-                    and not self.rank_pid(message.rank, message.pid)):
-                self._reject("foreign_pid")  # not the process started as that rank
-                continue
             if sender is not None and not self._sent_by_rank(message.rank, sender):
                 if (message.rank, sender) not in self._retired:  # else: left by a restart
                     self._reject("foreign_pid")  # sent by a process that is not that rank
+                continue
+            if (isinstance(message, wire.Hello) and self.rank_pid is not None
+                    and not self.rank_pid(message.rank, message.pid)):
+                self._reject("foreign_pid")  # not the process started as that rank
                 continue
             self._accept(message, frames[0], received)
 

@@ -25,9 +25,11 @@ from ddtop.daemon.processes import (
     ExitedProcess,
     LogTail,
     ProcessId,
+    boot_id,
     descendants,
     environ_value,
     lineage,
+    read_stat,
     set_parent_death_signal,
 )
 from ddtop.daemon.runs import RunPaths, write_json_atomic
@@ -36,6 +38,7 @@ from ddtop.daemon.state import RunState
 
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+REFUSED_MAX = 4096  # refused claims remembered, at most
 FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                              r"(-?\d+) \(pid: (\d+)\)")
 
@@ -51,6 +54,7 @@ class TorchrunRanks:
         self.nodes = False  # a multi-node job: only some of the ranks are this node's
         self.agent: ProcessId | None = None  # this attempt's agent
         self.seen: dict[int, ProcessId] = {}  # rank -> its process, as last found below the agent
+        self.refused: dict[tuple[int, int], int] = {}  # (rank, pid) -> start ticks: not the rank
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         write_json_atomic(self.paths.config, config.to_dict())
@@ -85,7 +89,7 @@ class TorchrunRanks:
             (f"[rank {k}]", LogTail(self.paths.rank_log(k), from_end=True))
             for k in range(config.world_size)]
         agent = AgentProcess(popen)
-        self.agent, self.seen = agent.identity, {}
+        self.agent, self.seen, self.refused = agent.identity, {}, {}
         started.append(Rank(AGENT, agent))
 
     def rank_processes(self) -> list[ProcessId]:
@@ -118,21 +122,30 @@ class TorchrunRanks:
             return True
         # A pid not known as the rank's yet (its first message, or a claim): asked
         # of that process itself, never by scanning /proc, so a flood of claims
-        # costs a few reads each and cannot starve a new worker's first messages.
-        # The rank is the shallowest process below the agent whose environment says
-        # RANK=rank; its children (data loader workers, ...) inherit RANK.
+        # cannot make a new worker's first messages be dropped; a claim refused is
+        # remembered (by pid and start time), so repeating it costs one read.
         if self.agent is None or not 0 <= rank < self.world_size:
             return False
+        stat = read_stat(pid)
+        if stat is None or self.refused.get((rank, pid)) == stat.start:
+            return False
+        if self._is_worker(rank, pid):
+            self.seen[rank] = ProcessId(pid, stat.start, boot_id())
+            return True
+        if len(self.refused) >= REFUSED_MAX:
+            self.refused.clear()
+        self.refused[(rank, pid)] = stat.start
+        return False
+
+    def _is_worker(self, rank: int, pid: int) -> bool:
+        """Whether `pid` is the agent's worker for `rank`: below the agent, with
+        RANK=rank in its environment, and no process between them with a RANK
+        (a worker's own children, data loader workers and the like, inherit it)."""
+        assert self.agent is not None
         chain = lineage(pid, self.agent)
         if chain is None or environ_value(pid, "RANK") != str(rank):
             return False
-        if any(environ_value(parent, "RANK") == str(rank) for parent in chain[1:]):
-            return False  # a process the rank started
-        found = ProcessId.of(pid)
-        if found is None:
-            return False
-        self.seen[rank] = found
-        return True
+        return all(environ_value(parent, "RANK") is None for parent in chain[1:])
 
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         """Each rank's exit, from torchrun's failure summary (exit code or signal,

@@ -130,20 +130,23 @@ def test_descendants_and_their_environment() -> None:
 
 def test_a_senders_lineage_and_torchruns_rank_check(tmp_path: Path) -> None:
     """torchrun's workers are checked on the claimed process itself: its parents
-    up to the agent (lineage), RANK in its environment, and no parent with the
-    same RANK (a worker's own children inherit it). Here a shell stands for the
-    agent, a shell with RANK=1 for the worker, and its `sleep` for a data loader."""
+    up to the agent (lineage), RANK in its environment, and no process between it
+    and the agent with a RANK (a worker's own children inherit it). Here a shell
+    stands for the agent, a shell with RANK=1 for the worker, and its two `sleep`s
+    for a data loader (RANK=1, inherited) and a child claiming RANK=0."""
     from ddtop.daemon.torchrun import TorchrunRanks
 
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
-    script = f"RANK=1 sh -c 'sleep {SLEEP_S} & wait' & wait"
+    script = f"RANK=1 sh -c 'sleep {SLEEP_S} & RANK=0 sleep {SLEEP_S} & wait' & wait"
     with sleeper(["sh", "-c", script], env=env, start_new_session=True) as proc:
         try:
             agent = ProcessId.of(proc.pid)
             assert agent is not None
-            wait_for(lambda: len(descendants(agent)) == 2)
+            wait_for(lambda: len(descendants(agent)) == 3
+                     and all(environ_value(p.pid, "RANK") for p, _ in descendants(agent)))
             (worker, _), = [(p, d) for p, d in descendants(agent) if d == 1]
-            (loader, _), = [(p, d) for p, d in descendants(agent) if d == 2]
+            loaders = {environ_value(p.pid, "RANK"): p for p, d in descendants(agent) if d == 2}
+            loader, other = loaders["1"], loaders["0"]
             assert lineage(loader.pid, agent) == [loader.pid, worker.pid]
             assert lineage(worker.pid, agent) == [worker.pid]
             mine = ProcessId.of(os.getpid())
@@ -157,9 +160,13 @@ def test_a_senders_lineage_and_torchruns_rank_check(tmp_path: Path) -> None:
             ranks.agent, ranks.world_size = agent, 2
             assert not ranks.is_rank(1, os.getpid())  # RANK unset, not below the agent
             assert not ranks.is_rank(1, loader.pid)  # the worker's child
+            assert not ranks.is_rank(0, other.pid)  # RANK=0, but below rank 1's worker
             assert not ranks.is_rank(0, worker.pid)  # the worker of another rank
             assert not ranks.is_rank(2, worker.pid)  # no such rank
+            assert (0, other.pid) in ranks.refused and (1, loader.pid) in ranks.refused
+            assert not ranks.is_rank(0, other.pid)  # asked again: refused from memory
             assert ranks.is_rank(1, worker.pid) and ranks.seen[1].pid == worker.pid
+            assert ranks.seen[1] == ProcessId.of(worker.pid)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
 

@@ -187,16 +187,17 @@ def test_a_hello_from_a_pid_that_is_not_the_ranks_is_dropped_and_counted(
     assert status["ranks"][0]["global_step"] >= before["ranks"][0]["global_step"]
 
 
-def needs_sender_pids(folder: Path) -> None:
+def needs_sender_pids() -> None:
     """Skip where this libzmq does not name the sending process of an ipc frame
     (its Peer-Address without a pid): the daemon then checks the hello alone."""
     from ddtop.daemon.relay import peer_pid
 
+    short = Path(tempfile.mkdtemp(prefix="ddtop-peer-", dir="/tmp"))  # a unix socket path
     context = zmq.Context()
     pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     try:
-        pull.bind(f"ipc://{folder}/peer-check.sock")
-        push.connect(f"ipc://{folder}/peer-check.sock")
+        pull.bind(f"ipc://{short}/peer-check.sock")
+        push.connect(f"ipc://{short}/peer-check.sock")
         push.send(b"x")
         if not pull.poll(5000):
             pytest.fail("a frame over ipc did not arrive in 5 s")
@@ -206,15 +207,16 @@ def needs_sender_pids(folder: Path) -> None:
         pull.close(linger=0)
         push.close(linger=0)
         context.term()
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def test_messages_sent_by_a_process_that_is_not_the_rank_are_dropped_and_counted(
-        guarded: tuple[Detached, Path], tmp_path: Path) -> None:
+        guarded: tuple[Detached, Path]) -> None:
     """The forgeries that once reached the dashboard (a Step with loss 12345 and a
     huge sequence number for rank 0, a Bye making rank 1 look dead, a heartbeat),
     sent by a process of the owner's that is not the rank (here: this test): over
     ipc the kernel names the sender, so each is dropped and counted."""
-    needs_sender_pids(tmp_path)
+    needs_sender_pids()
     run, root = guarded
     before = run.status(RUN)["rejected"].get("foreign_pid", 0)
     forged = [
@@ -507,7 +509,7 @@ def test_after_a_restart_the_old_processes_pids_no_longer_speak_for_their_ranks(
     rank 1 is dropped and counted. Without retiring, its frames stayed believed."""
     from ddtop.daemon.relay import Relay
 
-    needs_sender_pids(tmp_path)
+    needs_sender_pids()
     mine = os.getpid()
     owner = {0: mine}
     relay = Relay(RUN, tmp_path / "telemetry.journal", tmp_path / "sockets", world_size=2,
@@ -534,6 +536,11 @@ def test_after_a_restart_the_old_processes_pids_no_longer_speak_for_their_ranks(
         owner[0] = -1  # rank 0 restarted: its process is another now
         seq_before = relay.seq
         push.send_multipart(wire.encode(heartbeat(0, 2, 7)))  # the old process, late
+        late_hello = wire.Hello(run=RUN, rank=0, seq=3, t=time.time(), local_rank=0,
+                                host="h", pid=mine, device="cpu", backend="gloo",
+                                world_size=2, config_digest="", model="", dataset="",
+                                epochs=0, global_batch=0)
+        push.send_multipart(wire.encode(late_hello))  # its hello too: not counted
         push.send_multipart(wire.encode(heartbeat(1, 1, 9)))  # and as another rank
         settle(lambda: relay.state.rejected.get("foreign_pid", 0) >= 1)
         for _ in range(10):
@@ -541,6 +548,11 @@ def test_after_a_restart_the_old_processes_pids_no_longer_speak_for_their_ranks(
         assert relay.state.rejected == {"foreign_pid": 1}
         assert relay.seq == seq_before and relay.state.ranks[0].global_step == 5
         assert 1 not in relay.state.ranks
+        # A new rank 0 given the retired pid (pids are reused) is believed.
+        owner[0] = mine
+        push.send_multipart(wire.encode(heartbeat(0, 4, 11)))
+        settle(lambda: relay.state.ranks[0].global_step == 11)
+        assert relay.state.rejected == {"foreign_pid": 1}
     finally:
         push.close()
         relay.close()
