@@ -24,6 +24,7 @@ TUTORIAL = EXAMPLES / "ddp_tutorial.py"
 GPT = EXAMPLES / "gpt_accum.py"
 MARK = "# ddtop"
 TIMEOUT_S = 60
+TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 # 512 samples over 2 ranks in batches of 32: 8 optimizer steps per epoch per rank.
 TUTORIAL_ARGS = ["--epochs", "3", "--save-every", "2", "--dataset-size", "512",
@@ -185,7 +186,19 @@ def test_ddp_tutorial_without_an_endpoint_prints_what_the_script_without_ddtop_p
     runs = [start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script),
                    *TUTORIAL_ARGS], cwd)
             for script, cwd in ((TUTORIAL, tmp_path / "with"), (stripped, tmp_path / "plain"))]
-    with_ddtop, without = (finish(proc, tag, TIMEOUT_S) for proc, tag in runs)
+    ended = [finish(proc, tag, TIMEOUT_S) for proc, tag in runs]
+    if ended[1].returncode != 0 and TORCH_EXIT_ABORT in ended[1].stderr:
+        # The reference, the script *without* ddtop, once aborted at exit in CI in
+        # torch itself (a C++ thread still joinable at interpreter exit; none in 55
+        # runs here under load): it is run again, once, and said so. The script
+        # with ddtop gets no second chance.
+        print(f"\nthe script without ddtop aborted at exit in torch ({TORCH_EXIT_ABORT!r}):"
+              " running it again")
+        (tmp_path / "plain" / "snapshot.pt").unlink(missing_ok=True)
+        proc, tag = start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(stripped),
+                           *TUTORIAL_ARGS], tmp_path / "plain")
+        ended[1] = finish(proc, tag, TIMEOUT_S)
+    with_ddtop, without = ended
     for run in (with_ddtop, without):
         assert run.returncode == 0, run.stderr[-3000:]
         assert run.leftovers == []
