@@ -20,7 +20,7 @@ import pytest
 import zmq
 from helpers import Detached, ddtrain, detached
 
-from ddtop.daemon import control, journal, state, wire
+from ddtop.daemon import blame, control, journal, state, wire
 
 LONG_RUN = ("-n", "2", "--epochs", "50", "--run-id", "live")
 
@@ -196,7 +196,14 @@ def test_a_killed_rank_fails_the_run_and_is_named(tmp_path: Path) -> None:
     failure = status["failure"]
     assert (failure["rank"], failure["signal"]) == (1, "SIGKILL")
     assert status["ranks"][1]["state"] == "dead" and status["ranks"][1]["signal"] == "SIGKILL"
-    assert status["ranks"][0]["stopped_by_daemon"] is True
+    # Rank 0 is stopped by the daemon, or (a race the daemon nearly always wins; lost
+    # once in CI) it dies of the lost peer first, gloo's error: a victim, not blamed.
+    exits = [m for m in (wire.decode([r.frame]) for r in journal.read(
+        tmp_path / "runs" / "kill" / "telemetry.journal")) if isinstance(m, wire.RankExit)]
+    rank0 = next(m for m in exits if m.exited == 0)
+    assert not rank0.culprit and (rank0.stopped_by_daemon or blame.PEER_LOSS.search(
+        rank0.message or "")), rank0
+    assert status["ranks"][0]["stopped_by_daemon"] is rank0.stopped_by_daemon
     table = run.cli("status", "kill")
     assert "failure: rank 1 killed by SIGKILL" in table.stdout
     replayed, _ = journal.replay(tmp_path / "runs" / "kill" / "telemetry.journal", "kill")
