@@ -114,6 +114,8 @@ def metric_records(run_root: Path, kind: str = "epoch") -> list[dict[str, Any]]:
 
 
 POLL_MS = 100
+QUIET_S = 0.2  # Collector.close: the socket quiet this long means nothing more is coming
+CLOSE_WAIT_S = 2.0
 
 
 class Collector:
@@ -134,14 +136,23 @@ class Collector:
     def _drain(self) -> None:
         while not self._stop.is_set():
             if self.socket.poll(POLL_MS):
-                try:
-                    self.messages.append(wire.decode(self.socket.recv_multipart()))
-                except wire.WireError:
-                    self.errors += 1
+                self._receive()
+
+    def _receive(self) -> None:
+        try:
+            self.messages.append(wire.decode(self.socket.recv_multipart()))
+        except wire.WireError:
+            self.errors += 1
 
     def close(self) -> None:
+        """Stop, but first take in what is still arriving (a sender that just exited
+        may have frames in flight): until the socket is quiet for QUIET_S, at most
+        CLOSE_WAIT_S."""
         self._stop.set()
         self._thread.join()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while time.monotonic() < deadline and self.socket.poll(int(QUIET_S * 1000)):
+            self._receive()
         self.socket.close()
         self.context.term()
 

@@ -333,7 +333,8 @@ def test_a_stop_the_daemon_never_answers_does_not_freeze_the_dashboard() -> None
             await pilot.press("question_mark")  # ... and the keys still work meanwhile
             await until(pilot, lambda: isinstance(app.screen, HelpScreen))
             assert "straggler" in screen_text(app)
-            assert time.monotonic() - confirmed < STOP_REQUEST_S / 2
+            # The keys worked while the request was still out (not after its timeout).
+            assert time.monotonic() - confirmed < STOP_REQUEST_S
             assert "did not" not in screen_text(app)  # still waiting for the daemon
             await pilot.press("escape")
             await until(pilot, lambda: not isinstance(app.screen, HelpScreen))

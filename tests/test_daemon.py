@@ -94,11 +94,12 @@ def test_a_late_subscriber_gets_a_snapshot_that_agrees_with_the_journal(live: De
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(endpoints["publish"])
     try:
-        time.sleep(0.5)  # let the subscription reach the daemon
+        # Subscribed once a first message came (the live run sends ten a second).
+        assert sub.poll(30_000), "nothing published in 30 s"
+        live_messages = [wire.decode_relayed(sub.recv_multipart(), "live")]
         reply = control.request(endpoints["control"], "snapshot", 5.0)
         assert reply["ok"]
         seen, snapshot = reply["seq"], state.decode_snapshot(reply["state"])
-        live_messages = []
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             if sub.poll(100):

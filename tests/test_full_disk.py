@@ -250,9 +250,12 @@ def test_the_journal_filling_the_disk_costs_records_not_the_run(tmp_path: Path) 
             filler = fill(disk, root / "logs" / "rank-0.log")
             filled_at = summary(root).global_step
             # Training goes on with the disk full: the daemon relays, warns, counts.
+            # (metrics.jsonl fails once its last page is full: a sync record a step,
+            # up to ~40 steps after the fill)
             seen = wait_for("the drop counted and the warnings relayed", lambda: (
                 (s := snapshot(root)).journal_dropped > 0
                 and min(v.global_step for v in s.ranks.values()) >= filled_at + 30
+                and any("metrics.jsonl is not written" in e["message"] for e in s.events)
                 and s))
             assert seen.status == "running"
             warnings = [e["message"] for e in seen.events if e["type"] == "warning"]

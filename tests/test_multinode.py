@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ddtop.daemon import journal, wire
+from ddtop.daemon import journal, nodes, wire
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
@@ -303,7 +303,11 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
           f"its exit in node 1's journal {on_node_1 - killed:.2f} s after the kill, in the "
           f"hub's {(on_hub - on_node_1) * 1000:.0f} ms after node 1's; the hub's outcome "
           f"{outcome - on_hub:.2f} s after that")
-    assert 0 <= on_hub - on_node_1 < 1.0, (on_node_1, on_hub)
+    # Milliseconds here (printed above); bounded by what the product promises: before
+    # the job's outcome, and within a node's timeout (the hub reads nothing while it
+    # is stopping its own ranks, up to a few seconds on a loaded machine).
+    assert 0 <= on_hub - on_node_1 < nodes.NODE_TIMEOUT_S and on_hub <= outcome, (
+        on_node_1, on_hub, outcome)
     assert (node1 / "run.json").is_file()
     control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
@@ -374,8 +378,9 @@ def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
     thawed = time.time()
     assert sorted(during) == sorted(before), (before, during)
     assert all(during[r] > before[r] for r in before), (before, during)
-    # (5 s after the hub's last reply, which came up to a second before it froze)
-    assert warned and 3.9 <= warned[0] - frozen < 12, (frozen, warned)
+    # (5 s after the hub's last reply, which came a heartbeat or more before it froze)
+    assert warned and (nodes.NODE_TIMEOUT_S - 2 * nodes.HEARTBEAT_S
+                       <= warned[0] - frozen < 12), (frozen, warned)
     # the hub catches up: node 1's ranks running again, and node 1 hears it answer
     deadline = time.monotonic() + 20
     while True:

@@ -152,8 +152,8 @@ def test_a_detached_script_is_stopped_with_sigterm(tmp_path: Path) -> None:
         '''))
     with detached("-n", "2", "--run-id", "long", "long.py", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
-        status = run.status("long")
-        assert [r["pid"] is not None for r in status["ranks"]] == [True, True]
+        run.wait_for("long", lambda s: len(s["ranks"]) == 2
+                       and all(r["pid"] is not None for r in s["ranks"]))
         stopped = run.cli("stop", "long", "--timeout", "10")
         assert "its ranks get SIGTERM" in stopped.stdout and "run long stopped" in stopped.stdout
         assert run.leftovers() == []

@@ -134,4 +134,6 @@ def test_a_steps_communication_goes_out_with_that_step(monkeypatch: pytest.Monke
             time.sleep(0.01)
     steps = got.of(wire.Step)
     assert sum(s.steps for s in steps) == 3
-    assert [(s.steps, s.comm_ops, s.comm_bytes) for s in steps] == [(1, 1, 1000)] * 3
+    # One message a step, unless the sender was held off past a step (then two share
+    # one); either way every message carries exactly its own steps' all-reduces.
+    assert all((s.comm_ops, s.comm_bytes) == (s.steps, 1000 * s.steps) for s in steps), steps
