@@ -154,16 +154,33 @@ def test_gpt_accum_counts_optimizer_steps_and_shows_rank0_evaluation_as_such(
         assert line["skew_s"] < NOTICEABLE_S / 2, line
 
 
+def torch_aborted_at_exit(run: Run, what: str) -> bool:
+    """Whether `run` (the tutorial under plain torchrun) ended in torch's own abort
+    at interpreter exit: seen in CI in 2 of 4 runs of the suite on a loaded machine,
+    once with and once *without* ddtop in the script (so not ddtop's), never in 95
+    runs here. Said, so that a rerun is never silent."""
+    if run.returncode != 0 and TORCH_EXIT_ABORT in run.stderr:
+        print(f"\n{what} aborted at exit in torch ({TORCH_EXIT_ABORT!r}): running it again")
+        return True
+    return False
+
+
 def test_ddp_tutorial_under_plain_torchrun_sends_to_a_receiver(tmp_path: Path) -> None:
-    with collecting() as collector:
-        run = torchrun("--standalone", "--nproc-per-node", "2", str(TUTORIAL), *TUTORIAL_ARGS,
-                       cwd=tmp_path, env={"DDTOP_TELEMETRY": collector.endpoint},
-                       timeout=TIMEOUT_S)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert run.leftovers == []
-        deadline = time.monotonic() + 5
-        while len(collector.of(wire.Bye)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+    for attempt in (1, 2):  # a second only after torch's abort at exit (see above)
+        cwd = tmp_path / f"attempt-{attempt}"  # no snapshot to resume from
+        cwd.mkdir()
+        with collecting() as collector:
+            run = torchrun("--standalone", "--nproc-per-node", "2", str(TUTORIAL),
+                           *TUTORIAL_ARGS, cwd=cwd, env={"DDTOP_TELEMETRY": collector.endpoint},
+                           timeout=TIMEOUT_S)
+            if attempt == 1 and torch_aborted_at_exit(run, "the tutorial with ddtop"):
+                continue
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.leftovers == []
+            deadline = time.monotonic() + 5
+            while len(collector.of(wire.Bye)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        break
     assert collector.errors == 0
     for rank in (0, 1):
         hellos = collector.of(wire.Hello, rank)
@@ -187,17 +204,13 @@ def test_ddp_tutorial_without_an_endpoint_prints_what_the_script_without_ddtop_p
                    *TUTORIAL_ARGS], cwd)
             for script, cwd in ((TUTORIAL, tmp_path / "with"), (stripped, tmp_path / "plain"))]
     ended = [finish(proc, tag, TIMEOUT_S) for proc, tag in runs]
-    if ended[1].returncode != 0 and TORCH_EXIT_ABORT in ended[1].stderr:
-        # The reference, the script *without* ddtop, once aborted at exit in CI in
-        # torch itself (a C++ thread still joinable at interpreter exit; none in 55
-        # runs here under load): it is run again, once, and said so. The script
-        # with ddtop gets no second chance.
-        print(f"\nthe script without ddtop aborted at exit in torch ({TORCH_EXIT_ABORT!r}):"
-              " running it again")
-        (tmp_path / "plain" / "snapshot.pt").unlink(missing_ok=True)
-        proc, tag = start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(stripped),
-                           *TUTORIAL_ARGS], tmp_path / "plain")
-        ended[1] = finish(proc, tag, TIMEOUT_S)
+    for k, (script, cwd) in enumerate(((TUTORIAL, tmp_path / "with"), (stripped,
+                                                                        tmp_path / "plain"))):
+        if torch_aborted_at_exit(ended[k], f"the tutorial {('with', 'without')[k]} ddtop"):
+            (cwd / "snapshot.pt").unlink(missing_ok=True)
+            proc, tag = start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script),
+                               *TUTORIAL_ARGS], cwd)
+            ended[k] = finish(proc, tag, TIMEOUT_S)
     with_ddtop, without = ended
     for run in (with_ddtop, without):
         assert run.returncode == 0, run.stderr[-3000:]
