@@ -1,7 +1,7 @@
 """What ddtop's TUI costs in CPU while it watches a live run.
 
     .venv/bin/python bench/tui_cpu.py [--ranks 4] [--repeats 3] [--warmup 8] [--seconds 20]
-                                      [--fps 5] [--baseline GIT-REF]
+                                      [--fps 5] [--baseline GIT-REF] [--detail]
 
 Starts a run of the built-in trainer (`ddtrain start -n RANKS`, detached, in a
 temporary folder), opens `ddtop RUN` in a 120x40 pseudo-terminal (TERM
@@ -11,7 +11,8 @@ for --warmup seconds, then reads the TUI process's CPU time from /proc over
 (the feed's worker thread, Textual's and ZeroMQ's threads), in % of one core,
 and the frames it drew (counted from the screen updates it wrote: a burst of output after 50 ms
 of quiet). Then `q`,
-and the next repeat. The run is stopped at the end.
+and the next repeat. The run is stopped at the end. --detail measures the rank
+detail screen instead (Enter on the first row, 3 s into the warm-up).
 
 --baseline REF measures ddtop's dashboard package as it was at a git commit
 too (its `dashboard/` from `git archive`, with this tree's daemon and
@@ -78,7 +79,7 @@ def baseline_tree(ref: str, into: Path) -> Path:
 
 
 def measure(run_id: str, cwd: Path, warmup: float, seconds: float, fps: float,
-            pythonpath: str | None) -> dict[str, float]:
+            pythonpath: str | None, detail: bool = False) -> dict[str, float]:
     """One TUI in a pseudo-terminal: CPU % of a core (process, main thread) and fps."""
     env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(COLUMNS), LINES=str(LINES))
     if pythonpath is not None:
@@ -110,7 +111,12 @@ def measure(run_id: str, cwd: Path, warmup: float, seconds: float, fps: float,
         return frames
 
     try:
-        read_for(warmup)
+        if detail:
+            read_for(min(3.0, warmup))
+            os.write(fd, b"\r")  # Enter: the first row's rank detail
+            read_for(max(0.0, warmup - 3.0))
+        else:
+            read_for(warmup)
         (cpu0, main0), t0 = cpu_seconds(pid), time.monotonic()
         frames = read_for(seconds)
         (cpu1, main1), t1 = cpu_seconds(pid), time.monotonic()
@@ -135,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fps", type=float, default=5.0, help="ddtop --fps (default 5)")
     parser.add_argument("--baseline", metavar="GIT-REF",
                         help="also measure the dashboard as it was at this commit")
+    parser.add_argument("--detail", action="store_true",
+                        help="measure the rank detail screen instead of the main view")
     options = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="ddtop-tui-cpu-"))
     run_id = f"tui-cpu-{os.getpid()}"
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         variants.insert(0, (options.baseline, str(baseline_tree(options.baseline, tmp / "base"))))
     print(f"ddtop TUI CPU: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{options.ranks} ranks, {COLUMNS}x{LINES}, --fps {options.fps:g}, "
+          f"{'rank detail screen, ' if options.detail else ''}"
           f"{options.warmup:g} s warm-up, {options.seconds:g} s measured", flush=True)
     per_rank_epochs = 1000  # longer than the benchmark: it is stopped at the end
     started = subprocess.run([DDTRAIN, "start", "-n", str(options.ranks), "--epochs",
@@ -158,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(options.repeats):
             for name, pythonpath in variants:
                 r = measure(run_id, tmp, options.warmup, options.seconds, options.fps,
-                            pythonpath)
+                            pythonpath, options.detail)
                 results[name].append(r)
                 print(f"{name:<24} {repeat + 1:>6} {r['cpu']:>6.1f} {r['main']:>7.1f} "
                       f"{r['other']:>8.1f} {r['fps']:>5.1f}", flush=True)

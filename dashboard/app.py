@@ -25,6 +25,7 @@ from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.message import Message
 from textual.notifications import SeverityLevel
+from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
@@ -133,7 +134,11 @@ class DashboardApp(App[None]):
 
     def tick(self) -> None:
         """A frame when something was folded since the last one, else once a second
-        (ages and states move on with the clock alone)."""
+        (ages and states move on with the clock alone); none while a screen hides the
+        main view (a rank's detail: drawn behind it, the main view had Textual redraw
+        the detail screen's regions too), one as soon as it shows again."""
+        if len(self.screen_stack) > 1 and not isinstance(self.screen, ModalScreen):
+            return
         if (self.dirty or self._folded() != self.shown_folded
                 or time.monotonic() - self.last_render >= IDLE_REDRAW_S):
             self.render_view()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,8 +17,10 @@ from textual.widgets import Footer, Sparkline, Static
 from ddtop.daemon import control
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed
+from ddtop.dashboard.widgets import TextPanel
 
 LOG_TAIL_LINES = 15
+CHARTS_EVERY_S = 1.0
 LOG_TAIL_BYTES = 16 * 1024
 
 HELP = """\
@@ -95,6 +98,12 @@ class RankDetail(Screen[None]):
         self.feed, self.rank, self.log_path, self.fps = feed, rank, log, fps
         self.stacks_from: int | None = None  # showing the stacks dumped after this offset
         self.stacks_note = ""
+        # What each widget shows, so that a frame updates only those that changed (an
+        # update makes Textual render the widget again), and the log file's size and
+        # time with the tail read from it (read again only when they change).
+        self.shown: dict[str, object] = {}
+        self.tail: tuple[object, Text] | None = None
+        self.charts_at = 0.0  # when the charts were last handed new data
 
     @property
     def stacks_path(self) -> Path | None:
@@ -124,7 +133,7 @@ class RankDetail(Screen[None]):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="detail-top"):
-            yield Static(id="detail-info")
+            yield TextPanel(id="detail-info")
             with Vertical(id="detail-charts"):
                 yield Static("loss", classes="chart-title")
                 yield Sparkline([], id="detail-loss")
@@ -133,8 +142,8 @@ class RankDetail(Screen[None]):
                 yield Static("comm share of step", classes="chart-title")
                 yield Sparkline([], id="detail-comm")
         with Horizontal(id="detail-bottom"):
-            yield Static(id="detail-events")
-            yield Static(id="detail-log")
+            yield TextPanel(id="detail-events")
+            yield TextPanel(id="detail-log")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -151,12 +160,28 @@ class RankDetail(Screen[None]):
             events = panels.events(state, 12, rank=self.rank, title="events of this rank")
             view = state.ranks.get(self.rank)
             history = list(view.history) if view is not None else []
-        self.query_one("#detail-info", Static).update(info)
-        self.query_one("#detail-events", Static).update(events)
-        self.query_one("#detail-loss", Sparkline).data = [p.loss for p in history]
-        self.query_one("#detail-rate", Sparkline).data = [p.samples_per_s for p in history]
-        self.query_one("#detail-comm", Sparkline).data = [p.comm_share for p in history]
-        self.query_one("#detail-log", Static).update(self._log_tail())
+        # Wrapped here, at the panel's width (a TextPanel draws a line per row).
+        self._show("#detail-info", Text("\n").join(info.wrap(self.app.console, max(1, width))))
+        self._show("#detail-events", events)
+        # The charts as often as the main view's run-wide ones (each redraw renders
+        # every point): at most once a CHARTS_EVERY_S, and at once when the run is over.
+        if self.feed.finished or time.monotonic() - self.charts_at >= CHARTS_EVERY_S:
+            self.charts_at = time.monotonic()
+            self._chart("#detail-loss", [p.loss for p in history])
+            self._chart("#detail-rate", [p.samples_per_s for p in history])
+            self._chart("#detail-comm", [p.comm_share for p in history])
+        self._show("#detail-log", self._log_tail())
+
+    def _show(self, selector: str, content: Text) -> None:
+        key = (content.plain, content.spans, content.style)
+        if self.shown.get(selector) != key:
+            self.shown[selector] = key
+            self.query_one(selector, TextPanel).set_text(content)  # redraws changed lines
+
+    def _chart(self, selector: str, data: list[float]) -> None:
+        chart = self.query_one(selector, Sparkline)
+        if chart.data != data:
+            chart.data = data
 
     def _stacks(self) -> Text:
         path, start = self.stacks_path, self.stacks_from
@@ -173,6 +198,21 @@ class RankDetail(Screen[None]):
         return text.append(data)
 
     def _log_tail(self) -> Text:
+        """The stacks, or the log's tail: read again only when the file's size or
+        modification time (or what is asked for) changed."""
+        path = self.stacks_path if self.stacks_from is not None else self.log_path
+        try:
+            st = path.stat() if path is not None else None
+            key: object = (self.stacks_from, self.stacks_note, st and (st.st_size, st.st_mtime_ns))
+        except OSError:
+            key = None  # unreadable: read (and say so) every time
+        if key is not None and self.tail is not None and self.tail[0] == key:
+            return self.tail[1]
+        text = self._read_tail()
+        self.tail = (key, text) if key is not None else None
+        return text
+
+    def _read_tail(self) -> Text:
         if self.stacks_from is not None:
             return self._stacks()
         if self.log_path is None:

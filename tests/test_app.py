@@ -211,12 +211,21 @@ def test_live_run_rows_advance_quit_leaves_it_running_and_x_stops_it(tmp_path: P
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, RankDetail))
             await until(pilot, lambda: "samples/s" in screen_text(app))
+            hidden = app.frames  # the main view is not drawn behind the detail ...
+            await pilot.pause(1.0)
+            assert app.frames == hidden
             await pilot.press("t")  # the rank's Python stacks, from the live rank
             await until(pilot, lambda: "Thread 0x" in screen_text(app))
             assert "stacks of rank" in screen_text(app)
             await pilot.press("l")
             await until(pilot, lambda: ".log" in screen_text(app))
+            detail = app.screen
+            assert isinstance(detail, RankDetail) and detail.log_path is not None
+            with detail.log_path.open("a") as log:  # the tail follows the log as it grows
+                log.write("a line the test appended\n")
+            await until(pilot, lambda: "a line the test appended" in screen_text(app))
             await pilot.press("escape")
+            await until(pilot, lambda: app.frames > hidden)  # ... and is again once shown
             await pilot.press("q")
 
         drive(LiveFeed(paths=paths), (120, 40), watch_then_quit)
