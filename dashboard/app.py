@@ -36,7 +36,7 @@ from ddtop.dashboard import panels
 from ddtop.dashboard.feed import BATCH, LiveFeed
 from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
-from ddtop.dashboard.widgets import RankTable, TextPanel
+from ddtop.dashboard.widgets import RankTable, TextPanel, set_chart
 
 PUMP_S = 0.05
 PACE_BELOW = 2000  # messages/s under which a live feed is folded once per PUMP_S (see pump)
@@ -263,9 +263,7 @@ class DashboardApp(App[None]):
                 cast(Static, widget).update(content, layout=layout)
 
     def _chart(self, selector: str, data: list[float]) -> None:
-        chart = self.query_one(selector, Sparkline)
-        if chart.data != data:
-            chart.data = data
+        set_chart(self.query_one(selector, Sparkline), data)
 
     def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
         """The ranks table takes the lines its rows need (and its title), up to what

@@ -17,7 +17,7 @@ from textual.widgets import Footer, Sparkline, Static
 from ddtop.daemon import control
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed
-from ddtop.dashboard.widgets import TextPanel
+from ddtop.dashboard.widgets import TextPanel, set_chart
 
 LOG_TAIL_LINES = 15
 CHARTS_EVERY_S = 1.0
@@ -98,10 +98,8 @@ class RankDetail(Screen[None]):
         self.feed, self.rank, self.log_path, self.fps = feed, rank, log, fps
         self.stacks_from: int | None = None  # showing the stacks dumped after this offset
         self.stacks_note = ""
-        # What each widget shows, so that a frame updates only those that changed (an
-        # update makes Textual render the widget again), and the log file's size and
-        # time with the tail read from it (read again only when they change).
-        self.shown: dict[str, object] = {}
+        # The log file's size and time with the tail read from it (read again only
+        # when they change). The panels redraw only lines that changed (TextPanel).
         self.tail: tuple[object, Text] | None = None
         self.charts_at = 0.0  # when the charts were last handed new data
 
@@ -173,15 +171,10 @@ class RankDetail(Screen[None]):
         self._show("#detail-log", self._log_tail())
 
     def _show(self, selector: str, content: Text) -> None:
-        key = (content.plain, content.spans, content.style)
-        if self.shown.get(selector) != key:
-            self.shown[selector] = key
-            self.query_one(selector, TextPanel).set_text(content)  # redraws changed lines
+        self.query_one(selector, TextPanel).set_text(content)  # redraws changed lines
 
     def _chart(self, selector: str, data: list[float]) -> None:
-        chart = self.query_one(selector, Sparkline)
-        if chart.data != data:
-            chart.data = data
+        set_chart(self.query_one(selector, Sparkline), data)
 
     def _stacks(self) -> Text:
         path, start = self.stacks_path, self.stacks_from

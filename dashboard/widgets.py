@@ -26,6 +26,7 @@ from textual.message import Message
 from textual.strip import Strip
 from textual.visual import Visual, visualize
 from textual.widget import Widget
+from textual.widgets import Sparkline
 
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.panels import STATE_STYLE
@@ -376,3 +377,9 @@ class TextPanel(Widget):
     def on_resize(self, event: events.Resize) -> None:
         self._strips.clear()
         self.refresh()
+
+
+def set_chart(chart: Sparkline, data: list[float]) -> None:
+    """Hand a chart its points only when they differ: a new list redraws all of them."""
+    if chart.data != data:
+        chart.data = data
