@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -200,17 +201,17 @@ def test_ddp_tutorial_without_an_endpoint_prints_what_the_script_without_ddtop_p
     stripped.write_text(strip_ddtop(TUTORIAL.read_text()))
     (tmp_path / "with").mkdir()
     # One rank each, so that the output has one order; both at once.
-    runs = [start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script),
-                   *TUTORIAL_ARGS], cwd)
-            for script, cwd in ((TUTORIAL, tmp_path / "with"), (stripped, tmp_path / "plain"))]
-    ended = [finish(proc, tag, TIMEOUT_S) for proc, tag in runs]
-    for k, (script, cwd) in enumerate(((TUTORIAL, tmp_path / "with"), (stripped,
-                                                                        tmp_path / "plain"))):
+    scripts = ((TUTORIAL, tmp_path / "with"), (stripped, tmp_path / "plain"))
+
+    def one_rank(script: Path, cwd: Path) -> tuple[subprocess.Popen[str], str]:
+        return start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script),
+                      *TUTORIAL_ARGS], cwd)
+
+    ended = [finish(proc, tag, TIMEOUT_S) for proc, tag in (one_rank(*s) for s in scripts)]
+    for k, (script, cwd) in enumerate(scripts):
         if torch_aborted_at_exit(ended[k], f"the tutorial {('with', 'without')[k]} ddtop"):
             (cwd / "snapshot.pt").unlink(missing_ok=True)
-            proc, tag = start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script),
-                               *TUTORIAL_ARGS], cwd)
-            ended[k] = finish(proc, tag, TIMEOUT_S)
+            ended[k] = finish(*one_rank(script, cwd), TIMEOUT_S)
     with_ddtop, without = ended
     for run in (with_ddtop, without):
         assert run.returncode == 0, run.stderr[-3000:]

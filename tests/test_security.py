@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -522,9 +522,9 @@ def test_after_a_restart_the_old_processes_pids_no_longer_speak_for_their_ranks(
         return wire.Heartbeat(run=RUN, rank=rank, seq=seq, t=time.time(), phase="forward",
                               epoch=0, global_step=step, phase_s=0.1)
 
-    def settle(check: object) -> None:
+    def settle(check: Callable[[], bool]) -> None:
         deadline = time.monotonic() + 10
-        while not check():  # type: ignore[operator]
+        while not check():
             assert time.monotonic() < deadline, relay.state.rejected
             relay.serve(0.02)
 
