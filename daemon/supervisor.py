@@ -469,9 +469,14 @@ class Supervisor:
             self.relay.emit(wire.Event, type="stop_requested", message=message)
             self._status("stopping", message)
             # Only processes the starter started (or its agent did), each checked to
-            # be still that process: never a pid a telemetry message claimed.
-            for process in self.starter.rank_processes():
-                send_signal(process, rank_program(self.config).stop_signal)
+            # be still that process: never a pid a telemetry message claimed. Rank 0
+            # last: the built-in trainer's rank 0 picks the step every rank stops after
+            # as soon as it sees the signal, 3 steps ahead, so the others must have
+            # theirs first (signalled first and the daemon descheduled before the
+            # next, rank 1 once ran past the target and waited forever for rank 0).
+            numbered = self.starter.numbered()
+            for rank in sorted(numbered, key=lambda k: (k == 0, k)):
+                send_signal(numbered[rank], rank_program(self.config).stop_signal)
         elif self.stopping is not None and time.monotonic() > self.stopping:
             late = [r for r in self.ranks if r.process.exitcode is None]
             message = (f"{self._describe(late)} did not stop within "

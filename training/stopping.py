@@ -1,6 +1,7 @@
 """Graceful stop: every rank stops after the same step, rank 0 checkpoints.
 
-The daemon sends SIGUSR1 to every rank (`ddtrain stop`, or the first Ctrl-C).
+The daemon sends SIGUSR1 to every rank (`ddtrain stop`, or the first Ctrl-C),
+rank 0 last, so that every other rank has its flag before rank 0 picks the target.
 The handler only sets a flag; the training loop looks at it once per step (one
 attribute read). Ranks must stop after the *same* step, or one would wait
 forever in a collective the others skipped, so they agree through the process
