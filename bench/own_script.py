@@ -61,10 +61,11 @@ interval spans 0.99)".
    uninstrumented step taken a few ms away. The configurations: no hook, and
    no hook again on a second model (the noise floor: it should read 1.0);
    torch's own Python `allreduce_hook` (what any Python comm hook costs);
-   ddtop's timed comm hook (`ddtop.watch`); the zero-code optimizer hooks; the
-   zero-code forward hooks; `ddtop.step(loss=..., samples=...)`; and the
-   modes: API (timed comm hook + `ddtop.step`), zero-code (timed comm hook +
-   optimizer and forward hooks) and zero-code + API (all of them). ddtop's
+   ddtop's timed comm hook (`ddtop.watch`); the zero-code optimizer hooks;
+   zero-code's wrapped DDP forward (marking the phases);
+   `ddtop.step(loss=..., samples=...)`; and the modes: API (timed comm hook +
+   `ddtop.step`), zero-code (timed comm hook + optimizer hooks + wrapped
+   forward) and zero-code + API (all of them). ddtop's
    own threads (sender, ZeroMQ) run throughout and are measured apart; the
    modes' verdicts charge their CPU to each step.
 
@@ -401,13 +402,13 @@ def launchers(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
 
 
 # -- part 2: the pieces, in the same processes --------------------------------------------------
-PIECES = {  # name: (comm hook, optimizer hooks, forward hooks, ddtop.step)
+PIECES = {  # name: (comm hook, optimizer hooks, wrapped forward, ddtop.step)
     "no hook": (None, False, False, False),
     "no hook, again": (None, False, False, False),  # the noise floor: same as the baseline
     "torch allreduce_hook": ("torch", False, False, False),
     "timed comm hook": ("timed", False, False, False),
     "optimizer hooks": (None, True, False, False),
-    "forward hooks": (None, False, True, False),
+    "wrapped forward": (None, False, True, False),
     "ddtop.step": (None, False, False, True),
     "API": ("timed", False, False, True),
     "zero-code": ("timed", True, True, False),
@@ -442,7 +443,8 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
     import ddtop
     from ddtop.training import api, autowatch
 
-    autowatch._installed = api.current()  # the hooks' target, without patching DDP
+    autowatch._installed = api.current()  # the hooks' target, without patching DDP.__init__
+    DDP.forward = autowatch._ddp_forward  # type: ignore[method-assign]  # as install() does
 
     # Models by comm hook, two more of each kind than the configurations that use
     # it, dealt out afresh every round: each step runs on a different model (no
@@ -484,9 +486,8 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
             if optimizer_hooks:
                 handles += [register_optimizer_step_pre_hook(autowatch._optimizer_starts),
                             register_optimizer_step_post_hook(autowatch._optimizer_done)]
-            if forward_hooks:
-                handles += [model.register_forward_pre_hook(autowatch._forward_starts),
-                            model.register_forward_hook(autowatch._forward_done)]
+            if forward_hooks:  # zero-code's wrapped forward, for this model
+                object.__setattr__(model, autowatch.WATCHED_ATTR, True)
             dist.barrier()  # both ranks start the step together
             start, start_cpu = clock(), cpu_clock()
             loss = loss_fn(model(x), y)
@@ -498,6 +499,7 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
             end, end_cpu = clock(), cpu_clock()
             for handle in handles:
                 handle.remove()
+            model.__dict__.pop(autowatch.WATCHED_ATTR, None)
             if r >= WARM_ROUNDS:
                 wall[name].append(end - start)
                 cpu[name].append(end_cpu - start_cpu)

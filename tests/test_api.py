@@ -183,6 +183,25 @@ def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: li
     assert not [e for e in collector.of(wire.Event) if e.type in ("warning", "error")]
 
 
+def test_ddtops_hook_trains_as_ddp_alone_over_several_buckets(tmp_path: Path) -> None:
+    # ddp_accum.py's model has several buckets: the earlier ones all-reduced
+    # asynchronously, the last one waited for inside ddtop's hook.
+    run_script(tmp_path, "--out", str(tmp_path / "plain.pt"), run_id="plain", watched=False)
+    collector = run_script(tmp_path, "--out", str(tmp_path / "watched.pt"))
+    assert collector is not None
+    plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert plain.keys() == watched.keys()
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)
+    for rank in (0, 1):
+        sent = collector.of(wire.Step, rank)
+        assert sum(s.steps for s in sent) == 6
+        assert sum(s.comm_bytes for s in sent) == 6 * PARAM_BYTES
+        # One bucket at the first step (DDP's first bucket is large), several after
+        # DDP rebuilds them.
+        assert sum(s.comm_ops for s in sent) > 6 and all(s.comm_s > 0 for s in sent), \
+            [(s.steps, s.comm_ops, s.comm_s) for s in sent]
+
+
 @pytest.mark.parametrize("hook", ["--own-hook", "--builtin-hook"])
 def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path,
                                                                  hook: str) -> None:

@@ -19,7 +19,11 @@
 - infers the phase for heartbeats: forward at a DDP forward (evaluation when
   gradients are off or the model is in eval mode), backward after it, optimizer
   in `optimizer.step()`, data after it. A training forward also starts a new
-  iteration for pairing the hook's steps with `ddtop.step()` calls.
+  iteration for pairing the hook's steps with `ddtop.step()` calls. DDP's
+  `forward` is wrapped (once, for the class) rather than given forward hooks:
+  a module with hooks takes torch's slower call path on every call, which cost
+  more than the hooks' own work on a step of a few ms; a model built before
+  install() is passed straight through.
 
 Nothing here raises into the user's program: where timing is impossible it says
 so once, as a warning event.
@@ -46,6 +50,8 @@ from ddtop.training.commtimer import timed_allreduce
 _installed: LiveRank | None = None
 _wrapping: LiveRank | None = None  # who times hooks registered on a watched model
 _original_init = DDP.__init__
+_original_forward = DDP.forward
+WATCHED_ATTR = "_ddtop_watched"  # on a DDP model whose forward marks the phases
 _original_register = DDP.register_comm_hook
 _original_builtin = DDP._register_builtin_comm_hook
 # The built-in (C++) hooks and torch's Python hooks that do the same.
@@ -67,6 +73,7 @@ def install() -> bool:
         register_optimizer_step_pre_hook(_optimizer_starts)
         register_optimizer_step_post_hook(_optimizer_done)
         DDP.__init__ = _ddp_init  # type: ignore[method-assign]  # the point of zero-code
+        DDP.forward = _ddp_forward  # type: ignore[method-assign]
         wrap_registration(rank)
     return True
 
@@ -128,8 +135,7 @@ def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
         elif timer_of(self) is None:
             rank.warn_once("builtin-hook", "comm timing unavailable: this DDP model has a "
                            "built-in comm hook, which it keeps")
-        self.register_forward_pre_hook(_forward_starts)
-        self.register_forward_hook(_forward_done)
+        object.__setattr__(self, WATCHED_ATTR, True)  # a plain attribute
         rank.learn_model(self)
     except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
         rank.warn_once("attach", f"comm timing unavailable: {type(e).__name__}: {e}")
@@ -168,20 +174,17 @@ def _register_builtin(self: DDP, comm_hook_type: Any) -> None:
     timer.wrap(python, self.process_group)
 
 
-@_guarded
-def _forward_starts(module: torch.nn.Module, inputs: Any) -> None:
-    if torch.compiler.is_compiling():
-        return  # nothing to trace into a compiled graph
-    if _installed is not None:
-        training = torch.is_grad_enabled() and module.training
-        if training:
-            _installed.iteration_started()
-        _installed.enter_phase("forward" if training else "evaluation")
-
-
-@_guarded
-def _forward_done(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-    if torch.compiler.is_compiling():
-        return
-    if _installed is not None and torch.is_grad_enabled() and module.training:
-        _installed.enter_phase("backward")  # the loss, then backward
+def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
+    """DDP's forward, marking the phases of a model built after install()."""
+    rank = _installed
+    if torch.compiler.is_compiling() or rank is None or not rank.active \
+            or WATCHED_ATTR not in self.__dict__:  # (nothing to trace into a compiled graph)
+        return _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
+    training = self.training and torch.is_grad_enabled()
+    if training:
+        rank.iteration_started()
+    rank.telemetry.phase("forward" if training else "evaluation")
+    output = _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
+    if training:
+        rank.telemetry.phase("backward")  # the loss, then backward
+    return output

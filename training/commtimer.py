@@ -13,7 +13,10 @@ of the all-reduce).
 - CPU / gloo: the time from launching a bucket's all-reduce to its future
   completing. Buckets queue behind each other on one process group, so each
   bucket is charged only from when the previous one finished: the sum is the
-  wall time spent communicating, and bytes / that time is the bandwidth.
+  wall time spent communicating, and bytes / that time is the bandwidth. The
+  step's last bucket is all-reduced and waited for inside the hook (DDP waits
+  for it at once anyway): a `then` callback costs more than the rest of the
+  hook on a step of a few ms.
 - CUDA: CUDA events recorded around each all-reduce, read back later with
   `event.query()` (a completed pair is harvested at the next step; nothing
   ever waits for the device).
@@ -102,6 +105,9 @@ class CommTimer:
         if inner is None:
             buffer.div_(self._world_size)  # as allreduce_hook: divide first, then sum
         coll = self.telemetry.collective_started("allreduce", nbytes)
+        complex_ = buffer.is_complex()
+        if inner is None and not self.cuda and not complex_ and bucket.is_last():
+            return self._reduce_last(group, buffer, nbytes, coll)
         if self.cuda:
             start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start_ev.record()
@@ -109,7 +115,7 @@ class CommTimer:
         if inner is not None:
             hook, state = inner
             fut: torch.futures.Future[Any] = hook(state, bucket)
-        elif buffer.is_complex():  # dist.all_reduce sums it as real pairs
+        elif complex_:  # dist.all_reduce sums it as real pairs
             fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         else:
             fut = group.allreduce([buffer], self._allreduce_opts).get_future()
@@ -133,6 +139,25 @@ class CommTimer:
             return reduced
 
         return fut.then(finished)
+
+    def _reduce_last(self, group: dist.ProcessGroup, buffer: torch.Tensor, nbytes: int,
+                     coll: Any) -> torch.futures.Future[torch.Tensor]:
+        """The step's last bucket on CPU: all-reduced here, waited for, and handed
+        back as a completed future. Nothing of backward is left to overlap with it
+        (DDP waits for every bucket as soon as the last one is launched), and
+        waiting here (the wait releases the GIL) spares what a `then` callback
+        costs: Python on gloo's thread, the GIL handed over and back."""
+        start = time.perf_counter()
+        group.allreduce([buffer], self._allreduce_opts).wait()  # raises what it raised
+        end = time.perf_counter()
+        with self._lock:
+            charged = end - max(start, self._last_end)
+            self._last_end = end
+        self.telemetry.comm_done(charged, nbytes)
+        self.telemetry.collective_completed(coll)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
 
 
 def timed_allreduce(state: "CommTimer",

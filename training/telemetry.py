@@ -6,10 +6,12 @@ per process when DDTOP_TELEMETRY names an endpoint. Code that reports more
 than the API carries (the trainer's events, aggregates and collectives) holds
 a `Telemetry`: the base class, whose methods do nothing, when telemetry is off.
 
-- The training thread only records: which phase it is in (`phase`), that a
-  step was counted (`count_step`) and what it added (`add_loss`), which
-  collective it waits in (`collective`). Each is a few attribute updates;
-  nothing is encoded or sent on the training thread.
+- The training thread only marks: which phase it enters (`phase`), that a
+  step was counted (`count_step`) and what it added (`add_loss`), what a
+  collective took (`comm_done`), which collective it waits in (`collective`).
+  Each mark is a tuple appended to a deque; the sender thread folds the marks
+  into the step window, in order. Nothing is summed, encoded or sent on the
+  training thread.
 - A loss tensor on a device is summed on that device (no synchronisation on
   the training thread); the sender thread reads the sum when it sends. Each
   loss weighs its samples if given, else 1 (the Step message's `loss_weight`).
@@ -44,7 +46,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import torch
@@ -64,6 +66,19 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
 STEP_PHASES = frozenset({"data", "forward", "backward", "optimizer", "metric_sync"})
 TRIM_MIN_STEPS = 3  # Step.compute_trim_s from this many steps (as daemon/stragglers.py reads it)
+
+
+class CudaLoss(NamedTuple):
+    """The running sum of a rank's losses on a GPU (each times its weight, float64)
+    up to a step, and an event that has passed once the sum is computed."""
+
+    total: torch.Tensor
+    ready: Any  # torch.cuda.Event
+
+
+# What the training thread marks, for the sender to fold (the first item of a mark).
+_PHASE, _STEP, _LOSS, _COMM, _EXPOSED, _SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
+MAX_MARKS = 1 << 16  # marks not yet folded (the sender folds every SEND_INTERVAL_S)
 
 
 @dataclass
@@ -96,7 +111,7 @@ class StepWindow:
     global_step: int = 0
     lr: float = 0.0
     loss_weight: float = 0.0  # what loss_sum is the sum over (samples, or 1 per loss)
-    loss_ready: Any = None  # a CUDA event: loss_sum (on the GPU) is computed once it has passed
+    loss_cuda: CudaLoss | None = None  # its latest loss on a GPU, as the device's running sum
 
 
 class Telemetry:
@@ -147,26 +162,34 @@ class LiveTelemetry(Telemetry):
         self._allreduce_bus_factor = 2 * (n - 1) / n  # nccl-tests' busbw / algbw
         self.memory_device: torch.device | None = None  # the CUDA device the model is on
         # State the training thread writes and the sender thread reads (plain
-        # attribute stores, atomic under the GIL).
-        self._phase: wire.Phase = "setup"
-        self._phase_since = time.perf_counter()
-        # The two above, as one value: what a heartbeat reads (never a torn pair).
-        self._phase_now: tuple[wire.Phase, float] = (self._phase, self._phase_since)
-        # Until then (monotonic) the window whose last step the optimizer hook
-        # counted waits for that step's ddtop.step(loss=...) before it is sent.
-        self._hold_until = 0.0
+        # attribute stores, atomic under the GIL): the phase and since when, as one
+        # value (what a heartbeat reads: never a torn pair), the step for heartbeats,
+        # the collectives started and completed.
+        now = time.perf_counter()
+        self._phase_now: tuple[wire.Phase, float] = ("setup", now)
         self._epoch = 0
         self._global_step = 0
         self._coll_seq = 0
         self._coll_started: wire.Collective | None = None
         self._coll_completed: wire.Collective | None = None
-        self._step_start = time.perf_counter()
-        self._excluded = 0.0  # seconds in non-step phases since the last step
-        # Seconds per step phase since the last step (the training thread's alone).
-        self._phase_acc: collections.defaultdict[str, float] = collections.defaultdict(float)
+        # What happened, in order, for the sender to fold: phases entered, steps
+        # counted, losses, communication (from any thread: deque appends are atomic).
+        self._marks: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=MAX_MARKS)
+        self._cuda_loss: torch.Tensor | None = None  # running sum of CUDA losses (float64)
+        # The sender's fold of the marks: the phase it is in and since when, the
+        # current step's start, its time outside step phases and per step phase.
+        self._f_phase: str = "setup"
+        self._f_since = now
+        self._f_step_start = now
+        self._f_excluded = 0.0
+        self._f_acc: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self._cuda_loss_sent = 0.0  # the running CUDA loss sum up to the last window sent
+        # Until then (monotonic) the window whose last step the optimizer hook
+        # counted waits for that step's ddtop.step(loss=...) before it is sent.
+        self._hold_until = 0.0
         self._scalars: dict[str, float | torch.Tensor] = {}
-        # The step window is swapped out by the sender under this lock.
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the scalars, swapped out by the sender
+        # The sender's alone:
         self._window = StepWindow()
         self._comm_pending = StepWindow()  # all-reduces of the step not yet counted
         self._finished: list[StepWindow] = []  # windows closed at an epoch boundary
@@ -181,28 +204,22 @@ class LiveTelemetry(Telemetry):
 
     @property
     def current_phase(self) -> wire.Phase:
-        return self._phase
+        return self._phase_now[0]
 
     def send_hello(self, hello: wire.Hello) -> None:
         """Hello again: what the rank learned since (its model, totals)."""
         self._queue(hello)
 
     # -- called from the training thread ----------------------------------------
+    # Every step runs through these, on the step's critical path: each records what
+    # happened as one mark (a tuple appended to a deque, no lock, no arithmetic) and
+    # the sender folds the marks into windows. Right after a step, with the caches
+    # cold, every line here costs microseconds.
     def phase(self, name: wire.Phase) -> None:
-        """Several times per step: no lock (the step's phase times go into the
-        window when the step is counted)."""
+        """Several times per step."""
         now = time.perf_counter()
-        self._account_phase(now)
-        self._phase, self._phase_since = name, now
         self._phase_now = (name, now)
-
-    def _account_phase(self, now: float) -> None:
-        """The time in the current phase until `now`: step time or not."""
-        spent = now - self._phase_since
-        if self._phase in STEP_PHASES:
-            self._phase_acc[self._phase] += spent
-        else:
-            self._excluded += spent
+        self._marks.append((_PHASE, name, now))
 
     def count_step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
                    lr: float, loss: Any = None, samples: int | None = None,
@@ -211,36 +228,12 @@ class LiveTelemetry(Telemetry):
         time in phases that are not step phases; its loss and samples, if given,
         go with it. `hold`: its loss comes later (add_loss with release)."""
         now = time.perf_counter()
-        self._account_phase(now)  # no phase spans two steps
-        if self._phase == "setup":
-            self._phase = "data"  # set-up is over once a step is done
-        self._phase_since = now
-        self._phase_now = (self._phase, now)
-        with self._lock:
-            w = self._window
-            if w.steps and w.epoch != epoch:  # never one message across two epochs
-                self._finished.append(w)
-                w = self._window = StepWindow()
-            comm_s = self._comm_pending.comm_s  # this step's, before it joins the window
-            self._take_comm(w)
-            for phase, spent in list(self._phase_acc.items()):
-                w.phase_s[phase] += spent
-            w.steps += 1
-            step_s = max(0.0, now - self._step_start - self._excluded)
-            w.step_s += step_s
-            compute = max(0.0, step_s - comm_s)
-            w.compute_sum_s += compute
-            w.compute_max_s = max(w.compute_max_s, compute)
-            w.compute_steps += 1
-            w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch
-            w.global_step, w.lr = global_step, lr
-            self._add_loss(w, loss, samples)
-            # Held at most one send interval from the first step that waits (a script
-            # that calls ddtop.step only now and then must not hold its steps back).
-            self._hold_until = ((self._hold_until or time.monotonic() + SEND_INTERVAL_S)
-                                if hold else 0.0)
-        self._step_start, self._excluded = now, 0.0
-        self._phase_acc.clear()
+        phase = self._phase_now[0]
+        self._phase_now = ("data" if phase == "setup" else phase, now)  # no phase spans two steps
+        if loss is not None:
+            loss = self._loss_mark(loss, samples)
+        self._marks.append((_STEP, now, epoch, step, steps_per_epoch, global_step, lr, loss,
+                            samples, hold))
         self._epoch, self._global_step = epoch, global_step
 
     def resume_at(self, epoch: int, global_step: int) -> None:
@@ -250,25 +243,25 @@ class LiveTelemetry(Telemetry):
     def add_loss(self, loss: Any, samples: int | None, release: bool = False) -> None:
         """The last step's loss (a number or a tensor, any device) and samples;
         `release`: the step held for it may go out now."""
-        with self._lock:
-            self._add_loss(self._window, loss, samples)
-            if release:
-                self._hold_until = 0.0
+        self._marks.append((_LOSS, self._loss_mark(loss, samples), samples, release))
 
-    @staticmethod
-    def _add_loss(w: StepWindow, loss: Any, samples: int | None) -> None:
-        """Under the lock. A loss on a GPU is summed there, with an event the sender
-        waits for without blocking (a hung collective must not stop heartbeats)."""
-        count = samples if isinstance(samples, int) and samples > 0 else 0
+    def _loss_mark(self, loss: Any, samples: int | None) -> Any:
+        """A loss as its mark carries it: as given (the sender reads it), but a loss
+        on a GPU is added on the device, times its weight, to a running sum, with an
+        event the sender waits for without blocking (a hung collective must not
+        stop heartbeats): a CudaLoss."""
+        if not (isinstance(loss, torch.Tensor) and loss.is_cuda):
+            return loss
         value = _loss_value(loss)
-        w.samples += count
-        if value is not None:
-            weight = count or 1
-            w.loss_sum = w.loss_sum + value * weight
-            w.loss_weight += weight
-            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-                w.loss_ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                w.loss_ready.record()
+        if not isinstance(value, torch.Tensor):
+            return value
+        weight = samples if isinstance(samples, int) and samples > 0 else 1
+        value = value.double() * weight
+        total = value if self._cuda_loss is None else self._cuda_loss + value
+        self._cuda_loss = total
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+        return CudaLoss(total, ready)
 
     def add_scalars(self, scalars: dict[str, Any]) -> list[str]:
         """Keep each scalar's newest value; what was dropped, in words."""
@@ -304,9 +297,7 @@ class LiveTelemetry(Telemetry):
         try:
             yield
         finally:
-            waited = time.perf_counter() - start
-            with self._lock:
-                self._window.sync_wait_s += waited
+            self._marks.append((_SYNC, time.perf_counter() - start))
             self.collective_completed(coll)
 
     def collective_started(self, op: str, nbytes: int) -> wire.Collective:
@@ -319,27 +310,101 @@ class LiveTelemetry(Telemetry):
         self._coll_completed = coll
 
     def comm_done(self, seconds: float, nbytes: int, bus_factor: float | None = None) -> None:
-        """One gradient all-reduce finished (called by the DDP comm hook). It belongs
-        to the step in progress, which is counted later: held until then, so that a
-        window sent in between cannot get the communication without its step.
-        `bus_factor`: the op's busbw / algbw when it is not an all-reduce
-        (training/strategies.py: all-gather, reduce-scatter)."""
-        with self._lock:
-            pending = self._comm_pending
-            pending.comm_s += seconds
-            pending.comm_bytes += nbytes
-            pending.comm_ops += 1
-            pending.comm_bus_bytes += nbytes * (self._allreduce_bus_factor if bus_factor is None
-                                                else bus_factor)
+        """One gradient all-reduce finished (called by the DDP comm hook, on any
+        thread). It belongs to the step in progress, which is counted later: held
+        until then, so that a window sent in between cannot get the communication
+        without its step. `bus_factor`: the op's busbw / algbw when it is not an
+        all-reduce (training/strategies.py: all-gather, reduce-scatter)."""
+        self._marks.append((_COMM, seconds, nbytes,
+                            self._allreduce_bus_factor if bus_factor is None else bus_factor))
 
     def comm_exposed(self, seconds: float) -> None:
         """Of the step's communication, `seconds` the rank sat waiting for it."""
-        with self._lock:
-            self._comm_pending.comm_exposed_s = (self._comm_pending.comm_exposed_s or 0.0) \
-                + seconds
+        self._marks.append((_EXPOSED, seconds))
+
+    # -- the sender's fold of the marks ----------------------------------------------
+    def _fold(self) -> None:
+        """Everything marked so far, into the windows."""
+        marks = self._marks
+        while marks:
+            m = marks.popleft()
+            kind = m[0]
+            if kind is _PHASE:
+                self._account_phase(m[2])
+                self._f_phase, self._f_since = m[1], m[2]
+            elif kind is _STEP:
+                self._fold_step(m)
+            elif kind is _LOSS:
+                self._add_loss(self._window, m[1], m[2])
+                if m[3]:
+                    self._hold_until = 0.0
+            elif kind is _COMM:
+                pending = self._comm_pending
+                pending.comm_s += m[1]
+                pending.comm_bytes += m[2]
+                pending.comm_ops += 1
+                pending.comm_bus_bytes += m[2] * m[3]
+            elif kind is _EXPOSED:
+                pending = self._comm_pending
+                pending.comm_exposed_s = (pending.comm_exposed_s or 0.0) + m[1]
+            elif kind is _SYNC:
+                self._window.sync_wait_s += m[1]
+
+    def _account_phase(self, now: float) -> None:
+        """The time in the current phase until `now`: step time or not."""
+        spent = now - self._f_since
+        if self._f_phase in STEP_PHASES:
+            self._f_acc[self._f_phase] += spent
+        else:
+            self._f_excluded += spent
+
+    def _fold_step(self, m: tuple[Any, ...]) -> None:
+        _, now, epoch, step, steps_per_epoch, global_step, lr, loss, samples, hold = m
+        self._account_phase(now)  # no phase spans two steps
+        if self._f_phase == "setup":
+            self._f_phase = "data"  # set-up is over once a step is done
+        self._f_since = now
+        w = self._window
+        if w.steps and w.epoch != epoch:  # never one message across two epochs
+            self._finished.append(w)
+            w = self._window = StepWindow()
+        comm_s = self._comm_pending.comm_s  # this step's, before it joins the window
+        self._take_comm(w)
+        for phase, spent in self._f_acc.items():
+            w.phase_s[phase] += spent
+        w.steps += 1
+        step_s = max(0.0, now - self._f_step_start - self._f_excluded)
+        w.step_s += step_s
+        compute = max(0.0, step_s - comm_s)
+        w.compute_sum_s += compute
+        w.compute_max_s = max(w.compute_max_s, compute)
+        w.compute_steps += 1
+        w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch
+        w.global_step, w.lr = global_step, lr
+        self._add_loss(w, loss, samples)
+        # Held at most one send interval from the first step that waits (a script
+        # that calls ddtop.step only now and then must not hold its steps back).
+        self._hold_until = ((self._hold_until or time.monotonic() + SEND_INTERVAL_S)
+                            if hold else 0.0)
+        self._f_step_start, self._f_excluded = now, 0.0
+        self._f_acc.clear()
+
+    @staticmethod
+    def _add_loss(w: StepWindow, loss: Any, samples: int | None) -> None:
+        count = samples if isinstance(samples, int) and samples > 0 else 0
+        w.samples += count
+        if type(loss) is CudaLoss:  # read from the running sum when the window is sent
+            w.loss_cuda = loss
+            w.loss_weight += count or 1
+            return
+        value = _loss_value(loss) if loss is not None else None
+        if value is not None:
+            weight = count or 1
+            w.loss_sum = w.loss_sum + value * weight
+            w.loss_weight += weight
 
     def _take_comm(self, w: StepWindow) -> None:
-        """Under the lock: the communication of the step just counted, into `w`."""
+        """The communication of the step just counted, into `w`."""
         pending = self._comm_pending
         w.comm_s += pending.comm_s
         w.comm_bytes += pending.comm_bytes
@@ -362,7 +427,7 @@ class LiveTelemetry(Telemetry):
     def error(self, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(exc))[-wire.MAX_TRACEBACK_CHARS:]
         self.event("error", f"{type(exc).__name__}: {exc}"[:1000], traceback=tb,
-                   phase=self._phase, global_step=self._global_step)
+                   phase=self.current_phase, global_step=self._global_step)
 
     def close(self, exit_code: int) -> None:
         """Send what is pending and a bye, then stop; never waits long."""
@@ -437,20 +502,26 @@ class LiveTelemetry(Telemetry):
         """The steps counted since the last send, but a window that waits for its
         loss (held, or a GPU loss not computed yet: never a blocking read here)
         and those after it, unless `final`."""
+        self._fold()
+        windows, self._finished = self._finished, []
+        held = not final and time.monotonic() < self._hold_until
+        if self._window.steps and not held:
+            windows.append(self._window)
+            self._window = StepWindow()
         with self._lock:
-            windows, self._finished = self._finished, []
-            held = not final and time.monotonic() < self._hold_until
-            if self._window.steps and not held:
-                windows.append(self._window)
-                self._window = StepWindow()
             scalars, self._scalars = self._scalars, {}
         for i, w in enumerate(windows):
-            if w.loss_ready is not None and not w.loss_ready.query():
-                if not final:
-                    with self._lock:
+            cuda = w.loss_cuda
+            if cuda is not None:
+                if not cuda.ready.query():
+                    if not final:
                         self._finished[:0] = windows[i:]  # in order, before newer ones
-                    break
-                w.loss_sum, w.loss_weight = 0.0, 0.0  # never read: the device is stuck
+                        break
+                    w.loss_sum, w.loss_weight = 0.0, 0.0  # never read: the device is stuck
+                else:
+                    total = float(cuda.total)
+                    w.loss_sum = w.loss_sum + total - self._cuda_loss_sent
+                    self._cuda_loss_sent = total
             self._send_step(sock, w)
         if scalars:
             values = {key: float(value) for key, value in scalars.items()}
