@@ -61,11 +61,12 @@ interval spans 0.99)".
    uninstrumented step taken a few ms away. The configurations: no hook, and
    no hook again on a second model (the noise floor: it should read 1.0);
    torch's own Python `allreduce_hook` (what any Python comm hook costs);
-   ddtop's timed comm hook (`ddtop.watch`); the zero-code optimizer hooks;
-   zero-code's wrapped DDP forward (marking the phases);
-   `ddtop.step(loss=..., samples=...)`; and the modes: API (timed comm hook +
-   `ddtop.step`), zero-code (timed comm hook + optimizer hooks + wrapped
-   forward) and zero-code + API (all of them). ddtop's
+   ddtop's timed comm hook (what a model on a GPU gets); DDP stats
+   (`ddtop.watch` on CPU: DDP's own statistics, read after the forward now
+   and then); the zero-code optimizer hooks; zero-code's wrapped DDP forward
+   (marking the phases); `ddtop.step(loss=..., samples=...)`; and the modes:
+   API (`ddtop.watch` + `ddtop.step`), zero-code (`ddtop.watch` + optimizer
+   hooks + phases) and zero-code + API (all of them). ddtop's
    own threads (sender, ZeroMQ) run throughout and are measured apart; the
    modes' verdicts charge their CPU to each step.
 
@@ -402,19 +403,21 @@ def launchers(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
 
 
 # -- part 2: the pieces, in the same processes --------------------------------------------------
-PIECES = {  # name: (comm hook, optimizer hooks, wrapped forward, ddtop.step)
+PIECES = {  # name: (comm timing, optimizer hooks, wrapped forward, ddtop.step)
     "no hook": (None, False, False, False),
     "no hook, again": (None, False, False, False),  # the noise floor: same as the baseline
     "torch allreduce_hook": ("torch", False, False, False),
-    "timed comm hook": ("timed", False, False, False),
+    "timed comm hook": ("hook", False, False, False),  # ddtop's hook (what a GPU model gets)
+    "DDP stats": ("watch", False, False, False),  # ddtop.watch on CPU: DDP's statistics
     "optimizer hooks": (None, True, False, False),
     "wrapped forward": (None, False, True, False),
     "ddtop.step": (None, False, False, True),
-    "API": ("timed", False, False, True),
-    "zero-code": ("timed", True, True, False),
-    "zero-code + API": ("timed", True, True, True),
+    "API": ("watch", False, False, True),
+    "zero-code": ("watch", True, True, False),
+    "zero-code + API": ("watch", True, True, True),
 }
 BASE = "no hook"
+READ_ONE_IN = 12  # 20 ms of ~1.7 ms steps
 MODES = ("API", "zero-code", "zero-code + API")
 WARM_ROUNDS = 20
 PIECES_TIMEOUT_S = 900
@@ -442,9 +445,11 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
     dist.init_process_group("gloo", rank=rank, world_size=2)
     import ddtop
     from ddtop.training import api, autowatch
+    from ddtop.training.commtimer import CommTimer, timed_allreduce
 
-    autowatch._installed = api.current()  # the hooks' target, without patching DDP.__init__
-    DDP.forward = autowatch._ddp_forward  # type: ignore[method-assign]  # as install() does
+    rank_api = api.current()
+    assert rank_api is not None
+    autowatch.wrap_forward()  # as ddtop.watch and install() do
 
     # Models by comm hook, two more of each kind than the configurations that use
     # it, dealt out afresh every round: each step runs on a different model (no
@@ -460,7 +465,10 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
                                       nn.Linear(width, 10)))
             if comm == "torch":
                 model.register_comm_hook(None, allreduce_hook)
-            elif comm == "timed":
+            elif comm == "hook":
+                model.register_comm_hook(CommTimer(rank_api.telemetry, cuda=False),
+                                         timed_allreduce)
+            elif comm == "watch":
                 model = ddtop.watch(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             pools.setdefault(comm, []).append((model, optimizer))
@@ -486,8 +494,18 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
             if optimizer_hooks:
                 handles += [register_optimizer_step_pre_hook(autowatch._optimizer_starts),
                             register_optimizer_step_post_hook(autowatch._optimizer_done)]
-            if forward_hooks:  # zero-code's wrapped forward, for this model
-                object.__setattr__(model, autowatch.WATCHED_ATTR, True)
+            # Zero-code's hooks and phases (the wrapped forward marks phases for the
+            # rank install() made) for the configurations that have them.
+            autowatch._installed = rank_api if optimizer_hooks or forward_hooks else None
+            if forward_hooks and comm is None:  # zero-code's wrapped forward, for this model
+                autowatch.mark_forward(model, rank_api, None)
+            if comm == "watch":
+                # DDP's statistics are read at most every 20 ms (commtimer.READ_EVERY_S);
+                # here a model steps only every few rounds, so it is told when: as in a
+                # steady run of this model's step time, one step in READ_ONE_IN (both
+                # ranks alike: the same rng).
+                stats = model.__dict__[api.WATCHED_ATTR].stats
+                stats._next_read = -math.inf if rng.random() < 1 / READ_ONE_IN else math.inf
             dist.barrier()  # both ranks start the step together
             start, start_cpu = clock(), cpu_clock()
             loss = loss_fn(model(x), y)
@@ -499,7 +517,8 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
             end, end_cpu = clock(), cpu_clock()
             for handle in handles:
                 handle.remove()
-            model.__dict__.pop(autowatch.WATCHED_ATTR, None)
+            if forward_hooks and comm is None:
+                model.__dict__.pop(api.WATCHED_ATTR, None)
             if r >= WARM_ROUNDS:
                 wall[name].append(end - start)
                 cpu[name].append(end_cpu - start_cpu)

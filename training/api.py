@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.daemon import wire
 from ddtop.daemon.contract import RUN_ID_ENV, TELEMETRY_ENV
-from ddtop.training.commtimer import CommTimer
+from ddtop.training.commtimer import CommTimer, DDPStats
 from ddtop.training.telemetry import LiveTelemetry, receiver_answers
 
 FALLBACK_RUN_ID = "script"
@@ -99,6 +99,7 @@ class LiveRank:
         self.steps = 0  # optimizer steps, counting those before a resume (start_step)
         self.steps_per_epoch = self._steps_per_epoch()
         self.timers: list[CommTimer] = []
+        self.stats: list[DDPStats] = []
         self._lr = 0.0
         self._pacer: weakref.ref[torch.optim.Optimizer] | None = None
         self._hook_step_unclaimed = False  # the hook counted a step no step() went with yet
@@ -145,7 +146,11 @@ class LiveRank:
             self.warn_once("not-ddp", f"ddtop.watch: {type(model).__name__} is not "
                            "DistributedDataParallel: no communication to time")
             return
-        if timer_of(ddp) is None:
+        if WATCHED_ATTR in ddp.__dict__ or timer_of(ddp) is not None:
+            pass  # watched already
+        elif ddp.device_type != "cuda":
+            self.stats_for(ddp)
+        else:
             if ddp._comm_hooks:
                 hook = getattr(ddp._comm_hooks[0][0], "__qualname__", "a comm hook")
                 self.warn_once("own-hook", f"comm timing unavailable: the model already has "
@@ -161,6 +166,26 @@ class LiveRank:
                     object.__delattr__(ddp, TIMER_ATTR)
                     self.warn_once("own-hook", f"comm timing unavailable: {e}")
         self.learn_model(ddp)
+
+    def stats_for(self, ddp: DDP) -> DDPStats | None:
+        """Time `ddp` from DDP's own statistics (CPU), and mark its forwards."""
+        from ddtop.training import autowatch  # it imports this module
+
+        if getattr(ddp, "_use_python_reducer", False):
+            # Compiled autograd's Python reducer keeps no statistics.
+            self.warn_once("python-reducer", "comm timing unavailable: DDP runs with "
+                           "compiled autograd's Python reducer")
+            autowatch.mark_forward(ddp, self, None)
+            return None
+        try:
+            stats = DDPStats(self.telemetry, ddp)
+        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+            self.warn_once("stats", f"comm timing unavailable: {type(e).__name__}: {e}")
+            autowatch.mark_forward(ddp, self, None)
+            return None
+        self.stats.append(stats)
+        autowatch.mark_forward(ddp, self, stats)
+        return stats
 
     def timer_for(self, ddp: DDP) -> CommTimer:
         """A new CommTimer for `ddp` (not attached yet), remembered on the model."""
@@ -224,6 +249,8 @@ class LiveRank:
     def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False) -> None:
         for timer in self.timers:
             timer.harvest()
+        for stats in self.stats:
+            stats.over()
         self.steps += 1
         spe = self.steps_per_epoch
         epoch = self._epoch_of(self.steps)
@@ -247,6 +274,9 @@ class LiveRank:
         """Switch to phase `name` (a wire phase); the phase it was in before."""
         previous = self.telemetry.current_phase
         if self.active:
+            if name == "optimizer":
+                for stats in self.stats:
+                    stats.over()
             if name == "setup" and self.steps:
                 name = "data"  # set-up is over once a step is done
             self.telemetry.phase(name)  # type: ignore[arg-type]  # names from ddtop.PHASES
@@ -291,6 +321,7 @@ class LiveRank:
 
 
 TIMER_ATTR = "_ddtop_comm_timer"
+WATCHED_ATTR = "_ddtop_watched"  # a DDP model whose forward marks (autowatch.Watched)
 MAX_WARNINGS = 32
 
 

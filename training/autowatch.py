@@ -9,12 +9,14 @@
   `require_backward_grad_sync` set to False by hand) call no optimizer step, and
   neither does GradScaler when it skips a step after an inf, so neither counts;
 - times every DDP model's gradient communication: DDP's constructor is wrapped
-  so that each model gets the timing comm hook as it is built. DDP takes one comm
-  hook, once, so `register_comm_hook` is wrapped too: a hook the user (or DDP
-  itself, for mixed precision) registers becomes the timer's inner hook, which
-  does the communication exactly as it would alone, timed; a second
-  registration fails as it would without ddtop. A built-in (C++) hook,
-  `_register_builtin_comm_hook`, becomes torch's Python hook of the same
+  so that each model is watched as it is built. On CPU, from DDP's own
+  statistics (commtimer.DDPStats: no comm hook, so any hook the user registers
+  is kept as it is and timed too). On a GPU with the timing comm hook: DDP
+  takes one comm hook, once, so `register_comm_hook` is wrapped too: a hook
+  the user (or DDP itself, for mixed precision) registers becomes the timer's
+  inner hook, which does the communication exactly as it would alone, timed;
+  a second registration fails as it would without ddtop. A built-in (C++)
+  hook, `_register_builtin_comm_hook`, becomes torch's Python hook of the same
   algorithm (`allreduce_hook`, `fp16_compress_hook`), timed the same way;
 - infers the phase for heartbeats: forward at a DDP forward (evaluation when
   gradients are off or the model is in eval mode), backward after it, optimizer
@@ -32,6 +34,7 @@ so once, as a warning event.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -44,14 +47,15 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ddtop.training.api import LiveRank, current, timer_of
-from ddtop.training.commtimer import timed_allreduce
+from ddtop.training.api import WATCHED_ATTR, LiveRank, current, timer_of
+from ddtop.training.commtimer import DDPStats, timed_allreduce
+from ddtop.training.telemetry import LiveTelemetry
 
 _installed: LiveRank | None = None
 _wrapping: LiveRank | None = None  # who times hooks registered on a watched model
 _original_init = DDP.__init__
 _original_forward = DDP.forward
-WATCHED_ATTR = "_ddtop_watched"  # on a DDP model whose forward marks the phases
+_forward_wrapped = False
 _original_register = DDP.register_comm_hook
 _original_builtin = DDP._register_builtin_comm_hook
 # The built-in (C++) hooks and torch's Python hooks that do the same.
@@ -73,7 +77,7 @@ def install() -> bool:
         register_optimizer_step_pre_hook(_optimizer_starts)
         register_optimizer_step_post_hook(_optimizer_done)
         DDP.__init__ = _ddp_init  # type: ignore[method-assign]  # the point of zero-code
-        DDP.forward = _ddp_forward  # type: ignore[method-assign]
+        wrap_forward()
         wrap_registration(rank)
     return True
 
@@ -87,6 +91,68 @@ def wrap_registration(rank: LiveRank) -> None:
         _wrapping = rank
         DDP.register_comm_hook = _register_comm_hook  # type: ignore[method-assign]
         DDP._register_builtin_comm_hook = _register_builtin  # type: ignore[method-assign]
+
+
+class Watched:
+    """On a DDP model whose forward ddtop marks: the rank, and the model's
+    DDPStats (None: timed by a comm hook, or not at all)."""
+
+    __slots__ = ("rank", "stats")
+
+    def __init__(self, rank: LiveRank, stats: DDPStats | None) -> None:
+        self.rank, self.stats = rank, stats
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Watched:
+        return self  # (a copy of a watched model, an EMA copy say, shares it)
+
+
+def wrap_forward() -> None:
+    """DDP's forward, wrapped (once, for the class): a watched model's forwards
+    are marked, any other model's pass straight through. Idempotent."""
+    global _forward_wrapped
+    if not _forward_wrapped:
+        _forward_wrapped = True
+        DDP.forward = _ddp_forward  # type: ignore[method-assign]
+        if "torch._dynamo" in sys.modules:
+            _skipped_by_dynamo()
+        else:
+            torch.compile = _compile
+
+
+# torch.compile traces a compiled model's forward, the wrapper and what it calls
+# included, and would leave out the marks (they are not torch operations): the
+# wrapper's code runs as Python instead, while DDP's forward and the model are
+# compiled as they would be. torch._dynamo is imported by torch.compile (almost a
+# second), so the code is registered then, not before.
+_original_compile = torch.compile
+_dynamo_skips: list[Callable[..., Any]] = []  # filled below, once defined
+
+
+def _compile(*args: Any, **kwargs: Any) -> Any:
+    _skipped_by_dynamo()
+    return _original_compile(*args, **kwargs)
+
+
+def _skipped_by_dynamo() -> None:
+    global _dynamo_skips
+    skips, _dynamo_skips = _dynamo_skips, []
+    if not skips:
+        return
+    try:
+        from torch._dynamo.eval_frame import skip_code
+
+        for fn in skips:
+            skip_code(fn.__code__)
+    except Exception as e:  # noqa: BLE001 - a private interface of torch's
+        if _installed is not None:
+            _installed.warn_once("compile", "under torch.compile, DDP forwards may not be "
+                                 f"marked: {type(e).__name__}: {e}")
+
+
+def mark_forward(ddp: DDP, rank: LiveRank, stats: DDPStats | None) -> None:
+    """Have `ddp`'s forwards marked for `rank` (and read for `stats`)."""
+    object.__setattr__(ddp, WATCHED_ATTR, Watched(rank, stats))  # a plain attribute
+    wrap_forward()
 
 
 def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -125,7 +191,9 @@ def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
     if rank is None or not rank.active:
         return
     try:
-        if getattr(self, "_use_python_reducer", False):
+        if self.device_type != "cuda":
+            rank.stats_for(self)  # (which says why not, if it cannot)
+        elif getattr(self, "_use_python_reducer", False):
             # Compiled autograd's Python reducer calls comm hooks with (grad, param),
             # not a bucket: leave the model untimed rather than break its backward.
             rank.warn_once("python-reducer", "comm timing unavailable: DDP runs with "
@@ -135,7 +203,8 @@ def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
         elif timer_of(self) is None:
             rank.warn_once("builtin-hook", "comm timing unavailable: this DDP model has a "
                            "built-in comm hook, which it keeps")
-        object.__setattr__(self, WATCHED_ATTR, True)  # a plain attribute
+        if WATCHED_ATTR not in self.__dict__:
+            mark_forward(self, rank, None)
         rank.learn_model(self)
     except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
         rank.warn_once("attach", f"comm timing unavailable: {type(e).__name__}: {e}")
@@ -144,7 +213,8 @@ def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
 def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
     rank = _wrapping
     timer = timer_of(self)
-    if rank is None or hook is timed_allreduce or (timer is not None and timer.inner):
+    if rank is None or hook is timed_allreduce or (timer is not None and timer.inner) \
+            or getattr(self, "device_type", "cpu") != "cuda":  # on CPU: DDP's statistics time it
         _original_register(self, state, hook)  # ours, or a second one: as without ddtop
         return
     # A malformed hook fails as it would without ddtop (torch leaves this unannotated).
@@ -175,16 +245,29 @@ def _register_builtin(self: DDP, comm_hook_type: Any) -> None:
 
 
 def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
-    """DDP's forward, marking the phases of a model built after install()."""
-    rank = _installed
-    if torch.compiler.is_compiling() or rank is None or not rank.active \
-            or WATCHED_ATTR not in self.__dict__:  # (nothing to trace into a compiled graph)
+    """DDP's forward, marked for a watched model: the phases (zero-code mode),
+    the end of the last step's all-reduce, and after a forward that all-reduces
+    in the coming backward, that all-reduce (DDPStats)."""
+    watched = None if torch.compiler.is_compiling() else self.__dict__.get(WATCHED_ATTR)
+    if watched is None or not watched.rank.active:  # (nothing to trace into a compiled graph)
         return _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
+    rank, stats = watched.rank, watched.stats
+    phases = rank is _installed
     training = self.training and torch.is_grad_enabled()
-    if training:
-        rank.iteration_started()
-    rank.telemetry.phase("forward" if training else "evaluation")
+    if stats is not None and stats.coll is not None:
+        stats.over()
+    if phases:
+        if training:
+            rank.iteration_started()
+        rank.telemetry.phase("forward" if training else "evaluation")
     output = _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
-    if training:
+    if stats is not None and self.require_backward_grad_sync and torch.is_grad_enabled():
+        stats.synced(self)
+    if phases and training:
         rank.telemetry.phase("backward")  # the loss, then backward
     return output
+
+
+_dynamo_skips = [_ddp_forward, DDPStats.synced, DDPStats._read, DDPStats.over,
+                 LiveRank.iteration_started, LiveTelemetry.phase,
+                 LiveTelemetry.collective_over]

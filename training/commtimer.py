@@ -28,6 +28,7 @@ and the clock runs from calling it to its future completing (bytes: the
 bucket before the hook compresses it).
 """
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddtop.training.telemetry import Telemetry
+from ddtop.daemon import wire
+from ddtop.training.telemetry import DDP_READING, DDP_SYNC, LiveTelemetry, Telemetry
 
 # A comm hook as DDP calls it: hook(state, bucket) -> future of the reduced bucket.
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
@@ -164,3 +166,85 @@ def timed_allreduce(state: "CommTimer",
                      bucket: dist.GradBucket  # type: ignore[name-defined]
                      ) -> torch.futures.Future[torch.Tensor]:
     return state.launch(bucket)
+
+
+# -- DDP models on CPU: timed from DDP's own statistics ------------------------------------
+READ_EVERY_S = 0.02  # at most one reading of DDP's statistics per this much time
+# ... but at each of the first syncs: short runs get readings, and the median that
+# steps not read are given settles past the first iterations' outliers (DDP
+# rebuilds its buckets in the first) before it is used.
+READ_FIRST = 20
+
+
+class DDPStats:
+    """Times a DDP model's gradient all-reduce from the statistics DDP keeps in
+    C++ (`_set_ddp_runtime_logging_sample_rate(1)`: the reducer times every
+    iteration's communication, from launching its first bucket to the last
+    one done), with no Python on the all-reduce's path: no comm hook, so a
+    user's own hook, built-in or not, is timed as it is.
+
+    DDP computes an iteration's figures at the next forward that all-reduces,
+    and reading them costs tens of µs, so the wrapped forward (autowatch.py)
+    reads them after such a forward (the last step's all-reduce) at most every
+    READ_EVERY_S, and at the first READ_FIRST: every step when steps are
+    longer than that (so a long wait, such as an evaluation on another rank,
+    is always read), one step in several when they are shorter; a step not
+    read is given the median of the recent readings (telemetry.py). Bytes and
+    buckets are counted for every step. The collective a hung rank waits in is
+    named from the forward on: the all-reduce starts with backward.
+    """
+
+    def __init__(self, telemetry: LiveTelemetry, ddp: DDP) -> None:
+        self.telemetry = telemetry
+        params = getattr(ddp, "_module_parameters", None) or list(ddp.module.parameters())
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        self.buckets = 1  # all-reduces per step: DDP's first iteration has one bucket
+        self.coll: wire.Collective | None = None  # the all-reduce named since the forward
+        self.reads = 0
+        self._next_read = -math.inf  # (perf_counter) the next forward may read from then
+        self._last_start: int | None = None  # the reading last sent, by its start (ns)
+        self._mark = telemetry._marks.append
+        self._sync = (DDP_SYNC, self)
+        self.failed = ""  # why reading stopped, once it has
+        ddp._set_ddp_runtime_logging_sample_rate(1)  # type: ignore[no-untyped-call]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "DDPStats":
+        return self  # (a copy of a watched model, an EMA copy say, shares it)
+
+    def synced(self, ddp: DDP) -> None:
+        """After a forward of `ddp` that all-reduces in the backward to come. On
+        every step's critical path: no call but the reading, when it is due."""
+        if time.perf_counter() >= self._next_read and not self.failed:
+            self._read(ddp)
+        self._mark(self._sync)
+        telemetry = self.telemetry  # telemetry.collective_started, inline
+        telemetry._coll_seq += 1
+        self.coll = telemetry._coll_started = wire.Collective(
+            seq=telemetry._coll_seq, op="allreduce", bytes=self.grad_bytes)
+
+    def over(self) -> None:
+        """The step's all-reduce is over (the optimizer steps, or the next forward)."""
+        if self.coll is not None:
+            self.telemetry.collective_over(self.coll)
+            self.coll = None
+
+    def _read(self, ddp: DDP) -> None:
+        self.reads += 1
+        if self.reads >= READ_FIRST:
+            self._next_read = time.perf_counter() + READ_EVERY_S
+        try:
+            assert ddp.logger is not None
+            ints = ddp.logger._get_ddp_logging_data().ints_map
+        except Exception as e:  # noqa: BLE001 - a prototype interface of torch's
+            self.failed = f"{type(e).__name__}: {e}"
+            self.telemetry.event("warning", "comm time unavailable: reading DDP's "
+                                 f"statistics failed: {self.failed}"[:1000])
+            return
+        start, took = ints.get("backward_comm_time_start"), ints.get("backward_comm_time")
+        if start is None or took is None or start == self._last_start or took < 0:
+            return
+        self._last_start = start
+        buckets = ints.get("num_buckets_reduced")
+        if isinstance(buckets, int) and buckets > 0:
+            self.buckets = buckets
+        self._mark((DDP_READING, self, took / 1e9))

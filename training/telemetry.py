@@ -38,6 +38,7 @@ import collections
 import math
 import os
 import re
+import statistics
 import sys
 import threading
 import time
@@ -78,7 +79,10 @@ class CudaLoss(NamedTuple):
 
 # What the training thread marks, for the sender to fold (the first item of a mark).
 _PHASE, _STEP, _LOSS, _COMM, _EXPOSED, _SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
+DDP_SYNC, DDP_READING = "ddp sync", "ddp reading"
 MAX_MARKS = 1 << 16  # marks not yet folded (the sender folds every SEND_INTERVAL_S)
+OPEN_WAIT_S = 0.25  # how long a counted step waits for the reading of its all-reduce
+TYPICAL_OF = 9  # an all-reduce not read takes the median of this many recent readings
 
 
 @dataclass
@@ -138,6 +142,9 @@ class Telemetry:
     def comm_exposed(self, seconds: float) -> None:
         pass
 
+    def collective_over(self, coll: wire.Collective) -> None:
+        pass
+
     def aggregate(self, scope: wire.Scope, epoch: int, global_step: int, **metrics: Any) -> None:
         pass
 
@@ -184,6 +191,14 @@ class LiveTelemetry(Telemetry):
         self._f_excluded = 0.0
         self._f_acc: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._cuda_loss_sent = 0.0  # the running CUDA loss sum up to the last window sent
+        # The step counted last, not yet in the window (see _fold), since when
+        # (monotonic), and its DDP all-reduces: [source, seconds read or None].
+        self._open: StepWindow | None = None
+        self._open_since = 0.0
+        self._open_syncs: list[list[Any]] = []
+        self._pending_syncs: list[list[Any]] = []  # the step in progress's
+        self._readings: dict[int, collections.deque[float]] = {}  # by id(source): recent
+        self._typical: dict[int, float] = {}  # by id(source): their median
         # Until then (monotonic) the window whose last step the optimizer hook
         # counted waits for that step's ddtop.step(loss=...) before it is sent.
         self._hold_until = 0.0
@@ -322,7 +337,23 @@ class LiveTelemetry(Telemetry):
         """Of the step's communication, `seconds` the rank sat waiting for it."""
         self._marks.append((_EXPOSED, seconds))
 
+    # A DDP model timed from DDP's own statistics (training/commtimer.py DDPStats)
+    # marks, from the training thread: (DDP_SYNC, source) after a forward that
+    # all-reduces in this step's backward (its bytes and buckets, and its time
+    # unless read before the step is sent: then the median of the recent
+    # readings); (DDP_READING, source, seconds) what its last all-reduce took,
+    # read from DDP's statistics (the one of the step counted last).
+    def collective_over(self, coll: wire.Collective) -> None:
+        """`coll` is over, unless another collective started since (then that one
+        is what a heartbeat names)."""
+        if self._coll_started is coll:
+            self._coll_completed = coll
+
     # -- the sender's fold of the marks ----------------------------------------------
+    # A counted step stays open (not yet in the window) until the next step is
+    # counted or the window is sent, so that a reading of its all-reduce, which
+    # DDP only has at the next forward, still goes with it; a step whose reading
+    # is due waits for it at most OPEN_WAIT_S.
     def _fold(self) -> None:
         """Everything marked so far, into the windows."""
         marks = self._marks
@@ -333,9 +364,10 @@ class LiveTelemetry(Telemetry):
                 self._account_phase(m[2])
                 self._f_phase, self._f_since = m[1], m[2]
             elif kind is _STEP:
-                self._fold_step(m)
+                self._close_open()
+                self._open_step(m)
             elif kind is _LOSS:
-                self._add_loss(self._window, m[1], m[2])
+                self._add_loss(self._open or self._window, m[1], m[2])
                 if m[3]:
                     self._hold_until = 0.0
             elif kind is _COMM:
@@ -349,6 +381,17 @@ class LiveTelemetry(Telemetry):
                 pending.comm_exposed_s = (pending.comm_exposed_s or 0.0) + m[1]
             elif kind is _SYNC:
                 self._window.sync_wait_s += m[1]
+            elif kind is DDP_SYNC:
+                self._pending_syncs.append([m[1], None])
+            elif kind is DDP_READING:
+                recent = self._readings.setdefault(id(m[1]),
+                                                   collections.deque(maxlen=TYPICAL_OF))
+                recent.append(m[2])
+                self._typical[id(m[1])] = statistics.median(recent)
+                for sync in self._open_syncs:
+                    if sync[0] is m[1] and sync[1] is None:
+                        sync[1] = m[2]
+                        break
 
     def _account_phase(self, now: float) -> None:
         """The time in the current phase until `now`: step time or not."""
@@ -358,36 +401,69 @@ class LiveTelemetry(Telemetry):
         else:
             self._f_excluded += spent
 
-    def _fold_step(self, m: tuple[Any, ...]) -> None:
+    def _open_step(self, m: tuple[Any, ...]) -> None:
         _, now, epoch, step, steps_per_epoch, global_step, lr, loss, samples, hold = m
         self._account_phase(now)  # no phase spans two steps
         if self._f_phase == "setup":
             self._f_phase = "data"  # set-up is over once a step is done
         self._f_since = now
-        w = self._window
-        if w.steps and w.epoch != epoch:  # never one message across two epochs
-            self._finished.append(w)
-            w = self._window = StepWindow()
-        comm_s = self._comm_pending.comm_s  # this step's, before it joins the window
-        self._take_comm(w)
+        o = StepWindow(steps=1, step_s=max(0.0, now - self._f_step_start - self._f_excluded),
+                       epoch=epoch, step=step, steps_per_epoch=steps_per_epoch,
+                       global_step=global_step, lr=lr)
+        self._take_comm(o)
         for phase, spent in self._f_acc.items():
-            w.phase_s[phase] += spent
-        w.steps += 1
-        step_s = max(0.0, now - self._f_step_start - self._f_excluded)
-        w.step_s += step_s
-        compute = max(0.0, step_s - comm_s)
-        w.compute_sum_s += compute
-        w.compute_max_s = max(w.compute_max_s, compute)
-        w.compute_steps += 1
-        w.epoch, w.step, w.steps_per_epoch = epoch, step, steps_per_epoch
-        w.global_step, w.lr = global_step, lr
-        self._add_loss(w, loss, samples)
+            o.phase_s[phase] += spent
+        self._add_loss(o, loss, samples)
         # Held at most one send interval from the first step that waits (a script
         # that calls ddtop.step only now and then must not hold its steps back).
         self._hold_until = ((self._hold_until or time.monotonic() + SEND_INTERVAL_S)
                             if hold else 0.0)
         self._f_step_start, self._f_excluded = now, 0.0
         self._f_acc.clear()
+        self._open, self._open_since = o, time.monotonic()
+        self._open_syncs, self._pending_syncs = self._pending_syncs, []
+
+    def _open_waits(self) -> bool:
+        """The open step waits for a reading of its all-reduce, not for too long."""
+        return (any(reading is None for _, reading in self._open_syncs)
+                and time.monotonic() - self._open_since < OPEN_WAIT_S)
+
+    def _close_open(self) -> None:
+        """The open step, with its all-reduces' time (read, or the median of the
+        recent readings), into the window."""
+        o = self._open
+        if o is None:
+            return
+        self._open = None
+        for source, reading in self._open_syncs:
+            if reading is None:
+                reading = self._typical.get(id(source), 0.0)
+            o.comm_s += reading
+            o.comm_bytes += source.grad_bytes
+            o.comm_ops += source.buckets
+            o.comm_bus_bytes += source.grad_bytes * self._allreduce_bus_factor
+        self._open_syncs = []
+        o.comm_s = min(o.comm_s, o.step_s)  # (a reading of warm-up, or a median: never more)
+        w = self._window
+        if w.steps and w.epoch != o.epoch:  # never one message across two epochs
+            self._finished.append(w)
+            w = self._window = StepWindow()
+        compute = max(0.0, o.step_s - o.comm_s)
+        w.compute_sum_s += compute
+        w.compute_max_s = max(w.compute_max_s, compute)
+        w.compute_steps += 1
+        w.steps += 1
+        w.step_s += o.step_s
+        for phase, spent in o.phase_s.items():
+            w.phase_s[phase] += spent
+        self._take_comm(w, o)
+        w.samples += o.samples
+        w.loss_sum = w.loss_sum + o.loss_sum
+        w.loss_weight += o.loss_weight
+        if o.loss_cuda is not None:
+            w.loss_cuda = o.loss_cuda
+        w.epoch, w.step, w.steps_per_epoch = o.epoch, o.step, o.steps_per_epoch
+        w.global_step, w.lr = o.global_step, o.lr
 
     @staticmethod
     def _add_loss(w: StepWindow, loss: Any, samples: int | None) -> None:
@@ -403,9 +479,11 @@ class LiveTelemetry(Telemetry):
             w.loss_sum = w.loss_sum + value * weight
             w.loss_weight += weight
 
-    def _take_comm(self, w: StepWindow) -> None:
-        """The communication of the step just counted, into `w`."""
-        pending = self._comm_pending
+    def _take_comm(self, w: StepWindow, pending: StepWindow | None = None) -> None:
+        """The communication in `pending` (by default: of the step about to be
+        counted), into `w`."""
+        if pending is None:
+            pending = self._comm_pending
         w.comm_s += pending.comm_s
         w.comm_bytes += pending.comm_bytes
         w.comm_ops += pending.comm_ops
@@ -503,6 +581,8 @@ class LiveTelemetry(Telemetry):
         loss (held, or a GPU loss not computed yet: never a blocking read here)
         and those after it, unless `final`."""
         self._fold()
+        if self._open is not None and (final or not self._open_waits()):
+            self._close_open()
         windows, self._finished = self._finished, []
         held = not final and time.monotonic() < self._hold_until
         if self._window.steps and not held:
