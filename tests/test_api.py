@@ -269,8 +269,45 @@ def test_a_compiled_model_on_cpu_is_timed(tmp_path: Path) -> None:
     sent = collector.of(wire.Step)
     assert sum(s.steps for s in sent) == 30
     assert sum(s.comm_bytes for s in sent) == 30 * (16 * 4 + 4) * 4
-    assert all(0 < s.comm_s <= s.step_s for s in sent), [(s.comm_s, s.step_s) for s in sent]
+    # (the first step's time, and so its comm, can be 0: set-up is not step time)
+    assert sum(s.comm_s for s in sent) > 0
+    assert all(s.comm_s <= s.step_s for s in sent), [(s.comm_s, s.step_s) for s in sent]
     assert not [e for e in collector.of(wire.Event) if e.type == "warning"]
+
+
+def test_on_cpu_a_forward_with_no_backward_is_not_an_all_reduce(tmp_path: Path) -> None:
+    """An evaluation with gradients on (model.eval() without no_grad), or a step
+    skipped before backward: DDP all-reduces nothing, and neither does ddtop
+    count or name one."""
+    with collecting() as collector:
+        code, out, err = python("""
+            import os, torch, torch.distributed as dist, ddtop
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            model = ddtop.watch(DDP(torch.nn.Linear(16, 4)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            def train(n):
+                model.train()
+                for _ in range(n):
+                    model(torch.ones(8, 16)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    ddtop.step(samples=8)
+            train(10)
+            model.eval()
+            for _ in range(20):
+                model(torch.ones(8, 16)).sum()  # no backward
+            train(10)
+            print("trained")
+            dist.destroy_process_group()
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint, "PORT": str(free_port())})
+        assert code == 0 and out == "trained\n", err
+        wait_for(collector, wire.Bye)
+    sent = collector.of(wire.Step)
+    assert sum(s.steps for s in sent) == 20
+    assert sum(s.comm_bytes for s in sent) == 20 * (16 * 4 + 4) * 4
+    assert sum(s.comm_ops for s in sent) == 20
 
 
 @pytest.mark.parametrize("hook", ["--own-hook", "--builtin-hook"])

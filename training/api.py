@@ -236,7 +236,8 @@ class LiveRank:
             # A script that calls ddtop.step gives this step's loss next: wait for it.
             self._count(hold=self._calls_step)
             self._hook_step_unclaimed = True
-        self.enter_phase("data")  # the next step begins by waiting for its batch
+        if self.active:
+            self.telemetry.phase("data")  # the next step begins by waiting for its batch
 
     def iteration_started(self) -> None:
         """A training forward of a DDP model (zero-code): a `step()` that counted a
@@ -247,16 +248,18 @@ class LiveRank:
         self._call_step_unclaimed = False
 
     def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False) -> None:
-        for timer in self.timers:
-            timer.harvest()
+        # On every step's critical path: as few calls as can be.
+        if self.timers:
+            for timer in self.timers:
+                timer.harvest()
         for stats in self.stats:
-            stats.over()
-        self.steps += 1
+            if stats.coll is not None:
+                stats.over()
+        steps = self.steps = self.steps + 1
         spe = self.steps_per_epoch
-        epoch = self._epoch_of(self.steps)
-        self.telemetry.count_step(epoch=epoch, step=self.steps - epoch * spe if spe else 0,
-                                  steps_per_epoch=spe, global_step=self.steps, lr=self._lr,
-                                  loss=loss, samples=samples, hold=hold)
+        epoch = (steps - 1) // spe if spe else 0  # (self._epoch_of, inline)
+        self.telemetry.count_step(epoch, steps - epoch * spe if spe else 0, spe, steps,
+                                  self._lr, loss, samples, hold)
 
     def _steps_per_epoch(self) -> int:
         """From the totals said so far (0: not known)."""
@@ -276,7 +279,8 @@ class LiveRank:
         if self.active:
             if name == "optimizer":
                 for stats in self.stats:
-                    stats.over()
+                    if stats.coll is not None:
+                        stats.over()
             if name == "setup" and self.steps:
                 name = "data"  # set-up is over once a step is done
             self.telemetry.phase(name)  # type: ignore[arg-type]  # names from ddtop.PHASES

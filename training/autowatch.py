@@ -33,7 +33,6 @@ so once, as a warning event.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -155,30 +154,30 @@ def mark_forward(ddp: DDP, rank: LiveRank, stats: DDPStats | None) -> None:
     wrap_forward()
 
 
-def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
-    """A hook that reports its own failure once, as a warning, instead of raising
-    into the user's program."""
-    @functools.wraps(hook)
-    def guarded(*args: Any) -> None:
-        try:
-            hook(*args)
-        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
-            if _installed is not None:
-                _installed.warn_once(f"hook-{hook.__name__}", f"ddtop's {hook.__name__} "
-                                     f"hook failed and was skipped: {type(e).__name__}: {e}")
-    return guarded
-
-
-@_guarded
+# The optimizer hooks run on every step: a failure of their own is reported once,
+# as a warning, instead of raising into the user's program.
 def _optimizer_starts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _installed is not None:
-        _installed.enter_phase("optimizer")
+        try:
+            _installed.enter_phase("optimizer")
+        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+            _hook_failed("_optimizer_starts", e)
 
 
-@_guarded
 def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _installed is not None:
-        _installed.optimizer_stepped(optimizer)
+        try:
+            _installed.optimizer_stepped(optimizer)
+        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+            _hook_failed("_optimizer_done", e)
+
+
+def _hook_failed(name: str, e: Exception, rank: LiveRank | None = None) -> None:
+    """Once, as a warning: ddtop's own `name` failed (and was skipped)."""
+    rank = rank or _installed
+    if rank is not None:
+        rank.warn_once(f"hook-{name}", f"ddtop's {name} hook failed and was skipped: "
+                       f"{type(e).__name__}: {e}")
 
 
 def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
@@ -247,27 +246,37 @@ def _register_builtin(self: DDP, comm_hook_type: Any) -> None:
 def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
     """DDP's forward, marked for a watched model: the phases (zero-code mode),
     the end of the last step's all-reduce, and after a forward that all-reduces
-    in the coming backward, that all-reduce (DDPStats)."""
+    in its backward, a reading of DDP's statistics when due (DDPStats)."""
     watched = None if torch.compiler.is_compiling() else self.__dict__.get(WATCHED_ATTR)
     if watched is None or not watched.rank.active:  # (nothing to trace into a compiled graph)
         return _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
     rank, stats = watched.rank, watched.stats
     phases = rank is _installed
     training = self.training and torch.is_grad_enabled()
-    if stats is not None and stats.coll is not None:
-        stats.over()
-    if phases:
-        if training:
-            rank.iteration_started()
-        rank.telemetry.phase("forward" if training else "evaluation")
+    try:
+        if stats is not None and stats.coll is not None:
+            stats.over()
+        if phases:
+            if training:
+                rank.iteration_started()
+            rank.telemetry.phase("forward" if training else "evaluation")
+    except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+        _hook_failed("forward", e, rank)
     output = _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
-    if stats is not None and self.require_backward_grad_sync and torch.is_grad_enabled():
-        stats.synced(self)
-    if phases and training:
-        rank.telemetry.phase("backward")  # the loss, then backward
+    try:
+        if stats is not None:
+            if self.require_backward_grad_sync and torch.is_grad_enabled():
+                stats.synced(self)
+            else:
+                stats.armed = False  # (its backward, if any, all-reduces nothing)
+        if phases and training:
+            rank.telemetry.phase("backward")  # the loss, then backward
+    except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+        _hook_failed("forward", e, rank)
     return output
 
 
 _dynamo_skips = [_ddp_forward, DDPStats.synced, DDPStats._read, DDPStats.over,
+                 DDPStats._backward_done, _hook_failed,
                  LiveRank.iteration_started, LiveTelemetry.phase,
                  LiveTelemetry.collective_over]

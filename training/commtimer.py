@@ -1,4 +1,5 @@
-"""Timing DDP's gradient all-reduces with a communication hook.
+"""Timing DDP's gradient all-reduces: a communication hook (GPU), DDP's own
+statistics (CPU).
 
 (No `from __future__ import annotations` here: DDP checks the hook's
 annotations at run time against the real `dist.GradBucket` and `Future` types.)
@@ -13,10 +14,9 @@ of the all-reduce).
 - CPU / gloo: the time from launching a bucket's all-reduce to its future
   completing. Buckets queue behind each other on one process group, so each
   bucket is charged only from when the previous one finished: the sum is the
-  wall time spent communicating, and bytes / that time is the bandwidth. The
-  step's last bucket is all-reduced and waited for inside the hook (DDP waits
-  for it at once anyway): a `then` callback costs more than the rest of the
-  hook on a step of a few ms.
+  wall time spent communicating, and bytes / that time is the bandwidth.
+  (ddtop times a DDP model on CPU with DDPStats below, not this hook; the
+  benches still time the hook on CPU, as what any Python hook costs.)
 - CUDA: CUDA events recorded around each all-reduce, read back later with
   `event.query()` (a completed pair is harvested at the next step; nothing
   ever waits for the device).
@@ -107,9 +107,6 @@ class CommTimer:
         if inner is None:
             buffer.div_(self._world_size)  # as allreduce_hook: divide first, then sum
         coll = self.telemetry.collective_started("allreduce", nbytes)
-        complex_ = buffer.is_complex()
-        if inner is None and not self.cuda and not complex_ and bucket.is_last():
-            return self._reduce_last(group, buffer, nbytes, coll)
         if self.cuda:
             start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start_ev.record()
@@ -117,7 +114,7 @@ class CommTimer:
         if inner is not None:
             hook, state = inner
             fut: torch.futures.Future[Any] = hook(state, bucket)
-        elif complex_:  # dist.all_reduce sums it as real pairs
+        elif buffer.is_complex():  # dist.all_reduce sums it as real pairs
             fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         else:
             fut = group.allreduce([buffer], self._allreduce_opts).get_future()
@@ -141,25 +138,6 @@ class CommTimer:
             return reduced
 
         return fut.then(finished)
-
-    def _reduce_last(self, group: dist.ProcessGroup, buffer: torch.Tensor, nbytes: int,
-                     coll: Any) -> torch.futures.Future[torch.Tensor]:
-        """The step's last bucket on CPU: all-reduced here, waited for, and handed
-        back as a completed future. Nothing of backward is left to overlap with it
-        (DDP waits for every bucket as soon as the last one is launched), and
-        waiting here (the wait releases the GIL) spares what a `then` callback
-        costs: Python on gloo's thread, the GIL handed over and back."""
-        start = time.perf_counter()
-        group.allreduce([buffer], self._allreduce_opts).wait()  # raises what it raised
-        end = time.perf_counter()
-        with self._lock:
-            charged = end - max(start, self._last_end)
-            self._last_end = end
-        self.telemetry.comm_done(charged, nbytes)
-        self.telemetry.collective_completed(coll)
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(buffer)
-        return done
 
 
 def timed_allreduce(state: "CommTimer",
@@ -190,8 +168,13 @@ class DDPStats:
     longer than that (so a long wait, such as an evaluation on another rank,
     is always read), one step in several when they are shorter; a step not
     read is given the median of the recent readings (telemetry.py). Bytes and
-    buckets are counted for every step. The collective a hung rank waits in is
-    named from the forward on: the all-reduce starts with backward.
+    buckets are counted, and the collective a hung rank waits in is named, once
+    that forward's backward has reached the model's first parameter (a
+    post-accumulate-grad hook on it: its gradient is, as a rule, the last to be
+    ready, and DDP waits for the all-reduce right after): so a forward with no
+    backward after it (an evaluation with gradients on, a step skipped on a
+    NaN) is not an all-reduce, and a rank still in its backward is not yet
+    inside one: the others, done, wait for it.
     """
 
     def __init__(self, telemetry: LiveTelemetry, ddp: DDP) -> None:
@@ -203,24 +186,35 @@ class DDPStats:
         self.reads = 0
         self._next_read = -math.inf  # (perf_counter) the next forward may read from then
         self._last_start: int | None = None  # the reading last sent, by its start (ns)
-        self._mark = telemetry._marks.append
         self._sync = (DDP_SYNC, self)
+        self.armed = False  # a forward that all-reduces has run; its backward not begun
         self.failed = ""  # why reading stopped, once it has
         ddp._set_ddp_runtime_logging_sample_rate(1)  # type: ignore[no-untyped-call]
+        first = next((p for p in params if p.requires_grad), None)
+        if first is not None:
+            first.register_post_accumulate_grad_hook(self._backward_done)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "DDPStats":
         return self  # (a copy of a watched model, an EMA copy say, shares it)
 
     def synced(self, ddp: DDP) -> None:
-        """After a forward of `ddp` that all-reduces in the backward to come. On
-        every step's critical path: no call but the reading, when it is due."""
+        """After a forward of `ddp` that all-reduces in the backward to come (if
+        one comes): DDP has the last step's figure now; read it if due."""
         if time.perf_counter() >= self._next_read and not self.failed:
             self._read(ddp)
-        self._mark(self._sync)
-        telemetry = self.telemetry  # telemetry.collective_started, inline
-        telemetry._coll_seq += 1
-        self.coll = telemetry._coll_started = wire.Collective(
-            seq=telemetry._coll_seq, op="allreduce", bytes=self.grad_bytes)
+        self.armed = True
+
+    def _backward_done(self, param: torch.Tensor) -> None:
+        """The model's first parameter has its gradient: the backward is through
+        the model, and its all-reduce is what it waits for. On every step's
+        critical path: no call."""
+        if self.armed:
+            self.armed = False
+            telemetry = self.telemetry
+            telemetry._marks.append(self._sync)
+            telemetry._coll_seq += 1  # telemetry.collective_started, inline
+            self.coll = telemetry._coll_started = wire.Collective(
+                seq=telemetry._coll_seq, op="allreduce", bytes=self.grad_bytes)
 
     def over(self) -> None:
         """The step's all-reduce is over (the optimizer steps, or the next forward)."""
@@ -241,10 +235,10 @@ class DDPStats:
                                  f"statistics failed: {self.failed}"[:1000])
             return
         start, took = ints.get("backward_comm_time_start"), ints.get("backward_comm_time")
-        if start is None or took is None or start == self._last_start or took < 0:
-            return
+        if not start or took is None or start == self._last_start or took < 0:
+            return  # (none yet, or unset: 0, or the one read last time)
         self._last_start = start
         buckets = ints.get("num_buckets_reduced")
         if isinstance(buckets, int) and buckets > 0:
             self.buckets = buckets
-        self._mark((DDP_READING, self, took / 1e9))
+        self.telemetry._marks.append((DDP_READING, self, took / 1e9))

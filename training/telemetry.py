@@ -81,7 +81,8 @@ class CudaLoss(NamedTuple):
 _PHASE, _STEP, _LOSS, _COMM, _EXPOSED, _SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
 DDP_SYNC, DDP_READING = "ddp sync", "ddp reading"
 MAX_MARKS = 1 << 16  # marks not yet folded (the sender folds every SEND_INTERVAL_S)
-OPEN_WAIT_S = 0.25  # how long a counted step waits for the reading of its all-reduce
+OPEN_WAIT_S = 1.0  # how long a counted step waits for the reading of its all-reduce
+MAX_PENDING_SYNCS = 64  # all-reduces kept for a step not counted yet (no step ever: dropped)
 TYPICAL_OF = 9  # an all-reduce not read takes the median of this many recent readings
 
 
@@ -182,7 +183,7 @@ class LiveTelemetry(Telemetry):
         # What happened, in order, for the sender to fold: phases entered, steps
         # counted, losses, communication (from any thread: deque appends are atomic).
         self._marks: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=MAX_MARKS)
-        self._cuda_loss: torch.Tensor | None = None  # running sum of CUDA losses (float64)
+        self._cuda_loss: dict[torch.device, torch.Tensor] = {}  # running sums (float64)
         # The sender's fold of the marks: the phase it is in and since when, the
         # current step's start, its time outside step phases and per step phase.
         self._f_phase: str = "setup"
@@ -190,11 +191,13 @@ class LiveTelemetry(Telemetry):
         self._f_step_start = now
         self._f_excluded = 0.0
         self._f_acc: collections.defaultdict[str, float] = collections.defaultdict(float)
-        self._cuda_loss_sent = 0.0  # the running CUDA loss sum up to the last window sent
+        # The running CUDA loss sums up to the last window sent, by device.
+        self._cuda_loss_sent: dict[torch.device, float] = {}
         # The step counted last, not yet in the window (see _fold), since when
         # (monotonic), and its DDP all-reduces: [source, seconds read or None].
         self._open: StepWindow | None = None
         self._open_since = 0.0
+        self._open_counted = 0.0  # (perf_counter) when the open step was counted
         self._open_syncs: list[list[Any]] = []
         self._pending_syncs: list[list[Any]] = []  # the step in progress's
         self._readings: dict[int, collections.deque[float]] = {}  # by id(source): recent
@@ -245,7 +248,7 @@ class LiveTelemetry(Telemetry):
         now = time.perf_counter()
         phase = self._phase_now[0]
         self._phase_now = ("data" if phase == "setup" else phase, now)  # no phase spans two steps
-        if loss is not None:
+        if isinstance(loss, torch.Tensor) and loss.is_cuda:
             loss = self._loss_mark(loss, samples)
         self._marks.append((_STEP, now, epoch, step, steps_per_epoch, global_step, lr, loss,
                             samples, hold))
@@ -272,8 +275,8 @@ class LiveTelemetry(Telemetry):
             return value
         weight = samples if isinstance(samples, int) and samples > 0 else 1
         value = value.double() * weight
-        total = value if self._cuda_loss is None else self._cuda_loss + value
-        self._cuda_loss = total
+        previous = self._cuda_loss.get(value.device)
+        total = self._cuda_loss[value.device] = value if previous is None else previous + value
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
         return CudaLoss(total, ready)
@@ -382,7 +385,8 @@ class LiveTelemetry(Telemetry):
             elif kind is _SYNC:
                 self._window.sync_wait_s += m[1]
             elif kind is DDP_SYNC:
-                self._pending_syncs.append([m[1], None])
+                if len(self._pending_syncs) < MAX_PENDING_SYNCS:
+                    self._pending_syncs.append([m[1], None])
             elif kind is DDP_READING:
                 recent = self._readings.setdefault(id(m[1]),
                                                    collections.deque(maxlen=TYPICAL_OF))
@@ -420,12 +424,15 @@ class LiveTelemetry(Telemetry):
                             if hold else 0.0)
         self._f_step_start, self._f_excluded = now, 0.0
         self._f_acc.clear()
-        self._open, self._open_since = o, time.monotonic()
+        self._open, self._open_since, self._open_counted = o, time.monotonic(), now
         self._open_syncs, self._pending_syncs = self._pending_syncs, []
 
     def _open_waits(self) -> bool:
-        """The open step waits for a reading of its all-reduce, not for too long."""
-        return (any(reading is None for _, reading in self._open_syncs)
+        """The open step waits for a reading of its all-reduce that will come
+        (the model reads at its next forward that all-reduces: it is due since
+        before this step was counted), not for too long."""
+        return (any(reading is None and source._next_read <= self._open_counted
+                    for source, reading in self._open_syncs)
                 and time.monotonic() - self._open_since < OPEN_WAIT_S)
 
     def _close_open(self) -> None:
@@ -553,6 +560,7 @@ class LiveTelemetry(Telemetry):
         except Exception as e:  # noqa: BLE001 - telemetry must never take training down
             print(f"warning: telemetry to {self.endpoint} stopped: {e}", file=sys.stderr)
         finally:
+            self._marks = collections.deque(maxlen=0)  # nobody folds them from now on
             sock.close(linger=CLOSE_LINGER_MS)
             self._context.term()
 
@@ -599,9 +607,9 @@ class LiveTelemetry(Telemetry):
                         break
                     w.loss_sum, w.loss_weight = 0.0, 0.0  # never read: the device is stuck
                 else:
-                    total = float(cuda.total)
-                    w.loss_sum = w.loss_sum + total - self._cuda_loss_sent
-                    self._cuda_loss_sent = total
+                    device, total = cuda.total.device, float(cuda.total)
+                    w.loss_sum = w.loss_sum + total - self._cuda_loss_sent.get(device, 0.0)
+                    self._cuda_loss_sent[device] = total
             self._send_step(sock, w)
         if scalars:
             values = {key: float(value) for key, value in scalars.items()}
