@@ -417,7 +417,7 @@ PIECES = {  # name: (comm timing, optimizer hooks, wrapped forward, ddtop.step)
     "zero-code + API": ("watch", True, True, True),
 }
 BASE = "no hook"
-READ_ONE_IN = 12  # 20 ms of ~1.7 ms steps
+READ_ONE_IN = 6  # 10 ms (commtimer.READ_EVERY_S) of ~1.7 ms steps
 MODES = ("API", "zero-code", "zero-code + API")
 WARM_ROUNDS = 20
 PIECES_TIMEOUT_S = 900
@@ -500,7 +500,7 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
             if forward_hooks and comm is None:  # zero-code's wrapped forward, for this model
                 autowatch.mark_forward(model, rank_api, None)
             if comm == "watch":
-                # DDP's statistics are read at most every 20 ms (commtimer.READ_EVERY_S);
+                # DDP's statistics are read at most every 10 ms (commtimer.READ_EVERY_S);
                 # here a model steps only every few rounds, so it is told when: as in a
                 # steady run of this model's step time, one step in READ_ONE_IN (both
                 # ranks alike: the same rng).

@@ -147,7 +147,10 @@ def timed_allreduce(state: "CommTimer",
 
 
 # -- DDP models on CPU: timed from DDP's own statistics ------------------------------------
-READ_EVERY_S = 0.02  # at most one reading of DDP's statistics per this much time
+# At most one reading of DDP's statistics per this much time (a reading costs
+# ~45 µs; at 10 ms, steps of 10 ms or more are all read, which the straggler rule
+# needs at the step times of small runs: docs/performance.md).
+READ_EVERY_S = 0.01
 # ... but at each of the first syncs: short runs get readings, and the median that
 # steps not read are given settles past the first iterations' outliers (DDP
 # rebuilds its buckets in the first) before it is used.
@@ -167,7 +170,8 @@ class DDPStats:
     READ_EVERY_S, and at the first READ_FIRST: every step when steps are
     longer than that (so a long wait, such as an evaluation on another rank,
     is always read), one step in several when they are shorter; a step not
-    read is given the median of the recent readings (telemetry.py). Bytes and
+    read is given its model's recent compute, the rest of its time being the
+    all-reduce's (telemetry.py `_close_open`). Bytes and
     buckets are counted, and the collective a hung rank waits in is named, once
     that forward's backward has reached the model's first parameter (a
     post-accumulate-grad hook on it: its gradient is, as a rule, the last to be

@@ -84,6 +84,7 @@ MAX_MARKS = 1 << 16  # marks not yet folded (the sender folds every SEND_INTERVA
 OPEN_WAIT_S = 1.0  # how long a counted step waits for the reading of its all-reduce
 MAX_PENDING_SYNCS = 64  # all-reduces kept for a step not counted yet (no step ever: dropped)
 TYPICAL_OF = 9  # an all-reduce not read takes the median of this many recent readings
+COMPUTE_OF = 5  # ... or its step, the median of this many recent computes (see _close_open)
 
 
 @dataclass
@@ -202,6 +203,8 @@ class LiveTelemetry(Telemetry):
         self._pending_syncs: list[list[Any]] = []  # the step in progress's
         self._readings: dict[int, collections.deque[float]] = {}  # by id(source): recent
         self._typical: dict[int, float] = {}  # by id(source): their median
+        # By id(source): recent steps' time outside its all-reduce, where read.
+        self._computes: dict[int, collections.deque[float]] = {}
         # Until then (monotonic) the window whose last step the optimizer hook
         # counted waits for that step's ddtop.step(loss=...) before it is sent.
         self._hold_until = 0.0
@@ -436,20 +439,37 @@ class LiveTelemetry(Telemetry):
                 and time.monotonic() - self._open_since < OPEN_WAIT_S)
 
     def _close_open(self) -> None:
-        """The open step, with its all-reduces' time (read, or the median of the
-        recent readings), into the window."""
+        """The open step, with its all-reduces' time, into the window. A step with
+        one all-reduce, read: its time outside it (its compute) joins the recent
+        ones. Not read: the step is given the median of its model's recent
+        computes, and the rest of its time is the all-reduce's. (A rank's compute
+        per step is what stays steady; its wait in the all-reduce moves with the
+        other ranks', which the step's own time already shows. A step long
+        enough to matter is read: `_open_waits`.) With no compute known yet, or
+        several all-reduces in the step, each takes the median of its model's
+        recent readings."""
         o = self._open
         if o is None:
             return
         self._open = None
-        for source, reading in self._open_syncs:
+        syncs, self._open_syncs = self._open_syncs, []
+        if len(syncs) == 1:
+            source, reading = syncs[0]
+            computes = self._computes.get(id(source))
+            if reading is not None:
+                if computes is None:
+                    computes = self._computes[id(source)] = collections.deque(
+                        maxlen=COMPUTE_OF)
+                computes.append(max(0.0, o.step_s - o.comm_s - reading))
+            elif computes:
+                syncs = [[source, max(0.0, o.step_s - o.comm_s - statistics.median(computes))]]
+        for source, reading in syncs:
             if reading is None:
                 reading = self._typical.get(id(source), 0.0)
             o.comm_s += reading
             o.comm_bytes += source.grad_bytes
             o.comm_ops += source.buckets
             o.comm_bus_bytes += source.grad_bytes * self._allreduce_bus_factor
-        self._open_syncs = []
         o.comm_s = min(o.comm_s, o.step_s)  # (a reading of warm-up, or a median: never more)
         w = self._window
         if w.steps and w.epoch != o.epoch:  # never one message across two epochs
