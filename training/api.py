@@ -171,20 +171,18 @@ class LiveRank:
         """Time `ddp` from DDP's own statistics (CPU), and mark its forwards."""
         from ddtop.training import autowatch  # it imports this module
 
+        stats = None
         if getattr(ddp, "_use_python_reducer", False):
             # Compiled autograd's Python reducer keeps no statistics.
             self.warn_once("python-reducer", "comm timing unavailable: DDP runs with "
                            "compiled autograd's Python reducer")
-            autowatch.mark_forward(ddp, self, None)
-            return None
-        try:
-            stats = DDPStats(self.telemetry, ddp)
-        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
-            self.warn_once("stats", f"comm timing unavailable: {type(e).__name__}: {e}")
-            autowatch.mark_forward(ddp, self, None)
-            return None
-        self.stats.append(stats)
-        autowatch.mark_forward(ddp, self, stats)
+        else:
+            try:
+                stats = DDPStats(self.telemetry, ddp)
+                self.stats.append(stats)
+            except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+                self.warn_once("stats", f"comm timing unavailable: {type(e).__name__}: {e}")
+        autowatch.mark_forward(ddp, self, stats)  # the phases, at least
         return stats
 
     def timer_for(self, ddp: DDP) -> CommTimer:
@@ -249,17 +247,19 @@ class LiveRank:
 
     def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False) -> None:
         # On every step's critical path: as few calls as can be.
-        if self.timers:
-            for timer in self.timers:
-                timer.harvest()
-        for stats in self.stats:
-            if stats.coll is not None:
-                stats.over()
+        for timer in self.timers:
+            timer.harvest()
+        self._all_reduces_over()
         steps = self.steps = self.steps + 1
         spe = self.steps_per_epoch
         epoch = (steps - 1) // spe if spe else 0  # (self._epoch_of, inline)
         self.telemetry.count_step(epoch, steps - epoch * spe if spe else 0, spe, steps,
                                   self._lr, loss, samples, hold)
+
+    def _all_reduces_over(self) -> None:
+        """The step's DDP all-reduces are over (timed from DDP's statistics)."""
+        for stats in self.stats:
+            stats.over()
 
     def _steps_per_epoch(self) -> int:
         """From the totals said so far (0: not known)."""
@@ -278,9 +278,7 @@ class LiveRank:
         previous = self.telemetry.current_phase
         if self.active:
             if name == "optimizer":
-                for stats in self.stats:
-                    if stats.coll is not None:
-                        stats.over()
+                self._all_reduces_over()
             if name == "setup" and self.steps:
                 name = "data"  # set-up is over once a step is done
             self.telemetry.phase(name)  # type: ignore[arg-type]  # names from ddtop.PHASES

@@ -254,7 +254,7 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
     phases = rank is _installed
     training = self.training and torch.is_grad_enabled()
     try:
-        if stats is not None and stats.coll is not None:
+        if stats is not None:
             stats.over()
         if phases:
             if training:
@@ -279,4 +279,5 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
 _dynamo_skips = [_ddp_forward, DDPStats.synced, DDPStats._read, DDPStats.over,
                  DDPStats._backward_done, _hook_failed,
                  LiveRank.iteration_started, LiveTelemetry.phase,
-                 LiveTelemetry.collective_over]
+                 LiveTelemetry.collective_over, LiveTelemetry.ddp_reading,
+                 LiveTelemetry.ddp_all_reduce, LiveTelemetry.collective_started]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.daemon import wire
-from ddtop.training.telemetry import DDP_READING, DDP_SYNC, LiveTelemetry, Telemetry
+from ddtop.training.telemetry import LiveTelemetry, Telemetry
 
 # A comm hook as DDP calls it: hook(state, bucket) -> future of the reduced bucket.
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
@@ -190,7 +190,6 @@ class DDPStats:
         self.reads = 0
         self._next_read = -math.inf  # (perf_counter) the next forward may read from then
         self._last_start: int | None = None  # the reading last sent, by its start (ns)
-        self._sync = (DDP_SYNC, self)
         self.armed = False  # a forward that all-reduces has run; its backward not begun
         self.failed = ""  # why reading stopped, once it has
         ddp._set_ddp_runtime_logging_sample_rate(1)  # type: ignore[no-untyped-call]
@@ -210,15 +209,10 @@ class DDPStats:
 
     def _backward_done(self, param: torch.Tensor) -> None:
         """The model's first parameter has its gradient: the backward is through
-        the model, and its all-reduce is what it waits for. On every step's
-        critical path: no call."""
+        the model, and its all-reduce is what it waits for."""
         if self.armed:
             self.armed = False
-            telemetry = self.telemetry
-            telemetry._marks.append(self._sync)
-            telemetry._coll_seq += 1  # telemetry.collective_started, inline
-            self.coll = telemetry._coll_started = wire.Collective(
-                seq=telemetry._coll_seq, op="allreduce", bytes=self.grad_bytes)
+            self.coll = self.telemetry.ddp_all_reduce(self)
 
     def over(self) -> None:
         """The step's all-reduce is over (the optimizer steps, or the next forward)."""
@@ -245,4 +239,4 @@ class DDPStats:
         buckets = ints.get("num_buckets_reduced")
         if isinstance(buckets, int) and buckets > 0:
             self.buckets = buckets
-        self.telemetry._marks.append((DDP_READING, self, took / 1e9))
+        self.telemetry.ddp_reading(self, took / 1e9)

@@ -79,12 +79,22 @@ class CudaLoss(NamedTuple):
 
 # What the training thread marks, for the sender to fold (the first item of a mark).
 _PHASE, _STEP, _LOSS, _COMM, _EXPOSED, _SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
-DDP_SYNC, DDP_READING = "ddp sync", "ddp reading"
+_DDP_SYNC, _DDP_READING = "ddp sync", "ddp reading"
 MAX_MARKS = 1 << 16  # marks not yet folded (the sender folds every SEND_INTERVAL_S)
 OPEN_WAIT_S = 1.0  # how long a counted step waits for the reading of its all-reduce
 MAX_PENDING_SYNCS = 64  # all-reduces kept for a step not counted yet (no step ever: dropped)
 TYPICAL_OF = 9  # an all-reduce not read takes the median of this many recent readings
 COMPUTE_OF = 5  # ... or its step, the median of this many recent computes (see _close_open)
+
+
+class _Recent:
+    """The sender's record of one DDP model's recent all-reduces, as read: their
+    times (and median), and their steps' time outside them."""
+
+    def __init__(self) -> None:
+        self.readings: collections.deque[float] = collections.deque(maxlen=TYPICAL_OF)
+        self.typical = 0.0  # the readings' median
+        self.computes: collections.deque[float] = collections.deque(maxlen=COMPUTE_OF)
 
 
 @dataclass
@@ -201,10 +211,7 @@ class LiveTelemetry(Telemetry):
         self._open_counted = 0.0  # (perf_counter) when the open step was counted
         self._open_syncs: list[list[Any]] = []
         self._pending_syncs: list[list[Any]] = []  # the step in progress's
-        self._readings: dict[int, collections.deque[float]] = {}  # by id(source): recent
-        self._typical: dict[int, float] = {}  # by id(source): their median
-        # By id(source): recent steps' time outside its all-reduce, where read.
-        self._computes: dict[int, collections.deque[float]] = {}
+        self._recent: collections.defaultdict[Any, _Recent] = collections.defaultdict(_Recent)
         # Until then (monotonic) the window whose last step the optimizer hook
         # counted waits for that step's ddtop.step(loss=...) before it is sent.
         self._hold_until = 0.0
@@ -343,12 +350,19 @@ class LiveTelemetry(Telemetry):
         """Of the step's communication, `seconds` the rank sat waiting for it."""
         self._marks.append((_EXPOSED, seconds))
 
-    # A DDP model timed from DDP's own statistics (training/commtimer.py DDPStats)
-    # marks, from the training thread: (DDP_SYNC, source) after a forward that
-    # all-reduces in this step's backward (its bytes and buckets, and its time
-    # unless read before the step is sent: then the median of the recent
-    # readings); (DDP_READING, source, seconds) what its last all-reduce took,
-    # read from DDP's statistics (the one of the step counted last).
+    # A DDP model timed from DDP's own statistics (training/commtimer.py DDPStats):
+    def ddp_all_reduce(self, source: Any) -> wire.Collective:
+        """`source`'s model is all-reducing its gradients in this step: its bytes
+        and buckets, and its time (read, or estimated: `_close_open`); the
+        collective heartbeats name meanwhile."""
+        self._marks.append((_DDP_SYNC, source))
+        return self.collective_started("allreduce", source.grad_bytes)
+
+    def ddp_reading(self, source: Any, seconds: float) -> None:
+        """What `source`'s last all-reduce took, read from DDP's statistics (the
+        one of the step counted last)."""
+        self._marks.append((_DDP_READING, source, seconds))
+
     def collective_over(self, coll: wire.Collective) -> None:
         """`coll` is over, unless another collective started since (then that one
         is what a heartbeat names)."""
@@ -387,14 +401,13 @@ class LiveTelemetry(Telemetry):
                 pending.comm_exposed_s = (pending.comm_exposed_s or 0.0) + m[1]
             elif kind is _SYNC:
                 self._window.sync_wait_s += m[1]
-            elif kind is DDP_SYNC:
+            elif kind is _DDP_SYNC:
                 if len(self._pending_syncs) < MAX_PENDING_SYNCS:
                     self._pending_syncs.append([m[1], None])
-            elif kind is DDP_READING:
-                recent = self._readings.setdefault(id(m[1]),
-                                                   collections.deque(maxlen=TYPICAL_OF))
-                recent.append(m[2])
-                self._typical[id(m[1])] = statistics.median(recent)
+            elif kind is _DDP_READING:
+                recent = self._recent[m[1]]
+                recent.readings.append(m[2])
+                recent.typical = statistics.median(recent.readings)
                 for sync in self._open_syncs:
                     if sync[0] is m[1] and sync[1] is None:
                         sync[1] = m[2]
@@ -455,17 +468,14 @@ class LiveTelemetry(Telemetry):
         syncs, self._open_syncs = self._open_syncs, []
         if len(syncs) == 1:
             source, reading = syncs[0]
-            computes = self._computes.get(id(source))
+            computes = self._recent[source].computes
             if reading is not None:
-                if computes is None:
-                    computes = self._computes[id(source)] = collections.deque(
-                        maxlen=COMPUTE_OF)
                 computes.append(max(0.0, o.step_s - o.comm_s - reading))
             elif computes:
                 syncs = [[source, max(0.0, o.step_s - o.comm_s - statistics.median(computes))]]
         for source, reading in syncs:
             if reading is None:
-                reading = self._typical.get(id(source), 0.0)
+                reading = self._recent[source].typical
             o.comm_s += reading
             o.comm_bytes += source.grad_bytes
             o.comm_ops += source.buckets
