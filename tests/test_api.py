@@ -225,13 +225,17 @@ def test_ddtops_hook_trains_as_ddp_alone_over_several_buckets(tmp_path: Path) ->
             [(s.steps, s.comm_ops, s.comm_s) for s in sent]
 
 
-def test_on_cpu_a_long_all_reduce_is_read_exactly_and_short_steps_are_estimated(
+def test_on_cpu_a_long_all_reduce_is_read_or_estimated_and_a_long_compute_is_read(
         tmp_path: Path) -> None:
-    """DDP's statistics are read at most every 10 ms: of 60 steps of a few ms
-    many are not read and are estimated from the recent readings; a step whose
-    all-reduce takes 0.3 s (the user's hook waits, as a rank does for another
-    that evaluates) is read exactly, and leaves the estimates alone."""
-    collector, _ = one_rank(tmp_path, """
+    """DDP times at most one iteration in 10 ms (after the first 20): of 70 steps
+    of a few ms many are not timed, and are estimated from the recent readings.
+    A step whose all-reduce takes 0.3 s (the user's hook waits, as a rank does
+    for another that evaluates) is given its 0.3 s whether it was timed or not
+    (here: one that was not), and leaves the estimates alone; a step that
+    computes 0.3 s longer, timed, is read exactly: its time is compute, not
+    communication."""
+    collector, out = one_rank(tmp_path, """
+            from ddtop.training.api import WATCHED_ATTR
             slow = [False]
             def hook(state, bucket):
                 if slow[0]:
@@ -239,21 +243,38 @@ def test_on_cpu_a_long_all_reduce_is_read_exactly_and_short_steps_are_estimated(
                 return allreduce_hook(state, bucket)
             model = ddtop.watch(DDP(torch.nn.Linear(64, 64)))
             model.register_comm_hook(None, hook)
+            stats = model.__dict__[WATCHED_ATTR].stats
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            for step in range(1, 61):
-                slow[0] = step == 40
-                model(torch.ones(8, 64)).sum().backward()
+            long_comm = long_compute = 0
+            for step in range(1, 71):
+                out = model(torch.ones(8, 64)).sum()
+                timed = stats.timed == stats.iteration
+                if not long_compute and step >= 30 and timed:
+                    long_compute = step
+                    time.sleep(0.3)
+                slow[0] = not long_comm and step >= 45 and not timed
+                long_comm = step if slow[0] else long_comm
+                out.backward()
                 opt.step()
                 opt.zero_grad()
                 ddtop.step(samples=8)
+            print(long_comm, long_compute)
         """)
+    long_comm, long_compute = map(int, out.split())
+    assert long_comm and long_compute
     sent = collector.of(wire.Step)
-    assert sum(s.steps for s in sent) == 60
-    assert sum(s.comm_bytes for s in sent) == 60 * (64 * 64 + 64) * 4
-    assert sum(s.comm_ops for s in sent) == 60
-    (long,) = [s for s in sent if s.global_step >= 40 and s.global_step - s.steps < 40]
-    others = [s for s in sent if s is not long]
-    assert long.comm_s >= 0.3 and long.step_s - long.comm_s < 0.1, long
+    assert sum(s.steps for s in sent) == 70
+    assert sum(s.comm_bytes for s in sent) == 70 * (64 * 64 + 64) * 4
+    assert sum(s.comm_ops for s in sent) == 70
+
+    def window(step: int) -> wire.Step:
+        (w,) = [s for s in sent if s.global_step >= step and s.global_step - s.steps < step]
+        return w
+
+    long, stalled = window(long_comm), window(long_compute)
+    assert long.comm_s >= 0.29 and long.step_s - long.comm_s < 0.1, long
+    assert stalled.step_s >= 0.3 and stalled.comm_s < 0.05 * stalled.steps, stalled
+    others = [s for s in sent if s is not long and s is not stalled]
     assert all(0 < s.comm_s < 0.05 * s.steps for s in others), [
         (s.steps, s.comm_s) for s in others]
 

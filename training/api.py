@@ -228,14 +228,14 @@ class LiveRank:
         elif pacer is not optimizer:
             return
         self._lr = _lr_of(optimizer, self._lr)
+        # The next step begins by waiting for its batch.
         if self._call_step_unclaimed:
             self._call_step_unclaimed = False  # ddtop.step() already counted it
+            self.telemetry.phase("data")
         else:
             # A script that calls ddtop.step gives this step's loss next: wait for it.
-            self._count(hold=self._calls_step)
+            self._count(hold=self._calls_step, then="data")
             self._hook_step_unclaimed = True
-        if self.active:
-            self.telemetry.phase("data")  # the next step begins by waiting for its batch
 
     def iteration_started(self) -> None:
         """A training forward of a DDP model (zero-code): a `step()` that counted a
@@ -245,7 +245,8 @@ class LiveRank:
         between the two.)"""
         self._call_step_unclaimed = False
 
-    def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False) -> None:
+    def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False,
+               then: wire.Phase | None = None) -> None:
         # On every step's critical path: as few calls as can be.
         for timer in self.timers:
             timer.harvest()
@@ -254,7 +255,7 @@ class LiveRank:
         spe = self.steps_per_epoch
         epoch = (steps - 1) // spe if spe else 0  # (self._epoch_of, inline)
         self.telemetry.count_step(epoch, steps - epoch * spe if spe else 0, spe, steps,
-                                  self._lr, loss, samples, hold)
+                                  self._lr, loss, samples, hold, then)
 
     def _all_reduces_over(self) -> None:
         """The step's DDP all-reduces are over (timed from DDP's statistics)."""
@@ -271,6 +272,12 @@ class LiveRank:
         """The epoch step number `steps` (counted from 1) falls in."""
         spe = self.steps_per_epoch
         return max(0, steps - 1) // spe if spe else 0
+
+    def optimizer_starts(self) -> None:
+        """The global optimizer pre-hook: the step's all-reduces are over."""
+        if self.active:
+            self._all_reduces_over()
+            self.telemetry.phase("optimizer")
 
     # -- ddtop.phase / log ------------------------------------------------------------------
     def enter_phase(self, name: str) -> str:

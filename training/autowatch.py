@@ -159,7 +159,7 @@ def mark_forward(ddp: DDP, rank: LiveRank, stats: DDPStats | None) -> None:
 def _optimizer_starts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _installed is not None:
         try:
-            _installed.enter_phase("optimizer")
+            _installed.optimizer_starts()
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             _hook_failed("_optimizer_starts", e)
 
@@ -252,10 +252,14 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
         return _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
     rank, stats = watched.rank, watched.stats
     phases = rank is _installed
-    training = self.training and torch.is_grad_enabled()
+    grad = torch.is_grad_enabled()
+    training = self.training and grad
+    syncs = grad and self.require_backward_grad_sync  # (as DDP decides it)
     try:
         if stats is not None:
             stats.over()
+            if syncs:
+                stats.starting()
         if phases:
             if training:
                 rank.iteration_started()
@@ -265,7 +269,7 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
     output = _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
     try:
         if stats is not None:
-            if self.require_backward_grad_sync and torch.is_grad_enabled():
+            if syncs:
                 stats.synced(self)
             else:
                 stats.armed = False  # (its backward, if any, all-reduces nothing)
@@ -276,7 +280,8 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
     return output
 
 
-_dynamo_skips = [_ddp_forward, DDPStats.synced, DDPStats._read, DDPStats.over,
+_dynamo_skips = [_ddp_forward, DDPStats.starting, DDPStats.synced, DDPStats._read,
+                 DDPStats._set_rate, DDPStats._failed, DDPStats.over,
                  DDPStats._backward_done, _hook_failed,
                  LiveRank.iteration_started, LiveTelemetry.phase,
                  LiveTelemetry.collective_over, LiveTelemetry.ddp_reading,

@@ -147,38 +147,44 @@ def timed_allreduce(state: "CommTimer",
 
 
 # -- DDP models on CPU: timed from DDP's own statistics ------------------------------------
-# At most one reading of DDP's statistics per this much time (a reading costs
-# ~45 µs; at 10 ms, steps of 10 ms or more are all read, which the straggler rule
-# needs at the step times of small runs: docs/performance.md).
+# At most one iteration in this much time is timed and read (timing one costs DDP
+# ~10 µs, reading it ~30 µs in the middle of training; at 10 ms, steps of 10 ms or
+# more are all read, which the straggler rule needs at the step times of small
+# runs: docs/performance.md).
 READ_EVERY_S = 0.01
-# ... but at each of the first syncs: short runs get readings, and the median that
-# steps not read are given settles past the first iterations' outliers (DDP
+# ... but each of the first iterations: short runs get readings, and the median
+# that steps not read are given settles past the first iterations' outliers (DDP
 # rebuilds its buckets in the first) before it is used.
 READ_FIRST = 20
+MAX_RATE = (1 << 31) - 1  # DDP's sample rate is a C int
 
 
 class DDPStats:
     """Times a DDP model's gradient all-reduce from the statistics DDP keeps in
-    C++ (`_set_ddp_runtime_logging_sample_rate(1)`: the reducer times every
-    iteration's communication, from launching its first bucket to the last
-    one done), with no Python on the all-reduce's path: no comm hook, so a
-    user's own hook, built-in or not, is timed as it is.
+    C++ (the reducer times an iteration's communication, from launching its
+    first bucket to the last one done, when the iteration's number is a
+    multiple of its "runtime logging sample rate"), with no Python on the
+    all-reduce's path: no comm hook, so a user's own hook, built-in or not, is
+    timed as it is.
 
-    DDP computes an iteration's figures at the next forward that all-reduces,
-    and reading them costs tens of µs, so the wrapped forward (autowatch.py)
-    reads them after such a forward (the last step's all-reduce) at most every
-    READ_EVERY_S, and at the first READ_FIRST: every step when steps are
-    longer than that (so a long wait, such as an evaluation on another rank,
-    is always read), one step in several when they are shorter; a step not
-    read is given its model's recent compute, the rest of its time being the
-    all-reduce's (telemetry.py `_close_open`). Bytes and
-    buckets are counted, and the collective a hung rank waits in is named, once
-    that forward's backward has reached the model's first parameter (a
-    post-accumulate-grad hook on it: its gradient is, as a rule, the last to be
-    ready, and DDP waits for the all-reduce right after): so a forward with no
-    backward after it (an evaluation with gradients on, a step skipped on a
-    NaN) is not an all-reduce, and a rank still in its backward is not yet
-    inside one: the others, done, wait for it.
+    The wrapped forward (autowatch.py) tells this object of every forward that
+    all-reduces in its backward, before it runs (`starting`) and after
+    (`synced`). Before, it picks whether DDP times the iteration beginning: at
+    most one every READ_EVERY_S, and each of the first READ_FIRST (so every
+    step when steps are longer than that, and a long wait, such as an
+    evaluation on another rank, is read), by setting the sample rate so that
+    the iteration's number is a multiple of it and the next ones' are not.
+    DDP computes a timed iteration's figures at the next such forward, and
+    reading them costs tens of µs: `synced` reads them then. A step not read
+    is given its model's recent compute, the rest of its time being the
+    all-reduce's (telemetry.py `_close_open`). Bytes and buckets are counted,
+    and the collective a hung rank waits in is named, once that forward's
+    backward has reached the model's first parameter (a post-accumulate-grad
+    hook on it: its gradient is, as a rule, the last to be ready, and DDP
+    waits for the all-reduce right after): so a forward with no backward after
+    it (an evaluation with gradients on, a step skipped on a NaN) is not an
+    all-reduce, and a rank still in its backward is not yet inside one: the
+    others, done, wait for it.
     """
 
     def __init__(self, telemetry: LiveTelemetry, ddp: DDP) -> None:
@@ -187,12 +193,19 @@ class DDPStats:
         self.grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         self.buckets = 1  # all-reduces per step: DDP's first iteration has one bucket
         self.coll: wire.Collective | None = None  # the all-reduce named since the forward
-        self.reads = 0
-        self._next_read = -math.inf  # (perf_counter) the next forward may read from then
+        self.timings = 0  # iterations DDP was asked to time
+        self._next_read = -math.inf  # (perf_counter) an iteration may be timed from then
         self._last_start: int | None = None  # the reading last sent, by its start (ns)
+        # The reducer's iteration count as of the forward last seen (DDP counts the
+        # forwards that all-reduce; corrected from each reading), the one timed
+        # last, and the sample rate set.
+        self.iteration = 0
+        self.timed = -1
+        self._read_due = False  # the forward in progress has the last timed one's figures
+        self._rate = 0  # (not set yet: DDP's default times one iteration in 100)
         self.armed = False  # a forward that all-reduces has run; its backward not begun
         self.failed = ""  # why reading stopped, once it has
-        ddp._set_ddp_runtime_logging_sample_rate(1)  # type: ignore[no-untyped-call]
+        self._reducer = ddp.reducer
         first = next((p for p in params if p.requires_grad), None)
         if first is not None:
             first.register_post_accumulate_grad_hook(self._backward_done)
@@ -200,19 +213,45 @@ class DDPStats:
     def __deepcopy__(self, memo: dict[int, Any]) -> "DDPStats":
         return self  # (a copy of a watched model, an EMA copy say, shares it)
 
+    def starting(self) -> None:
+        """Before a forward that all-reduces in the backward to come (if one
+        comes): DDP counts an iteration; have it timed if one is due."""
+        n = self.iteration = self.iteration + 1
+        last_timed = self._read_due = self.timed == n - 1  # (its figures: computed now)
+        now = time.perf_counter()
+        if now >= self._next_read and not self.failed:
+            self.timed = n
+            self.timings += 1
+            if self.timings >= READ_FIRST:
+                self._next_read = now + READ_EVERY_S
+            rate = 1 if last_timed else n  # n a multiple, and n - 1 too if it must be
+        elif last_timed and self._rate == 1:
+            rate = n - 1  # n - 1 a multiple, n not
+        else:
+            return  # (the next multiple of the rate comes long after the next timed)
+        if rate != self._rate:
+            self._set_rate(rate)
+
     def synced(self, ddp: DDP) -> None:
-        """After a forward of `ddp` that all-reduces in the backward to come (if
-        one comes): DDP has the last step's figure now; read it if due."""
-        if time.perf_counter() >= self._next_read and not self.failed:
+        """After that forward: DDP has the last iteration's figures; read them
+        if it was timed."""
+        if self._read_due and not self.failed:
             self._read(ddp)
         self.armed = True
+
+    def _set_rate(self, rate: int) -> None:
+        self._rate = rate
+        try:
+            self._reducer._set_ddp_runtime_logging_sample_rate(min(max(1, rate), MAX_RATE))
+        except Exception as e:  # noqa: BLE001 - a prototype interface of torch's
+            self._failed(e)
 
     def _backward_done(self, param: torch.Tensor) -> None:
         """The model's first parameter has its gradient: the backward is through
         the model, and its all-reduce is what it waits for."""
         if self.armed:
             self.armed = False
-            self.coll = self.telemetry.ddp_all_reduce(self)
+            self.coll = self.telemetry.ddp_all_reduce(self, self.timed == self.iteration)
 
     def over(self) -> None:
         """The step's all-reduce is over (the optimizer steps, or the next forward)."""
@@ -221,16 +260,20 @@ class DDPStats:
             self.coll = None
 
     def _read(self, ddp: DDP) -> None:
-        self.reads += 1
-        if self.reads >= READ_FIRST:
-            self._next_read = time.perf_counter() + READ_EVERY_S
         try:
             assert ddp.logger is not None
             ints = ddp.logger._get_ddp_logging_data().ints_map
         except Exception as e:  # noqa: BLE001 - a prototype interface of torch's
-            self.failed = f"{type(e).__name__}: {e}"
-            self.telemetry.event("warning", "comm time unavailable: reading DDP's "
-                                 f"statistics failed: {self.failed}"[:1000])
+            self._failed(e)
+            return
+        iteration = ints.get("iteration")
+        if isinstance(iteration, int) and iteration != self.iteration - 1:
+            # Counted wrong (watched after some iterations, or forwards DDP does
+            # not count): time every iteration (rate 1: whatever the count) until
+            # a reading agrees, counting on from DDP's.
+            self.iteration = self.timed = iteration + 1
+            self._next_read, self.timings = -math.inf, 0
+            self._set_rate(1)
             return
         start, took = ints.get("backward_comm_time_start"), ints.get("backward_comm_time")
         if not start or took is None or start == self._last_start or took < 0:
@@ -240,3 +283,8 @@ class DDPStats:
         if isinstance(buckets, int) and buckets > 0:
             self.buckets = buckets
         self.telemetry.ddp_reading(self, took / 1e9)
+
+    def _failed(self, e: Exception) -> None:
+        self.failed = f"{type(e).__name__}: {e}"
+        self.telemetry.event("warning", "comm time unavailable: reading DDP's "
+                             f"statistics failed: {self.failed}"[:1000])

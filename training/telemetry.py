@@ -65,6 +65,7 @@ CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on e
 CLOSE_TIMEOUT_S = 2.0
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
+RSS_EVERY_S = 1.0  # how often the process's resident memory is read again
 STEP_PHASES = frozenset({"data", "forward", "backward", "optimizer", "metric_sync"})
 TRIM_MIN_STEPS = 3  # Step.compute_trim_s from this many steps (as daemon/stragglers.py reads it)
 
@@ -81,6 +82,7 @@ class CudaLoss(NamedTuple):
 _PHASE, _STEP, _LOSS, _COMM, _EXPOSED, _SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
 _DDP_SYNC, _DDP_READING = "ddp sync", "ddp reading"
 MAX_MARKS = 1 << 16  # marks not yet folded (the sender folds every SEND_INTERVAL_S)
+FOLD_CHUNK = 64  # marks folded between two releases of the GIL (about ten steps)
 OPEN_WAIT_S = 1.0  # how long a counted step waits for the reading of its all-reduce
 MAX_PENDING_SYNCS = 64  # all-reduces kept for a step not counted yet (no step ever: dropped)
 TYPICAL_OF = 9  # an all-reduce not read takes the median of this many recent readings
@@ -95,6 +97,7 @@ class _Recent:
         self.readings: collections.deque[float] = collections.deque(maxlen=TYPICAL_OF)
         self.typical = 0.0  # the readings' median
         self.computes: collections.deque[float] = collections.deque(maxlen=COMPUTE_OF)
+        self.compute = 0.0  # the computes' median
 
 
 @dataclass
@@ -208,7 +211,6 @@ class LiveTelemetry(Telemetry):
         # (monotonic), and its DDP all-reduces: [source, seconds read or None].
         self._open: StepWindow | None = None
         self._open_since = 0.0
-        self._open_counted = 0.0  # (perf_counter) when the open step was counted
         self._open_syncs: list[list[Any]] = []
         self._pending_syncs: list[list[Any]] = []  # the step in progress's
         self._recent: collections.defaultdict[Any, _Recent] = collections.defaultdict(_Recent)
@@ -223,6 +225,8 @@ class LiveTelemetry(Telemetry):
         self._finished: list[StepWindow] = []  # windows closed at an epoch boundary
         self._events: collections.deque[wire.Message] = collections.deque([hello])
         self._queue_dropped = 0
+        self._rss: int | None = None  # resident memory as last read, and when (monotonic)
+        self._rss_at = -math.inf
         self._bye: wire.Bye | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -251,17 +255,18 @@ class LiveTelemetry(Telemetry):
 
     def count_step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
                    lr: float, loss: Any = None, samples: int | None = None,
-                   hold: bool = False) -> None:
+                   hold: bool = False, then: wire.Phase | None = None) -> None:
         """One optimizer step done: its time is everything since the last one but
         time in phases that are not step phases; its loss and samples, if given,
-        go with it. `hold`: its loss comes later (add_loss with release)."""
+        go with it. `hold`: its loss comes later (add_loss with release). `then`:
+        the phase the rank is in from now (as `phase(then)` would say)."""
         now = time.perf_counter()
-        phase = self._phase_now[0]
+        phase = then or self._phase_now[0]
         self._phase_now = ("data" if phase == "setup" else phase, now)  # no phase spans two steps
         if isinstance(loss, torch.Tensor) and loss.is_cuda:
             loss = self._loss_mark(loss, samples)
         self._marks.append((_STEP, now, epoch, step, steps_per_epoch, global_step, lr, loss,
-                            samples, hold))
+                            samples, hold, then))
         self._epoch, self._global_step = epoch, global_step
 
     def resume_at(self, epoch: int, global_step: int) -> None:
@@ -351,11 +356,11 @@ class LiveTelemetry(Telemetry):
         self._marks.append((_EXPOSED, seconds))
 
     # A DDP model timed from DDP's own statistics (training/commtimer.py DDPStats):
-    def ddp_all_reduce(self, source: Any) -> wire.Collective:
+    def ddp_all_reduce(self, source: Any, timed: bool) -> wire.Collective:
         """`source`'s model is all-reducing its gradients in this step: its bytes
-        and buckets, and its time (read, or estimated: `_close_open`); the
-        collective heartbeats name meanwhile."""
-        self._marks.append((_DDP_SYNC, source))
+        and buckets, and its time (read if `timed`, else estimated:
+        `_close_open`); the collective heartbeats name meanwhile."""
+        self._marks.append((_DDP_SYNC, source, timed))
         return self.collective_started("allreduce", source.grad_bytes)
 
     def ddp_reading(self, source: Any, seconds: float) -> None:
@@ -375,43 +380,48 @@ class LiveTelemetry(Telemetry):
     # DDP only has at the next forward, still goes with it; a step whose reading
     # is due waits for it at most OPEN_WAIT_S.
     def _fold(self) -> None:
-        """Everything marked so far, into the windows."""
+        """Everything marked so far, into the windows: a chunk at a time, letting
+        the training thread have the GIL between chunks (a whole window's marks
+        at once would hold it for a millisecond or more)."""
         marks = self._marks
         while marks:
-            m = marks.popleft()
-            kind = m[0]
-            if kind is _PHASE:
-                self._account_phase(m[2])
-                self._f_phase, self._f_since = m[1], m[2]
-            elif kind is _STEP:
-                self._close_open()
-                self._open_step(m)
-            elif kind is _LOSS:
-                self._add_loss(self._open or self._window, m[1], m[2])
-                if m[3]:
-                    self._hold_until = 0.0
-            elif kind is _COMM:
-                pending = self._comm_pending
-                pending.comm_s += m[1]
-                pending.comm_bytes += m[2]
-                pending.comm_ops += 1
-                pending.comm_bus_bytes += m[2] * m[3]
-            elif kind is _EXPOSED:
-                pending = self._comm_pending
-                pending.comm_exposed_s = (pending.comm_exposed_s or 0.0) + m[1]
-            elif kind is _SYNC:
-                self._window.sync_wait_s += m[1]
-            elif kind is _DDP_SYNC:
-                if len(self._pending_syncs) < MAX_PENDING_SYNCS:
-                    self._pending_syncs.append([m[1], None])
-            elif kind is _DDP_READING:
-                recent = self._recent[m[1]]
-                recent.readings.append(m[2])
-                recent.typical = statistics.median(recent.readings)
-                for sync in self._open_syncs:
-                    if sync[0] is m[1] and sync[1] is None:
-                        sync[1] = m[2]
-                        break
+            for _ in range(min(len(marks), FOLD_CHUNK)):
+                m = marks.popleft()
+                kind = m[0]
+                if kind is _PHASE:
+                    self._account_phase(m[2])
+                    self._f_phase, self._f_since = m[1], m[2]
+                elif kind is _STEP:
+                    self._close_open()
+                    self._open_step(m)
+                elif kind is _LOSS:
+                    self._add_loss(self._open or self._window, m[1], m[2])
+                    if m[3]:
+                        self._hold_until = 0.0
+                elif kind is _COMM:
+                    pending = self._comm_pending
+                    pending.comm_s += m[1]
+                    pending.comm_bytes += m[2]
+                    pending.comm_ops += 1
+                    pending.comm_bus_bytes += m[2] * m[3]
+                elif kind is _EXPOSED:
+                    pending = self._comm_pending
+                    pending.comm_exposed_s = (pending.comm_exposed_s or 0.0) + m[1]
+                elif kind is _SYNC:
+                    self._window.sync_wait_s += m[1]
+                elif kind is _DDP_SYNC:
+                    if len(self._pending_syncs) < MAX_PENDING_SYNCS:
+                        self._pending_syncs.append([m[1], None, m[2]])
+                elif kind is _DDP_READING:
+                    recent = self._recent[m[1]]
+                    recent.readings.append(m[2])
+                    recent.typical = statistics.median(recent.readings)
+                    for sync in self._open_syncs:
+                        if sync[0] is m[1] and sync[1] is None:
+                            sync[1] = m[2]
+                            break
+            if marks:
+                os.sched_yield()  # (releases the GIL)
 
     def _account_phase(self, now: float) -> None:
         """The time in the current phase until `now`: step time or not."""
@@ -422,33 +432,34 @@ class LiveTelemetry(Telemetry):
             self._f_excluded += spent
 
     def _open_step(self, m: tuple[Any, ...]) -> None:
-        _, now, epoch, step, steps_per_epoch, global_step, lr, loss, samples, hold = m
+        _, now, epoch, step, steps_per_epoch, global_step, lr, loss, samples, hold, then = m
         self._account_phase(now)  # no phase spans two steps
-        if self._f_phase == "setup":
+        if then:
+            self._f_phase = then
+        elif self._f_phase == "setup":
             self._f_phase = "data"  # set-up is over once a step is done
         self._f_since = now
         o = StepWindow(steps=1, step_s=max(0.0, now - self._f_step_start - self._f_excluded),
                        epoch=epoch, step=step, steps_per_epoch=steps_per_epoch,
-                       global_step=global_step, lr=lr)
-        self._take_comm(o)
-        for phase, spent in self._f_acc.items():
-            o.phase_s[phase] += spent
+                       global_step=global_step, lr=lr, phase_s=self._f_acc)
+        self._f_acc = collections.defaultdict(float)
+        pending = self._comm_pending
+        if pending.comm_ops or pending.comm_exposed_s is not None:
+            self._take_comm(o)
         self._add_loss(o, loss, samples)
         # Held at most one send interval from the first step that waits (a script
         # that calls ddtop.step only now and then must not hold its steps back).
         self._hold_until = ((self._hold_until or time.monotonic() + SEND_INTERVAL_S)
                             if hold else 0.0)
         self._f_step_start, self._f_excluded = now, 0.0
-        self._f_acc.clear()
-        self._open, self._open_since, self._open_counted = o, time.monotonic(), now
+        self._open, self._open_since = o, time.monotonic()
         self._open_syncs, self._pending_syncs = self._pending_syncs, []
 
     def _open_waits(self) -> bool:
         """The open step waits for a reading of its all-reduce that will come
-        (the model reads at its next forward that all-reduces: it is due since
-        before this step was counted), not for too long."""
-        return (any(reading is None and source._next_read <= self._open_counted
-                    for source, reading in self._open_syncs)
+        (DDP timed it; the model reads it at its next forward that all-reduces),
+        not for too long."""
+        return (any(reading is None and timed for _, reading, timed in self._open_syncs)
                 and time.monotonic() - self._open_since < OPEN_WAIT_S)
 
     def _close_open(self) -> None:
@@ -467,13 +478,14 @@ class LiveTelemetry(Telemetry):
         self._open = None
         syncs, self._open_syncs = self._open_syncs, []
         if len(syncs) == 1:
-            source, reading = syncs[0]
-            computes = self._recent[source].computes
+            source, reading, _ = syncs[0]
+            recent = self._recent[source]
             if reading is not None:
-                computes.append(max(0.0, o.step_s - o.comm_s - reading))
-            elif computes:
-                syncs = [[source, max(0.0, o.step_s - o.comm_s - statistics.median(computes))]]
-        for source, reading in syncs:
+                recent.computes.append(max(0.0, o.step_s - o.comm_s - reading))
+                recent.compute = statistics.median(recent.computes)
+            elif recent.computes:
+                syncs = [[source, max(0.0, o.step_s - o.comm_s - recent.compute)]]
+        for source, reading, *_ in syncs:
             if reading is None:
                 reading = self._recent[source].typical
             o.comm_s += reading
@@ -675,11 +687,14 @@ class LiveTelemetry(Telemetry):
         if device is not None and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
                     None)
-        try:
-            pages = int(STATM.read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            return None, None, None
-        return None, None, pages * PAGE_SIZE
+        now = time.monotonic()
+        if now - self._rss_at >= RSS_EVERY_S:  # (reading it costs more than the rest of a send)
+            self._rss_at = now
+            try:
+                self._rss = int(STATM.read_text().split()[1]) * PAGE_SIZE
+            except (OSError, IndexError, ValueError):
+                self._rss = None
+        return None, None, self._rss
 
 
 _KEY = re.compile(wire.SCALAR_KEY_PATTERN)
@@ -688,8 +703,11 @@ _KEY = re.compile(wire.SCALAR_KEY_PATTERN)
 def _loss_value(loss: Any) -> float | torch.Tensor | None:
     """A loss to sum: a float, or a detached one-element tensor left on its device."""
     if isinstance(loss, torch.Tensor):
-        if loss.numel() == 0:
+        n = loss.numel()
+        if n == 0:
             return None
+        if n == 1 and loss.is_cpu:
+            return float(loss.item())  # (the common case, in one call)
         value = loss.detach()
         value = value.float().mean() if value.numel() > 1 else value.reshape(())
         return float(value) if value.device.type == "cpu" else value
