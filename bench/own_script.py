@@ -70,7 +70,9 @@ interval spans 0.99)".
    own threads (sender, ZeroMQ) run throughout and are measured apart; the
    modes' verdicts charge their CPU to each step.
 
-`--pin` pins each rank process (all its threads) to a core of its own.
+`--pin` pins each rank process (all its threads) to a core of its own;
+`--modes-only` steps only the baseline, the noise floor and the three modes
+in part 2, for more rounds in the same time (narrower intervals).
 """
 
 from __future__ import annotations
@@ -424,7 +426,7 @@ PIECES_TIMEOUT_S = 900
 
 
 def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, pin: bool,
-                 out: str) -> None:
+                 out: str, names: list[str]) -> None:
     helpers: dict[str, Any] = {}
     exec(RANK_HELPERS, helpers)  # the same code part 1's script runs
     if pin:
@@ -457,8 +459,9 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
     # configuration keeps one model's placement in memory, which alone moves a
     # step's time by a percent or two.
     pools: dict[str | None, list[tuple[Any, Any]]] = {}
-    for comm in dict.fromkeys(comm for comm, _, _, _ in PIECES.values()):  # in a fixed order
-        for _ in range(sum(c == comm for c, _, _, _ in PIECES.values()) + 2):
+    configs = {name: PIECES[name] for name in names}
+    for comm in dict.fromkeys(comm for comm, _, _, _ in configs.values()):  # in a fixed order
+        for _ in range(sum(c == comm for c, _, _, _ in configs.values()) + 2):
             torch.manual_seed(0)
             model = DDP(nn.Sequential(nn.Linear(64, width), nn.ReLU(),
                                       nn.Linear(width, width), nn.ReLU(),
@@ -476,9 +479,9 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
     batches = [(torch.randn(32, 64, generator=generator),
                 torch.randint(0, 10, (32,), generator=generator)) for _ in range(16)]
     loss_fn = nn.CrossEntropyLoss()
-    wall: dict[str, list[float]] = {name: [] for name in PIECES}
-    cpu: dict[str, list[float]] = {name: [] for name in PIECES}
-    order = list(PIECES)
+    wall: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
+    order = list(configs)
     rng = random.Random(2)  # the same order on both ranks
     clock, cpu_clock = time.perf_counter, time.process_time
     threads = helpers["thread_cpu"]()
@@ -488,7 +491,7 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
         dealt = {comm: rng.sample(pool, len(pool)) for comm, pool in pools.items()}
         x, y = batches[r % len(batches)]
         for name in order:
-            comm, optimizer_hooks, forward_hooks, step_call = PIECES[name]
+            comm, optimizer_hooks, forward_hooks, step_call = configs[name]
             model, optimizer = dealt[comm].pop()
             handles = []
             if optimizer_hooks:
@@ -526,7 +529,7 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
     threads = {kind: s - threads[kind] for kind, s in helpers["thread_cpu"]().items()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(
         {"wall": wall, "cpu": cpu, "threads": threads, "duration": duration,
-         "steps": (WARM_ROUNDS + rounds) * len(PIECES)}))
+         "steps": (WARM_ROUNDS + rounds) * len(configs)}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -536,6 +539,7 @@ def pieces(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
 
     import torch.multiprocessing as mp
 
+    names = [BASE, "no hook, again", *MODES] if args.modes_only else list(PIECES)
     listener = Listener()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -543,7 +547,7 @@ def pieces(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
     with tempfile.TemporaryDirectory() as out:
         context = mp.start_processes(_pieces_rank, args=(port, listener.endpoint,
                                                          args.steps_each, args.width, args.pin,
-                                                         out),
+                                                         out, names),
                                      nprocs=2, start_method="spawn", join=False)
         assert context is not None
         deadline = time.monotonic() + PIECES_TIMEOUT_S
@@ -559,7 +563,7 @@ def pieces(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
         Path(args.save).write_text(json.dumps(ranks))
     wall = ranks[0]["wall"]  # the ranks step together: rank 0's clock is the run's
     cpu = {name: [a + b for a, b in zip(ranks[0]["cpu"][name], ranks[1]["cpu"][name],
-                                        strict=True)] for name in PIECES}
+                                        strict=True)] for name in names}
     print(f"\n2. Same processes: the MLP (width {args.width}) in 2 gloo ranks, models dealt "
           f"out afresh each round, one step of each configuration per round in random "
           f"order, {args.steps_each} rounds"
@@ -570,7 +574,7 @@ def pieces(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
           f"{'CPU ms':>6} | {'CPU ratio':<21} | {'CPU us':>6}")
     print("-" * 104)
     found: dict[str, tuple[Estimate, Estimate]] = {}
-    for name in PIECES:
+    for name in names:
         w = estimate([b / m for m, b in zip(wall[name], wall[BASE], strict=True)])
         c = estimate([b / m for m, b in zip(cpu[name], cpu[BASE], strict=True)])
         found[name] = (w, c)
@@ -613,6 +617,9 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=256,
                         help="the MLP's hidden width (256: 85,002 parameters, one bucket)")
     parser.add_argument("--pin", action="store_true", help="pin each rank to a core")
+    parser.add_argument("--modes-only", action="store_true",
+                        help="part 2: only the baseline, the noise floor and the three modes "
+                             "(more rounds in the same time: narrower intervals)")
     parser.add_argument("--save", help="part 2: write the raw timings to this JSON file")
     parser.add_argument("--only", choices=["launchers", "pieces"], help="run one part only")
     args = parser.parse_args()
