@@ -4,7 +4,7 @@
                                      [--phase-seconds 10] [--frozen-seconds 60]
                                      [--cycles 2]
                                      [--no-drills] [--drills NAME,...] [--no-dashboard]
-                                     [--tui-fps N]
+                                     [--tui-fps N] [--tui-pairs N] [--tui-phase-seconds 4]
 
 Part 1, drills. Each drill of `ddtrain start --inject` runs on the built-in
 trainer (`ddtrain start --foreground`, world size 4 by default), --repeats
@@ -34,15 +34,24 @@ phase (the slowest rank's global step from the daemon's status), each watched
 phase's ratio to the mean of the no-dashboard phases either side of it (median
 over cycles), and the daemon's resident memory before and after.
 
+Part 3 (--tui-pairs N), the TUI's cost, paired: one long run with one TUI
+attached, in N pairs of phases of --tui-phase-seconds, the TUI running in
+one and frozen with SIGSTOP in the other (in a random order; a thawed TUI
+gets 1.5 s to catch up before its phase): running steps/s over frozen, the
+median with a sign-test interval, and the TUI's CPU while running. Phases a
+few seconds apart see the same load, which part 2's longer ones do not.
+
 Numbers in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import pty
+import random
 import re
 import signal
 import statistics
@@ -57,6 +66,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from own_script import estimate  # bench/own_script.py, beside this script
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.runinfo import RunInfo
@@ -336,36 +347,56 @@ def _stop_watcher(watcher: Any) -> None:
             watcher.wait()
 
 
-def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, root: Path,
-                   fps: float | None = None) -> None:
-    cwd = root / "watch"
+@contextlib.contextmanager
+def long_run(world: int, root: Path, run_id: str) -> Iterator[tuple[Path, RunInfo]]:
+    """A detached run of the built-in trainer that ends only when stopped (it is,
+    however the caller ends), past its start-up: its folder and its RunInfo."""
+    cwd = root / run_id
     cwd.mkdir()
-    run_id = "watch"
-    args = [*run_args(world, 500), "--epochs", "1000"]  # ends only when stopped
+    args = [*run_args(world, 500), "--epochs", "1000"]
     start = subprocess.run([DDTRAIN, "start", "--run-id", run_id, *args],
                            cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
     if start.returncode != 0:
         sys.exit(f"could not start the run: {start.stderr}")
-    info = RunInfo.load(RunPaths(cwd / "runs" / run_id))
+    try:
+        info = RunInfo.load(RunPaths(cwd / "runs" / run_id))
+        deadline = time.monotonic() + 120
+        while not status(info)["global_step"]:  # past start-up
+            if time.monotonic() > deadline:
+                sys.exit("the run took no step within 120 s (see its logs)")
+            time.sleep(0.5)
+        time.sleep(2)
+        yield cwd, info
+    finally:
+        subprocess.run([DDTRAIN, "stop", run_id, "--timeout", "20"], cwd=cwd,
+                       capture_output=True, timeout=120, check=False)
+
+
+def steps_per_second(info: RunInfo, seconds: float) -> float:
+    """The run's steps per second (the slowest rank's) over the next `seconds`."""
+    a, t0 = status(info)["global_step"], time.monotonic()
+    time.sleep(seconds)
+    b, t1 = status(info)["global_step"], time.monotonic()
+    assert isinstance(a, int) and isinstance(b, int)
+    return (b - a) / (t1 - t0)
+
+
+def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, root: Path,
+                   fps: float | None = None) -> None:
+    with long_run(world, root, "watch") as (cwd, info):
+        _watch_phases(cwd, info, world, phase_s, frozen_s, cycles, fps)
+
+
+def _watch_phases(cwd: Path, info: RunInfo, world: int, phase_s: float, frozen_s: float,
+                  cycles: int, fps: float | None) -> None:
+    run_id = info.paths.run_id
     daemon = info.record.daemon_pid
     assert daemon is not None
-    deadline = time.monotonic() + 120
-    while not status(info)["global_step"]:  # past start-up
-        if time.monotonic() > deadline:
-            subprocess.run([DDTRAIN, "stop", run_id, "--timeout", "20"], cwd=cwd,
-                           capture_output=True, timeout=120, check=False)
-            sys.exit("part 2: the run took no step within 120 s (see its logs)")
-        time.sleep(0.5)
-    time.sleep(2)
     rows: list[tuple[str, float, float]] = []
     rss_before = rss_kib(daemon)
 
     def phase(name: str, seconds: float) -> None:
-        a, t0 = status(info)["global_step"], time.monotonic()
-        time.sleep(seconds)
-        b, t1 = status(info)["global_step"], time.monotonic()
-        assert isinstance(a, int) and isinstance(b, int)
-        rows.append((name, (b - a) / (t1 - t0), t1 - t0))
+        rows.append((name, steps_per_second(info, seconds), seconds))
         print(f"  {name}: {rows[-1][1]:.1f} steps/s", file=sys.stderr)
 
     watchers: list[Any] = []  # every dashboard started, stopped however the part ends
@@ -398,8 +429,6 @@ def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, roo
     finally:
         for watcher in watchers:
             _stop_watcher(watcher)
-        subprocess.run([DDTRAIN, "stop", run_id, "--timeout", "20"], cwd=cwd,
-                       capture_output=True, timeout=120, check=False)
     # Each watched phase against the mean of the no-dashboard phases either side of it.
     ratios: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
@@ -422,6 +451,48 @@ def part_dashboard(world: int, phase_s: float, frozen_s: float, cycles: int, roo
           f"after {frozen_s:g} s with a frozen ddtop, {rss_after / 1024:.1f} MiB at the end")
 
 
+TUI_SETTLE_S = {"frozen": 0.5, "running": 1.5}  # before a phase: a thawed TUI catches up
+
+
+def part_tui_pairs(world: int, pairs: int, phase_s: float, root: Path,
+                   fps: float | None) -> None:
+    """One TUI on one long run, frozen (SIGSTOP) and running in turn: each pair
+    of phases, in a random order, gives running steps/s over frozen steps/s."""
+    rng = random.Random(1)
+    ratios: list[float] = []
+    tui_cpu = tui_time = 0.0
+    with long_run(world, root, "pairs") as (cwd, info):
+        tui = Tui(info.paths.run_id, cwd, fps)
+        try:
+            time.sleep(5)  # Textual's start-up
+            for i in range(pairs):
+                rates = {}
+                for state in rng.sample(["running", "frozen"], 2):
+                    os.kill(tui.proc.pid, signal.SIGSTOP if state == "frozen" else signal.SIGCONT)
+                    time.sleep(TUI_SETTLE_S[state])
+                    before = process_cpu_s(tui.proc.pid)
+                    rates[state] = steps_per_second(info, phase_s)
+                    if state == "running":
+                        tui_cpu += process_cpu_s(tui.proc.pid) - before
+                        tui_time += phase_s
+                ratios.append(rates["running"] / rates["frozen"])
+                print(f"  pair {i + 1}: running {rates['running']:.1f}, frozen "
+                      f"{rates['frozen']:.1f} steps/s: {ratios[-1]:.3f}", file=sys.stderr)
+        finally:
+            tui.close()
+    found = estimate(ratios)
+    print(f"\nPart 3: the TUI ({'--fps ' + format(fps, 'g') if fps else 'its default fps'}) "
+          f"running against frozen, world size {world}, {pairs} pairs of {phase_s:g} s")
+    print(f"steps/s ratio {found.cell()} (median [95% interval, sign test]): "
+          f"{found.verdict()}; the TUI took {tui_cpu / tui_time * 100:.1f}% of a core "
+          "while running")
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each drill (default 3)")
@@ -436,7 +507,11 @@ def main() -> int:
                             d.key for d in drills(4)) + " (default: all)")
     parser.add_argument("--no-dashboard", action="store_true")
     parser.add_argument("--tui-fps", type=float, metavar="N",
-                        help="the TUI's --fps in part 2 (default: ddtop's own)")
+                        help="the TUI's --fps in parts 2 and 3 (default: ddtop's own)")
+    parser.add_argument("--tui-pairs", type=int, default=0, metavar="N",
+                        help="part 3: N pairs of TUI running / frozen phases (default 0: "
+                             "part 3 not run)")
+    parser.add_argument("--tui-phase-seconds", type=float, default=4.0)
     args = parser.parse_args()
     only = None
     if args.drills:
@@ -452,6 +527,9 @@ def main() -> int:
         if not args.no_dashboard:
             part_dashboard(args.world_size, args.phase_seconds, args.frozen_seconds,
                            args.cycles, Path(tmp), args.tui_fps)
+        if args.tui_pairs > 0:
+            part_tui_pairs(args.world_size, args.tui_pairs, args.tui_phase_seconds, Path(tmp),
+                           args.tui_fps)
     return 0
 
 

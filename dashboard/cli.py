@@ -32,7 +32,7 @@ from ddtop.daemon.runs import RunPaths, find_run, locate_run
 EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it failed, "
               "130 it was stopped, 2 bad input or no run reachable within --wait.")
 DEFAULT_WAIT_S = 10.0
-DEFAULT_FPS = 5.0
+DEFAULT_FPS = 2.0  # redraws a second (nvitop: one every 2 s); each costs CPU (docs/performance.md)
 FIND_POLL_S = 0.2
 
 
