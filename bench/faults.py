@@ -4,7 +4,8 @@
                                      [--phase-seconds 10] [--frozen-seconds 60]
                                      [--cycles 2]
                                      [--no-drills] [--drills NAME,...] [--no-dashboard]
-                                     [--tui-fps N] [--tui-pairs N] [--tui-phase-seconds 4]
+                                     [--tui-fps N] [--tui-pairs N] [--headless-pairs N]
+                                     [--pair-phase-seconds 4]
 
 Part 1, drills. Each drill of `ddtrain start --inject` runs on the built-in
 trainer (`ddtrain start --foreground`, world size 4 by default), --repeats
@@ -34,12 +35,13 @@ phase (the slowest rank's global step from the daemon's status), each watched
 phase's ratio to the mean of the no-dashboard phases either side of it (median
 over cycles), and the daemon's resident memory before and after.
 
-Part 3 (--tui-pairs N), the TUI's cost, paired: one long run with one TUI
-attached, in N pairs of phases of --tui-phase-seconds, the TUI running in
-one and frozen with SIGSTOP in the other (in a random order; a thawed TUI
-gets 1.5 s to catch up before its phase): running steps/s over frozen, the
-median with a sign-test interval, and the TUI's CPU while running. Phases a
-few seconds apart see the same load, which part 2's longer ones do not.
+Part 3 (--tui-pairs N, --headless-pairs N), a dashboard's cost, paired: one
+long run with one dashboard attached (the TUI, or `ddtop --headless`), in N
+pairs of phases of --pair-phase-seconds, the dashboard running in one and
+frozen with SIGSTOP in the other (in a random order; a thawed one gets 1.5 s
+to catch up before its phase): running steps/s over frozen, the median with
+a sign-test interval, and the dashboard's CPU while running. Phases a few
+seconds apart see the same load, which part 2's longer ones do not.
 
 Numbers in docs/performance.md.
 """
@@ -451,40 +453,48 @@ def _watch_phases(cwd: Path, info: RunInfo, world: int, phase_s: float, frozen_s
           f"after {frozen_s:g} s with a frozen ddtop, {rss_after / 1024:.1f} MiB at the end")
 
 
-TUI_SETTLE_S = {"frozen": 0.5, "running": 1.5}  # before a phase: a thawed TUI catches up
+SETTLE_S = {"frozen": 0.5, "running": 1.5}  # before a phase: a thawed dashboard catches up
 
 
-def part_tui_pairs(world: int, pairs: int, phase_s: float, root: Path,
-                   fps: float | None) -> None:
-    """One TUI on one long run, frozen (SIGSTOP) and running in turn: each pair
-    of phases, in a random order, gives running steps/s over frozen steps/s."""
+def part_pairs(headless: bool, world: int, pairs: int, phase_s: float, root: Path,
+               fps: float | None) -> None:
+    """One dashboard (the TUI, or `ddtop --headless`) on one long run, frozen
+    (SIGSTOP) and running in turn: each pair of phases, in a random order, gives
+    running steps/s over frozen steps/s."""
     rng = random.Random(1)
     ratios: list[float] = []
-    tui_cpu = tui_time = 0.0
-    with long_run(world, root, "pairs") as (cwd, info):
-        tui = Tui(info.paths.run_id, cwd, fps)
+    watcher_cpu = watcher_time = 0.0
+    what = "ddtop --headless" if headless else \
+        f"the TUI ({'--fps ' + format(fps, 'g') if fps else 'its default fps'})"
+    with long_run(world, root, "pairs-headless" if headless else "pairs") as (cwd, info):
+        run_id = info.paths.run_id
+        watcher: Any = (subprocess.Popen([DDTOP, "--headless", run_id], cwd=cwd,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        if headless else Tui(run_id, cwd, fps))
+        pid = watcher.pid if headless else watcher.proc.pid
         try:
-            time.sleep(5)  # Textual's start-up
+            time.sleep(5)  # its start-up
             for i in range(pairs):
                 rates = {}
                 for state in rng.sample(["running", "frozen"], 2):
-                    os.kill(tui.proc.pid, signal.SIGSTOP if state == "frozen" else signal.SIGCONT)
-                    time.sleep(TUI_SETTLE_S[state])
-                    before = process_cpu_s(tui.proc.pid)
+                    os.kill(pid, signal.SIGSTOP if state == "frozen" else signal.SIGCONT)
+                    time.sleep(SETTLE_S[state])
+                    before = process_cpu_s(pid)
                     rates[state] = steps_per_second(info, phase_s)
                     if state == "running":
-                        tui_cpu += process_cpu_s(tui.proc.pid) - before
-                        tui_time += phase_s
+                        watcher_cpu += process_cpu_s(pid) - before
+                        watcher_time += phase_s
                 ratios.append(rates["running"] / rates["frozen"])
                 print(f"  pair {i + 1}: running {rates['running']:.1f}, frozen "
                       f"{rates['frozen']:.1f} steps/s: {ratios[-1]:.3f}", file=sys.stderr)
         finally:
-            tui.close()
+            os.kill(pid, signal.SIGCONT)
+            _stop_watcher(watcher)
     found = estimate(ratios)
-    print(f"\nPart 3: the TUI ({'--fps ' + format(fps, 'g') if fps else 'its default fps'}) "
-          f"running against frozen, world size {world}, {pairs} pairs of {phase_s:g} s")
+    print(f"\nPart 3: {what} running against frozen, world size {world}, {pairs} pairs of "
+          f"{phase_s:g} s")
     print(f"steps/s ratio {found.cell()} (median [95% interval, sign test]): "
-          f"{found.verdict()}; the TUI took {tui_cpu / tui_time * 100:.1f}% of a core "
+          f"{found.verdict()}; it took {watcher_cpu / watcher_time * 100:.1f}% of a core "
           "while running")
 
 
@@ -510,8 +520,11 @@ def main() -> int:
                         help="the TUI's --fps in parts 2 and 3 (default: ddtop's own)")
     parser.add_argument("--tui-pairs", type=int, default=0, metavar="N",
                         help="part 3: N pairs of TUI running / frozen phases (default 0: "
-                             "part 3 not run)")
-    parser.add_argument("--tui-phase-seconds", type=float, default=4.0)
+                             "not run)")
+    parser.add_argument("--headless-pairs", type=int, default=0, metavar="N",
+                        help="part 3: N pairs of ddtop --headless running / frozen phases "
+                             "(default 0: not run)")
+    parser.add_argument("--pair-phase-seconds", type=float, default=4.0)
     args = parser.parse_args()
     only = None
     if args.drills:
@@ -527,9 +540,10 @@ def main() -> int:
         if not args.no_dashboard:
             part_dashboard(args.world_size, args.phase_seconds, args.frozen_seconds,
                            args.cycles, Path(tmp), args.tui_fps)
-        if args.tui_pairs > 0:
-            part_tui_pairs(args.world_size, args.tui_pairs, args.tui_phase_seconds, Path(tmp),
-                           args.tui_fps)
+        for headless, pairs in ((True, args.headless_pairs), (False, args.tui_pairs)):
+            if pairs > 0:
+                part_pairs(headless, args.world_size, pairs, args.pair_phase_seconds,
+                           Path(tmp), args.tui_fps)
     return 0
 
 

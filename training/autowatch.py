@@ -251,6 +251,8 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
     if watched is None or not watched.rank.active:  # (nothing to trace into a compiled graph)
         return _original_forward(self, *inputs, **kwargs)  # type: ignore[no-untyped-call]
     rank, stats = watched.rank, watched.stats
+    if stats is not None and stats.reducer is not self.reducer:
+        stats = None  # a copy of a watched model (its own reducer): phases only
     phases = rank is _installed
     grad = torch.is_grad_enabled()
     training = self.training and grad

@@ -205,7 +205,7 @@ class DDPStats:
         self._rate = 0  # (not set yet: DDP's default times one iteration in 100)
         self.armed = False  # a forward that all-reduces has run; its backward not begun
         self.failed = ""  # why reading stopped, once it has
-        self._reducer = ddp.reducer
+        self.reducer = ddp.reducer  # (a deep copy of the model, sharing this object, has its own)
         first = next((p for p in params if p.requires_grad), None)
         if first is not None:
             first.register_post_accumulate_grad_hook(self._backward_done)
@@ -225,12 +225,12 @@ class DDPStats:
             if self.timings >= READ_FIRST:
                 self._next_read = now + READ_EVERY_S
             rate = 1 if last_timed else n  # n a multiple, and n - 1 too if it must be
-        elif last_timed and self._rate == 1:
+        elif last_timed and self._rate == 1 and not self.failed:
             rate = n - 1  # n - 1 a multiple, n not
         else:
-            return  # (the next multiple of the rate comes long after the next timed)
-        if rate != self._rate:
-            self._set_rate(rate)
+            return  # (DDP may time a multiple of the rate meanwhile: unread, harmless)
+        if rate != self._rate and not self._set_rate(rate):
+            self.timed = -1  # nothing to wait for
 
     def synced(self, ddp: DDP) -> None:
         """After that forward: DDP has the last iteration's figures; read them
@@ -239,12 +239,15 @@ class DDPStats:
             self._read(ddp)
         self.armed = True
 
-    def _set_rate(self, rate: int) -> None:
+    def _set_rate(self, rate: int) -> bool:
+        """Set DDP's sample rate; False (and timing stopped) if it cannot be."""
         self._rate = rate
         try:
-            self._reducer._set_ddp_runtime_logging_sample_rate(min(max(1, rate), MAX_RATE))
+            self.reducer._set_ddp_runtime_logging_sample_rate(min(max(1, rate), MAX_RATE))
         except Exception as e:  # noqa: BLE001 - a prototype interface of torch's
             self._failed(e)
+            return False
+        return True
 
     def _backward_done(self, param: torch.Tensor) -> None:
         """The model's first parameter has its gradient: the backward is through
@@ -267,22 +270,29 @@ class DDPStats:
             self._failed(e)
             return
         iteration = ints.get("iteration")
+        start, took = ints.get("backward_comm_time_start"), ints.get("backward_comm_time")
         if isinstance(iteration, int) and iteration != self.iteration - 1:
             # Counted wrong (watched after some iterations, or forwards DDP does
-            # not count): time every iteration (rate 1: whatever the count) until
-            # a reading agrees, counting on from DDP's.
-            self.iteration = self.timed = iteration + 1
-            self._next_read, self.timings = -math.inf, 0
-            self._set_rate(1)
+            # not count): counting on from DDP's count.
+            self._recount(iteration + 1)
             return
-        start, took = ints.get("backward_comm_time_start"), ints.get("backward_comm_time")
-        if not start or took is None or start == self._last_start or took < 0:
-            return  # (none yet, or unset: 0, or the one read last time)
+        if start and start == self._last_start:
+            self._recount(self.iteration)  # the figures read last time: not the timed one
+            return
+        if not start or took is None or took < 0:
+            return  # (none yet, or unset: 0)
         self._last_start = start
         buckets = ints.get("num_buckets_reduced")
         if isinstance(buckets, int) and buckets > 0:
             self.buckets = buckets
         self.telemetry.ddp_reading(self, took / 1e9)
+
+    def _recount(self, iteration: int) -> None:
+        """DDP's count differs from ours: from `iteration` on, time every
+        iteration (rate 1: whatever the count) until a reading agrees."""
+        self.iteration = self.timed = iteration
+        self._next_read, self.timings = -math.inf, 0
+        self._set_rate(1)
 
     def _failed(self, e: Exception) -> None:
         self.failed = f"{type(e).__name__}: {e}"

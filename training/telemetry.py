@@ -417,7 +417,7 @@ class LiveTelemetry(Telemetry):
                     recent.readings.append(m[2])
                     recent.typical = statistics.median(recent.readings)
                     for sync in self._open_syncs:
-                        if sync[0] is m[1] and sync[1] is None:
+                        if sync[0] is m[1] and sync[1] is None and sync[2]:  # (a timed one)
                             sync[1] = m[2]
                             break
             if marks:
