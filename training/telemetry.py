@@ -208,7 +208,8 @@ class LiveTelemetry(Telemetry):
         # The running CUDA loss sums up to the last window sent, by device.
         self._cuda_loss_sent: dict[torch.device, float] = {}
         # The step counted last, not yet in the window (see _fold), since when
-        # (monotonic), and its DDP all-reduces: [source, seconds read or None].
+        # (monotonic), and its DDP all-reduces: [source, seconds read or None,
+        # whether DDP timed it].
         self._open: StepWindow | None = None
         self._open_since = 0.0
         self._open_syncs: list[list[Any]] = []
@@ -484,8 +485,8 @@ class LiveTelemetry(Telemetry):
                 recent.computes.append(max(0.0, o.step_s - o.comm_s - reading))
                 recent.compute = statistics.median(recent.computes)
             elif recent.computes:
-                syncs = [[source, max(0.0, o.step_s - o.comm_s - recent.compute)]]
-        for source, reading, *_ in syncs:
+                syncs = [[source, max(0.0, o.step_s - o.comm_s - recent.compute), False]]
+        for source, reading, _ in syncs:
             if reading is None:
                 reading = self._recent[source].typical
             o.comm_s += reading
