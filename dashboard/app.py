@@ -1,12 +1,14 @@
 """The Textual dashboard: the App routes, the widgets display, the feed folds.
 
 A thread worker pumps the feed (sockets or journal) into its RunState (a live
-feed of a few ranks at most once per PUMP_S) and posts `FeedChanged` only when
-the connection changes or the first ranks come. The app redraws on a timer at a fixed frame
-rate (never once per message), when the state's fold count moved, else once a
-second: under the feed's lock it builds the header, the rows and the panels
-from the RunState, then hands them to the widgets, which draw again only the
-lines that changed (a redraw costs Textual far more than building the text).
+feed of a few ranks once per half frame) and posts `FeedChanged` only when the
+connection changes, the first ranks come, or an event or a new status does
+(drawn at once). The app redraws on a timer at a fixed frame rate (never once
+per message), when the state's fold count moved, else once a second: under the
+feed's lock it builds the header, the rows and the panels from the RunState
+(the loss charts and the comm panel once a second), then hands them to the
+widgets, which draw again only the lines that changed (a redraw costs Textual
+far more than building the text).
 Requests to the daemon (`x`: stop the run) go out from a thread worker too, so
 that a daemon that does not answer never freezes the screen; the answer comes
 back as a `StopAnswered` message.
@@ -38,10 +40,12 @@ from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable, TextPanel, set_chart
 
-PUMP_S = 0.05
-PACE_BELOW = 2000  # messages/s under which a live feed is folded once per PUMP_S (see pump)
+# A live feed of a few ranks is folded once per half frame, within these bounds (see pump).
+PUMP_S, PUMP_MAX_S = 0.05, 0.25
+PACE_BELOW = 2000  # messages/s under which a live feed is folded at that pace (see pump)
 CHART_POINTS = 120
 SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
+PANELS_EVERY_S = 1.0  # the loss charts and the comm panel are built again this often
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S = 1.0
 # Lines of the fixed parts around the ranks table (see ddtop.tcss): the header,
@@ -50,14 +54,19 @@ HEADER_LINES, FOOTER_LINES, LOWER_MIN_LINES, TABLE_MIN_LINES = 4, 1, 10, 3
 
 
 class FeedChanged(Message):
-    """The worker folded new messages (or the connection changed)."""
+    """The worker folded new messages (or the connection changed). `urgent`: an
+    event or a new status among them, drawn at once rather than at the next frame."""
 
-    def __init__(self, folded: int) -> None:
+    def __init__(self, folded: int, urgent: bool = False) -> None:
         super().__init__()
-        self.folded = folded
+        self.folded, self.urgent = folded, urgent
 
     def can_replace(self, message: Message) -> bool:
-        return isinstance(message, FeedChanged)
+        """`message`, a newer one, stands for this one too (urgent if either is)."""
+        if not isinstance(message, FeedChanged):
+            return False
+        message.urgent = message.urgent or self.urgent
+        return True
 
 
 class StopAnswered(Message):
@@ -88,6 +97,7 @@ class DashboardApp(App[None]):
     def __init__(self, feed: FeedBase, fps: float = 5.0) -> None:
         super().__init__()
         self.feed, self.fps = feed, fps
+        self.pump_s = min(PUMP_MAX_S, max(PUMP_S, 0.5 / fps))
         self.replay = feed.replay_controls
         self.exit_code = 0
         self.paused = False
@@ -104,6 +114,11 @@ class DashboardApp(App[None]):
         self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
         self.events_key: tuple[int, int, int] | None = None  # what events_text was built from
         self.events_text = Text()
+        # The loss charts and the comm panel: what they were built for, when, and what.
+        self.panels_key: tuple[int, int | None, int] | None = None
+        self.panels_at = 0.0
+        self.loss_charts: tuple[list[float], list[float]] = ([], [])  # global, selected rank
+        self.comm_text = Text()
 
     def compose(self) -> ComposeResult:
         yield TextPanel(id="header")
@@ -137,33 +152,42 @@ class DashboardApp(App[None]):
         (ages and states move on with the clock alone); none while a screen hides the
         main view (a rank's detail: drawn behind it, the main view had Textual redraw
         the detail screen's regions too), one as soon as it shows again."""
-        if len(self.screen_stack) > 1 and not isinstance(self.screen, ModalScreen):
+        if self._main_view_hidden():
             return
         if (self.dirty or self._folded() != self.shown_folded
                 or time.monotonic() - self.last_render >= IDLE_REDRAW_S):
             self.render_view()
 
+    def _main_view_hidden(self) -> bool:
+        """A screen other than a modal one (a rank's detail) covers the main view."""
+        return len(self.screen_stack) > 1 and not isinstance(self.screen, ModalScreen)
+
     # -- the worker: sockets or journal -> RunState -------------------------------------
     @work(thread=True, exclusive=True, exit_on_error=False)
     def pump(self) -> None:
         """Fold, then tell the app only what a frame cannot see for itself: the
-        connection changed, or the first messages came (drawn at once). The frame
-        timer sees new messages by the state's fold count. A live feed of fewer than
-        PACE_BELOW messages a second is folded at most once per PUMP_S (what comes
-        meanwhile waits in the socket and is folded together): one wakeup per PUMP_S,
-        not per message. A busier one (hundreds of ranks) comes in bursts that each
+        connection changed, the first messages came, or an event or a new status
+        (these three drawn at once). The frame timer sees other messages by the
+        state's fold count. A live feed of fewer than PACE_BELOW messages a second
+        is folded at most once per `pump_s` (half a frame; what comes meanwhile
+        waits in the socket and is folded together): a few wakeups a second, not
+        one per message. A busier one (hundreds of ranks) comes in bursts that each
         wake the worker once anyway, and is folded as it comes."""
         worker = get_current_worker()
         seen: tuple[str, str, bool] | None = None
+        seen_news: tuple[int, int, str] | None = None
         paced = isinstance(self.feed, LiveFeed)
         count, since, busy = 0, time.monotonic(), False  # messages folded in the last second
         while not worker.is_cancelled:
             start = time.monotonic()
-            folded = self.feed.pump(PUMP_S)
+            folded = self.feed.pump(self.pump_s)
             now = (self.feed.connection, self.feed.detail, self.feed.finished)
-            if now != seen or (folded and not self.shown_run):
-                seen = now
-                self.post_message(FeedChanged(folded))
+            state = self.feed.state
+            news = (id(state), state.event_count, state.status)
+            if now != seen or (folded and not self.shown_run) or news != seen_news:
+                self.post_message(FeedChanged(folded, urgent=seen_news is not None
+                                              and news != seen_news))
+                seen, seen_news = now, news
             if self.feed.finished and not folded:
                 return
             count += folded
@@ -171,7 +195,7 @@ class DashboardApp(App[None]):
                 busy = count >= PACE_BELOW * (start - since)
                 count, since = 0, start
             if paced and not busy and 0 < folded < BATCH:
-                time.sleep(max(0.0, start + PUMP_S - time.monotonic()))
+                time.sleep(max(0.0, start + self.pump_s - time.monotonic()))
 
     def _folded(self) -> tuple[int, int]:
         """Changes when the worker folds a message (or swaps in a new state)."""
@@ -186,6 +210,8 @@ class DashboardApp(App[None]):
         if not self.shown_run and self.feed.state.ranks:
             self.shown_run = True
             self.render_view()  # the first data on screen at once, not at the next tick
+        elif message.urgent and not self._main_view_hidden():
+            self.render_view()  # a failure, a hang, a status: at once too
 
     # -- one frame ---------------------------------------------------------------------
     def render_view(self) -> None:
@@ -217,10 +243,18 @@ class DashboardApp(App[None]):
             rows = fmt.filter_rows(rows, self.filter_text, self.problems_only)
             rows = fmt.sort_rows(rows, self.sort_key, self.sort_reverse)
             selected = table.selected_rank
-            view = state.ranks.get(selected) if selected is not None else None
-            rank_loss = [p.loss for p in view.history] if view is not None else []
-            global_loss = [p.train_loss for p in state.global_history]
-            comm = panels.comm(state, now, selected, max(4, self._height("#comm")))
+            key = (id(state), selected, max(4, self._height("#comm")))
+            if (key != self.panels_key or self.feed.finished
+                    or time.monotonic() - self.panels_at >= PANELS_EVERY_S):
+                # Built again once a second (or for another rank, size or state), not
+                # every frame: each costs Textual a redraw of the whole chart or panel.
+                self.panels_key, self.panels_at = key, time.monotonic()
+                view = state.ranks.get(selected) if selected is not None else None
+                self.loss_charts = ([p.train_loss for p in state.global_history],
+                                    [p.loss for p in view.history] if view is not None else [])
+                self.comm_text = panels.comm(state, now, selected, key[2])
+            global_loss, rank_loss = self.loss_charts
+            comm = self.comm_text
             lines = max(3, self._height("#events") - 1)
             if self.events_key != (state.event_count, id(state), lines):
                 # The events change seldom: the panel is built again when one comes.

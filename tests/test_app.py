@@ -41,7 +41,7 @@ from ddtop.daemon.state import RunState, encode_snapshot
 from ddtop.dashboard.app import DashboardApp
 from ddtop.dashboard.feed import Feed, LiveFeed, open_feed
 from ddtop.dashboard.screens import HelpScreen, RankDetail
-from ddtop.dashboard.widgets import RankTable
+from ddtop.dashboard.widgets import RankTable, TextPanel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -529,3 +529,29 @@ def test_scalar_columns_fit_the_width_and_count_those_left_out(tmp_path: Path) -
             await pilot.press("q")
 
         drive(LiveFeed(connect=relay.control), (120, 40), script)
+
+
+@pytest.mark.timeout(120)
+def test_an_event_is_drawn_at_once_not_at_the_next_frame(tmp_path: Path) -> None:
+    """At one frame in 5 s, a rank's death still shows within a second or two:
+    the worker has the app draw an event (or a new status) as soon as it is folded,
+    where progress waits for the frame."""
+    with relay_thread("r1", tmp_path / "telemetry.journal") as relay:
+        relay.send(*a_script_with_scalars())
+        app = DashboardApp(LiveFeed(connect=relay.control), fps=0.2)
+
+        async def main() -> None:
+            async with app.run_test(size=(120, 40)) as pilot:
+                await until(pilot, lambda: len(table(app)) == 4)  # the first data: at once
+                await pilot.pause(0.3)
+                frames = app.frames
+                relay.emit(wire.RankExit, exited=1, pid=1001, exit_code=None, signal="SIGKILL")
+                events = app.query_one("#events", TextPanel)
+                await until(pilot, lambda: "SIGKILL" in events.text, timeout=2.5)
+                assert app.frames == frames + 1  # that one, drawn for the event
+                await pilot.press("q")
+
+        try:
+            asyncio.run(main())
+        finally:
+            app.feed.close()
