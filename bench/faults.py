@@ -5,6 +5,8 @@
                                      [--cycles 2]
                                      [--no-drills] [--drills NAME,...] [--no-dashboard]
                                      [--tui-fps N] [--tui-pairs N] [--headless-pairs N]
+                                     [--attached-pairs N] [--frozen-pairs N]
+                                     [--waker-pairs N]
                                      [--pair-phase-seconds 4]
 
 Part 1, drills. Each drill of `ddtrain start --inject` runs on the built-in
@@ -40,8 +42,13 @@ long run with one dashboard attached (the TUI, or `ddtop --headless`), in N
 pairs of phases of --pair-phase-seconds, the dashboard running in one and
 frozen with SIGSTOP in the other (in a random order; a thawed one gets 1.5 s
 to catch up before its phase): running steps/s over frozen, the median with
-a sign-test interval, and the dashboard's CPU while running. Phases a few
-seconds apart see the same load, which part 2's longer ones do not.
+a sign-test interval, the mean with a 95% interval, and the dashboard's CPU
+while running. Phases a few seconds apart see the same load, which part 2's
+longer ones do not. --attached-pairs N: pairs of a TUI attached (a new one
+each time, 5 s after its start) and no dashboard at all, attached over none;
+--frozen-pairs N: the same with the TUI frozen for 10 s before its phase.
+--waker-pairs N, a control: running against frozen, as for the TUI, with a
+process that does nothing but wake 40 times a second.
 
 Numbers in docs/performance.md.
 """
@@ -456,22 +463,37 @@ def _watch_phases(cwd: Path, info: RunInfo, world: int, phase_s: float, frozen_s
 SETTLE_S = {"frozen": 0.5, "running": 1.5}  # before a phase: a thawed dashboard catches up
 
 
-def part_pairs(headless: bool, world: int, pairs: int, phase_s: float, root: Path,
+WAKER = "import time\nwhile True:\n    time.sleep(0.025)"  # wakes 40 times a second, no work
+
+
+def start_watcher(kind: str, run_id: str, cwd: Path, fps: float | None) -> tuple[Any, int]:
+    """A watcher of `kind` on the run (a Tui, or a process), and its pid."""
+    if kind == "tui":
+        tui = Tui(run_id, cwd, fps)
+        return tui, tui.proc.pid
+    command = ([DDTOP, "--headless", run_id] if kind == "headless"
+               else [sys.executable, "-c", WAKER])
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    return proc, proc.pid
+
+
+def watcher_name(kind: str, fps: float | None) -> str:
+    return {"headless": "ddtop --headless",
+            "waker": "a process that only wakes 40 times a second (no dashboard)",
+            "tui": f"the TUI ({'--fps ' + format(fps, 'g') if fps else 'its default fps'})"}[kind]
+
+
+def part_pairs(kind: str, world: int, pairs: int, phase_s: float, root: Path,
                fps: float | None) -> None:
-    """One dashboard (the TUI, or `ddtop --headless`) on one long run, frozen
-    (SIGSTOP) and running in turn: each pair of phases, in a random order, gives
-    running steps/s over frozen steps/s."""
+    """One watcher (the TUI, `ddtop --headless`, or the waker: a control) on one
+    long run, frozen (SIGSTOP) and running in turn: each pair of phases, in a
+    random order, gives running steps/s over frozen steps/s."""
     rng = random.Random(1)
     ratios: list[float] = []
     watcher_cpu = watcher_time = 0.0
-    what = "ddtop --headless" if headless else \
-        f"the TUI ({'--fps ' + format(fps, 'g') if fps else 'its default fps'})"
-    with long_run(world, root, "pairs-headless" if headless else "pairs") as (cwd, info):
-        run_id = info.paths.run_id
-        watcher: Any = (subprocess.Popen([DDTOP, "--headless", run_id], cwd=cwd,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                        if headless else Tui(run_id, cwd, fps))
-        pid = watcher.pid if headless else watcher.proc.pid
+    with long_run(world, root, f"pairs-{kind}") as (cwd, info):
+        watcher, pid = start_watcher(kind, info.paths.run_id, cwd, fps)
         try:
             time.sleep(5)  # its start-up
             for i in range(pairs):
@@ -490,17 +512,76 @@ def part_pairs(headless: bool, world: int, pairs: int, phase_s: float, root: Pat
         finally:
             os.kill(pid, signal.SIGCONT)
             _stop_watcher(watcher)
+    print(f"\nPart 3: {watcher_name(kind, fps)} running against frozen, world size {world}, "
+          f"{pairs} pairs of {phase_s:g} s")
+    report_ratios(ratios, f"it took {watcher_cpu / watcher_time * 100:.1f}% of a core "
+                  "while running")
+
+
+FROZEN_FOR_S = 10.0  # a frozen TUI's phase starts this long after it was frozen
+
+
+def part_attach_pairs(frozen: bool, world: int, pairs: int, phase_s: float, root: Path,
+                      fps: float | None) -> None:
+    """Pairs of phases, in a random order: a TUI attached (a new one each time,
+    5 s after its start; `frozen`: then frozen with SIGSTOP for FROZEN_FOR_S
+    before its phase, so that the daemon's socket to it fills) and no dashboard
+    at all; steps/s with the TUI over steps/s without."""
+    rng = random.Random(2 if frozen else 3)
+    ratios: list[float] = []
+    tui_cpu = tui_time = 0.0
+    what = "frozen" if frozen else "attached"
+    with long_run(world, root, f"pairs-{what}") as (cwd, info):
+        for i in range(pairs):
+            rates = {}
+            for state in rng.sample([what, "none"], 2):
+                if state == "none":
+                    time.sleep(SETTLE_S["frozen"])
+                    rates[state] = steps_per_second(info, phase_s)
+                    continue
+                tui = Tui(info.paths.run_id, cwd, fps)
+                try:
+                    time.sleep(5)  # its start-up, connected and drawing
+                    if frozen:
+                        os.kill(tui.proc.pid, signal.SIGSTOP)
+                        time.sleep(FROZEN_FOR_S)
+                    before = process_cpu_s(tui.proc.pid)
+                    rates[state] = steps_per_second(info, phase_s)
+                    tui_cpu += process_cpu_s(tui.proc.pid) - before
+                    tui_time += phase_s
+                finally:
+                    _stop_watcher(tui)
+                time.sleep(1)  # its exit
+            ratios.append(rates[what] / rates["none"])
+            print(f"  pair {i + 1}: {what} {rates[what]:.1f}, none {rates['none']:.1f} "
+                  f"steps/s: {ratios[-1]:.3f}", file=sys.stderr)
+    how = (f"frozen (for {FROZEN_FOR_S:g} s before its phase)" if frozen
+           else "attached (5 s after its start)")
+    print(f"\nPart 3: the TUI {how} against no dashboard, world size {world}, {pairs} pairs "
+          f"of {phase_s:g} s")
+    report_ratios(ratios, "" if frozen else
+                  f"it took {tui_cpu / tui_time * 100:.1f}% of a core while attached")
+
+
+def report_ratios(ratios: list[float], also: str) -> None:
     found = estimate(ratios)
-    print(f"\nPart 3: {what} running against frozen, world size {world}, {pairs} pairs of "
-          f"{phase_s:g} s")
     print(f"steps/s ratio {found.cell()} (median [95% interval, sign test]): "
-          f"{found.verdict()}; it took {watcher_cpu / watcher_time * 100:.1f}% of a core "
-          "while running")
+          f"{found.verdict()}{'; ' + also if also else ''}")
+    if len(ratios) >= 2:
+        mean, half = mean_interval(ratios)
+        print(f"mean ratio {mean:.4f} [{mean - half:.4f}, {mean + half:.4f}] (95%, normal "
+              f"approximation; pairs' standard deviation {statistics.stdev(ratios):.4f})")
 
 
 def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95% interval (normal approximation: for
+    the tens of pairs part 3 takes, a t interval is wider by a few percent)."""
+    return statistics.fmean(values), 1.96 * statistics.stdev(values) / len(values) ** 0.5
 
 
 def main() -> int:
@@ -524,6 +605,15 @@ def main() -> int:
     parser.add_argument("--headless-pairs", type=int, default=0, metavar="N",
                         help="part 3: N pairs of ddtop --headless running / frozen phases "
                              "(default 0: not run)")
+    parser.add_argument("--attached-pairs", type=int, default=0, metavar="N",
+                        help="part 3: N pairs of a TUI attached / no dashboard phases "
+                             "(default 0: not run)")
+    parser.add_argument("--frozen-pairs", type=int, default=0, metavar="N",
+                        help="part 3: N pairs of a frozen TUI / no dashboard phases "
+                             "(default 0: not run)")
+    parser.add_argument("--waker-pairs", type=int, default=0, metavar="N",
+                        help="part 3, a control: N pairs of running / frozen phases of a "
+                             "process that only wakes 40 times a second (default 0)")
     parser.add_argument("--pair-phase-seconds", type=float, default=4.0)
     args = parser.parse_args()
     only = None
@@ -540,10 +630,15 @@ def main() -> int:
         if not args.no_dashboard:
             part_dashboard(args.world_size, args.phase_seconds, args.frozen_seconds,
                            args.cycles, Path(tmp), args.tui_fps)
-        for headless, pairs in ((True, args.headless_pairs), (False, args.tui_pairs)):
+        for kind, pairs in (("headless", args.headless_pairs), ("tui", args.tui_pairs),
+                            ("waker", args.waker_pairs)):
             if pairs > 0:
-                part_pairs(headless, args.world_size, pairs, args.pair_phase_seconds,
+                part_pairs(kind, args.world_size, pairs, args.pair_phase_seconds,
                            Path(tmp), args.tui_fps)
+        for frozen, pairs in ((False, args.attached_pairs), (True, args.frozen_pairs)):
+            if pairs > 0:
+                part_attach_pairs(frozen, args.world_size, pairs, args.pair_phase_seconds,
+                                  Path(tmp), args.tui_fps)
     return 0
 
 
