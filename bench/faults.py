@@ -567,7 +567,7 @@ def report_ratios(ratios: list[float], also: str) -> None:
     found = estimate(ratios)
     print(f"steps/s ratio {found.cell()} (median [95% interval, sign test]): "
           f"{found.verdict()}{'; ' + also if also else ''}")
-    if len(ratios) >= 2:
+    if len(ratios) >= MEAN_INTERVAL_FROM:
         mean, half = mean_interval(ratios)
         print(f"mean ratio {mean:.4f} [{mean - half:.4f}, {mean + half:.4f}] (95%, normal "
               f"approximation; pairs' standard deviation {statistics.stdev(ratios):.4f})")
@@ -576,6 +576,9 @@ def report_ratios(ratios: list[float], also: str) -> None:
 def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+MEAN_INTERVAL_FROM = 10  # pairs; with fewer the normal approximation is too narrow
 
 
 def mean_interval(values: list[float]) -> tuple[float, float]:
