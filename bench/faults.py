@@ -602,21 +602,14 @@ def main() -> int:
     parser.add_argument("--no-dashboard", action="store_true")
     parser.add_argument("--tui-fps", type=float, metavar="N",
                         help="the TUI's --fps in parts 2 and 3 (default: ddtop's own)")
-    parser.add_argument("--tui-pairs", type=int, default=0, metavar="N",
-                        help="part 3: N pairs of TUI running / frozen phases (default 0: "
-                             "not run)")
-    parser.add_argument("--headless-pairs", type=int, default=0, metavar="N",
-                        help="part 3: N pairs of ddtop --headless running / frozen phases "
-                             "(default 0: not run)")
-    parser.add_argument("--attached-pairs", type=int, default=0, metavar="N",
-                        help="part 3: N pairs of a TUI attached / no dashboard phases "
-                             "(default 0: not run)")
-    parser.add_argument("--frozen-pairs", type=int, default=0, metavar="N",
-                        help="part 3: N pairs of a frozen TUI / no dashboard phases "
-                             "(default 0: not run)")
-    parser.add_argument("--waker-pairs", type=int, default=0, metavar="N",
-                        help="part 3, a control: N pairs of running / frozen phases of a "
-                             "process that only wakes 40 times a second (default 0)")
+    for flag, what in (("tui", "TUI running / frozen"),
+                       ("headless", "ddtop --headless running / frozen"),
+                       ("attached", "a TUI attached / no dashboard"),
+                       ("frozen", "a frozen TUI / no dashboard"),
+                       ("waker", "running / frozen (a control: a process that only wakes "
+                                 "40 times a second)")):
+        parser.add_argument(f"--{flag}-pairs", type=int, default=0, metavar="N",
+                            help=f"part 3: N pairs of {what} phases (default 0: not run)")
     parser.add_argument("--pair-phase-seconds", type=float, default=4.0)
     args = parser.parse_args()
     only = None

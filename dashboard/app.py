@@ -48,6 +48,7 @@ SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories th
 PANELS_EVERY_S = 1.0  # the loss charts and the comm panel are built again this often
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S = 1.0
+URGENT_GAP_S = 0.1  # an event is drawn at once unless a frame was drawn this recently
 # Lines of the fixed parts around the ranks table (see ddtop.tcss): the header,
 # the footer, the least the panels below keep, the least the table keeps.
 HEADER_LINES, FOOTER_LINES, LOWER_MIN_LINES, TABLE_MIN_LINES = 4, 1, 10, 3
@@ -210,7 +211,8 @@ class DashboardApp(App[None]):
         if not self.shown_run and self.feed.state.ranks:
             self.shown_run = True
             self.render_view()  # the first data on screen at once, not at the next tick
-        elif message.urgent and not self._main_view_hidden():
+        elif (message.urgent and not self._main_view_hidden()
+                and time.monotonic() - self.last_render >= URGENT_GAP_S):
             self.render_view()  # a failure, a hang, a status: at once too
 
     # -- one frame ---------------------------------------------------------------------
