@@ -467,7 +467,10 @@ class LiveTelemetry(Telemetry):
         """The open step, with its all-reduces' time, into the window. A step with
         one all-reduce, read: its time outside it (its compute) joins the recent
         ones. Not read: the step is given the median of its model's recent
-        computes, and the rest of its time is the all-reduce's. (A rank's compute
+        computes, and the rest of its time is the all-reduce's, but never less than
+        the all-reduce's usual share of a step (median reading over median reading
+        plus median compute: a step quicker than the usual compute was quicker in
+        both; the run's last step, whose reading never comes, is one). (A rank's compute
         per step is what stays steady; its wait in the all-reduce moves with the
         other ranks', which the step's own time already shows. A step long
         enough to matter is read: `_open_waits`.) With no compute known yet, or
@@ -485,7 +488,10 @@ class LiveTelemetry(Telemetry):
                 recent.computes.append(max(0.0, o.step_s - o.comm_s - reading))
                 recent.compute = statistics.median(recent.computes)
             elif recent.computes:
-                syncs = [[source, max(0.0, o.step_s - o.comm_s - recent.compute), False]]
+                step = max(0.0, o.step_s - o.comm_s)
+                usual = recent.typical + recent.compute
+                share = step * recent.typical / usual if usual > 0 else 0.0
+                syncs = [[source, max(step - recent.compute, share), False]]
         for source, reading, _ in syncs:
             if reading is None:
                 reading = self._recent[source].typical
