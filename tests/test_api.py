@@ -284,6 +284,42 @@ def test_on_cpu_a_long_all_reduce_is_read_or_estimated_and_a_long_compute_is_rea
         (s.steps, s.comm_s) for s in others]
 
 
+def test_on_cpu_a_step_quicker_than_the_recent_compute_still_has_its_all_reduce(
+        tmp_path: Path) -> None:
+    """Steps 21-40 compute 20 ms and are timed; steps 41-60 take about a
+    millisecond and are not (set by hand; 46-60 are sent apart from the rest,
+    after a pause outside the steps): each is quicker than the recent
+    compute, so its time less that compute is nothing, and it is given the
+    all-reduce's usual share of its time instead, never 0 (the run's last step,
+    whose reading never comes, is often such a step)."""
+    collector, _ = one_rank(tmp_path, """
+            import math
+            from ddtop.training.api import WATCHED_ATTR
+            model = ddtop.watch(DDP(torch.nn.Linear(64, 64)))
+            stats = model.__dict__[WATCHED_ATTR].stats
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for step in range(1, 61):
+                if step > 20:
+                    stats._next_read = -math.inf if step <= 40 else math.inf
+                out = model(torch.ones(8, 64)).sum()
+                if 20 < step <= 40:
+                    time.sleep(0.02)
+                out.backward()
+                opt.step()
+                opt.zero_grad()
+                ddtop.step(samples=8)
+                if step == 45:
+                    with ddtop.phase("eval"):  # (not step time)
+                        time.sleep(0.3)  # steps 46-60 in windows of their own
+        """)
+    sent = collector.of(wire.Step)
+    assert sum(s.steps for s in sent) == 60 and sum(s.comm_ops for s in sent) == 60
+    quick = [s for s in sent if s.global_step - s.steps >= 45]
+    assert quick and sum(s.steps for s in quick) == 15, [(s.global_step, s.steps) for s in sent]
+    assert all(0 < s.comm_s < s.step_s for s in quick), [(s.steps, s.comm_s, s.step_s)
+                                                         for s in quick]
+
+
 def test_a_compiled_model_on_cpu_is_timed(tmp_path: Path) -> None:
     """torch.compile traces the model's forward: ddtop's marks there still run
     (as Python, the model compiled as it would be), so comm is timed."""
