@@ -525,8 +525,8 @@ def part_attach_pairs(frozen: bool, world: int, pairs: int, phase_s: float, root
                       fps: float | None) -> None:
     """Pairs of phases, in a random order: a TUI attached (a new one each time,
     5 s after its start; `frozen`: then frozen with SIGSTOP for FROZEN_FOR_S
-    before its phase, so that the daemon's socket to it fills) and no dashboard
-    at all; steps/s with the TUI over steps/s without."""
+    before its phase, so that what the daemon sends it piles up unread) and no
+    dashboard at all; steps/s with the TUI over steps/s without."""
     rng = random.Random(2 if frozen else 3)
     ratios: list[float] = []
     tui_cpu = tui_time = 0.0
