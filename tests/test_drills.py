@@ -312,7 +312,11 @@ def test_a_slow_rank_in_a_users_script_is_named(drills: Started) -> None:
     # Named while it ran, and no other rank ever.
     assert named and all(line["stragglers"] == [1] for line in named), [
         (p["global_step"], p["stragglers"]) for p in progress]
-    assert all(line["skew_s"] > 0 for line in named)  # the others wait for it
+    # The others wait for it: by how much, as of its newest window, which while
+    # it stays named (hysteresis: un-named only after 4 windows not over) may be
+    # one where it was not over, on cores shared with the other drills' runs.
+    skews = [line["skew_s"] for line in named]
+    assert statistics.median(skews) > 0, skews
     log = (drills.run_dir("script-slow") / "logs" / "rank-1.log").read_text()
     assert "ddtop drill 1:slow=2x: acting after step 1" in log
     assert run.leftovers == []
