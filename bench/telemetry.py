@@ -13,6 +13,9 @@
    bytes on the same gloo group, timed side by side in the same 2 processes
    (target: within 10%). Per iteration the faster of the two ranks' figures
    is taken for both: that rank arrived last and waited for nobody.
+   `--comm-backend nccl` does the same on the GPUs, one rank per GPU, where the
+   hook times with CUDA events and `dist.all_reduce` is timed with CUDA events
+   around it on the training stream (`--only comm --comm-backend nccl`).
 """
 
 from __future__ import annotations
@@ -150,7 +153,8 @@ def publish_cost() -> None:
     print(f"(encoding a Step message, done on the sender thread: {encode_us:.2f} us)")
 
 
-def _comm_rank(rank: int, port: int, steps: int, width: int, out: str) -> None:
+def _comm_rank(rank: int, port: int, steps: int, width: int, out: str, backend: str,
+               world: int) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -167,25 +171,44 @@ def _comm_rank(rank: int, port: int, steps: int, width: int, out: str) -> None:
             self.ops.append((seconds, nbytes))
 
     torch.set_num_threads(1)
+    cuda = backend == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # before the group, as the trainer does
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            device_id=device if cuda else None)
     torch.manual_seed(0)
     # One weight matrix: one gradient bucket, ready when backward ends, so the
     # hook times the all-reduce alone (nothing else computes meanwhile).
-    ddp = DDP(nn.Linear(width, width, bias=False), bucket_cap_mb=1024)
+    ddp = DDP(nn.Linear(width, width, bias=False, device=device), bucket_cap_mb=1024,
+              device_ids=[rank] if cuda else None)
     recording = Recording()
-    CommTimer(recording, cuda=False).attach(ddp)
-    x = torch.randn(8, width)
-    tensor = torch.zeros(width * width)
+    timer = CommTimer(recording, cuda=cuda)
+    timer.attach(ddp)
+    x = torch.randn(8, width, device=device)
+    tensor = torch.zeros(width * width, device=device)
     direct = []
     for i in range(steps):
         def ddp_step() -> None:
             dist.barrier()
             ddp.zero_grad()
             ddp(x).sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+                timer.harvest()
 
         def direct_step() -> None:
             dist.barrier()
+            if cuda:  # as the hook: events on the training stream around the collective
+                begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                begin.record()
+                dist.all_reduce(tensor)
+                end.record()
+                end.synchronize()
+                direct.append(begin.elapsed_time(end) / 1000.0)
+                return
             start = time.perf_counter()
             dist.all_reduce(tensor)
             direct.append(time.perf_counter() - start)
@@ -198,41 +221,48 @@ def _comm_rank(rank: int, port: int, steps: int, width: int, out: str) -> None:
     # ranks) for both measurements, so compute skew between the ranks does
     # not count against either.
     mine = ([s for s, _ in recording.ops], direct)
-    both: list[tuple[list[float], list[float]]] = [([], [])] * 2
-    dist.all_gather_object(both, mine)
+    every: list[tuple[list[float], list[float]]] = [([], [])] * world
+    dist.all_gather_object(every, mine)
     warm = steps // 10
     if rank == 0:
-        hook = [min(a, b) for a, b in zip(both[0][0], both[1][0], strict=True)][warm:]
-        plain = [min(a, b) for a, b in zip(both[0][1], both[1][1], strict=True)][warm:]
+        hook = [min(t) for t in zip(*(r[0] for r in every), strict=True)][warm:]
+        plain = [min(t) for t in zip(*(r[1] for r in every), strict=True)][warm:]
         nbytes = recording.ops[-1][1]
         Path(out).write_text(f"{nbytes} {statistics.median(hook)} {statistics.median(plain)}")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def comm_timing(steps: int, widths: list[int]) -> None:
+def comm_timing(steps: int, widths: list[int], backend: str) -> None:
     import socket
 
+    import torch
     import torch.multiprocessing as mp
 
     from ddtop.daemon.wire import algbw_busbw
 
-    print(f"\n3. All-reduce of one gradient bucket, 2 gloo ranks, DDP comm hook vs "
-          f"dist.all_reduce interleaved, median of {steps - steps // 10} each")
-    print(f"{'bucket':>8} | {'hook ms':>8} | {'direct ms':>9} | {'hook busbw':>10} | "
-          f"{'direct busbw':>12} | {'hook/direct':>11}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        sys.exit("--comm-backend nccl: no GPU is visible (use gloo, the default)")
+    world = torch.cuda.device_count() if backend == "nccl" else 2
+    where = f"{world} GPU{'s' * (world > 1)}, CUDA events" if backend == "nccl" else "CPU"
+    print(f"\n3. All-reduce of one gradient bucket, {world} {backend} ranks ({where}), DDP "
+          f"comm hook vs dist.all_reduce interleaved, median of {steps - steps // 10} each")
+    # One rank moves no bytes between GPUs (busbw is 0 by its definition): algbw.
+    bw, bw_name = (1, "busbw") if world > 1 else (0, "algbw")
+    print(f"{'bucket':>8} | {'hook ms':>8} | {'direct ms':>9} | {'hook ' + bw_name:>10} | "
+          f"{'direct ' + bw_name:>12} | {'hook/direct':>11}")
     print("-" * 75)
     for width in widths:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         with tempfile.NamedTemporaryFile(suffix=".txt") as out:
-            mp.start_processes(_comm_rank, args=(port, steps, width, out.name), nprocs=2,
-                               start_method="spawn")
+            mp.start_processes(_comm_rank, args=(port, steps, width, out.name, backend, world),
+                               nprocs=world, start_method="spawn")
             nbytes_s, hook_s, direct_s = Path(out.name).read_text().split()
         nbytes, hook, direct = int(nbytes_s), float(hook_s), float(direct_s)
-        hook_bus = algbw_busbw(nbytes, hook, 2)[1]
-        direct_bus = algbw_busbw(nbytes, direct, 2)[1]
+        hook_bus = algbw_busbw(nbytes, hook, world)[bw]
+        direct_bus = algbw_busbw(nbytes, direct, world)[bw]
         print(f"{nbytes / 1e6:5.1f} MB | {hook * 1e3:8.3f} | {direct * 1e3:9.3f} | "
               f"{hook_bus:6.2f} GB/s | {direct_bus:8.2f} GB/s | {hook / direct:11.3f}")
     print("(target: hook/direct within 0.9 .. 1.1)")
@@ -246,6 +276,9 @@ def main() -> int:
     parser.add_argument("--comm-widths", type=int, nargs="+", default=[1024, 2048],
                         help="each bucket is a width x width float32 gradient "
                              "(1024: 4.2 MB, 2048: 16.8 MB)")
+    parser.add_argument("--comm-backend", choices=["gloo", "nccl"], default="gloo",
+                        help="part 3: gloo, 2 ranks on the CPU (default); nccl, one rank "
+                             "per GPU, timed with CUDA events")
     parser.add_argument("--only", choices=["throughput", "publish", "comm"],
                         help="run one part only")
     args = parser.parse_args()
@@ -254,7 +287,7 @@ def main() -> int:
     if args.only in (None, "publish"):
         publish_cost()
     if args.only in (None, "comm"):
-        comm_timing(args.comm_steps, args.comm_widths)
+        comm_timing(args.comm_steps, args.comm_widths, args.comm_backend)
     return 0
 
 
