@@ -34,6 +34,7 @@ from ddtop.daemon.config import (
     UsageError,
     add_runs_dir_argument,
     add_train_arguments,
+    count_of,
     default_runs_dir,
     explicit_overrides,
     resume_mismatch,
@@ -265,8 +266,8 @@ def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> in
     if args.foreground:
         from ddtop.daemon.supervisor import Supervisor
 
-        print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks{of(config)} in "
-              f"{paths.root} (Ctrl-C stops it)", flush=True)
+        print(f"ddtrain: {verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}"
+              f"{of(config)} in {paths.root} (Ctrl-C stops it)", flush=True)
         return Supervisor(config, paths).run()
     return start_detached(config, paths)
 
@@ -294,9 +295,9 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
         printers[0].tick()
 
     verb = "resuming" if config.resume else "starting"
-    print(f"ddtrain: {verb} run {paths.run_id} with {config.world_size} ranks{of(config)} in "
-          f"{paths.root} (Ctrl-C stops it; rank output in {paths.logs})", file=sys.stderr,
-          flush=True)
+    print(f"ddtrain: {verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}"
+          f"{of(config)} in {paths.root} (Ctrl-C stops it; rank output in {paths.logs})",
+          file=sys.stderr, flush=True)
     code = Supervisor(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
     if printers:
         printers[0].feed.finished = True
@@ -332,7 +333,7 @@ def start_detached(config: TrainConfig, paths: RunPaths) -> int:
     state = ("all ranks up" if up else
              "ranks still starting" if daemon.poll() is None else "already finished")
     node = (f"node {config.node_rank} of {config.nnodes}, " if config.multi_node else "")
-    print(f"ddtrain: started run {rid}: {node}{expected} ranks ({state}), "
+    print(f"ddtrain: started run {rid}: {node}{count_of(expected, 'rank')} ({state}), "
           f"daemon pid {daemon.pid}\n"
           f"  directory  {paths.root}\n"
           f"  watch      ddtop {rid}\n"
@@ -386,7 +387,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     paths = RunPaths(Path(args.run_dir))
     config = TrainConfig.from_dict(read_json(paths.config)).validate()
     print(f"ddtrain: daemon pid {os.getpid()} for run {paths.run_id} "
-          f"({config.world_size} ranks)", flush=True)
+          f"({count_of(config.world_size, 'rank')})", flush=True)
     return Supervisor(config, paths, out=sys.stdout, err=sys.stderr, echo=False).run()
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from ddtop.daemon import control
-from ddtop.daemon.config import UsageError, default_runs_dir
+from ddtop.daemon.config import UsageError, count_of, default_runs_dir
 from ddtop.daemon.contract import EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
 from ddtop.daemon.runinfo import RunInfo, list_runs
@@ -64,7 +64,7 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
               if info.status == LOST and info.pid_reused
               else "daemon gone" if info.status == LOST else "finished")
     lines = [f"run {info.paths.run_id}: {info.status} ({daemon}; "
-             f"{s.world_size or len(s.ranks)} ranks; {s.restarts} restarts)"]
+             f"{count_of(s.world_size or len(s.ranks), 'rank')}; {s.restarts} restarts)"]
     if s.model or s.program:
         pct = f" ({100 * s.global_step / s.total_steps:.1f}%)" if s.total_steps else ""
         what = s.program or f"{s.model} on {s.dataset}"

@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ddtop.daemon import blame, nodes, wire
-from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.config import TrainConfig, UsageError, count_of
 from ddtop.daemon.contract import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -133,7 +133,7 @@ class Supervisor:
             self.starter = STARTERS[self.config.launcher](self.paths, port, self.report.started)
             self.relay.rank_pid = self.starter.is_rank  # a hello from any other pid: dropped
             self._status("starting", f"run {self.paths.run_id} starting "
-                         f"{self.config.world_size} ranks")
+                         f"{count_of(self.config.world_size, 'rank')}")
             if self.config.multi_node and not self.config.is_hub:
                 self._join_hub()
         except OSError as e:
@@ -390,7 +390,7 @@ class Supervisor:
             self.relay.emit(wire.Event, type="info", message=message)
         self.ranks = []
         self.starter.start(self.config, self.restarts, self.ranks)
-        self._status("running", f"{self.config.world_size} ranks started")
+        self._status("running", f"{count_of(self.config.world_size, 'rank')} started")
 
     # -- supervise -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

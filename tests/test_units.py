@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtop.daemon.config import TrainConfig, UsageError, resume_mismatch
+from ddtop.daemon.config import TrainConfig, UsageError, count_of, resume_mismatch
 from ddtop.daemon.runs import RunPaths, find_run, write_json_atomic
 from ddtop.training import checkpoint
 
@@ -30,6 +30,11 @@ def test_defaults_are_valid_and_split_across_ranks() -> None:
 def test_validation_names_the_flag(fields: dict[str, object], message: str) -> None:
     with pytest.raises(UsageError, match=message):
         TrainConfig(**fields).validate()  # type: ignore[arg-type]
+
+
+def test_a_count_of_ranks_reads_as_a_sentence() -> None:
+    assert [count_of(n, "rank") for n in (1, 2, 8)] == ["1 rank", "2 ranks", "8 ranks"]
+    assert count_of(1, "epoch") == "1 epoch"
 
 
 def test_config_round_trips_and_digest_tracks_results() -> None:

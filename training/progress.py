@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.config import TrainConfig, count_of
 from ddtop.daemon.runs import RunPaths
 from ddtop.training import api
 from ddtop.training.checkpoint import Position
@@ -106,10 +106,11 @@ class RankZeroProgress(Progress):
         sizes = (f"{len(train_set)} train / {len(val_set)} val"
                  if isinstance(train_set, Sized) and isinstance(val_set, Sized) else "")
         self._say(
-            f"run {self.paths.run_id}: {cfg.world_size} ranks, backend {backend} on {device.type}, "
+            f"run {self.paths.run_id}: {count_of(cfg.world_size, 'rank')}, "
+            f"backend {backend} on {device.type}, "
             f"model {cfg.model} ({params / 1e6:.2f}M params), dataset {cfg.dataset} ({sizes}), "
             f"global batch {cfg.batch_size} ({cfg.batch_per_rank} per rank), "
-            f"{steps_per_epoch} steps per epoch, {cfg.epochs} epochs"
+            f"{count_of(steps_per_epoch, 'step')} per epoch, {count_of(cfg.epochs, 'epoch')}"
         )
 
     def epoch_started(self, epoch: int) -> None:
