@@ -35,14 +35,13 @@ from ddtop.daemon import control
 from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
-from ddtop.dashboard.feed import BATCH, LiveFeed
 from ddtop.dashboard.feed import Feed as FeedBase
+from ddtop.dashboard.feed import Pacer
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable, TextPanel, set_chart
 
 # A live feed of a few ranks is folded once per half frame, within these bounds (see pump).
 PUMP_S, PUMP_MAX_S = 0.05, 0.25
-PACE_BELOW = 2000  # messages/s under which a live feed is folded at that pace (see pump)
 CHART_POINTS = 120
 SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
 PANELS_EVERY_S = 1.0  # the loss charts and the comm panel are built again this often
@@ -169,19 +168,15 @@ class DashboardApp(App[None]):
         """Fold, then tell the app only what a frame cannot see for itself: the
         connection changed, the first messages came, or an event or a new status
         (these three drawn at once). The frame timer sees other messages by the
-        state's fold count. A live feed of fewer than PACE_BELOW messages a second
-        is folded at most once per `pump_s` (half a frame; what comes meanwhile
-        waits in the socket and is folded together): a few wakeups a second, not
-        one per message. A busier one (hundreds of ranks) comes in bursts that each
-        wake the worker once anyway, and is folded as it comes."""
+        state's fold count. A live feed of a few ranks is folded at most once per
+        `pump_s` (half a frame: feed.Pacer): a few wakeups a second, not one per
+        message."""
         worker = get_current_worker()
         seen: tuple[str, str, bool] | None = None
         seen_news: tuple[int, int, str] | None = None
-        paced = isinstance(self.feed, LiveFeed)
-        count, since, busy = 0, time.monotonic(), False  # messages folded in the last second
+        pacer = Pacer(self.feed, self.pump_s)
         while not worker.is_cancelled:
-            start = time.monotonic()
-            folded = self.feed.pump(self.pump_s)
+            folded = pacer.pump()
             now = (self.feed.connection, self.feed.detail, self.feed.finished)
             state = self.feed.state
             news = (id(state), state.event_count, state.status)
@@ -191,12 +186,7 @@ class DashboardApp(App[None]):
                 seen, seen_news = now, news
             if self.feed.finished and not folded:
                 return
-            count += folded
-            if start - since >= 1.0:
-                busy = count >= PACE_BELOW * (start - since)
-                count, since = 0, start
-            if paced and not busy and 0 < folded < BATCH:
-                time.sleep(max(0.0, start + self.pump_s - time.monotonic()))
+            pacer.rest()
 
     def _folded(self) -> tuple[int, int]:
         """Changes when the worker folds a message (or swaps in a new state)."""

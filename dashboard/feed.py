@@ -25,6 +25,10 @@ from, when that is not what was asked for), and `close()`, safe to call on any f
 
 What the journal cannot tell (frames the daemon refused: `rejected`) comes from
 run.json once the run is over.
+
+A watcher's loop pumps through a `Pacer`: a feed whose messages trickle in (a
+live run of a few ranks: `paced`) is pumped at most once per period, what comes
+meanwhile waiting in the socket to be folded together.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from ddtop.daemon.state import RunState, decode_snapshot
 from ddtop.daemon.summary import LOST
 
 BATCH = 5000  # messages folded per pump() at most, so a flood never starves the reader
+PACE_BELOW = 2000  # messages/s under which a paced feed is pumped once per period (Pacer)
 PING_AFTER_S = 3.0  # no relayed message for this long: ask the daemon whether it is there
 RETRY_S = 1.0  # between attempts to reach a daemon that does not answer
 REQUEST_TIMEOUT_S = 2.0
@@ -69,6 +74,9 @@ class Feed:
         self.keys: Path | None = None  # the run's CURVE keys folder, for a daemon over TCP
         self.paths: RunPaths | None = None
         self.speed = 1.0  # run seconds per wall second: 1 live; a replay's own (0: at once)
+        # Whether a watcher should gather this feed's messages (Pacer): a live run's
+        # come one by one as ranks send them; a replay's or a StateFeed's do not.
+        self.paced = False
 
     def pump(self, timeout_s: float) -> int:
         """Fold what arrives within `timeout_s`; the number of messages folded."""
@@ -144,6 +152,41 @@ def final_record(paths: RunPaths, wait_s: float = FINAL_RECORD_WAIT_S) -> RunInf
         time.sleep(0.02)
 
 
+class Pacer:
+    """One watcher's loop over a feed: `pump()`, the watcher's own work, `rest()`.
+
+    After a pump of a paced feed that folded a few messages (fewer than BATCH),
+    `rest()` sleeps out the rest of `period_s`: what comes meanwhile waits in the
+    socket and is folded together, one wakeup per period instead of one per
+    message (a few ranks send a few dozen a second; each would wake the
+    watcher). A feed that brought PACE_BELOW messages a second or more over the
+    last second (hundreds of ranks) is not held back: its messages come in
+    bursts that wake the watcher once each anyway, and each burst is folded as
+    it comes. Nor is a flood (a pump that folded BATCH), nor a quiet feed (a
+    pump that folded nothing already waited its period)."""
+
+    def __init__(self, feed: Feed, period_s: float) -> None:
+        self.feed, self.period_s = feed, period_s
+        self.busy = False  # PACE_BELOW messages a second or more, over the last second
+        self._start = self._since = time.monotonic()
+        self._folded = self._count = 0  # the last pump's; the last second's so far
+
+    def pump(self) -> int:
+        """The feed's pump, waiting up to a period; the number of messages folded."""
+        self._start = time.monotonic()
+        self._folded = self.feed.pump(self.period_s)
+        self._count += self._folded
+        if self._start - self._since >= 1.0:
+            self.busy = self._count >= PACE_BELOW * (self._start - self._since)
+            self._count, self._since = 0, self._start
+        return self._folded
+
+    def rest(self) -> None:
+        """Sleep out the period the last pump began, where that is worth it."""
+        if self.feed.paced and not self.busy and 0 < self._folded < BATCH:
+            time.sleep(max(0.0, self._start + self.period_s - time.monotonic()))
+
+
 class LiveFeed(Feed):
     """A live run's daemon, found through its run directory or a control endpoint."""
 
@@ -152,6 +195,7 @@ class LiveFeed(Feed):
         if paths is None and connect is None:
             raise ValueError("LiveFeed needs a run directory or an endpoint")
         self.paths, self.connect_to = paths, connect
+        self.paced = True
         # The run's CURVE keys folder (a run served over TCP); else DDTOP_KEYS, if set.
         self.keys = paths.keys if paths is not None and paths.keys.is_dir() else None
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

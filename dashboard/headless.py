@@ -28,7 +28,7 @@ from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE, exit_for_status
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, Failure, ScalarSummary
 from ddtop.dashboard import format as fmt
-from ddtop.dashboard.feed import BATCH, CONNECTING, Feed, LiveFeed
+from ddtop.dashboard.feed import CONNECTING, Feed, Pacer
 
 DEFAULT_INTERVAL_S = 10.0
 PUMP_S = 0.1
@@ -158,21 +158,17 @@ def watch(feed: Feed, printer: Printer, wait_s: float, err: TextIO | None = None
     """Pump the feed and print until the run ends; 2 when it cannot be reached in time."""
     err = err or sys.stderr
     deadline = time.monotonic() + wait_s
-    paced = isinstance(feed, LiveFeed)
+    pacer = Pacer(feed, PUMP_S)
     try:
         while not feed.finished:
-            start = time.monotonic()
-            folded = feed.pump(PUMP_S)
+            pacer.pump()
             if feed.connection == CONNECTING and time.monotonic() > deadline:
                 print(f"ddtop: error: run {feed.state.run} cannot be reached within "
                       f"{wait_s:g} s ({feed.detail or 'no answer'}); is its daemon running? "
                       "(ddtrain status)", file=err)
                 return EXIT_USAGE
             printer.tick()
-            if paced and 0 < folded < BATCH:
-                # What comes meanwhile waits in the socket and is folded together:
-                # one wakeup per PUMP_S, not one per message (as the TUI's worker).
-                time.sleep(max(0.0, start + PUMP_S - time.monotonic()))
+            pacer.rest()
     except KeyboardInterrupt:
         print(f"ddtop: detached; run {feed.state.run} goes on (ddtrain stop to stop it)",
               file=err)

@@ -39,7 +39,7 @@ from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, encode_snapshot
 from ddtop.dashboard.app import DashboardApp
-from ddtop.dashboard.feed import Feed, LiveFeed, open_feed
+from ddtop.dashboard.feed import LIVE, Feed, LiveFeed, Pacer, open_feed
 from ddtop.dashboard.screens import HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable, TextPanel
 
@@ -555,3 +555,47 @@ def test_an_event_is_drawn_at_once_not_at_the_next_frame(tmp_path: Path) -> None
             asyncio.run(main())
         finally:
             app.feed.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_live_feed_of_a_few_ranks_is_folded_a_period_at_a_time_and_nothing_is_lost(
+        tmp_path: Path) -> None:
+    """feed.Pacer, the loop of `ddtop --headless` and of the TUI's worker: messages
+    that trickle in (the relay thread sends them one by one, as a few ranks do)
+    are folded a period's worth at a time, one wakeup per period rather than one
+    per message, and every one is folded."""
+    period_s, sent = 0.25, 80
+    with relay_thread("r1", tmp_path / "telemetry.journal") as relay:
+        feed = LiveFeed(connect=relay.control)
+        try:
+            pacer = Pacer(feed, period_s)
+            deadline = time.monotonic() + 10
+            while feed.connection != LIVE and time.monotonic() < deadline:
+                pacer.pump()
+            assert feed.connection == LIVE, feed.detail
+            messages = [script_hello(0), *(step(0, seq, seq, steps=1) for seq in range(1, sent))]
+
+            def trickle() -> None:  # 10 messages every 0.1 s
+                for i in range(0, sent, 10):
+                    relay.send(*messages[i:i + 10])
+                    time.sleep(0.1)
+
+            sender = threading.Thread(target=trickle, daemon=True)
+            sender.start()
+            folds: list[int] = []
+            first = last = 0.0
+            deadline = time.monotonic() + 30
+            while sum(folds) < sent and time.monotonic() < deadline:
+                folded = pacer.pump()
+                if folded:
+                    last = time.monotonic()
+                    first = first or last
+                    folds.append(folded)
+                pacer.rest()
+            sender.join()
+        finally:
+            feed.close()
+    assert sum(folds) == sent and feed.state.ranks[0].global_step == sent - 1
+    # As many wakeups with news as periods it took (and the first), not one per message.
+    assert len(folds) <= (last - first) / period_s + 2, (folds, last - first)
+    assert max(folds) > 1, folds
