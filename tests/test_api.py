@@ -18,6 +18,7 @@ import torch
 from helpers import Collector, collecting, ddtrain, finish, start
 
 from ddtop.daemon import journal, wire
+from ddtop.training.telemetry import LOSS_OVERWRITTEN
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TIMEOUT_S = 60
@@ -148,6 +149,40 @@ def test_init_step_phase_log_send_the_right_messages(tmp_path: Path) -> None:
     assert any("bad=str is not a number" in w for w in warnings), warnings
     assert any("longer than 64 characters" in w for w in warnings), warnings
     assert collector.of(wire.Bye)[-1].exit_code == 0
+
+
+def test_a_loss_changed_in_place_before_it_is_read_is_left_out_and_said_once(
+        tmp_path: Path) -> None:
+    """ddtop's thread reads a loss tensor after `ddtop.step` returns (reading it
+    there would cost the training thread a GIL hand-off per step). A script that
+    writes the next value into the same tensor right after the call would have
+    its losses read wrong: those are left out, never sent with the wrong value,
+    and one warning says why and what to do."""
+    with collecting() as collector:
+        code, _, err = python("""
+            import torch, ddtop
+            ddtop.init()
+            for i in range(10):
+                ddtop.step(loss=torch.tensor(1.0 + i))  # a new tensor each step
+            loss, losses = torch.zeros(()), torch.zeros(4)
+            for i in range(10):
+                loss.fill_(1.0 + i)
+                ddtop.step(loss=loss)
+                loss.fill_(1000.0)  # reused at once
+            for i in range(5):
+                losses.fill_(2.0)
+                ddtop.step(loss=losses)
+                losses.fill_(1000.0)
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint, "DDTOP_RUN_ID": "run-a",
+                            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        assert code == 0, err
+        wait_for(collector, wire.Bye)
+    steps = collector.of(wire.Step)
+    assert sum(s.steps for s in steps) == 25
+    assert sum(s.loss_sum for s in steps) == pytest.approx(sum(range(1, 11)))
+    assert sum(s.loss_weight for s in steps) == pytest.approx(10.0)
+    warnings = [e.message for e in collector.of(wire.Event) if e.type == "warning"]
+    assert warnings == [LOSS_OVERWRITTEN], warnings
 
 
 class Sent:

@@ -78,6 +78,11 @@ class CudaLoss(NamedTuple):
     ready: Any  # torch.cuda.Event
 
 
+LOSS_OVERWRITTEN = (
+    "ddtop.step(loss=...): the loss tensor was changed in place before ddtop read it, so "
+    "such steps are shown without their loss; pass a tensor not reused after the call "
+    "(or loss.item())")
+
 # What the training thread marks, for the sender to fold (the first item of a mark).
 _PHASE, _STEP, _LOSS, _COMM, _EXPOSED, _SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
 _DDP_SYNC, _DDP_READING = "ddp sync", "ddp reading"
@@ -198,6 +203,7 @@ class LiveTelemetry(Telemetry):
         # counted, losses, communication (from any thread: deque appends are atomic).
         self._marks: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=MAX_MARKS)
         self._cuda_loss: dict[torch.device, torch.Tensor] = {}  # running sums (float64)
+        self._loss_overwritten = 0  # losses changed in place before they were read (dropped)
         # The sender's fold of the marks: the phase it is in and since when, the
         # current step's start, its time outside step phases and per step phase.
         self._f_phase: str = "setup"
@@ -264,7 +270,7 @@ class LiveTelemetry(Telemetry):
         now = time.perf_counter()
         phase = then or self._phase_now[0]
         self._phase_now = ("data" if phase == "setup" else phase, now)  # no phase spans two steps
-        if isinstance(loss, torch.Tensor) and loss.is_cuda:
+        if isinstance(loss, torch.Tensor):
             loss = self._loss_mark(loss, samples)
         self._marks.append((_STEP, now, epoch, step, steps_per_epoch, global_step, lr, loss,
                             samples, hold, then))
@@ -280,12 +286,17 @@ class LiveTelemetry(Telemetry):
         self._marks.append((_LOSS, self._loss_mark(loss, samples), samples, release))
 
     def _loss_mark(self, loss: Any, samples: int | None) -> Any:
-        """A loss as its mark carries it: as given (the sender reads it), but a loss
-        on a GPU is added on the device, times its weight, to a running sum, with an
-        event the sender waits for without blocking (a hung collective must not
-        stop heartbeats): a CudaLoss."""
-        if not (isinstance(loss, torch.Tensor) and loss.is_cuda):
+        """A loss as its mark carries it, for the sender to read. A number: as
+        given. A tensor on the CPU: with its version counter as of the call, a
+        `(tensor, version)` tuple. It is not read here: `item()` releases the GIL,
+        and with the sender thread awake that doubled the training thread's cost
+        per step (bench/telemetry.py). A loss on a GPU is added on the device,
+        times its weight, to a running sum, with an event the sender waits for
+        without blocking (a hung collective must not stop heartbeats): a CudaLoss."""
+        if not isinstance(loss, torch.Tensor):
             return loss
+        if not loss.is_cuda:
+            return (loss, loss._version)
         value = _loss_value(loss)
         if not isinstance(value, torch.Tensor):
             return value
@@ -521,14 +532,20 @@ class LiveTelemetry(Telemetry):
         w.epoch, w.step, w.steps_per_epoch = o.epoch, o.step, o.steps_per_epoch
         w.global_step, w.lr = o.global_step, o.lr
 
-    @staticmethod
-    def _add_loss(w: StepWindow, loss: Any, samples: int | None) -> None:
+    def _add_loss(self, w: StepWindow, loss: Any, samples: int | None) -> None:
         count = samples if isinstance(samples, int) and samples > 0 else 0
         w.samples += count
         if type(loss) is CudaLoss:  # read from the running sum when the window is sent
             w.loss_cuda = loss
             w.loss_weight += count or 1
             return
+        if type(loss) is tuple:  # a tensor and its version when ddtop.step had it
+            loss, version = loss
+            if loss._version != version:  # changed in place since: its value is gone
+                self._loss_overwritten += 1
+                if self._loss_overwritten == 1:
+                    self.event("warning", LOSS_OVERWRITTEN)
+                return
         value = _loss_value(loss) if loss is not None else None
         if value is not None:
             weight = count or 1
@@ -601,6 +618,8 @@ class LiveTelemetry(Telemetry):
                     self._send(sock, self._heartbeat())
                     next_beat = now + HEARTBEAT_INTERVAL_S
                 if stopping:
+                    while self._events:  # what the last fold said (a warning), before bye
+                        self._send(sock, self._events.popleft())
                     if self._bye is not None:
                         self._send(sock, self._bye)
                     break
