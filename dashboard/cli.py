@@ -33,6 +33,7 @@ EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it
               "130 it was stopped, 2 bad input or no run reachable within --wait.")
 DEFAULT_WAIT_S = 10.0
 DEFAULT_FPS = 2.0  # redraws a second (nvitop: one every 2 s); each costs CPU (docs/performance.md)
+MAX_FPS = 30.0  # more is not seen on a terminal, and each frame costs CPU the ranks could use
 FIND_POLL_S = 0.2
 
 
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for a run to appear and its daemon to answer "
                         f"(default {DEFAULT_WAIT_S:g})")
     parser.add_argument("--fps", type=float, default=DEFAULT_FPS, metavar="N",
-                        help=f"dashboard redraws per second (default {DEFAULT_FPS:g})")
+                        help=f"dashboard redraws per second (default {DEFAULT_FPS:g}, at "
+                        f"most {MAX_FPS:g})")
     return parser
 
 
@@ -95,8 +97,9 @@ def check(args: argparse.Namespace) -> None:
         problem = f"--wait must be a number of seconds >= 0 (got {args.wait:g})"
     if problem is None and args.speed is not None and not 0 <= args.speed < math.inf:
         problem = f"--speed must be a number >= 0 (got {args.speed:g}); 0 replays at once"
-    if problem is None and not 0 < args.fps < math.inf:
-        problem = f"--fps must be a number > 0 (got {args.fps:g})"
+    if problem is None and not 0 < args.fps <= MAX_FPS:
+        problem = (f"--fps must be a number > 0 and at most {MAX_FPS:g} (got {args.fps:g}): a "
+                   "terminal shows no more, and every frame costs CPU")
     if problem is None and args.connect is not None:
         if args.run or args.replay:
             problem = "--connect names the run itself: drop RUN and --replay"

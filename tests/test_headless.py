@@ -134,6 +134,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         (["--interval", "0"], "--interval must be"),
         (["--format", "xml"], "invalid choice"),
         (["--speed", "-1"], "--speed must be"),
+        (["--fps", "0"], "--fps must be a number > 0 and at most 30 (got 0)"),
+        (["--fps", "1e9"], "--fps must be a number > 0 and at most 30 (got 1e+09)"),
         (["--connect", "localhost:5"], "expected tcp://HOST:PORT"),
         (["--summary-json", "/nonexistent/dir/s.json"], "does not exist"),
         (["nosuchrun", "--runs-dir", str(tmp_path)], "no runs under"),
