@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -56,6 +57,7 @@ from ddtop.daemon.runs import (
     find_run,
     new_run_id,
     read_json,
+    remove_unstarted,
     write_json_atomic,
 )
 from ddtop.daemon.stacks import cmd_stacks
@@ -268,7 +270,8 @@ def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> in
 
         print(f"ddtrain: {verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}"
               f"{of(config)} in {paths.root} (Ctrl-C stops it)", flush=True)
-        return Supervisor(config, paths).run()
+        with _removed_if_refused(paths):
+            return Supervisor(config, paths).run()
     return start_detached(config, paths)
 
 
@@ -298,7 +301,8 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
     print(f"ddtrain: {verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}"
           f"{of(config)} in {paths.root} (Ctrl-C stops it; rank output in {paths.logs})",
           file=sys.stderr, flush=True)
-    code = Supervisor(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
+    with _removed_if_refused(paths):
+        code = Supervisor(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
     if printers:
         printers[0].feed.finished = True
         printers[0].finish()
@@ -358,6 +362,17 @@ def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, expected: in
     return False
 
 
+@contextlib.contextmanager
+def _removed_if_refused(paths: RunPaths) -> Iterator[None]:
+    """A start refused before it began (a UsageError from the daemon's set-up)
+    leaves no run folder behind (runs.remove_unstarted)."""
+    try:
+        yield
+    except UsageError:
+        remove_unstarted(paths)
+        raise
+
+
 def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
     if daemon.poll() is None:
         daemon.kill()
@@ -369,6 +384,8 @@ def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
     errors = [line for line in lines if line.startswith("ddtrain: error:")]
     if errors:
         print(errors[-1], file=sys.stderr)
+        if daemon.returncode == EXIT_USAGE:
+            remove_unstarted(paths)  # refused before it began: no run to keep
     else:
         print("\n".join(lines[-12:]), file=sys.stderr)
         print(f"ddtrain: run {paths.run_id} failed while starting; its daemon's output is in "

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -245,6 +246,33 @@ def hold_run(paths: RunPaths) -> int:
         raise UsageError(f"run {paths.run_id} is already being run by another ddtrain daemon: "
                          f"watch it with: ddtop {paths.run_id}, or stop it first") from None
     return fd
+
+
+# What a start writes before its first status (run.json) and before any rank.
+BEFORE_ANY_RANK = {"config.json", "daemon.lock", "daemon.log", "keys", "logs", "checkpoints",
+                   "sock"}
+
+
+def remove_unstarted(paths: RunPaths) -> bool:
+    """A run's folder whose start was refused before it began (a --bind address
+    that cannot be listened on, say): removed, so that `ddtrain list` shows no
+    `lost` run for it; what was wrong was said on the terminal. Only a folder
+    with no run.json that holds nothing but what a start writes first, its
+    logs and checkpoints folders empty, and no daemon holding it. Whether it was
+    removed."""
+    try:
+        if paths.status.exists() or {p.name for p in paths.root.iterdir()} - BEFORE_ANY_RANK:
+            return False
+        if any(paths.logs.iterdir()) or any(paths.checkpoints.iterdir()):
+            return False
+        lock = hold_run(paths)  # a daemon that holds the folder keeps it
+    except (OSError, UsageError):  # gone, not ours to read, or in use: left as it is
+        return False
+    try:
+        shutil.rmtree(paths.root, ignore_errors=True)
+    finally:
+        os.close(lock)
+    return True
 
 
 def claim_new_run(paths: RunPaths) -> None:

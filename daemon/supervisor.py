@@ -136,11 +136,13 @@ class Supervisor:
                          f"{count_of(self.config.world_size, 'rank')}")
             if self.config.multi_node and not self.config.is_hub:
                 self._join_hub()
-        except OSError as e:
+        except (OSError, UsageError) as e:
             if self.relay is not None:
                 self.relay.close()
             if self.lock is not None:
-                os.close(self.lock)
+                os.close(self.lock)  # the folder is free (a start refused leaves none behind)
+            if isinstance(e, UsageError):
+                raise
             raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
         try:

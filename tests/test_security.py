@@ -436,12 +436,16 @@ def test_a_script_that_sets_its_own_master_port_rendezvouses_as_without_ddtop(
 
 
 def test_an_address_that_cannot_be_bound_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "nowhere",
-                  "--bind", "192.0.2.1", cwd=tmp_path, timeout=60)  # TEST-NET-1: not ours
-    assert run.returncode == 2 and run.leftovers == []
-    assert run.stderr.strip().splitlines() == [
-        "ddtrain: error: --bind 192.0.2.1: cannot listen there (Cannot assign requested "
-        "address (addr='tcp://192.0.2.1:*')): give an address of this machine"]
+    """... in the foreground and detached, and the refused start leaves no run
+    folder behind (it would be listed as `lost`)."""
+    for foreground in (["--foreground"], []):
+        run = ddtrain("start", *foreground, "-n", "2", "--run-id", "nowhere",
+                      "--bind", "192.0.2.1", cwd=tmp_path, timeout=60)  # TEST-NET-1: not ours
+        assert run.returncode == 2 and run.leftovers == []
+        assert run.stderr.strip().splitlines() == [
+            "ddtrain: error: --bind 192.0.2.1: cannot listen there (Cannot assign requested "
+            "address (addr='tcp://192.0.2.1:*')): give an address of this machine"]
+        assert list((tmp_path / "runs").iterdir()) == [], foreground
 
 
 def test_a_dashboard_elsewhere_needs_the_runs_keys_and_follows_the_run_with_them(
