@@ -19,6 +19,7 @@ from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import locate_run
+from ddtop.daemon.state import rank_list
 
 WAIT_S = 5.0  # for every asked rank's dump to appear
 SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long
@@ -28,8 +29,8 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     paths = locate_run(args.runs_dir or default_runs_dir(), args.run)
     info = RunInfo.load(paths)
     if args.rank is not None and not 0 <= args.rank < max(info.world_size, 1):
-        raise UsageError(f"--rank {args.rank}: run {paths.run_id} has ranks 0 to "
-                         f"{info.world_size - 1}")
+        raise UsageError(f"--rank {args.rank}: run {paths.run_id} has "
+                         f"{rank_list(list(range(max(info.world_size, 1))))}")
     ranks = [args.rank] if args.rank is not None else list(range(info.world_size))
     if not info.live or info.control is None:
         raise UsageError(f"run {paths.run_id} is not running ({info.status}): the stacks "
