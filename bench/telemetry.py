@@ -239,14 +239,16 @@ def comm_timing(steps: int, widths: list[int], backend: str) -> None:
     import torch
     import torch.multiprocessing as mp
 
+    from ddtop.daemon.config import count_of
     from ddtop.daemon.wire import algbw_busbw
 
     if backend == "nccl" and not torch.cuda.is_available():
         sys.exit("--comm-backend nccl: no GPU is visible (use gloo, the default)")
     world = torch.cuda.device_count() if backend == "nccl" else 2
-    where = f"{world} GPU{'s' * (world > 1)}, CUDA events" if backend == "nccl" else "CPU"
-    print(f"\n3. All-reduce of one gradient bucket, {world} {backend} ranks ({where}), DDP "
-          f"comm hook vs dist.all_reduce interleaved, median of {steps - steps // 10} each")
+    where = f"{count_of(world, 'GPU')}, CUDA events" if backend == "nccl" else "CPU"
+    print(f"\n3. All-reduce of one gradient bucket, {count_of(world, backend + ' rank')} "
+          f"({where}), DDP comm hook vs dist.all_reduce interleaved, median of "
+          f"{steps - steps // 10} each")
     # One rank moves no bytes between GPUs (busbw is 0 by its definition): algbw.
     bw, bw_name = (1, "busbw") if world > 1 else (0, "algbw")
     print(f"{'bucket':>8} | {'hook ms':>8} | {'direct ms':>9} | {'hook ' + bw_name:>10} | "

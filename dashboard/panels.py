@@ -10,6 +10,7 @@ import statistics
 
 from rich.text import Text
 
+from ddtop.daemon.config import count_of
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import (
     DEAD,
@@ -60,7 +61,7 @@ def header(state: RunState, now: float, note: str = "") -> Text:
     if state.strategy:
         what += f" · strategy {state.strategy}"
     text.append(f"\n{what} · {state.backend or '?'} · "
-                f"{world} ranks on {n_nodes} node{'s' if n_nodes != 1 else ''} · "
+                f"{count_of(world, 'rank')} on {count_of(n_nodes, 'node')} · "
                 f"restarts {state.restarts} · telemetry loss {100 * state.telemetry_loss():.2f}%")
     text.append("\n")
     text.append(fmt.bar(fraction, BAR_WIDTH), "green")

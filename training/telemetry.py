@@ -203,7 +203,7 @@ class LiveTelemetry(Telemetry):
         # counted, losses, communication (from any thread: deque appends are atomic).
         self._marks: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=MAX_MARKS)
         self._cuda_loss: dict[torch.device, torch.Tensor] = {}  # running sums (float64)
-        self._loss_overwritten = 0  # losses changed in place before they were read (dropped)
+        self._said_overwritten = False  # a loss changed in place before it was read: warned
         # The sender's fold of the marks: the phase it is in and since when, the
         # current step's start, its time outside step phases and per step phase.
         self._f_phase: str = "setup"
@@ -542,8 +542,8 @@ class LiveTelemetry(Telemetry):
         if type(loss) is tuple:  # a tensor and its version when ddtop.step had it
             loss, version = loss
             if loss._version != version:  # changed in place since: its value is gone
-                self._loss_overwritten += 1
-                if self._loss_overwritten == 1:
+                if not self._said_overwritten:
+                    self._said_overwritten = True
                     self.event("warning", LOSS_OVERWRITTEN)
                 return
         value = _loss_value(loss) if loss is not None else None
@@ -608,8 +608,7 @@ class LiveTelemetry(Telemetry):
             next_step = next_beat = time.monotonic()
             while True:
                 stopping = self._stop.is_set()
-                while self._events:
-                    self._send(sock, self._events.popleft())
+                self._send_events(sock)
                 now = time.monotonic()
                 if now >= next_step or stopping:
                     self._send_window(sock, final=stopping)
@@ -618,8 +617,7 @@ class LiveTelemetry(Telemetry):
                     self._send(sock, self._heartbeat())
                     next_beat = now + HEARTBEAT_INTERVAL_S
                 if stopping:
-                    while self._events:  # what the last fold said (a warning), before bye
-                        self._send(sock, self._events.popleft())
+                    self._send_events(sock)  # what the last fold said (a warning), before bye
                     if self._bye is not None:
                         self._send(sock, self._bye)
                     break
@@ -631,6 +629,10 @@ class LiveTelemetry(Telemetry):
             self._marks = collections.deque(maxlen=0)  # nobody folds them from now on
             sock.close(linger=CLOSE_LINGER_MS)
             self._context.term()
+
+    def _send_events(self, sock: zmq.Socket[bytes]) -> None:
+        while self._events:
+            self._send(sock, self._events.popleft())
 
     def _send(self, sock: zmq.Socket[bytes], message: wire.Message) -> None:
         message.seq, message.t = self._seq, time.time()
