@@ -467,18 +467,20 @@ class Supervisor:
                        f"anything left after {timeout:g} s is terminated")
             if self.interrupted:
                 message += " (Ctrl-C again to stop at once)"
-            print(f"ddtrain: {message}", file=self.err, flush=True)
-            self.relay.emit(wire.Event, type="stop_requested", message=message)
-            self._status("stopping", message)
             # Only processes the starter started (or its agent did), each checked to
             # be still that process: never a pid a telemetry message claimed. Rank 0
             # last: the built-in trainer's rank 0 picks the step every rank stops after
             # as soon as it sees the signal, 3 steps ahead, so the others must have
             # theirs first (signalled first and the daemon descheduled before the
             # next, rank 1 once ran past the target and waited forever for rank 0).
+            # The ranks first, then run.json (an fsync): another node's ranks must
+            # hear of the stop before the target step rank 0 picks (training/stopping.py).
             numbered = self.starter.numbered()
             for rank in sorted(numbered, key=lambda k: (k == 0, k)):
                 send_signal(numbered[rank], rank_program(self.config).stop_signal)
+            print(f"ddtrain: {message}", file=self.err, flush=True)
+            self.relay.emit(wire.Event, type="stop_requested", message=message)
+            self._status("stopping", message)
         elif self.stopping is not None and time.monotonic() > self.stopping:
             late = [r for r in self.ranks if r.process.exitcode is None]
             message = (f"{self._describe(late)} did not stop within "

@@ -5,7 +5,9 @@ Real processes, real ZeroMQ (CURVE), real gloo. Jobs: one stopped with
 `ddtrain stop` on node 0 (status, headless summary and a forwarder with wrong
 keys checked while it runs), one where a rank on node 1 is killed, one running
 a user's script, one whose hub is frozen for a while, one where node 1's
-daemon is killed. Run with -s, they print what they measure (docs/multi-node.md).
+daemon is killed. And the built-in trainer's stop agreement as a multi-node
+job makes it, with only rank 0 told of the stop. Run with -s, they print what
+they measure (docs/multi-node.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from helpers import torchrun
 
 from ddtop.daemon import journal, nodes, wire
 from ddtop.daemon.runs import RunPaths
@@ -40,8 +44,15 @@ pytestmark = pytest.mark.timeout(180)
 
 SBATCH = Path(__file__).resolve().parent.parent / "examples" / "slurm" / "ddtrain.sbatch"
 TUTORIAL = SBATCH.parent.parent / "ddp_tutorial.py"
+STOP_RANKS = Path(__file__).resolve().parent / "scripts" / "stop_ranks.py"
 SMALL = ["--synthetic-train-samples", "2048", "--synthetic-val-samples", "128",
          "--batch-size", "64", "--progress-every", "30"]
+
+
+# `ddtrain stop`'s own timeout, and the most its command can take (that, then
+# terminating, plus its backstop): a stop that hangs ends in the daemons' words.
+STOP = ["--timeout", "20"]
+STOP_WAIT_S = 60
 
 
 def free_port() -> int:
@@ -245,7 +256,8 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
         time.sleep(1.0)
         # ddtrain stop on node 0 stops both nodes
         asked = time.monotonic()
-        stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path)
+        stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), *STOP, cwd=tmp_path,
+                   timeout=STOP_WAIT_S)
         assert stop.returncode == 0, stop.stderr
         (rc0, out0, err0), (rc1, _, err1) = job.wait()
         print(f"\nddtrain stop on node 0: both nodes exited {time.monotonic() - asked:.1f} s "
@@ -401,7 +413,8 @@ def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
           f"showed all 4 ranks running {caught_up - thawed:.1f} s later, node 1 heard it "
           f"{again[0] - thawed:.1f} s later")
     asked = time.time()
-    stop = ddtrain("stop", "outagejob", "--runs-dir", str(job.runs), cwd=tmp_path)
+    stop = ddtrain("stop", "outagejob", "--runs-dir", str(job.runs), *STOP, cwd=tmp_path,
+                   timeout=STOP_WAIT_S)
     assert stop.returncode == 0, stop.stderr
     (rc0, _, err0), (rc1, _, err1) = job.wait()
     assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
@@ -417,6 +430,24 @@ def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
     on_hub = steps_of(job.runs / "outagejob" / "telemetry.journal")
     assert on_node_1 and on_node_1 <= on_hub, sorted(on_node_1 - on_hub)[:10]
     assert on_hub <= steps_of(job.node1 / "telemetry.journal")
+
+
+def test_a_rank_whose_node_never_hears_of_the_stop_stops_after_the_same_step(
+        tmp_path: Path) -> None:
+    """The built-in trainer's stop agreement in a multi-node job, with only rank 0
+    signalled: the other rank (another node, whose daemon is late or never hears)
+    finds the target in the store and stops after the same step. Were it to run
+    past, the two would wait in different collectives (tests/scripts/stop_ranks.py)."""
+    run = torchrun("--standalone", "--nproc-per-node", "2", str(STOP_RANKS), "20",
+                   cwd=tmp_path, timeout=90)
+    assert run.returncode == 0, run.stderr[-3000:]
+    # (both ranks write to one pipe: their lines may come in either order)
+    said = {int(r): (int(step), signalled) for r, step, signalled in re.findall(
+        r"rank (\d) stopped after step (\d+) signalled (True|False)", run.stdout)}
+    assert said == {0: (said[0][0], "True"), 1: (said[0][0], "False")}, run.stdout
+    assert said[0][0] >= 20 + 3, run.stdout  # 3 s of steps after the signal, at least 3
+    assert run.leftovers == []
+    print(f"\n{run.stdout.strip()}")
 
 
 def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:

@@ -15,6 +15,14 @@ group's store, not through a collective:
 DDP keeps ranks within one step of each other (each step's all-reduce needs all
 of them), so no rank can complete MARGIN steps past rank 0's boundary before the
 target is in the store; every rank stops after exactly the target step.
+
+A multi-node job: the other nodes' ranks get the signal from their own daemon,
+which hears of the stop from the hub (its next heartbeat's reply, a second or
+more: longer if that daemon is descheduled). So rank 0's target is
+NODES_MARGIN_S of steps ahead (at the faster of its average and its recent step
+rate), and every other rank also looks in the store every STORE_POLL_S whether
+or not its own signal has come: it finds the target within that, a step, and a
+round trip to the store, however late its daemon is (docs/multi-node.md).
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ import torch.distributed as dist
 STOP_SIGNAL = signal.SIGUSR1
 STORE_KEY = "ddtop/stop_after"
 MARGIN = 3
-# A multi-node job: the other nodes' ranks get the signal from their own daemon,
-# up to about a second later (its heartbeat to the hub), so the target is this
-# many seconds of steps ahead (docs/multi-node.md).
+# A multi-node job (above): the target this many seconds of steps ahead; the
+# ranks other than 0 look in the store this often; the recent step rate is
+# measured over windows of this length.
 NODES_MARGIN_S = 3.0
+STORE_POLL_S = 0.5
+RATE_WINDOW_S = 2.0
 
 _requested = False
 
@@ -49,26 +59,48 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 class StopAgreement:
-    def __init__(self, is_main: bool) -> None:
+    def __init__(self, is_main: bool, start_step: int = 0) -> None:
         self.is_main = is_main
         self.target: int | None = None
         self.nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1) > 1
-        self.since = (time.monotonic(), 0)  # for the step rate of a multi-node job
+        now = time.monotonic()
+        self.since = (now, start_step)  # for the average step rate of a multi-node job
+        self.window = (now, start_step)  # the current rate window's start
+        self.recent = 0.0  # steps/s over the last whole window
+        self.polled = now  # the last look in the store (ranks other than 0)
 
     def due(self, global_step: int) -> bool:
         """True when this rank should stop now, having completed `global_step` steps."""
-        if not _requested:
-            return False
         if self.target is None:
+            look = _requested
+            if self.nodes:  # one clock read a step; a store round trip every STORE_POLL_S
+                now = time.monotonic()
+                self._measure(now, global_step)
+                if not self.is_main and now - self.polled >= STORE_POLL_S:
+                    self.polled, look = now, True
+            if not look:
+                return False
             store = dist.distributed_c10d._get_default_store()
             if self.is_main:
-                margin = MARGIN
-                if self.nodes:
-                    t0, step0 = self.since
-                    rate = (global_step - step0) / max(time.monotonic() - t0, 1e-3)
-                    margin = max(MARGIN, math.ceil(rate * NODES_MARGIN_S))
-                self.target = global_step + margin
+                if not _requested:
+                    return False
+                self.target = global_step + self._margin(global_step)
                 store.set(STORE_KEY, str(self.target))
             elif store.check([STORE_KEY]):
                 self.target = int(store.get(STORE_KEY))
         return self.target is not None and global_step >= self.target
+
+    def _measure(self, now: float, global_step: int) -> None:
+        t0, step0 = self.window
+        if now - t0 >= RATE_WINDOW_S:
+            self.recent = (global_step - step0) / (now - t0)
+            self.window = (now, global_step)
+
+    def _margin(self, global_step: int) -> int:
+        """Steps from rank 0's boundary to the target: MARGIN, or in a multi-node
+        job NODES_MARGIN_S of steps at the faster of the average and recent rates."""
+        if not self.nodes:
+            return MARGIN
+        t0, step0 = self.since
+        average = (global_step - step0) / max(time.monotonic() - t0, 1e-3)
+        return max(MARGIN, math.ceil(max(average, self.recent) * NODES_MARGIN_S))

@@ -136,7 +136,7 @@ class Trainer:
         self.loss_fn = nn.CrossEntropyLoss()
         self.pin = device.type == "cuda"
         self.drills = Drills.from_environ(env.rank, phase=ddtop.phase)  # --inject
-        self.stop = StopAgreement(env.is_main)
+        self.stop = StopAgreement(env.is_main, self.global_step)
         self.report.started(backend, device, self.model, self.train_set, self.val_set,
                             self.steps_per_epoch)
 
