@@ -7,11 +7,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 WORLD_SIZE ?= 8
 
-.PHONY: help install demo test lint typecheck pytest bench clean
+.PHONY: help install demo test lint typecheck pytest fuzz bench clean
 
 help:
 	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset and watch them in ddtop"
 	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
+	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
 	@echo "make bench      benchmarks: start-up, telemetry, dashboard, own scripts, comm timing, sockets, strategies, faults (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
@@ -52,6 +53,11 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
 test: lint typecheck pytest
+
+# The fuzzing that make test runs in seconds, at length: every decoder of what the
+# daemon receives, 20,000 examples each from the fixed seed (tests/test_fuzz.py).
+fuzz: $(STAMP)
+	DDTOP_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py -q
 
 bench: $(STAMP)
 	$(BIN)/python bench/startup.py

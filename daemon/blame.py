@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 
+from ddtop.daemon import wire
 from ddtop.daemon.contract import ErrorReport
 
 # Errors a rank raises because a peer went away (gloo, NCCL, the TCPStore): such a
@@ -41,7 +42,9 @@ def read_error_report(path: Path, since: float) -> ErrorReport | None:
     a report left by an earlier attempt says nothing about this one)."""
     try:
         report = msgspec.json.decode(path.read_bytes(), type=ErrorReport)
-    except (OSError, msgspec.DecodeError):  # missing, half-written or not a report
+    except OSError:  # missing
+        return None
+    except wire.UNTRUSTED_ERRORS:  # half-written or not a report
         return None
     return report if report.time >= since else None
 

@@ -3,6 +3,7 @@
 One REQ socket per request, a deadline, and no linger: a daemon that is gone
 or wedged costs the caller `timeout_s`, never a hang. A reply that is not a
 msgpack map counts as no answer; its fields are the caller's to validate.
+`decode_map` is the one decoder of what a control socket carries, both ways.
 """
 
 from __future__ import annotations
@@ -14,10 +15,24 @@ from typing import Any
 import msgspec
 import zmq
 
+from ddtop.daemon import wire
 from ddtop.daemon.keys import KEYS_ENV, needs_keys, secure
 
 # How long `ddtrain stop` and ddtop's `x` wait for the daemon to accept a stop.
 STOP_REQUEST_TIMEOUT_S = 5.0
+
+
+_map_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def decode_map(body: bytes) -> dict[str, Any]:
+    """A request or a reply off a control socket: a msgpack map with string keys.
+    Raises ValueError for anything else (bad UTF-8, nesting too deep, ...)."""
+    try:
+        return _map_decoder.decode(body)
+    except wire.UNTRUSTED_ERRORS as e:
+        raise ValueError("nested too deeply" if isinstance(e, RecursionError)
+                         else str(e)[:200]) from None
 
 
 class Unreachable(Exception):
@@ -37,7 +52,7 @@ def request(endpoint: str, op: str, timeout_s: float = 2.0, *, keys: Path | None
         secure(sock, endpoint, keys)
         sock.connect(endpoint)
         sock.send(msgspec.msgpack.encode({"op": op, **args}))
-        reply = msgspec.msgpack.decode(sock.recv())
+        reply = decode_map(sock.recv())
     except zmq.Again:
         hint = ""
         if needs_keys(endpoint) and keys is None and not os.environ.get(KEYS_ENV):
@@ -46,10 +61,9 @@ def request(endpoint: str, op: str, timeout_s: float = 2.0, *, keys: Path | None
         raise Unreachable(f"no answer from {endpoint} within {timeout_s:g} s{hint}") from None
     except zmq.ZMQError as e:
         raise Unreachable(f"{endpoint}: {e}") from None
-    except msgspec.DecodeError:
-        raise Unreachable(f"{endpoint} answered something that is not msgpack") from None
+    except ValueError:
+        raise Unreachable(f"{endpoint} answered something that is not a ddtrain reply"
+                          ) from None
     finally:
         sock.close()
-    if not isinstance(reply, dict):
-        raise Unreachable(f"{endpoint} answered something that is not a ddtrain reply")
     return reply

@@ -129,9 +129,10 @@ def read(path: Path) -> Iterator[Record]:
             if len(data) < size:
                 return
             try:
-                yield _decoder.decode(data)
-            except msgspec.DecodeError:
+                record = _decoder.decode(data)
+            except wire.UNTRUSTED_ERRORS:
                 return
+            yield record
 
 
 def replay(path: Path, run: str, upto: int | None = None) -> tuple[RunState, int]:

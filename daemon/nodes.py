@@ -23,18 +23,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 import zmq
 
 from ddtop.daemon import wire
 from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.control import decode_map
 from ddtop.daemon.keys import RunKeys
 from ddtop.daemon.runs import RunPaths, write_json_atomic
 
@@ -104,9 +106,10 @@ class Hub:
             seen = self.nodes[node] = NodeSeen(node)
         was = seen.state
         seen.beat = time.monotonic()
-        seen.host = str(request.get("host", ""))[:255]
+        host = request.get("host")
+        seen.host = host[:255] if isinstance(host, str) else ""
         pid = request.get("pid")
-        seen.pid = pid if isinstance(pid, int) else None
+        seen.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
         ranks = request.get("ranks")
         if isinstance(ranks, list):
             ranks = sorted({r for r in ranks if isinstance(r, int)
@@ -119,13 +122,13 @@ class Hub:
         if isinstance(status, str):
             seen.status = status[:32]
         dropped = request.get("dropped")
-        seen.dropped = dropped if isinstance(dropped, int) else seen.dropped
+        if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped >= 0:
+            seen.dropped = dropped
         if status in wire.FINAL_STATUSES:
             seen.state = DONE
             message = request.get("message")
             seen.message = message[:2000] if isinstance(message, str) else ""
-            failure = request.get("failure")
-            seen.failure = failure if isinstance(failure, dict) else None
+            seen.failure = node_failure(request.get("failure"), self.config.world_size)
         elif was != UP and seen.state != DONE:
             seen.state = UP
             self._say(node, "info", f"node {node} ({seen.host}) is reachable again")
@@ -133,6 +136,9 @@ class Hub:
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
         """A message node `node` folded: its ranks' (relayed as they are) or its own."""
+        if not 0 < node < self.config.nnodes:
+            self.relay.reject("bad_forward")
+            return
         if message.rank != wire.DAEMON_RANK:
             self.relay.accept_forwarded(message, frame, received)
             return
@@ -187,6 +193,28 @@ class Hub:
         self.relay.emit(wire.Event, type=type, message=message, data=data, traceback=traceback)
 
 
+def node_failure(failure: Any, world_size: int) -> dict[str, Any] | None:
+    """The rank a node daemon blamed, as its final heartbeat says (Supervisor._final),
+    kept only when every field is of its kind: a rank of the job, an int cause,
+    exit code and pid (or none), bounded text."""
+    if not isinstance(failure, dict):
+        return None
+    rank, cause = failure.get("rank"), failure.get("cause")
+    if not (_is_int(rank) and 0 <= rank < world_size and _is_int(cause)):
+        return None
+    code, pid = failure.get("exit_code"), failure.get("pid")
+    how, message = failure.get("how"), failure.get("message")
+    return {"rank": rank, "cause": cause,
+            "exit_code": code if _is_int(code) and -255 <= code <= 255 else 1,
+            "pid": pid if _is_int(pid) and pid > 0 else None,
+            "how": how[:500] if isinstance(how, str) else "failed",
+            "message": message[:1000] if isinstance(message, str) else ""}
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def write_hub_file(paths: RunPaths, control: str, nodes: str) -> None:
     """hub.json in the run directory: where nodes 1 and up find the hub (owner-only)."""
     write_json_atomic(paths.hub_file, {"control": control, "nodes": nodes,
@@ -203,10 +231,10 @@ def find_hub(config: TrainConfig, job: RunPaths, say: Any) -> tuple[str, RunKeys
     said = 0.0
     hub_file = job.hub_file
     while True:
-        with contextlib.suppress(OSError, ValueError):
-            found = json.loads(hub_file.read_text())
-            keys = RunKeys.load(Path(found["keys"]))
-            return str(found["control"]), keys
+        found = read_hub_file(hub_file)
+        if found is not None:
+            control, folder = found
+            return control, RunKeys.load(folder)  # a damaged keys folder is said (UsageError)
         now = time.monotonic()
         if now > deadline:
             raise UsageError(f"node {config.node_rank}: no hub after {HUB_WAIT_S:g} s: "
@@ -216,6 +244,21 @@ def find_hub(config: TrainConfig, job: RunPaths, say: Any) -> tuple[str, RunKeys
             said = now
             say(f"waiting for node 0's daemon (the hub) to write {hub_file}")
         time.sleep(0.2)
+
+
+def read_hub_file(path: Path) -> tuple[str, Path] | None:
+    """hub.json's control endpoint and keys folder; None while it is not there, or
+    not a hub file (anything else in its place is waited out, then said)."""
+    try:
+        found = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(found, dict):
+        return None
+    control, folder = found.get("control"), found.get("keys")
+    if not isinstance(control, str) or not isinstance(folder, str) or "\0" in folder:
+        return None
+    return control, Path(folder)
 
 
 class Forwarder:
@@ -258,15 +301,7 @@ class Forwarder:
                 body = self.control.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            with contextlib.suppress(msgspec.DecodeError, TypeError, AttributeError):
-                reply = msgspec.msgpack.decode(body)
-                self.heard = time.monotonic()
-                stop = reply.get("stop")
-                if isinstance(stop, int | float) and not isinstance(stop, bool):
-                    self.stop = float(stop)
-                nodes = reply.get("nodes")
-                if self.push is None and isinstance(nodes, str) and nodes.startswith("tcp://"):
-                    self._connect(nodes)
+            self.take_reply(body)
         now = time.monotonic()
         if final is None and now - self.last_beat < HEARTBEAT_S:
             return
@@ -276,6 +311,22 @@ class Forwarder:
                                 "dropped": self.dropped, **(final or {})}
         with contextlib.suppress(zmq.ZMQError):
             self.control.send(msgspec.msgpack.encode(beat), zmq.NOBLOCK)
+
+    def take_reply(self, body: bytes) -> None:
+        """One of the hub's replies: a stop for every node, where to forward to."""
+        try:
+            reply = decode_map(body)
+        except ValueError:  # not a map: not the hub's reply
+            return
+        self.heard = time.monotonic()
+        stop = reply.get("stop")
+        if (isinstance(stop, int | float) and not isinstance(stop, bool)
+                and math.isfinite(stop) and stop >= 0):
+            self.stop = float(stop)
+        nodes = reply.get("nodes")
+        if (self.push is None and isinstance(nodes, str) and nodes.startswith("tcp://")
+                and len(nodes) < 300):
+            self._connect(nodes)
 
     def _connect(self, endpoint: str) -> None:
         self.push = self.context.socket(zmq.PUSH)

@@ -41,12 +41,13 @@ thread); ZeroMQ sockets are not thread-safe.
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import resource
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,11 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ddtop.daemon import wire
+from ddtop.daemon import requests, wire
 from ddtop.daemon.config import UsageError
 from ddtop.daemon.journal import JournalWriter
 from ddtop.daemon.keys import ZAP_DOMAIN, RunKeys
-from ddtop.daemon.state import RunState, encode_snapshot
+from ddtop.daemon.state import RunState
 
 # Room for an ipc socket's path: a unix socket address holds 107 bytes and a NUL.
 IPC_PATH_MAX = 100
@@ -74,11 +75,14 @@ HANDSHAKE_FAILURES: dict[int, str] = {
 # Frames larger than this make ZeroMQ drop the connection unread (memory bound);
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
+MAX_NODE_DIGITS = 6  # a node daemon's number, as it heads each forward
 BATCH = 2000  # messages read per socket per serve() call, so no socket starves another
-MAX_REQUEST_BYTES = 16384  # a node daemon's heartbeat lists its ranks
 # A journal that fails again this soon after it last warned is not warned about again
 # (a disk hovering at full); its count still grows in the state.
 JOURNAL_WARN_EVERY_S = 60.0
+# An internal error in one handler is said (stderr, a warning event) at most this often;
+# every one is counted.
+INTERNAL_ERROR_EVERY_S = 60.0
 
 
 def peer_pid(frame: zmq.Frame) -> int | None:
@@ -182,6 +186,7 @@ class Relay:
         self._journal_outage = False  # a warning said, its recovery not yet
         self._journal_warned: float | None = None  # monotonic time of the last warning
         self._journal_speaking = False
+        self._errors_said: dict[str, float] = {}  # handler -> monotonic time it was last said
 
     def _bind_all(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], zmq.Socket[bytes]]:
         bound: list[zmq.Socket[bytes]] = []
@@ -244,19 +249,52 @@ class Relay:
             for fd in fds:
                 self.poller.unregister(fd)
         if self.zap is not None and self.zap in ready:
-            self._answer_zap()
+            self.guarded("zap", self._answer_zap)
         for monitor in self.monitors:
             if monitor in ready:
-                self._count_refusals(monitor)
+                self.guarded("monitor", functools.partial(self._count_refusals, monitor))
         if self.pull in ready:
-            self._drain_pull()
+            self.guarded("telemetry", self._drain_pull)
         if self.nodes is not None and self.nodes in ready:
-            self._drain_nodes()
+            self.guarded("nodes", self._drain_nodes)
         if self.router in ready:
-            self._drain_router()
+            self.guarded("control", self._drain_router)
+        self.guarded("journal", self._flush_journal)
+        return [fd for fd in fds if fd in ready]
+
+    def _flush_journal(self) -> None:
         self.journal.flush()
         self._watch_journal()
-        return [fd for fd in fds if fd in ready]
+
+    def guarded(self, where: str, handler: Callable[[], None]) -> None:
+        """Run one handler of the daemon's loop; an exception it raises is said and
+        counted (internal_error), and the loop goes on: no input, however odd, may
+        end the supervision of the ranks."""
+        try:
+            handler()
+        except Exception as e:  # noqa: BLE001 -- deliberate: said and counted, never fatal
+            self.internal_error(where, e)
+
+    def internal_error(self, where: str, error: BaseException) -> None:
+        """An exception in the handler `where`: counted in `rejected` as
+        `internal_error`, its traceback on stderr (the daemon's log) and a warning
+        event the first time for each handler; then once a minute at most."""
+        self.reject("internal_error")
+        now = time.monotonic()
+        last = self._errors_said.get(where)
+        if last is not None and now - last < INTERNAL_ERROR_EVERY_S:
+            return
+        self._errors_said[where] = now
+        what = f"{type(error).__name__}: {str(error)[:200]}"
+        text = "".join(traceback.format_exception(error))
+        with contextlib.suppress(OSError):
+            print(f"ddtrain: internal error in the {where} handler (the daemon goes on): "
+                  f"{what}\n{text}", file=sys.stderr, flush=True)
+        if where != "journal":  # a warning about the journal could fail the same way
+            with contextlib.suppress(Exception):  # saying it must not raise in turn
+                self.emit(wire.Event, type="warning", message=(
+                    f"daemon: internal error in the {where} handler, counted and skipped "
+                    f"(the run goes on): {what}"), traceback=text[-wire.MAX_TRACEBACK_CHARS:])
 
     def _drain_pull(self) -> None:
         # Over ipc the kernel names the process that sent each frame (SO_PEERCRED,
@@ -277,21 +315,21 @@ class Relay:
             try:
                 message = wire.decode(frames, self.run)
             except wire.WireError as e:
-                self._reject(e.reason)
+                self.reject(e.reason)
                 continue
             if message.rank == wire.DAEMON_RANK:
-                self._reject("forged")  # only the daemon speaks as the daemon
+                self.reject("forged")  # only the daemon speaks as the daemon
                 continue
             if self.world_size is not None and not 0 <= message.rank < self.world_size:
-                self._reject("rank_out_of_range")
+                self.reject("rank_out_of_range")
                 continue
             if sender is not None and not self._sent_by_rank(message.rank, sender):
                 if (message.rank, sender) not in self._retired:  # else: left by a restart
-                    self._reject("foreign_pid")  # sent by a process that is not that rank
+                    self.reject("foreign_pid")  # sent by a process that is not that rank
                 continue
             if (isinstance(message, wire.Hello) and self.rank_pid is not None
                     and not self.rank_pid(message.rank, message.pid)):
-                self._reject("foreign_pid")  # not the process started as that rank
+                self.reject("foreign_pid")  # not the process started as that rank
                 continue
             self._accept(message, frames[0], received)
 
@@ -323,26 +361,29 @@ class Relay:
                 frames = self.nodes.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            received = time.time()
-            if (len(frames) != 3 or frames[0] != b"ddtop-node/1" or not frames[1].isdigit()
-                    or self.hub is None):
-                self._reject("bad_forward")
-                continue
-            try:
-                message = wire.decode(frames[2:], self.run)
-            except wire.WireError as e:
-                self._reject(e.reason)
-                continue
-            self.hub.forwarded(int(frames[1]), message, frames[2], received)
+            self.take_forward(frames, time.time())
+
+    def take_forward(self, frames: list[bytes], received: float) -> None:
+        """One forward off the `nodes` socket, handed to the hub or counted."""
+        node = _node_number(frames[1]) if len(frames) == 3 else None
+        if node is None or frames[0] != b"ddtop-node/1" or self.hub is None:
+            self.reject("bad_forward")
+            return
+        try:
+            message = wire.decode(frames[2:], self.run)
+        except wire.WireError as e:
+            self.reject(e.reason)
+            return
+        self.hub.forwarded(node, message, frames[2], received)
 
     def accept_forwarded(self, message: wire.Message, frame: bytes, received: float) -> None:
         """A rank's message from a node daemon: its rank in range, its pid for display."""
         if self.world_size is not None and not 0 <= message.rank < self.world_size:
-            self._reject("rank_out_of_range")
+            self.reject("rank_out_of_range")
             return
         self._accept(message, frame, received)
 
-    def _reject(self, reason: str) -> None:
+    def reject(self, reason: str) -> None:
         self.state.rejected[reason] = self.state.rejected.get(reason, 0) + 1
 
     def _accept(self, message: wire.Message, frame: bytes, received: float) -> None:
@@ -427,7 +468,7 @@ class Relay:
                 return
             reason = HANDSHAKE_FAILURES.get(int(event["event"]))
             if reason is not None:
-                self._reject(reason)
+                self.reject(reason)
 
     # -- requests --------------------------------------------------------------------
     def _drain_router(self) -> None:
@@ -438,52 +479,17 @@ class Relay:
                 return
             # [identity, b"", request] from REQ; [identity, request] from DEALER.
             if len(frames) < 2:
-                self._reject("bad_request")
+                self.reject("bad_request")
                 continue
             envelope, body = frames[:-1], frames[-1]
-            reply = self._answer(body)
+            try:
+                reply = requests.answer(self, body)
+            except Exception as e:  # noqa: BLE001 -- a request must not stop the daemon: said, counted
+                self.internal_error("control", e)
+                reply = {"ok": False, "error": f"the daemon could not answer ({type(e).__name__})"}
             with contextlib.suppress(zmq.ZMQError):  # the asker is gone
                 self.router.send_multipart([*envelope, msgspec.msgpack.encode(reply)],
                                            zmq.NOBLOCK)
-
-    def _answer(self, body: bytes) -> dict[str, Any]:
-        if len(body) > MAX_REQUEST_BYTES:
-            self._reject("bad_request")
-            return {"ok": False, "error": "request too large"}
-        try:
-            request = msgspec.msgpack.decode(body)
-            op = request["op"]
-        except (msgspec.DecodeError, TypeError, KeyError, IndexError):
-            self._reject("bad_request")
-            return {"ok": False, "error": "expected a msgpack map with an 'op'"}
-        if op == "ping":
-            return {"ok": True, "run": self.run, "seq": self.seq, "endpoints": self.endpoints}
-        if op == "status":
-            return {"ok": True, "seq": self.seq, "summary": self.state.summary(time.time())}
-        if op == "snapshot":
-            return {"ok": True, "seq": self.seq, "state": encode_snapshot(self.state)}
-        if op == "stop":
-            timeout = request.get("timeout", 30.0)
-            if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
-                    or not math.isfinite(timeout) or timeout < 0):
-                return {"ok": False, "error": "timeout must be a number of seconds >= 0"}
-            if self.stop_request is None:
-                self.stop_request = float(timeout)
-            return {"ok": True, "status": "stopping"}
-        if op == "node" and self.hub is not None:  # a node daemon's heartbeat
-            reply: dict[str, Any] = self.hub.request(request)
-            return reply
-        if op == "stacks":
-            rank = request.get("rank")
-            if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
-                                     or not 0 <= rank < (self.world_size or 1 << 16)):
-                return {"ok": False, "error": "rank must be a rank of this run"}
-            if len(self.stacks_requests) < 16:  # the supervisor serves them at its next tick
-                self.stacks_requests.append(rank)
-            return {"ok": True}
-        self._reject("bad_request")
-        return {"ok": False,
-                "error": f"unknown op {op!r}: ping, status, snapshot, stop or stacks"}
 
     def close(self) -> None:
         self.journal.close()
@@ -499,6 +505,14 @@ class Relay:
                 (self.sockets / name).unlink(missing_ok=True)
             if self._own_folder:
                 shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def _node_number(frame: bytes) -> int | None:
+    """A forward's node number: ASCII digits, at most MAX_NODE_DIGITS of them (int()
+    refuses numbers of over 4,300 digits, and no job has a million nodes)."""
+    if not 0 < len(frame) <= MAX_NODE_DIGITS or not frame.isdigit():
+        return None
+    return int(frame)
 
 
 def _raise_open_files_limit() -> None:

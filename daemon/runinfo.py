@@ -52,7 +52,8 @@ class RunInfo:
         try:
             config: TrainConfig | None = TrainConfig.from_dict(
                 msgspec.json.decode(paths.config.read_bytes())).check_ranges()
-        except (OSError, ValueError, UsageError):  # missing, not JSON, not a config, absurd
+        except (OSError, ValueError, RecursionError, UsageError):
+            # missing, not JSON, nested too deeply, not a config, absurd
             config = None
         return cls(paths, record, config, problem)
 

@@ -229,8 +229,12 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
+    """A JSON file's contents; ValueError (not RecursionError) for one nested too deeply."""
     with path.open() as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except RecursionError:
+            raise ValueError(f"{path} is nested too deeply to be ours") from None
 
 
 def hold_run(paths: RunPaths) -> int:

@@ -46,6 +46,11 @@ from ddtop.daemon.summary import Failure, Restart, RunSummary, ScalarSummary, St
 MAX_EVENTS = 500
 MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 MAX_RANKS = 1 << 16
+# A rank that has spoken sends its next message with the next sequence number, or
+# a few later where some were lost; a jump of more than this (a day of messages at
+# ten a second) is no rank's: it is refused (rejected `seq_jump`), so that a
+# message forged with a huge number cannot make the rank's own look old.
+MAX_SEQ_JUMP = 1_000_000
 # Distinct ddtop.log keys the run keeps (each rank may send wire.MAX_SCALAR_KEYS
 # per message); newer keys beyond it are dropped and counted.
 MAX_RUN_SCALAR_KEYS = 256
@@ -117,6 +122,9 @@ class RunState(msgspec.Struct, kw_only=True):
             view = self.ranks[message.rank] = RankView(rank=message.rank)
         if isinstance(message, wire.Hello) and view.max_seq >= 0 and message.pid != view.pid:
             self._new_incarnation(view)
+        elif view.max_seq >= 0 and message.seq - view.max_seq > MAX_SEQ_JUMP:
+            self.rejected["seq_jump"] = self.rejected.get("seq_jump", 0) + 1
+            return False
         late = self._sequence(view, message.seq)
         if late is None:
             return False

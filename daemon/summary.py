@@ -249,6 +249,13 @@ def decode_record(data: bytes) -> RunRecord:
     """run.json as written by this version, or by the version before RECORD_SCHEMA
     (its own field names, translated); raises ValueError when it is neither."""
     try:
+        return _decode_record(data)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a run.json") from None
+
+
+def _decode_record(data: bytes) -> RunRecord:
+    try:
         return _record_decoder.decode(data)
     except msgspec.ValidationError as error:
         raw = msgspec.json.decode(data)

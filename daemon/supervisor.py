@@ -147,6 +147,11 @@ class Supervisor:
                              "pick another --runs-dir") from None
         try:
             return self._run()
+        except BaseException:
+            # An error the loop did not survive: its ranks must not train on
+            # unsupervised while the clean-up below waits for them.
+            self._stop_all()
+            raise
         finally:
             if self.forwarder is not None:
                 self.forwarder.close(self._local_ranks(), self.final or {"status": "failed"})
@@ -412,12 +417,14 @@ class Supervisor:
                     return Outcome("stopped", EXIT_INTERRUPTED)
                 return Outcome("succeeded", EXIT_OK)
             self.relay.serve(POLL_S, [r.process.sentinel for r in running])
-            if self.on_tick is not None:
-                self.on_tick(self.relay.state)
-            self._nodes_tick()
+            # What these act on came from outside (the printer's reading of the state,
+            # the other nodes, requests, the ranks' output): an exception in one is
+            # said and counted by the relay, and the ranks stay supervised.
+            self.relay.guarded("tick", self._tick)
+            self.relay.guarded("nodes", self._nodes_tick)
             self._check_stop()
-            self._serve_stacks()
-            self._echo_logs()
+            self.relay.guarded("stacks", self._serve_stacks)
+            self.relay.guarded("logs", self._echo_logs)
             if self._collect_exits(running):
                 self._settle()
                 self._stop_all()
@@ -425,6 +432,11 @@ class Supervisor:
             hung = self._check_hang()
             if hung is not None:
                 return hung
+
+    def _tick(self) -> None:
+        if self.on_tick is not None:
+            assert self.relay is not None
+            self.on_tick(self.relay.state)
 
     def _collect_exits(self, running: list[Rank]) -> bool:
         """Record the exits among `running`; report the clean ones at once. True

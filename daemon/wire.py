@@ -229,6 +229,14 @@ class WrongRun(WireError):
     reason = "wrong_run"
 
 
+# What decoding bytes that nobody vouches for may raise: msgspec's errors, bad
+# UTF-8 inside a string (UnicodeDecodeError), an integer of more digits than
+# int() takes (ValueError), and nesting deeper than the interpreter's recursion
+# limit (RecursionError, e.g. a 5 KB frame of 5,000 nested arrays). Every
+# decoder of a frame, a request, a reply or a run file catches exactly these.
+UNTRUSTED_ERRORS: tuple[type[Exception], ...] = (msgspec.MsgspecError, ValueError, RecursionError)
+
+
 class _Envelope(msgspec.Struct):
     """What is read first: enough to refuse a frame before trusting its shape."""
 
@@ -255,17 +263,21 @@ def decode(frames: list[bytes], run: str | None = None) -> Message:
         raise Oversized(f"{len(frame)} bytes > {MAX_FRAME_BYTES}")
     try:
         envelope = _envelope.decode(frame)
-    except (msgspec.MsgspecError, ValueError) as e:  # bad utf-8 raises UnicodeDecodeError
-        raise Malformed(str(e)) from None
+    except UNTRUSTED_ERRORS as e:
+        raise Malformed(_why(e)) from None
     if envelope.v != SCHEMA_VERSION:
         raise WrongVersion(f"schema version {envelope.v!r}, expected {SCHEMA_VERSION}")
     if run is not None and envelope.run != run:
         raise WrongRun(f"run {envelope.run!r}, expected {run!r}")
     try:
         message: Message = _decoder.decode(frame)
-    except (msgspec.MsgspecError, ValueError) as e:  # bad utf-8 raises UnicodeDecodeError
-        raise Malformed(str(e)) from None
+    except UNTRUSTED_ERRORS as e:
+        raise Malformed(_why(e)) from None
     return message
+
+
+def _why(error: Exception) -> str:
+    return "nested too deeply" if isinstance(error, RecursionError) else str(error)[:200]
 
 
 def algbw_busbw(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:

@@ -220,7 +220,9 @@ class LiveFeed(Feed):
                 found = f"tcp://{host}:{port}" if host and port else None
             if not reply.get("ok") or found is None:
                 raise control.Unreachable(f"{self.connect_to} is not a ddtrain daemon")
-            self.state.run = str(reply.get("run", self.state.run))
+            run = reply.get("run")
+            if isinstance(run, str):
+                self.state.run = run[:200]
             return self.connect_to, found
         assert self.paths is not None
         info = RunInfo.load(self.paths)
@@ -259,9 +261,17 @@ class LiveFeed(Feed):
         reply = control.request(self.control, "snapshot", REQUEST_TIMEOUT_S, keys=self.keys)
         if not reply.get("ok"):
             raise control.Unreachable(str(reply.get("error")))
-        state = decode_snapshot(reply["state"])
+        unreadable = control.Unreachable("its snapshot is not one this ddtop can read")
+        try:
+            state, seq = decode_snapshot(reply["state"]), reply["seq"]
+        except (KeyError, TypeError):
+            raise unreadable from None
+        except wire.UNTRUSTED_ERRORS:
+            raise unreadable from None
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise control.Unreachable("its snapshot has no sequence number")
         with self.lock:
-            self.state, self.seq = state, int(reply["seq"])
+            self.state, self.seq = state, seq
         self.connection, self.detail = LIVE, ""
         self.last_heard = time.monotonic()
         self.finished = state.status in wire.FINAL_STATUSES
@@ -349,7 +359,8 @@ class LiveFeed(Feed):
             # Back after a while, or the relay published more than came: the PUB
             # drops what it sends before our subscription reaches it, and a quiet
             # run sends nothing after that would show the gap. The snapshot has it.
-            if self.connection == GONE or int(reply.get("seq", 0)) > self.seq:
+            seq = reply.get("seq")
+            if self.connection == GONE or not isinstance(seq, int) or seq > self.seq:
                 self._snapshot()
         except control.Unreachable as e:
             if self.paths is not None and not RunInfo.load(self.paths).live:

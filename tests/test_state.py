@@ -79,6 +79,17 @@ def test_duplicates_are_ignored() -> None:
     assert (v.duplicates, v.samples, v.received) == (2, 320, 2)
 
 
+def test_a_forged_huge_sequence_number_is_refused_so_the_ranks_own_are_not_old() -> None:
+    """A key holder sends rank 0's Step numbered 2**62: were it folded, every real
+    message of rank 0 after it would be dropped as a duplicate."""
+    s = fold(hello(0), step(0, 1, 10))
+    assert s.apply(step(0, 2**62, 999_999), 101.0) is False
+    assert s.rejected == {"seq_jump": 1}
+    assert s.apply(step(0, 2, 20), 102.0) is True
+    assert (s.ranks[0].global_step, s.ranks[0].lost) == (20, 0)
+    assert s.apply(step(0, 2 + state.MAX_SEQ_JUMP, 30), 103.0) is True  # a real gap: lost
+
+
 def test_out_of_order_delivery_ends_in_the_same_state() -> None:
     messages = [hello(0), step(0, 1, 10), step(0, 2, 20), step(0, 3, 30), hello(1),
                 step(1, 1, 10), step(1, 2, 20)]
