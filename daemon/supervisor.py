@@ -361,18 +361,26 @@ class Supervisor:
             first = lost[0]
             names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in lost)
             ranks = ", ".join(str(r) for s in lost for r in s.ranks) or "unknown"
-            return Outcome("failed", EXIT_FAILED,
-                           Rank(AGENT, ExitedProcess(first.pid, 1), exitcode=1, noted=True),
-                           reason=(f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
-                                   f"ranks {ranks} unreachable"), who=names)
+            reason = (f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
+                      f"ranks {ranks} unreachable")
+            return self._node_failed(first, reason, names)
         if outcome.status == "succeeded" and any(
                 s.status in ("failed", "stopped") for s in hub.nodes.values()):
             worst = next(s for s in hub.nodes.values() if s.status in ("failed", "stopped"))
-            return Outcome("failed", EXIT_FAILED,
-                           Rank(AGENT, ExitedProcess(worst.pid, 1), exitcode=1, noted=True),
-                           reason=worst.message or worst.status,
-                           who=f"node {worst.node} ({worst.host})")
+            return self._node_failed(worst, worst.message or worst.status,
+                                     f"node {worst.node} ({worst.host})")
         return outcome
+
+    def _node_failed(self, seen: nodes.NodeSeen, reason: str, who: str) -> Outcome:
+        """The job failed because of node `seen` as a whole (lost, or failed with no
+        rank to blame): the one culprit, in the state (run.json, status, the
+        headless summary, dashboards) as in the headline."""
+        assert self.relay is not None
+        self.relay.emit(wire.RankExit, exited=AGENT, pid=seen.pid, exit_code=None, signal=None,
+                        culprit=True, reason=reason, node=seen.node)
+        return Outcome("failed", EXIT_FAILED,
+                       Rank(AGENT, ExitedProcess(seen.pid, 1), exitcode=1, noted=True),
+                       reason=reason, who=who)
 
     # -- start -----------------------------------------------------------------
     def _start_ranks(self) -> None:
