@@ -6,6 +6,13 @@ timeout), and which process the OS reaps first is a race. So the blame is
 decided from what each rank's exit and its own error report say, never from
 the order of the exits. `culprit(exits, reports)` is the policy;
 `read_error_report` reads what a rank wrote (training/worker.py writes it).
+
+An exit code of 0 is not always a clean end: a rank that leaves while the
+others still train (`os._exit(0)`, a `sys.exit(0)` in the wrong branch) makes
+them fail with "Connection reset by peer" in their next collective, and is
+their cause. `left_early(Leaving(...))` tells it from a rank that finished:
+the ranks say goodbye (wire.Bye) as they end, the built-in trainer's and a
+script's alike (training/api.py, at exit), and `os._exit` skips it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,34 @@ class RankEnd:
 
     exit_code: int  # negative: killed by that signal (Python's convention)
     stopped_by_daemon: bool = False  # the daemon terminated it (it was not the cause)
+    # It exited 0 before its work was done while the others still ran (left_early).
+    left_early: bool = False
+    ended: float | None = None  # wall clock of its exit, where known
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """What is known of a rank that exited with code 0."""
+
+    said_hello: bool  # its telemetry spoke: a goodbye from it could have been heard
+    said_bye: bool  # it said goodbye (wire.Bye): it ended its work itself
+    others_running: bool  # other ranks of the attempt still ran when it exited
+    stopping: bool  # the run was being stopped (a stop asks every rank to end)
+    global_step: int  # the last global step it reported
+    total_steps: int  # the run's total (0: unknown)
+
+
+def left_early(leaving: Leaving) -> bool:
+    """A rank that exited 0 left early: it exited while other ranks still ran,
+    no stop was asked for, it never said goodbye although its telemetry
+    spoke, and it had not reached the run's last step (where that is known).
+    A rank whose telemetry never spoke, or that reached the last step, is
+    given the benefit of the doubt: finished."""
+    if leaving.stopping or not leaving.others_running:
+        return False
+    if not leaving.said_hello or leaving.said_bye:
+        return False
+    return leaving.total_steps <= 0 or leaving.global_step < leaving.total_steps
 
 
 def read_error_report(path: Path, since: float) -> ErrorReport | None:
@@ -49,16 +84,25 @@ def read_error_report(path: Path, since: float) -> ErrorReport | None:
     return report if report.time >= since else None
 
 
+def left_early_words(step: int) -> str:
+    """How a rank that left early ended, as the headline, run.json and status say it."""
+    return (f"left early at step {step}: exit code 0 while the other ranks still trained, "
+            "without a goodbye")
+
+
 def blame_order(end: RankEnd, report: ErrorReport | None) -> tuple[int, float]:
     """Among ranks that failed together, the likely cause comes first: one
     killed by a signal or stopped by bad input (0); then one that raised an
-    error of its own (1); then one that exited non-zero without a word (2);
-    then those that only lost a peer (3). Ranks the daemon stopped without a
+    error of its own, or left early (1: exited 0 while the others ran, see
+    `left_early`); then one that exited non-zero without a word (2); then
+    those that only lost a peer (3). Ranks the daemon stopped without a
     report of their own come after (4), clean exits last (5). Within a class,
-    the earliest error report first."""
+    the earliest error report (or exit, for one that left early) first."""
     when = report.time if report is not None else math.inf
     if end.exit_code == 0:
-        cause = 5
+        cause = 1 if end.left_early else 5
+        if end.left_early and end.ended is not None:
+            when = end.ended
     elif (report is not None and report.kind == "usage") or (
             end.exit_code < 0 and not end.stopped_by_daemon):
         cause = 0
@@ -74,9 +118,9 @@ def blame_order(end: RankEnd, report: ErrorReport | None) -> tuple[int, float]:
 
 
 def culprit(exits: Mapping[int, RankEnd], reports: Mapping[int, ErrorReport]) -> int | None:
-    """The rank to blame among those that exited non-zero (None: none did);
-    ties go to the lowest rank."""
-    failed = [rank for rank, end in exits.items() if end.exit_code != 0]
+    """The rank to blame among those that exited non-zero or left early (None:
+    none did); ties go to the lowest rank."""
+    failed = [rank for rank, end in exits.items() if end.exit_code != 0 or end.left_early]
     if not failed:
         return None
     return min(failed, key=lambda rank: (*blame_order(exits[rank], reports.get(rank)), rank))

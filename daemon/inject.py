@@ -38,7 +38,7 @@ ACTIONS = {
     "hang": "block before its next collective, for good (the others wait inside it)",
     "raise": "raise an exception (a traceback)",
     "segfault": "crash with a segmentation fault (SIGSEGV)",
-    "exit": "exit=CODE: exit at once with CODE (1-255)",
+    "exit": "exit=CODE: exit at once with CODE (0-255; 0: a rank that leaves early)",
     "slow": "slow=FACTORx: take FACTOR times its normal step time (e.g. 1.5x)",
     "stall-data": "stall-data=SECONDSs: its data loading stalls that long, once (e.g. 2s)",
 }
@@ -158,9 +158,9 @@ def _value(action: str, text: str | None, bad: Callable[[str], UsageError]) -> f
         return 0.0
     if action == "exit":
         code = _integer(text)
-        if code is None or not 1 <= code <= MAX_EXIT_CODE:
-            raise bad(f"exit={text}: the code must be a whole number from 1 to "
-                      f"{MAX_EXIT_CODE} (0 is not a failure), e.g. exit=3")
+        if code is None or not 0 <= code <= MAX_EXIT_CODE:
+            raise bad(f"exit={text}: the code must be a whole number from 0 to "
+                      f"{MAX_EXIT_CODE} (0: a clean exit, while the others train on), e.g. exit=3")
         return float(code)
     if action == "slow":
         factor = _number(text.removesuffix("x"))

@@ -93,6 +93,7 @@ class RankView(msgspec.Struct, kw_only=True):
     exit_code: int | None = None
     signal: str | None = None
     stopped_by_daemon: bool = False
+    left_early: bool = False  # exit code 0 before its work was done (daemon/blame.py)
     error: str | None = None
     traceback: str | None = None
     # Telemetry accounting.
@@ -129,7 +130,7 @@ class RankView(msgspec.Struct, kw_only=True):
 
     def state(self, now: float) -> str:
         if self.exited:
-            return FINISHED if self.exit_code == 0 else DEAD
+            return FINISHED if self.exit_code == 0 and not self.left_early else DEAD
         if self.bye_code is not None:
             return FINISHED if self.bye_code == 0 else DEAD
         if self.last_seen is None:

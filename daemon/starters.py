@@ -63,6 +63,9 @@ class Rank:
     exitcode: int | None = None  # negative: killed by that signal
     stopped_by_us: bool = False  # the daemon terminated it
     noted: bool = False  # its exit was reported to the relay
+    ended: float | None = None  # wall clock when the daemon saw it exit
+    others_running: bool = False  # other ranks of the attempt still ran when it exited
+    left_early_at: int | None = None  # exited 0 before its work was done, at this step
 
 
 class RankStarter(Protocol):

@@ -327,15 +327,21 @@ class RunState(msgspec.Struct, kw_only=True):
         self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
     def _apply_daemon(self, m: wire.Message, received: float) -> None:
-        if isinstance(m, wire.RankExit):
+        if isinstance(m, wire.RankExit) and m.exited < 0:  # a node, blamed as a whole
+            if m.culprit:
+                self.failure = Failure(rank=m.exited, pid=m.pid, exit_code=m.exit_code,
+                                       signal=m.signal, reason=m.reason, node=m.node)
+                self._event(m.t, m.rank, "error", self.failure.line())
+        elif isinstance(m, wire.RankExit):
             view = self.ranks.get(m.exited)
             if view is None:
                 view = self.ranks[m.exited] = RankView(rank=m.exited)
             view.exited, view.exit_code, view.signal = True, m.exit_code, m.signal
             view.stopped_by_daemon, view.pid = m.stopped_by_daemon, m.pid
+            view.left_early = m.left_early
             view.error = view.error or m.message
             view.traceback = view.traceback or m.traceback
-            how = describe_exit(m.exit_code, m.signal)
+            how = m.reason or describe_exit(m.exit_code, m.signal)
             # The culprit may have been stopped by the daemon while it was still
             # exiting after its error; it failed by itself all the same.
             failed = m.culprit or (m.exit_code != 0 and not m.stopped_by_daemon)
@@ -343,7 +349,7 @@ class RunState(msgspec.Struct, kw_only=True):
                 self.failure = Failure(rank=m.exited, pid=m.pid, exit_code=m.exit_code,
                                        signal=m.signal, message=view.error,
                                        traceback=view.traceback, global_step=view.global_step,
-                                       node=self.rank_nodes.get(m.exited))
+                                       node=self.rank_nodes.get(m.exited), reason=m.reason)
             if failed or m.exit_code != 0:
                 by = " (stopped by the daemon)" if m.stopped_by_daemon else ""
                 self._event(m.t, m.exited, "exit" if not failed else "error",

@@ -53,11 +53,16 @@ class Failure(msgspec.Struct, kw_only=True):
     message: str | None = None  # the rank's own error report
     traceback: str | None = None
     global_step: int = 0  # the last step the rank reported
-    node: int | None = None  # a multi-node job: the node the rank ran on
+    # A multi-node job: the node the rank ran on; with `rank` below 0, the node
+    # itself is blamed (lost, or failed as a whole: no rank of it is to blame).
+    node: int | None = None
+    # How it ended, where the exit does not say it: "left early at step 20: ..."
+    # (exit code 0 while the others trained), "lost: its daemon ...".
+    reason: str | None = None
 
     def how(self) -> str:
-        """'killed by SIGKILL' or 'exit code 1'."""
-        return describe_exit(self.exit_code, self.signal, short=True)
+        """'killed by SIGKILL', 'exit code 1' or the reason ('left early at step 20: ...')."""
+        return self.reason or describe_exit(self.exit_code, self.signal, short=True)
 
     def line(self) -> str:
         """'rank 1 exit code 1: RuntimeError: ...', as status, the headless
@@ -66,7 +71,9 @@ class Failure(msgspec.Struct, kw_only=True):
         return f"{self.who()} {self.how()}{cause}"
 
     def who(self) -> str:
-        """'rank 3', or in a multi-node job 'rank 3 on node 1'."""
+        """'rank 3', or in a multi-node job 'rank 3 on node 1', or 'node 1' itself."""
+        if self.rank < 0:
+            return f"node {self.node}" if self.node is not None else "torchrun's agent"
         return f"rank {self.rank}" + (f" on node {self.node}" if self.node is not None else "")
 
 

@@ -307,7 +307,7 @@ class Supervisor:
         rank = outcome.failed_rank
         if outcome.status == "failed" and rank is not None and rank.exitcode is not None:
             report = outcome.report
-            cause, _ = blame.blame_order(blame.RankEnd(rank.exitcode, rank.stopped_by_us), report)
+            cause, _ = blame.blame_order(_rank_end(rank), report)
             final["failure"] = {"rank": rank.rank, "pid": rank.process.pid,
                                 "exit_code": rank.exitcode, "cause": cause,
                                 "how": headline.partition(": ")[2][:500],
@@ -337,8 +337,7 @@ class Supervisor:
         ours = outcome.failed_rank
         our_cause = 9
         if outcome.status == "failed" and ours is not None and ours.exitcode is not None:
-            our_cause = blame.blame_order(blame.RankEnd(ours.exitcode, ours.stopped_by_us),
-                                          outcome.report)[0]
+            our_cause = blame.blame_order(_rank_end(ours), outcome.report)[0]
         theirs = [(s.failure["cause"], s) for s in hub.nodes.values()
                   if s.state == nodes.DONE and s.status == "failed"
                   and isinstance(s.failure, dict) and isinstance(s.failure.get("cause"), int)
@@ -353,9 +352,11 @@ class Supervisor:
             rank = Rank(f["rank"], ExitedProcess(pid, code), exitcode=code, noted=True)
             how = str(f.get("how", "failed")).partition(f"rank {f['rank']} ")[2] or "failed"
             message = str(f.get("message", ""))
+            early = code == 0  # blamed with exit code 0: it left early (its node said how)
             relay.emit(wire.RankExit, exited=f["rank"], pid=pid,  # the job's culprit, named
                        exit_code=code if code >= 0 else None, signal=signal_name(code),
-                       message=message or None, culprit=True)
+                       message=message or None, culprit=True, left_early=early,
+                       reason=how if early else None)
             return Outcome("failed", EXIT_FAILED, rank,
                            ErrorReport(rank=f["rank"], message=message) if message else None,
                            reason=how, who=f"rank {f['rank']} on node {seen.node} ({seen.host})",
@@ -365,18 +366,26 @@ class Supervisor:
             first = lost[0]
             names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in lost)
             ranks = ", ".join(str(r) for s in lost for r in s.ranks) or "unknown"
-            return Outcome("failed", EXIT_FAILED,
-                           Rank(AGENT, ExitedProcess(first.pid, 1), exitcode=1, noted=True),
-                           reason=(f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
-                                   f"ranks {ranks} unreachable"), who=names)
+            reason = (f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
+                      f"ranks {ranks} unreachable")
+            return self._node_failed(first, reason, names)
         if outcome.status == "succeeded" and any(
                 s.status in ("failed", "stopped") for s in hub.nodes.values()):
             worst = next(s for s in hub.nodes.values() if s.status in ("failed", "stopped"))
-            return Outcome("failed", EXIT_FAILED,
-                           Rank(AGENT, ExitedProcess(worst.pid, 1), exitcode=1, noted=True),
-                           reason=worst.message or worst.status,
-                           who=f"node {worst.node} ({worst.host})")
+            return self._node_failed(worst, worst.message or worst.status,
+                                     f"node {worst.node} ({worst.host})")
         return outcome
+
+    def _node_failed(self, seen: nodes.NodeSeen, reason: str, who: str) -> Outcome:
+        """The job failed because of node `seen` as a whole (lost, or failed with no
+        rank to blame): the one culprit, in the state (run.json, status, the
+        headless summary, dashboards) as in the headline."""
+        assert self.relay is not None
+        self.relay.emit(wire.RankExit, exited=AGENT, pid=seen.pid, exit_code=None, signal=None,
+                        culprit=True, reason=reason, node=seen.node)
+        return Outcome("failed", EXIT_FAILED,
+                       Rank(AGENT, ExitedProcess(seen.pid, 1), exitcode=1, noted=True),
+                       reason=reason, who=who)
 
     # -- start -----------------------------------------------------------------
     def _start_ranks(self) -> None:
@@ -443,9 +452,12 @@ class Supervisor:
         when one failed (its exit is reported once the culprit is known)."""
         failed = False
         stop_signal = rank_program(self.config).stop_signal
+        # Ranks seen to exit in the same look are not ordered: each ran when the other left.
+        others = [o for o in self.ranks if o.exitcode is None]
         for r in running:
             if r.process.exitcode is not None:
-                r.exitcode = r.process.exitcode
+                r.exitcode, r.ended = r.process.exitcode, time.time()
+                r.others_running = any(o is not r for o in others)
                 if self.stopping is not None and r.exitcode in (-stop_signal, 128 + stop_signal):
                     r.stopped_by_us = True  # it ended as a stop asked it to (a user's program)
                 if r.exitcode == 0 or r.stopped_by_us:
@@ -600,16 +612,36 @@ class Supervisor:
     def _failure(self) -> Outcome:
         """Blame one rank, report every exit (the culprit's first), and the outcome."""
         ends = self._rank_ends(self.ranks)
+        self._judge_leavers(ends)
         reports = {e.rank: r for e in ends if (r := self._error_report(e.rank)) is not None}
-        exits = {e.rank: blame.RankEnd(e.exitcode or 0, e.stopped_by_us) for e in ends}
+        exits = {e.rank: _rank_end(e) for e in ends}
         chosen = blame.culprit(exits, reports)
-        self._note_exits(chosen)
         # No rank failed, yet a process did (torchrun's agent itself): blame that.
         failed = next((e for e in ends if e.rank == chosen),
                       next(p for p in self.ranks if p.exitcode))
+        if failed.left_early_at is not None:
+            failed.noted = False  # said as it exited, as finished: said again, as the culprit
+        self._note_exits(chosen)
         report = reports.get(chosen) if chosen is not None else None
         code = EXIT_USAGE if report is not None and report.kind == "usage" else EXIT_FAILED
-        return Outcome("failed", code, failed, report)
+        return Outcome("failed", code, failed, report, reason=_left_early(failed))
+
+    def _judge_leavers(self, ends: list[Rank]) -> None:
+        """Which of the ranks that exited 0 left early (blame.left_early): exited
+        while the others ran, before the last step, without a goodbye."""
+        assert self.relay is not None
+        self.relay.serve(0)  # a goodbye still queued is heard first
+        state = self.relay.state
+        total = state.progress()[1]
+        for e in ends:
+            view = state.ranks.get(e.rank)
+            if e.exitcode != 0 or view is None:
+                continue
+            early = blame.left_early(blame.Leaving(
+                said_hello=view.max_seq >= 0, said_bye=view.bye_code is not None,
+                others_running=e.others_running, stopping=self.stopping is not None,
+                global_step=view.global_step, total_steps=total))
+            e.left_early_at = view.global_step if early else None
 
     def _note_exits(self, culprit: int | None, processes: list[Rank] | None = None) -> None:
         """Tell the relay (state, journal, dashboards) how each rank of the exited
@@ -629,7 +661,8 @@ class Supervisor:
                 exit_code=r.exitcode if r.exitcode >= 0 else None,
                 signal=signal_name(r.exitcode), stopped_by_daemon=r.stopped_by_us,
                 message=report.message if report else None, traceback="\n".join(tb) or None,
-                culprit=r.rank == culprit)
+                culprit=r.rank == culprit, reason=_left_early(r),
+                left_early=r.left_early_at is not None)
 
     def _error_report(self, rank: int) -> ErrorReport | None:
         if rank in self.verdicts:
@@ -656,3 +689,14 @@ class Supervisor:
         for prefix, tail in self.starter.tails:
             for line in tail.lines(final):
                 print(f"{prefix} {line}", file=self.out, flush=True)
+
+
+def _rank_end(rank: Rank) -> blame.RankEnd:
+    """A rank's exit as the blame policy takes it."""
+    return blame.RankEnd(rank.exitcode or 0, rank.stopped_by_us,
+                         left_early=rank.left_early_at is not None, ended=rank.ended)
+
+
+def _left_early(rank: Rank) -> str | None:
+    """How a rank that left early ended, in words (None: it did not)."""
+    return None if rank.left_early_at is None else blame.left_early_words(rank.left_early_at)

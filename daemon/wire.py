@@ -185,6 +185,14 @@ class RankExit(_Header, tag="rank_exit", tag_field="kind", kw_only=True):
     # The daemon blames the run's failure on this rank (its pick among ranks
     # that failed together; sent before the others' exits).
     culprit: bool = False
+    # How it ended in words, where the exit code does not say it: "left early at
+    # step 20: ..." (an exit 0 while the others trained: daemon/blame.py), or a
+    # node's end in a multi-node job.
+    reason: str | None = None
+    left_early: bool = False  # exit code 0 before its work was done (blame.left_early)
+    # `exited` below 0 (DAEMON_RANK): not a rank but this node of a multi-node job,
+    # lost or failed as a whole (the hub's culprit; no rank of it exited by itself).
+    node: int | None = None
 
 
 class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):

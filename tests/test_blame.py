@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from ddtop.daemon.blame import RankEnd, blame_order, culprit, read_error_report
+from ddtop.daemon.blame import (
+    Leaving,
+    RankEnd,
+    blame_order,
+    culprit,
+    left_early,
+    read_error_report,
+)
 from ddtop.daemon.contract import ErrorReport
 from ddtop.daemon.processes import ExitedProcess
 from ddtop.daemon.runs import RunPaths
@@ -58,6 +65,48 @@ def test_blame_classes_in_order() -> None:
     ordered = [(RankEnd(KILLED), None), (RankEnd(1), report()), (RankEnd(3), None),
                (RankEnd(1), report(PEER)), (RankEnd(TERMINATED, True), None), (RankEnd(0), None)]
     assert [blame_order(end, r)[0] for end, r in ordered] == [0, 1, 2, 3, 4, 5]
+
+
+def leaving(**changes: object) -> Leaving:
+    """A rank that exited 0 at step 50 of 300 while the others ran, without a
+    goodbye although its telemetry spoke: it left early; `changes` alter one fact."""
+    facts: dict[str, object] = {"said_hello": True, "said_bye": False, "others_running": True,
+                                "stopping": False, "global_step": 50, "total_steps": 300}
+    return Leaving(**{**facts, **changes})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("changes", "early"), [
+    ({}, True),
+    ({"total_steps": 0}, True),  # a script's total unknown: no goodbye is enough
+    ({"said_bye": True}, False),  # it said goodbye: it ended its work itself
+    ({"others_running": False}, False),  # the last to go (or all at once)
+    ({"stopping": True}, False),  # a stop asked it to end
+    ({"said_hello": False}, False),  # its telemetry never spoke: no goodbye could be heard
+    ({"global_step": 300}, False),  # it reached the last step: finished, goodbye lost
+])
+def test_an_exit_0_is_leaving_early_only_with_every_sign(changes: dict[str, object],
+                                                         early: bool) -> None:
+    assert left_early(leaving(**changes)) is early
+
+
+@pytest.mark.parametrize(("exits", "reports", "expected"), [
+    # Rank 1 left early; rank 0 then lost its peer: rank 1 is blamed, also when
+    # the daemon reaped rank 0 first or rank 0's report is older than the exit.
+    ({0: RankEnd(1), 1: RankEnd(0, left_early=True, ended=9.0)}, {0: report(PEER, 9.5)}, 1),
+    ({0: RankEnd(1), 1: RankEnd(0, left_early=True)}, {0: report(PEER, 1.0)}, 1),
+    # A clean exit 0 (it finished) is never blamed: the peer-loss rank is.
+    ({0: RankEnd(1), 1: RankEnd(0, ended=9.0)}, {0: report(PEER, 9.5)}, 0),
+    # Leaving early is a cause of its own: the earlier of it and an error of its own.
+    ({0: RankEnd(1), 1: RankEnd(0, left_early=True, ended=9.0)}, {0: report(t=8.0)}, 0),
+    ({0: RankEnd(1), 1: RankEnd(0, left_early=True, ended=9.0)}, {0: report(t=9.2)}, 1),
+    # A rank killed by a signal still comes first.
+    ({0: RankEnd(KILLED), 1: RankEnd(0, left_early=True, ended=9.0)}, {}, 0),
+    # Only a rank that left early (the others stopped by the daemon): it.
+    ({0: RankEnd(TERMINATED, True), 1: RankEnd(0, left_early=True)}, {}, 1),
+])
+def test_a_rank_that_left_early_is_the_cause_of_its_peers_loss(
+        exits: dict[int, RankEnd], reports: dict[int, ErrorReport], expected: int) -> None:
+    assert culprit(exits, reports) == expected
 
 
 def test_error_reports_are_read_only_when_whole_and_of_this_attempt(tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ def test_the_grammar_round_trips() -> None:
     ("1:slow=infx", "the factor must be a number above 1"),
     ("1:raise=3@step=2", "raise takes no value"),
     ("1:exit@step=2", "exit needs a value, e.g. exit=3"),
-    ("1:exit=0@step=2", "from 1 to 255 (0 is not a failure)"),
+    ("1:exit=256@step=2", "from 0 to 255"),
     ("1:kill@step=0", "@step=N or @epoch=E"),
     ("1:kill@steps=4", "@step=N or @epoch=E"),
     ("0:stall-data=nans@step=3", "give seconds above 0"),

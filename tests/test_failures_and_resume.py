@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -136,6 +137,37 @@ def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
     state, _ = journal.replay(tmp_path / "runs/boom/telemetry.journal", "boom")
     assert state.failure is not None and state.failure.rank == 0
     assert "injected failure" in (state.failure.message or "")
+
+
+def test_a_rank_that_leaves_early_with_exit_0_is_blamed(tmp_path: Path) -> None:
+    """Rank 1 exits with code 0 after step 20 of 40, without a goodbye
+    (`os._exit(0)`), while rank 0 trains on: rank 0 then loses its peer in its
+    next all-reduce and fails. Rank 1 left early: it is the one blamed, in the
+    terminal, run.json, `ddtrain status` and the journal a dashboard folds."""
+    run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1", "--batch-size", "16",
+                  "--synthetic-train-samples", "640", "--synthetic-val-samples", "32",
+                  "--run-id", "leave", "--inject", "1:exit=0@step=20", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr[-3000:]
+    # The step it last reported: its final steps' telemetry (sent every 0.1 s)
+    # went down with it.
+    said = re.search(r"failed: rank 1 \(pid \d+\) left early at step (\d+): exit code 0",
+                     run.stderr)
+    assert said is not None, run.stderr[-3000:]
+    step = int(said[1])
+    assert 1 <= step <= 20, run.stderr[-3000:]
+    assert run.leftovers == []
+    record = json.loads((tmp_path / "runs/leave/run.json").read_text())
+    assert record["status"] == "failed"
+    assert record["failure"]["rank"] == 1, record["failure"]
+    assert record["failure"]["reason"].startswith(f"left early at step {step}: ")
+    assert {r["rank"]: r["state"] for r in record["ranks"]}[1] == "dead"
+    status = ddtrain("status", "leave", cwd=tmp_path)
+    assert f"failure: rank 1 left early at step {step}: " in status.stdout, status.stdout
+    state, _ = journal.replay(tmp_path / "runs/leave/telemetry.journal", "leave")
+    assert state.failure is not None and state.failure.rank == 1
+    assert state.failure.how().startswith(f"left early at step {step}: ")
+    print(f"\nrank 1 left at step 20 (os._exit(0)); blamed as having left at step {step}, "
+          f"the last it reported")
 
 
 def blame(tmp_path: Path, ranks: list[tuple[int, bool, dict[str, Any] | None]]) -> int | None:

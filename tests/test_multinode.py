@@ -456,12 +456,20 @@ def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[J
     job.wait_running()
     killed = time.time()
     job.nodes[1].send_signal(signal.SIGKILL)  # node 1's daemon, started by this test
-    (rc0, _, err0), _ = job.wait(60)
+    (rc0, out0, err0), _ = job.wait(60)
     ended = time.time()
     assert rc0 == 1, err0[-3000:]
     assert "node 1 (" in err0 and "lost" in err0, err0[-3000:]
     record = json.loads((job.runs / "lostjob" / "run.json").read_text())
     assert record["status"] == "failed"
+    # One outcome, one culprit: node 1 in run.json, `status` and the headless
+    # summary as in the headline, not rank 0 (which only lost its peers).
+    failure = record["failure"]
+    assert failure["node"] == 1 and failure["rank"] < 0, failure
+    assert failure["reason"].startswith("lost: its daemon"), failure
+    assert "failure: node 1 lost: its daemon" in out0, out0[-2000:]
+    table = ddtrain("status", "lostjob", "--runs-dir", str(job.runs), cwd=tmp_path).stdout
+    assert "failure: node 1 lost: its daemon" in table, table
     said = [t for t, m in journal_messages(job.runs / "lostjob" / "telemetry.journal")
             if isinstance(m, wire.Event) and m.data.get("node") == 1
             and m.data.get("node_state") == "unreachable"]

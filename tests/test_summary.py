@@ -51,6 +51,32 @@ def failed_run() -> RunState:
     return s
 
 
+def test_the_last_culprit_is_the_failure_a_left_early_rank_or_a_lost_node() -> None:
+    """The daemon publishes the culprit after exits it named first: a rank that
+    left early (its exit 0 said plainly, then as the culprit), a node lost as a
+    whole (exited -1 with its node): the summary's failure is that one, in
+    status's words, and no rank -1 appears."""
+    s = fold(hello(0), hello(1), step(0, 1, 20), step(1, 1, 20))
+    early = "left early at step 20: exit code 0 while the other ranks still trained"
+    for m in (daemon(wire.RankExit, 0, exited=1, pid=1001, exit_code=0, signal=None),
+              daemon(wire.RankExit, 1, exited=1, pid=1001, exit_code=0, signal=None,
+                     culprit=True, left_early=True, reason=early),
+              daemon(wire.RankExit, 2, exited=0, pid=1000, exit_code=1, signal=None,
+                     message="RuntimeError: Connection reset by peer")):
+        s.apply(m, 101.0)
+    summary = s.summary(102.0)
+    assert summary.failure is not None
+    assert summary.failure.line() == f"rank 1 {early}"
+    assert [(r.rank, r.state) for r in summary.ranks] == [(0, "dead"), (1, "dead")]
+    lost = "lost: its daemon (pid 4242) stopped answering the hub; ranks 2, 3 unreachable"
+    s.apply(daemon(wire.RankExit, 3, exited=-1, pid=4242, exit_code=None, signal=None,
+                   culprit=True, reason=lost, node=1), 101.0)
+    summary = s.summary(102.0)
+    assert summary.failure is not None and summary.failure.line() == f"node 1 {lost}"
+    assert (summary.failure.rank, summary.failure.node) == (-1, 1)
+    assert sorted(s.ranks) == [0, 1]
+
+
 def test_summary_is_derived_from_the_state() -> None:
     summary = failed_run().summary(102.0)
     assert (summary.run_id, summary.status, summary.exit_code) == (RUN, "failed", 1)
