@@ -68,6 +68,9 @@ DAMAGE: list[tuple[str, str, Callable[[bytes], bytes]]] = [
     ("run-negative-pid", "run.json", with_fields(status="running", daemon_pid=-1)),
     ("run-huge-pid", "run.json", with_fields(status="running", daemon_pid=2**62)),
     ("run-huge-world", "run.json", with_fields(world_size=10**9)),
+    ("run-nested", "run.json", replaced(b"[" * 5000 + b"]" * 5000)),
+    ("run-nested-field", "run.json", replaced(b'{"schema": 2, "failure": ' + b"[" * 5000
+                                              + b"]" * 5000 + b"}")),
     ("config-list", "config.json", replaced(b"[]")),
     ("config-int", "config.json", replaced(b"5")),
     ("config-truncated", "config.json", lambda good: good[:40]),
@@ -75,6 +78,7 @@ DAMAGE: list[tuple[str, str, Callable[[bytes], bytes]]] = [
     ("config-string-world", "config.json", with_fields(world_size="two")),
     ("config-huge-world", "config.json", with_fields(world_size=10**9)),
     ("config-int-for-object", "config.json", with_fields(extra=5)),
+    ("config-nested", "config.json", replaced(b'{"extra": ' + b"[" * 5000 + b"]" * 5000 + b"}")),
 ]
 # Each command, and what it must do with a damaged finished run: (exit code, check).
 COMMANDS: list[tuple[str, list[str], int]] = [
