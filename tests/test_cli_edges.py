@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import BIN, DDTRAIN, Detached, detached, tagged_env
+from helpers import BIN, DDTRAIN, Detached, ddtrain, detached, finish, start, tagged_env
 
 from ddtop.daemon.config import UsageError
 from ddtop.daemon.keys import RunKeys
@@ -183,3 +184,41 @@ def test_status_says_when_the_daemon_does_not_answer(over_tcp: tuple[Detached, P
     assert status["daemon_answered"] is False and status["daemon_alive"] is True
     assert status["status"] == "running"
     assert run.status(RUN)["daemon_answered"] is True  # continued: it answers again
+
+
+# -- a run watched before it exists ---------------------------------------------------
+def test_ddtop_waits_for_a_run_that_does_not_exist_yet_and_follows_it(tmp_path: Path) -> None:
+    """`ddtop --headless --wait 30 late` started before the run (as CI and a multi-node
+    job's node 0 start it): one line says it waits; then the run starts, and ddtop
+    follows it live and exits with its outcome (1: a rank raised). Before: exit 2 at
+    once, 'no runs under runs/'."""
+    watcher, tag = start([DDTOP, "--headless", "--format", "jsonl", "--interval", "0.5",
+                          "--wait", "30", "late"], tmp_path)
+    assert watcher.stderr is not None
+    ready, _, _ = select.select([watcher.stderr], [], [], COMMAND_TIMEOUT_S)
+    first = watcher.stderr.readline() if ready else ""
+    if not first.startswith("ddtop: waiting up to 30 s for run 'late' to appear under runs/"):
+        finish(watcher, tag, timeout=1)  # what it said instead, or that it hung
+        raise AssertionError(f"no waiting line: {first!r}")
+    run = ddtrain("start", "--foreground", "-n", "1", "--epochs", "1", "--run-id", "late",
+                  "--inject", "0:raise@step=150", cwd=tmp_path)
+    assert run.returncode == 1 and run.leftovers == [], run.stderr
+    watched = finish(watcher, tag, timeout=COMMAND_TIMEOUT_S)
+    assert watched.returncode == 1, watched.stderr
+    lines = [json.loads(line) for line in watched.stdout.splitlines()]
+    assert any(r["kind"] == "progress" and r["status"] == "running" for r in lines), lines
+    assert lines[-1]["kind"] == "summary" and lines[-1]["status"] == "failed"
+    assert watched.stderr == ""  # the waiting line was read above; nothing else
+
+
+def test_ddtop_gives_up_on_a_run_that_does_not_appear_within_wait(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = subprocess.run([DDTOP, "--headless", "--wait", "2", "never"], cwd=tmp_path,
+                            env=tagged_env("ddtop"), text=True, capture_output=True,
+                            stdin=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT_S)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "ddtop: waiting up to 2 s for run 'never' to appear under runs/ (--wait)",
+        "ddtop: error: no run 'never' appeared under runs/ within 2 s: start it, or check "
+        "the run id and --runs-dir (--wait S waits longer)"]
+    assert time.monotonic() - started >= 2
