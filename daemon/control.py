@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from ddtop.daemon import wire
-from ddtop.daemon.keys import KEYS_ENV, needs_keys, secure
+from ddtop.daemon.keys import KEYS_ENV, RunKeys, needs_keys, peer_keys
 
 # How long `ddtrain stop` and ddtop's `x` wait for the daemon to accept a stop.
 STOP_REQUEST_TIMEOUT_S = 5.0
@@ -39,17 +39,20 @@ class Unreachable(Exception):
     """The daemon did not answer in time (it is gone, or not yet listening)."""
 
 
-def request(endpoint: str, op: str, timeout_s: float = 2.0, *, keys: Path | None = None,
-            **args: Any) -> dict[str, Any]:
+def request(endpoint: str, op: str, timeout_s: float = 2.0, *,
+            keys: RunKeys | Path | None = None, **args: Any) -> dict[str, Any]:
     """`op` with `args` to the daemon at `endpoint`: its reply. Over TCP the run's
-    CURVE keys are needed: from the folder `keys`, else DDTOP_KEYS."""
+    CURVE keys are needed: `keys` (loaded, or a keys folder), else DDTOP_KEYS; a
+    damaged key file is a UsageError naming it, raised before any socket is made."""
+    run_keys = peer_keys(endpoint, keys)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
-        secure(sock, endpoint, keys)
+        if run_keys is not None:
+            run_keys.client(sock)
         sock.connect(endpoint)
         sock.send(msgspec.msgpack.encode({"op": op, **args}))
         reply = decode_map(sock.recv())

@@ -21,6 +21,7 @@ another run's key completes no handshake, and each refusal is counted.
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from ddtop.daemon.config import UsageError
 # (set by the daemon for its ranks; set it by hand for ranks started another way).
 KEYS_ENV = "DDTOP_KEYS"
 ZAP_DOMAIN = b"ddtop"
+KEY_BYTES, KEY_Z85_CHARS = 32, 40
 
 
 @dataclass(frozen=True)
@@ -57,20 +59,15 @@ class RunKeys:
 
     @classmethod
     def load(cls, folder: Path | str, server: bool = False) -> RunKeys:
-        """The keys a peer (or, with `server`, the daemon) needs, from `folder`."""
+        """The keys a peer (or, with `server`, the daemon) needs, from `folder`, each
+        checked whole here (40 characters of Z85, 32 bytes, a secret that makes its
+        public key): a damaged file is one UsageError naming it, never a socket
+        option refused later."""
         folder = Path(folder)
-        try:
-            server_public, server_secret = zmq.auth.load_certificate(
-                folder / ("server.key_secret" if server else "server.key"))
-            client_public, client_secret = zmq.auth.load_certificate(
-                folder / "client.key_secret")
-        except (OSError, ValueError) as e:
-            raise UsageError(f"cannot read the run's CURVE keys in {folder} ({e}): this "
-                             "command needs the run's keys folder (runs/<id>/keys), copied "
-                             "with its permissions") from None
-        if client_secret is None or (server and server_secret is None):
-            raise UsageError(f"{folder}: a key file has no secret key: copy the run's keys "
-                             "folder again")
+        server_public, server_secret = read_key_file(
+            folder / ("server.key_secret" if server else "server.key"), secret=server)
+        client_public, client_secret = read_key_file(folder / "client.key_secret", secret=True)
+        assert client_secret is not None
         return cls(server_public, client_public, client_secret,
                    server_secret if server else None)
 
@@ -99,9 +96,64 @@ def needs_keys(endpoint: str) -> bool:
     return endpoint.startswith("tcp://")
 
 
-def secure(sock: zmq.Socket[bytes], endpoint: str, keys: Path | str | None) -> None:
-    """Before `sock` connects to `endpoint`: the run's client keys when the
-    endpoint needs them and `keys` (a keys folder; else DDTOP_KEYS) names them."""
+def peer_keys(endpoint: str | None, keys: RunKeys | Path | str | None = None
+              ) -> RunKeys | None:
+    """The keys a peer presents to the daemon at `endpoint` (None: not known yet):
+    `keys` (loaded, or a keys folder), else the folder DDTOP_KEYS names; None
+    where the endpoint needs none (ipc://) or no keys are named. A damaged key
+    file raises UsageError naming it."""
+    if endpoint is not None and not needs_keys(endpoint):
+        return None
+    if isinstance(keys, RunKeys):
+        return keys
     folder = keys if keys is not None else os.environ.get(KEYS_ENV)
-    if needs_keys(endpoint) and folder:
-        RunKeys.load(folder).client(sock)
+    return RunKeys.load(folder) if folder else None
+
+
+def secure(sock: zmq.Socket[bytes], endpoint: str,
+           keys: RunKeys | Path | str | None = None) -> None:
+    """Before `sock` connects to `endpoint`: the run's client keys when the
+    endpoint needs them and `keys` (loaded, or a keys folder; else DDTOP_KEYS) names them."""
+    found = peer_keys(endpoint, keys)
+    if found is not None:
+        found.client(sock)
+
+
+def read_key_file(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+    """A key file's public key and (with `secret`, required) its secret key, each
+    checked; a damaged file is a UsageError naming it and what is wrong."""
+    try:
+        path.read_bytes()
+        public, secret_key = zmq.auth.load_certificate(path)
+        why = _bad_key(public, "public")
+        if why is None and secret:
+            why = _bad_key(secret_key, "secret")
+            if why is None and secret_key is not None and zmq.curve_public(secret_key) != public:
+                why = "holds a secret key that is not its public key's"
+    except FileNotFoundError:
+        why = "is missing"
+    except IsADirectoryError:
+        why = "is a directory, not a key file"
+    except OSError as e:
+        why = f"cannot be read ({e.strerror or e})"
+    except ValueError:  # load_certificate: no public-key line at all
+        why = "holds no public key"
+    if why is not None:
+        raise UsageError(f"the run's CURVE key file {path} {why}: copy the run's keys folder "
+                         "(runs/<id>/keys) again, with its permissions")
+    return public, secret_key
+
+
+def _bad_key(key: bytes | None, which: str) -> str | None:
+    """What is wrong with a Z85 key from a key file, or None: 40 characters that
+    decode to 32 bytes."""
+    if not key:
+        return f"holds no {which} key"
+    try:
+        ok = len(key) == KEY_Z85_CHARS and len(zmq.utils.z85.decode(key)) == KEY_BYTES
+    except (ValueError, KeyError, struct.error):  # odd length, not Z85, out of range
+        ok = False
+    if not ok:
+        return (f"holds a damaged {which} key ({len(key)} characters; a CURVE key is "
+                f"{KEY_Z85_CHARS} characters of Z85)")
+    return None

@@ -47,10 +47,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     if info.problem:
         print(f"ddtrain: warning: {info.problem}; showing what the journal says", file=sys.stderr)
     summary = info.summary()
+    if info.answered is False:
+        written = info.record_written
+        age = f", written {time.time() - written:.0f} s ago" if written is not None else ""
+        print(f"ddtrain: warning: the daemon (pid {info.daemon_pid}) does not answer "
+              f"({info.no_answer}); what follows is its last record ({info.paths.status}"
+              f"{age}), not the run as it stands", file=sys.stderr)
     if args.json:
         doc = msgspec.to_builtins(summary)
         doc.update({"status": info.status, "dir": str(info.paths.root),
-                    "daemon_alive": info.live})
+                    "daemon_alive": info.live, "daemon_answered": info.answered,
+                    "record_written": info.record_written})
         print(msgspec.json.format(msgspec.json.encode(doc), indent=2).decode())
         return EXIT_OK
     for line in status_lines(info, summary):
@@ -59,7 +66,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
-    daemon = (f"daemon pid {info.daemon_pid}" if info.live
+    daemon = (f"daemon pid {info.daemon_pid}, not answering" if info.answered is False
+              else f"daemon pid {info.daemon_pid}" if info.live
               else f"daemon gone; pid {info.daemon_pid} is another process now"
               if info.status == LOST and info.pid_reused
               else "daemon gone" if info.status == LOST else "finished")

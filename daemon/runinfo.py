@@ -38,6 +38,10 @@ class RunInfo:
     record: RunRecord  # run.json (an empty record when missing or unreadable)
     config: TrainConfig | None  # config.json (None when unreadable)
     problem: str | None = None  # why run.json could not be read, if it could not
+    # Set by summary(): whether the live daemon answered (None: not asked, the run
+    # is not live), and when it did not, why (then run.json's last record is shown).
+    answered: bool | None = None
+    no_answer: str = ""
 
     @classmethod
     def load(cls, paths: RunPaths) -> RunInfo:
@@ -111,6 +115,14 @@ class RunInfo:
         return self.record.endpoints.get("control")
 
     @property
+    def record_written(self) -> float | None:
+        """When run.json was last written (None: there is none)."""
+        try:
+            return self.paths.status.stat().st_mtime
+        except OSError:
+            return None
+
+    @property
     def world_size(self) -> int:
         return self.record.world_size or (self.config.world_size if self.config else 0)
 
@@ -121,10 +133,17 @@ class RunInfo:
         if self.live and self.control:
             try:
                 reply = control.request(self.control, "status", timeout_s, keys=self.keys)
-                if reply.get("ok"):
-                    summary = msgspec.convert(reply.get("summary"), RunSummary)
-            except (control.Unreachable, msgspec.ValidationError):
-                pass  # told from run.json instead
+                if not reply.get("ok"):
+                    raise control.Unreachable(f"it refused: {reply.get('error')}")
+                summary = msgspec.convert(reply.get("summary"), RunSummary)
+                self.answered = True
+            except (control.Unreachable, msgspec.ValidationError) as e:
+                # Told from run.json instead, and said so (unless the daemon has just
+                # exited: then its last record is the run's end, read again below).
+                if self.live:
+                    self.answered, self.no_answer = False, (
+                        str(e) if isinstance(e, control.Unreachable)
+                        else f"its answer is not a summary: {e}")
         if summary is None and self.status == LOST:
             summary = as_lost(self._replayed())
         elif summary is None and self.record.schema < RECORD_SCHEMA:

@@ -147,6 +147,11 @@ def locate_run(runs_dir: str | Path, run: str | None) -> RunPaths:
     return find_run(runs_dir, run)
 
 
+class NoSuchRun(UsageError):
+    """No run (or no run of that id) under the runs directory, yet: a watcher
+    told to wait may look again."""
+
+
 def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
     """The run named by id (a unique prefix is enough), or the newest run: the
     one whose config was written last (started or resumed last; run ids of the
@@ -155,13 +160,13 @@ def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
     configs = [p / "config.json" for p in base.glob("*") if is_run_dir(p)]
     runs = [c.parent for c in sorted(configs, key=lambda c: (c.stat().st_mtime_ns, c.parent.name))]
     if not runs:
-        raise UsageError(f"no runs under {base}/: start one first, or pass --runs-dir")
+        raise NoSuchRun(f"no runs under {base}/: start one first, or pass --runs-dir")
     if run_id is None:
         return RunPaths(runs[-1])
     matches = [p for p in runs if p.name == run_id]
     matches = matches or [p for p in runs if p.name.startswith(run_id)]
     if not matches:
-        raise UsageError(f"no run {run_id!r} under {base}/: see the folders there for run ids")
+        raise NoSuchRun(f"no run {run_id!r} under {base}/: see the folders there for run ids")
     if len(matches) > 1:
         names = ", ".join(p.name for p in matches[:4])
         raise UsageError(f"run id {run_id!r} is ambiguous ({names}): give more of it")

@@ -27,7 +27,7 @@ from ddtop.daemon.config import (
 )
 from ddtop.daemon.contract import EXIT_USAGE
 from ddtop.daemon.runinfo import list_runs
-from ddtop.daemon.runs import RunPaths, find_run, locate_run
+from ddtop.daemon.runs import NoSuchRun, RunPaths, find_run, locate_run
 
 EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it failed, "
               "130 it was stopped, 2 bad input or no run reachable within --wait.")
@@ -73,20 +73,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace) -> RunPaths:
-    """The run directory to watch: named, or the newest live run (waiting up to --wait
-    for one to appear), else the newest run."""
+    """The run directory to watch: named, or the newest live run, else the newest
+    run. Up to --wait seconds for it (or the runs folder) to appear and for its
+    daemon to write run.json: a watcher started before its run (CI, a multi-node
+    job's node 0) follows it. One line on stderr says that it waits."""
     runs_dir = Path(args.runs_dir or default_runs_dir())
-    if args.run:
-        return locate_run(runs_dir, args.run)
-    deadline = time.monotonic() + (0 if args.replay else args.wait)
-    while True:
-        runs = list_runs(runs_dir)
-        live = [info for info in runs if info.live]
-        if live:
-            return live[-1].paths
-        if runs or time.monotonic() >= deadline:
-            return find_run(runs_dir, None)  # the newest run, or the error that there is none
+    wait_s = 0.0 if args.replay else args.wait
+    deadline = time.monotonic() + wait_s
+    waiting = False
+
+    def wait(what: str) -> None:
+        nonlocal waiting
+        if not waiting:
+            print(f"ddtop: waiting up to {wait_s:g} s for {what} (--wait)", file=sys.stderr,
+                  flush=True)
+            waiting = True
         time.sleep(FIND_POLL_S)
+
+    name = f"run {args.run!r}" if args.run else "a run"
+    while True:
+        try:
+            paths = _find(runs_dir, args.run, late=time.monotonic() >= deadline)
+        except NoSuchRun:
+            if time.monotonic() < deadline:
+                wait(f"{name} to appear under {runs_dir}/")
+                continue
+            if not waiting:
+                raise
+            fix = ("start it, or check the run id and --runs-dir" if args.run
+                   else "start one, or pass --runs-dir")
+            raise UsageError(f"no {name[2:] if args.run is None else name} appeared under "
+                             f"{runs_dir}/ within {wait_s:g} s: {fix} (--wait S waits "
+                             "longer)") from None
+        # A run's folder is made before its daemon writes run.json: until then it
+        # would look lost. Once there, the daemon's sockets are listening.
+        if paths.status.exists() or time.monotonic() >= deadline:
+            return paths
+        wait(f"the daemon of run {paths.run_id} to start")
+
+
+def _find(runs_dir: Path, run: str | None, late: bool) -> RunPaths:
+    """RUN, or the newest live run; when no run is live but some exist (they are
+    what there is), or once `late`, the newest run."""
+    if run:
+        return locate_run(runs_dir, run)
+    runs = list_runs(runs_dir)
+    live = [info for info in runs if info.live]
+    if live:
+        return live[-1].paths
+    if runs or late:
+        return find_run(runs_dir, None)  # the newest run, or the error that there is none
+    raise NoSuchRun(f"no runs under {runs_dir}/: start one first, or pass --runs-dir")
 
 
 def check(args: argparse.Namespace) -> None:

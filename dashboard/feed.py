@@ -36,13 +36,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
 
 from ddtop.daemon import control, journal, wire
-from ddtop.daemon.keys import secure
+from ddtop.daemon.keys import RunKeys, peer_keys, secure
 from ddtop.daemon.runinfo import RunInfo, merged_counts
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, decode_snapshot
@@ -71,7 +70,7 @@ class Feed:
         self.detail = ""  # a line for the banner: what is wrong, what is being tried
         self.note = ""  # a line to show once, e.g. a renamed run folder replayed
         self.finished = False  # nothing more will come: the run is over or its journal played
-        self.keys: Path | None = None  # the run's CURVE keys folder, for a daemon over TCP
+        self.keys: RunKeys | None = None  # the run's CURVE keys, for a daemon over TCP
         self.paths: RunPaths | None = None
         self.speed = 1.0  # run seconds per wall second: 1 live; a replay's own (0: at once)
         # Whether a watcher should gather this feed's messages (Pacer): a live run's
@@ -196,8 +195,11 @@ class LiveFeed(Feed):
             raise ValueError("LiveFeed needs a run directory or an endpoint")
         self.paths, self.connect_to = paths, connect
         self.paced = True
-        # The run's CURVE keys folder (a run served over TCP); else DDTOP_KEYS, if set.
-        self.keys = paths.keys if paths is not None and paths.keys.is_dir() else None
+        # The run's CURVE keys (a run served over TCP: its keys folder, else DDTOP_KEYS),
+        # read and checked here, before any socket: a damaged key file is a UsageError.
+        endpoint = connect or (RunInfo.load(paths).control if paths is not None else None)
+        folder = paths.keys if paths is not None and paths.keys.is_dir() else None
+        self.keys = peer_keys(endpoint, folder)
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sub: zmq.Socket[bytes] | None = None
         self.control: str | None = None
@@ -243,15 +245,16 @@ class LiveFeed(Feed):
                 return
             self.control, publish = found
             self._close_sub()
-            sub: zmq.Socket[bytes] = self.context.socket(zmq.SUB)
+            # Held by the feed at once, so that close() closes it whatever happens next.
+            self.sub = sub = self.context.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, RCVHWM)
             sub.setsockopt(zmq.SUBSCRIBE, wire.RELAY_TOPIC)
-            secure(sub, publish, self.keys)
-            sub.connect(publish)
-            self.sub = sub  # subscribed before the snapshot: nothing falls between the two
+            if self.keys is not None:
+                secure(sub, publish, self.keys)
+            sub.connect(publish)  # subscribed before the snapshot: nothing falls between
             self._snapshot()
-        except control.Unreachable as e:
+        except (control.Unreachable, zmq.ZMQError) as e:
             self._close_sub()
             self.connection = CONNECTING if self.connection == CONNECTING else GONE
             self.detail = f"the daemon does not answer ({e}); retrying"
@@ -384,8 +387,10 @@ class LiveFeed(Feed):
             self.sub = None
 
     def close(self) -> None:
+        """Every socket of the feed closed with linger 0, then the context: never a
+        hang, however the feed was left (a socket made just before an error too)."""
         self._close_sub()
-        self.context.term()
+        self.context.destroy(linger=0)
 
 
 class ReplayFeed(Feed):

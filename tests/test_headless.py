@@ -119,8 +119,13 @@ def test_no_run_to_watch_is_exit_2_within_wait(tmp_path: Path) -> None:
     started = time.monotonic()
     none = ddtop("--headless", "--wait", "0.5", cwd=tmp_path)
     assert none.returncode == 2 and time.monotonic() - started < 10
-    assert none.stderr.startswith("ddtop: error: no runs under runs/")
-    assert len(none.stderr.strip().splitlines()) == 1
+    assert none.stderr.splitlines() == [
+        "ddtop: waiting up to 0.5 s for a run to appear under runs/ (--wait)",
+        "ddtop: error: no run appeared under runs/ within 0.5 s: start one, or pass "
+        "--runs-dir (--wait S waits longer)"]
+    once = ddtop("--headless", "--wait", "0", cwd=tmp_path)  # looks once: one line
+    assert once.returncode == 2 and once.stderr.splitlines() == [
+        "ddtop: error: no runs under runs/: start one first, or pass --runs-dir"]
 
 
 def test_unreachable_daemon_is_exit_2(tmp_path: Path) -> None:
@@ -138,7 +143,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         (["--fps", "1e9"], "--fps must be a number > 0 and at most 30 (got 1e+09)"),
         (["--connect", "localhost:5"], "expected tcp://HOST:PORT"),
         (["--summary-json", "/nonexistent/dir/s.json"], "does not exist"),
-        (["nosuchrun", "--runs-dir", str(tmp_path)], "no runs under"),
+        (["nosuchrun", "--runs-dir", str(tmp_path), "--wait", "0"], "no runs under"),
     ]:
         result = ddtop("--headless", *args, cwd=tmp_path, timeout=30)
         assert result.returncode == 2, (args, result.stderr)
