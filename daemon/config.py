@@ -27,6 +27,26 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from ddtop.daemon.bounds import (
+    MAX_BATCH_SIZE,
+    MAX_EPOCHS,
+    MAX_EVERY_STEPS,
+    MAX_KEEP_CHECKPOINTS,
+    MAX_NNODES,
+    MAX_PORT,
+    MAX_RESTARTS,
+    MAX_RUN_ID_CHARS,
+    MAX_SEED,
+    MAX_SYNTHETIC_SAMPLES,
+    MAX_THREADS_PER_RANK,
+    MAX_WORKERS,
+    MAX_WORLD_SIZE,
+    NAME_MAX,
+    Range,
+    check_ranges,
+    field_range,
+    non_empty,
+)
 from ddtop.daemon.contract import EXIT_USAGE, RUNS_DIR_ENV
 
 T = TypeVar("T")
@@ -44,7 +64,7 @@ def default_runs_dir() -> str:
 
 def add_runs_dir_argument(parser: argparse.ArgumentParser) -> None:
     """--runs-dir for the commands that find an existing run (status, ddtop, ...)."""
-    parser.add_argument("--runs-dir", default=None, metavar="DIR",
+    parser.add_argument("--runs-dir", type=non_empty, default=None, metavar="DIR",
                         help=f"folder of run directories (default ${RUNS_DIR_ENV} or ./runs)")
 
 
@@ -60,23 +80,6 @@ RESUME_FIXED = (
     "synthetic_train_samples",
     "synthetic_val_samples",
 )
-
-
-# Upper bounds of what one machine can be asked to run. Both launchers start every
-# rank here (local forks them; torchrun runs --standalone), each rank a process
-# with torch loaded, and gloo connects every rank to every other: N - 1 sockets a
-# rank, against the usual limit of 1024 open files.
-MAX_WORLD_SIZE = 1024
-MAX_NNODES = 1024  # machines of one multi-node job
-MAX_WORKERS = 1024  # data-loader processes, all ranks together
-MAX_THREADS_PER_RANK = 256
-# Every rank holds the whole synthetic set in memory: 3 KB a sample.
-MAX_SYNTHETIC_SAMPLES = 1_000_000
-MAX_EPOCHS = 1_000_000
-# A run id names a folder, and the sockets inside it: short enough for any file system.
-MAX_RUN_ID_CHARS = 100
-# The longest file name (one path component) Linux file systems take, in bytes.
-NAME_MAX = 255
 
 
 class UsageError(Exception):
@@ -95,32 +98,16 @@ class Flag:
     enabled: bool = True  # False: the field has no flag
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values an integer field takes: checked by `TrainConfig.validate` (the
-    error names the flag and the limit), and the upper limit said in --help."""
-
-    low: int
-    high: int | None = None
-    why: str = ""  # the reason for `high`, in the error
-
-    def problem(self, flag: str, value: int) -> str | None:
-        if value < self.low:
-            return f"{flag} must be at least {self.low} (got {value})"
-        if self.high is not None and value > self.high:
-            why = f": {self.why}" if self.why else ""
-            return f"{flag} must be at most {self.high} (got {value}){why}"
-        return None
-
-
 def flag(default: T, *, metavar: str | None = None, short: str | None = None,
          group: str = "training", default_text: str | None = None,
          low: int | None = None, high: int | None = None, why: str = "") -> T:
     """A dataclass field's default, with the Flag that the field's type cannot tell
-    and, for a number, the Range of values it takes (`low`, `high`, `why`)."""
+    and, for an integer, the Range of values it takes (`low` to `high`, `why`)."""
     metadata: dict[str, Any] = {"flag": Flag(metavar, short, group, default_text)}
-    if low is not None:
+    if low is not None and high is not None:
         metadata["range"] = Range(low, high, why)
+    elif low is not None or high is not None:
+        raise TypeError("flag(): give a range as both low= and high=")
     return field(default=default, metadata=metadata)
 
 
@@ -152,20 +139,22 @@ class TrainConfig:
     """download the dataset into --data-dir if it is missing"""
     epochs: int = flag(3, metavar="E", low=1, high=MAX_EPOCHS)
     """passes over the training set"""
-    batch_size: int = flag(64, metavar="B", low=1)
+    batch_size: int = flag(64, metavar="B", low=1, high=MAX_BATCH_SIZE)
     """global batch, a multiple of --world-size, split evenly across ranks"""
     lr: float = 0.003
     """learning rate of SGD with momentum 0.9"""
     fail_on_nan: bool = False
     """fail the run when a rank's loss is NaN or infinite, naming the step (without
     it, the rank warns once and trains on)"""
-    seed: int = flag(0, metavar="S")
+    seed: int = flag(0, metavar="S", low=0, high=MAX_SEED,
+                     why="the trainer derives more seeds from it, within torch's 64 bits")
     """seed for data order, initial weights and the synthetic dataset"""
-    sync_every: int = flag(0, metavar="K", low=0)
+    sync_every: int = flag(0, metavar="K", low=0, high=MAX_EVERY_STEPS)
     """also exchange global metrics every K steps; 0: only at epoch ends"""
-    checkpoint_every: int = flag(0, metavar="K", low=0)
+    checkpoint_every: int = flag(0, metavar="K", low=0, high=MAX_EVERY_STEPS)
     """also checkpoint every K steps; 0: only at epoch ends"""
-    keep_checkpoints: int = flag(3, metavar="K", low=0)
+    keep_checkpoints: int = flag(3, metavar="K", low=0, high=MAX_KEEP_CHECKPOINTS,
+                                 why="0 keeps all")
     """checkpoints kept, newest first; 0 keeps all"""
     resume: bool = False
     """continue --run-id (default: the newest run) from its newest valid checkpoint"""
@@ -188,7 +177,8 @@ class TrainConfig:
     """size of the synthetic validation set"""
     master_addr: str = flag("127.0.0.1", metavar="ADDR", group="run")
     """address of rank 0's rendezvous store"""
-    master_port: int = flag(0, metavar="PORT", group="run", default_text="a free one")
+    master_port: int = flag(0, metavar="PORT", group="run", default_text="a free one",
+                            low=0, high=MAX_PORT)
     """port of rank 0's rendezvous store"""
     bind: str = flag("", metavar="ADDR", group="run", default_text="local sockets only")
     """serve the daemon's sockets on TCP at ADDR (free ports), authenticated and
@@ -202,7 +192,8 @@ class TrainConfig:
     launcher: Literal["local", "torchrun"] = flag("local", group="run")
     """local: ranks forked from one process that imported torch; torchrun: the daemon
     runs torchrun --standalone"""
-    max_restarts: int = flag(0, metavar="K", group="run", low=0)
+    max_restarts: int = flag(0, metavar="K", group="run", low=0, high=MAX_RESTARTS,
+                             why="each restarts every rank")
     """after a rank fails, restart every rank from the newest checkpoint, up to K times"""
     hang_timeout: float | None = flag(None, metavar="S", group="run", default_text="off")
     """fail the run when it has hung (ranks stalled in a collective) for S seconds,
@@ -210,7 +201,7 @@ class TrainConfig:
     nnodes: int = flag(1, metavar="N", group="multi-node", low=1, high=MAX_NNODES)
     """machines (nodes) of the job, one `ddtrain start` on each; more than 1 runs the
     ranks through torchrun's c10d rendezvous at --rdzv-endpoint (docs/multi-node.md)"""
-    node_rank: int = flag(0, metavar="K", group="multi-node", low=0)
+    node_rank: int = flag(0, metavar="K", group="multi-node", low=0, high=MAX_NNODES - 1)
     """this node's number, 0 to --nnodes - 1; node 0's daemon is the job's hub"""
     nproc_per_node: int = flag(1, metavar="P", group="multi-node", low=1, high=MAX_WORLD_SIZE)
     """ranks on each node of a multi-node job: the world size is --nnodes x P"""
@@ -265,8 +256,6 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Return self, or raise UsageError naming the flag to fix."""
         self.check_ranges()
-        if not 0 <= self.master_port <= 65535:
-            raise UsageError(f"--master-port must be between 0 and 65535 (got {self.master_port})")
         if self.bind and not _BIND.fullmatch(self.bind):
             raise UsageError(f"--bind {self.bind!r}: give an address of this machine (e.g. "
                              "10.0.0.5 or 0.0.0.0), without a scheme or port")
@@ -358,12 +347,9 @@ class TrainConfig:
     def check_ranges(self) -> TrainConfig:
         """Return self, or raise UsageError for the first number out of its Range
         (a config.json written by hand or damaged is checked with this too)."""
-        for f in dataclasses.fields(self):
-            bounds = f.metadata.get("range")
-            if bounds is not None:
-                problem = bounds.problem("--" + f.name.replace("_", "-"), getattr(self, f.name))
-                if problem is not None:
-                    raise UsageError(problem)
+        problem = check_ranges(self)
+        if problem is not None:
+            raise UsageError(problem)
         return self
 
     # -- persistence -------------------------------------------------------------
@@ -447,10 +433,10 @@ def _add_flag(group: Any, f: dataclasses.Field[Any], how: Flag, hint: Any, doc: 
     elif typing.get_origin(hint) is Literal:
         kwargs["choices"] = typing.get_args(hint)
     else:
-        kwargs["type"], kwargs["metavar"] = _scalar(hint, f.name), how.metavar
-    bounds = f.metadata.get("range")
-    if bounds is not None and bounds.high is not None:
-        doc += f"; at most {bounds.high}"
+        kwargs["type"], kwargs["metavar"] = _scalar(hint, f), how.metavar
+    bounds = field_range(f)
+    if bounds is not None:
+        doc += f"{'; ' if doc else ''}at most {bounds.high}"
     if how.default_text is not None:
         doc += f" (default: {how.default_text})"
     elif hint is not bool and f.default not in (None, dataclasses.MISSING):
@@ -460,14 +446,19 @@ def _add_flag(group: Any, f: dataclasses.Field[Any], how: Flag, hint: Any, doc: 
                        help=doc.strip().replace("%", "%%"), **kwargs)
 
 
-def _scalar(hint: Any, name: str) -> type:
-    """The argparse type of a field annotated int, float, str or `X | None`."""
+def _scalar(hint: Any, f: dataclasses.Field[Any]) -> Any:
+    """The argparse type of a field annotated int, float, str or `X | None`: an
+    int needs its Range, a str refuses an empty value (daemon/bounds.py)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not types.NoneType]
         hint = args[0] if len(args) == 1 else hint
     if hint not in (int, float, str):
-        raise TypeError(f"field {name}: no flag for type {hint!r}; give it Flag(enabled=False)")
-    return typing.cast(type, hint)
+        raise TypeError(f"field {f.name}: no flag for type {hint!r}; give it "
+                        "Flag(enabled=False)")
+    if hint is int and field_range(f) is None:
+        raise TypeError(f"field {f.name}: an integer flag needs its range: "
+                        "flag(..., low=, high=)")
+    return non_empty if hint is str else hint
 
 
 def field_docs(cls: type[Any]) -> dict[str, str]:

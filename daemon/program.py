@@ -38,6 +38,9 @@ def check_program(program: str | None, module: str | None, workdir: str) -> None
 
 
 def _check_script(path: Path, given: str) -> None:
+    if path.is_dir():
+        raise UsageError(f"{given} is a directory: give the path of your training script in "
+                         "it (or -m MODULE for a module)")
     if not path.is_file():
         raise UsageError(f"{given}: no such file in {path.parent}: give the path of your "
                          "training script (or -m MODULE for a module)")

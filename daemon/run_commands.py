@@ -125,6 +125,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     runs_dir = Path(args.runs_dir or default_runs_dir())
     rows: list[dict[str, Any]] = []
     try:
+        if not runs_dir.is_dir():  # as `ddtrain status` says it: no run to list
+            raise UsageError(f"no runs under {runs_dir}/: " + (
+                "it is not a folder; pass the folder of run directories as --runs-dir"
+                if runs_dir.exists() else "start one first, or pass --runs-dir"))
         runs = list_runs(runs_dir)
     except OSError as e:  # a --runs-dir the file system refuses (too long, ...)
         raise UsageError(f"cannot list {runs_dir}/: {e.strerror or e}; "

@@ -18,7 +18,7 @@ import msgspec
 import msgspec.inspect
 
 from ddtop.daemon import wire
-from ddtop.daemon.config import MAX_WORLD_SIZE
+from ddtop.daemon.bounds import MAX_WORLD_SIZE
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import DEAD, FINISHED, STARTING
 

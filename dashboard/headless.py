@@ -50,10 +50,29 @@ def check_output_arguments(args: argparse.Namespace) -> str | None:
     """A one-line error for bad values, or None."""
     if not 0 < args.interval < math.inf:
         return f"--interval must be a number of seconds > 0 (got {args.interval:g})"
-    path = args.summary_json
-    if path is not None and not path.parent.is_dir():
-        return (f"--summary-json {path}: folder {path.parent} does not exist; "
-                "create it or pick another path")
+    return None if args.summary_json is None else file_problem("--summary-json",
+                                                               args.summary_json)
+
+
+def file_problem(flag: str, path: Path) -> str | None:
+    """Why a file could not be written at `path` at the end of a run, found before
+    it starts (a folder, a folder that is not there, a place this user cannot write
+    to), or None. Tried for real, as root too: a file made for the test is removed."""
+    if path.is_dir():
+        return f"{flag} {path} is a folder: give the path of a file, e.g. {path / 'summary.json'}"
+    if not path.parent.is_dir():
+        return (f"{flag} {path}: folder {path.parent} does not exist; create it or pick "
+                "another path")
+    existed = path.exists()
+    if existed and not path.is_file():  # /dev/stdout, a pipe: opened only at the end
+        return None if os.access(path, os.W_OK) else f"{flag} {path} cannot be written"
+    try:
+        with path.open("a"):  # writes nothing
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        return f"{flag} {path} cannot be written ({e.strerror or e}); pick another path"
     return None
 
 
@@ -146,12 +165,22 @@ class Printer:
             for line in summary_text(summary, now):
                 self._emit(line)
         if self.summary_json is not None:
-            self.summary_json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            _write(self.summary_json, "w", json.dumps(summary, indent=2, default=str) + "\n")
         markdown_path = os.environ.get(SUMMARY_ENV)
         if markdown_path:
-            with Path(markdown_path).open("a") as f:
-                f.write(summary_markdown(summary))
+            _write(Path(markdown_path), "a", summary_markdown(summary))
         return int(summary["exit_code"])
+
+
+def _write(path: Path, mode: str, text: str) -> None:
+    """A summary file at the end of a run: a failure to write it (checked before the
+    run, gone or full since) is one line, and the run's exit code stays its outcome."""
+    try:
+        with path.open(mode) as f:
+            f.write(text)
+    except OSError as e:
+        print(f"warning: the summary was not written to {path} ({e.strerror or e})",
+              file=sys.stderr, flush=True)
 
 
 def watch(feed: Feed, printer: Printer, wait_s: float, err: TextIO | None = None) -> int:

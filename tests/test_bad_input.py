@@ -3,13 +3,18 @@ traceback, and no process left behind."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import BIN, Run, ddtrain
+
+from ddtop.daemon import cli
+from ddtop.daemon.contract import FAULT_ENV
 
 SMALL = ("--epochs", "1", "--synthetic-train-samples", "64")
 
@@ -55,6 +60,112 @@ def test_rejected_before_any_rank_starts(tmp_path: Path, args: tuple[str, ...],
     run = ddtrain("start", "--foreground", *args, cwd=tmp_path, timeout=30)
     assert_usage_error(run, *fragments)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """`ddtrain` in this process, typed in tmp_path: `start` sets the owner-only umask
+    and reads DDTOP_FAULT, both given back afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    monkeypatch.delenv("DDTOP_RUNS_DIR", raising=False)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    yield tmp_path
+    os.umask(umask)
+
+
+def usage_error_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """`ddtrain ARGS` in this process: exit 2 with one line on stderr (returned), no
+    traceback, and no run folder left in the working directory."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code  # type: ignore[assignment]
+    out, err = capsys.readouterr()
+    assert code == 2, (args, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in out + err, err
+    assert not Path("runs").exists() or not any(Path("runs").iterdir())
+    return err.strip()
+
+
+LONG = "1" + "0" * 20  # 10^20: an int, not argparse's 'invalid int value'
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    # Every integer flag has its range (daemon/bounds.py), named with the flag.
+    (("--seed", "1" + "0" * 23), ("--seed must be at most 4294967295 (got 10000000..., 24 "
+                                  "digits): give 0 to 4294967295", "64 bits")),
+    (("--seed", "-1"), ("--seed must be at least 0 (got -1): give 0 to 4294967295",)),
+    (("--seed", "1e23"), ("argument --seed: invalid int value: '1e23'",)),
+    (("--max-restarts", LONG), ("--max-restarts must be at most 1000", "give 0 to 1000")),
+    (("--checkpoint-every", LONG), ("--checkpoint-every must be at most 1000000000",
+                                    "give 0 to 1000000000")),
+    (("--keep-checkpoints", LONG), ("--keep-checkpoints must be at most 10000",
+                                    "give 0 to 10000 (0 keeps all)")),
+    (("--sync-every", LONG), ("--sync-every must be at most 1000000000",)),
+    (("--batch-size", LONG), ("--batch-size must be at most 1000000",)),
+    (("--master-port", "70000"), ("--master-port must be at most 65535 (got 70000): give 0 "
+                                  "to 65535",)),
+    # An empty value is not the default.
+    (("--runs-dir", ""), ("argument --runs-dir: an empty value",)),
+    (("--bind", ""), ("argument --bind: an empty value",)),
+    (("--data-dir", ""), ("argument --data-dir: an empty value",)),
+    (("--master-addr", ""), ("argument --master-addr: an empty value",)),
+])
+def test_bounds_and_empty_values_in_process(in_tmp: Path, capsys: pytest.CaptureFixture[str],
+                                            args: tuple[str, ...],
+                                            fragments: tuple[str, ...]) -> None:
+    line = usage_error_in_process(capsys, "start", "--foreground", *args)
+    for fragment in fragments:
+        assert fragment in line, line
+
+
+def test_a_directory_as_the_program_is_named_as_one(in_tmp: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    (in_tmp / "project").mkdir()
+    line = usage_error_in_process(capsys, "start", "--foreground", "project")
+    assert line == ("ddtrain: error: project is a directory: give the path of your training "
+                    "script in it (or -m MODULE for a module)")
+    assert "is a directory" in usage_error_in_process(capsys, "start", str(in_tmp))
+
+
+def test_list_without_a_runs_folder_says_so_as_status_does(
+        in_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert usage_error_in_process(capsys, "list", "--runs-dir", "missing") == (
+        "ddtrain: error: no runs under missing/: start one first, or pass --runs-dir")
+    assert usage_error_in_process(capsys, "status", "--runs-dir", "missing") == (
+        "ddtrain: error: no runs under missing/: start one first, or pass --runs-dir")
+    (in_tmp / "afile").write_text("not a folder")
+    assert "afile/: it is not a folder" in usage_error_in_process(
+        capsys, "list", "--runs-dir", "afile")
+    assert "argument --runs-dir: an empty value" in usage_error_in_process(
+        capsys, "list", "--runs-dir", "")
+    (in_tmp / "empty").mkdir()  # a folder with no runs yet: an empty listing
+    assert cli.main(["list", "--runs-dir", "empty"]) == 0
+    assert capsys.readouterr().out == "no runs under empty/ (start one with: ddtrain start)\n"
+
+
+@pytest.mark.parametrize("where", ["folder", "no-folder/s.json", "proc"])
+def test_summary_json_that_cannot_be_written_is_refused_before_the_run(
+        in_tmp: Path, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    path = {"folder": str(in_tmp), "no-folder/s.json": "no-folder/s.json",
+            "proc": "/proc/self/summary.json"}[where]  # /proc: not writable, also as root
+    line = usage_error_in_process(capsys, "start", "--foreground", "--headless",
+                                  "--summary-json", path, *SMALL)
+    says = {"folder": f"--summary-json {in_tmp} is a folder: give the path of a file",
+            "no-folder/s.json": "folder no-folder does not exist",
+            "proc": "--summary-json /proc/self/summary.json cannot be written"}[where]
+    assert says in line, line
+    assert not (in_tmp / "no-folder").exists()
+
+
+def test_summary_json_of_a_folder_as_typed(tmp_path: Path) -> None:
+    """The command line of the report: one line, exit 2, and no rank started."""
+    run = ddtrain("start", "--foreground", "--headless", "--summary-json", str(tmp_path),
+                  *SMALL, cwd=tmp_path, timeout=30)
+    assert_usage_error(run, f"--summary-json {tmp_path} is a folder")
+    assert not list(tmp_path.glob("runs/*/logs/rank-*.log"))
 
 
 def test_port_already_in_use(tmp_path: Path) -> None:
@@ -143,7 +254,8 @@ def test_the_limits_are_in_the_help(tmp_path: Path) -> None:
     run = ddtrain("start", "--help", cwd=tmp_path, timeout=30)
     text = " ".join(run.stdout.split())
     for says in ("number of ranks (processes) to launch; at most 1024",
-                 "split across ranks; at most 1024", "at most 256", "--fail-on-nan"):
+                 "split across ranks; at most 1024", "at most 256", "--fail-on-nan",
+                 "up to K times; at most 1000", "0 keeps all; at most 10000"):
         assert says in text, says
 
 

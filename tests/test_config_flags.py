@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import pytest
 
+from ddtop.daemon.bounds import Range, check_ranges, non_empty
 from ddtop.daemon.config import (
     Flag,
     TrainConfig,
@@ -86,6 +87,8 @@ def test_every_flag_of_before_is_kept_with_its_type_choices_and_default() -> Non
             assert action.nargs == 0 and action.const is True, option
         elif isinstance(kind, tuple):
             assert tuple(action.choices or ()) == kind, option
+        elif kind is str:
+            assert action.type is non_empty, option  # a str that refuses ''
         else:
             assert action.type is kind, option
     assert by_option["--world-size"].option_strings == ["--world-size", "-n"]
@@ -129,9 +132,48 @@ def test_only_typed_flags_become_overrides() -> None:
     assert overrides == {"world_size": 2, "run_id": "r1", "lr": 0.1}
 
 
+def test_every_integer_field_has_its_range_and_every_string_flag_refuses_empty() -> None:
+    parser = train_parser()
+    for name, (action,) in flags_by_field(parser).items():
+        bounds = FIELDS[name].metadata.get("range")
+        if action.type is int:
+            assert isinstance(bounds, Range) and bounds.low <= getattr(TrainConfig(), name) \
+                <= bounds.high, name
+            assert action.help is not None and f"; at most {bounds.high}" in action.help, name
+            over = dataclasses.replace(TrainConfig(), **{name: bounds.high + 1})
+            problem = check_ranges(over)
+            flag_name = action.option_strings[0]
+            assert problem is not None and problem.startswith(
+                f"{flag_name} must be at most {bounds.high} (got {bounds.high + 1}): give "
+                f"{bounds.low} to {bounds.high}"), problem
+        elif action.type is non_empty:
+            with pytest.raises(SystemExit):
+                parser.parse_args([action.option_strings[0], ""])
+    assert check_ranges(TrainConfig()) is None
+
+
+def test_an_absurd_number_is_named_by_its_head_and_length() -> None:
+    problem = Range(0, 10, "why").problem("--k", 10**40)
+    assert problem == "--k must be at most 10 (got 10000000..., 41 digits): give 0 to 10 (why)"
+    assert Range(0, 10).problem("--k", -12345) == (
+        "--k must be at least 0 (got -12345): give 0 to 10")
+
+
+def test_an_integer_field_without_a_range_must_say_so() -> None:
+    @dataclass
+    class Unbounded:
+        steps: int = 5
+        """steps"""
+
+    with pytest.raises(TypeError, match="steps: an integer flag needs its range"):
+        add_config_arguments(argparse.ArgumentParser(), Unbounded)
+    with pytest.raises(TypeError, match="both low= and high="):
+        flag(5, low=0)
+
+
 @dataclass(frozen=True)
 class Small:
-    warmup_steps: int = flag(5, metavar="K", group="schedule")
+    warmup_steps: int = flag(5, metavar="K", group="schedule", low=0, high=1000)
     """steps of linear learning-rate warm-up, 10% of them at full rate"""
     schedule: Literal["cosine", "step"] = "cosine"
     """learning-rate schedule"""
@@ -148,7 +190,7 @@ def test_the_generator_works_for_any_documented_dataclass() -> None:
     add_config_arguments(parser, Small)
     text = " ".join(parser.format_help().split())
     assert "schedule: --warmup-steps K steps of linear learning-rate warm-up, 10% of them at " \
-        "full rate (default 5)" in text
+        "full rate; at most 1000 (default 5)" in text
     assert "--schedule {cosine,step} learning-rate schedule (default cosine)" in text
     assert "--note NOTE free text" in text and "--fast skip validation" in text
     assert "--extra" not in text
@@ -177,5 +219,5 @@ def test_without_source_the_flags_work_with_shorter_help(
     assert field_docs(TrainConfig) == {}
     parser = train_parser()
     (batch,) = flags_by_field(parser)["batch_size"]
-    assert batch.help == "(default 64)"
+    assert batch.help == "at most 1000000 (default 64)"
     assert explicit_overrides(parser.parse_args(["--batch-size", "32"])) == {"batch_size": 32}

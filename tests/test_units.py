@@ -23,7 +23,7 @@ def test_defaults_are_valid_and_split_across_ranks() -> None:
     ({"world_size": 4, "batch_size": 10}, "--batch-size 10 is the global batch"),
     ({"world_size": 4, "batch_size": 3}, "use 4"),
     ({"epochs": 0}, "--epochs must be at least 1"),
-    ({"master_port": 70000}, "--master-port must be between 0 and 65535"),
+    ({"master_port": 70000}, "--master-port must be at most 65535 .got 70000.: give 0 to 65535"),
     ({"sync_every": -1}, "--sync-every"),
     ({"run_id": "a/b"}, "--run-id"),
 ])
