@@ -28,6 +28,10 @@ ATTEMPT_ENV = "DDTOP_ATTEMPT"
 # The run id telemetry must carry (the daemon drops other runs' messages); set by
 # the daemon for a user's script, whose ranks have no config.json to read it from.
 RUN_ID_ENV = "DDTOP_RUN_ID"
+# The secret that signs the built-in trainer's stop step in torch's store
+# (training/stopping.py): set by the daemon in its ranks' environment only, never
+# on a command line; the same on every node of a job (daemon/keys.py stop_secret).
+STOP_SECRET_ENV = "DDTOP_STOP_SECRET"
 # Fault drills: how `ddtrain start --inject` hands its specs to the ranks, comma-
 # separated in daemon/inject.py's grammar (1:kill@step=50,0:slow=1.5x); a rank acts
 # on its own in training/drills.py. Set from --inject only: `ddtrain start` removes

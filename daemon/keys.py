@@ -20,6 +20,8 @@ another run's key completes no handshake, and each refusal is counted.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import struct
 from dataclasses import dataclass
@@ -75,6 +77,13 @@ class RunKeys:
     def client_public_raw(self) -> bytes:
         """The client public key as ZAP hands it over: 32 bytes, not Z85 text."""
         return zmq.utils.z85.decode(self.client_public)
+
+    def stop_secret(self) -> str:
+        """The job's secret for the stop step in torch's store (training/stopping.py),
+        derived from the client key pair every node of the job holds: the same on
+        every node, known to no one without the keys folder."""
+        return hmac.new(self.client_secret, b"ddtop stop agreement",
+                        hashlib.sha256).hexdigest()
 
     def serve(self, sock: zmq.Socket[bytes]) -> None:
         """Make `sock` (before it binds) a CURVE server of this run."""

@@ -22,6 +22,7 @@ is written down and printed at the end, the report's (daemon/report.py).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -40,6 +41,7 @@ from ddtop.daemon.contract import (
     EXIT_USAGE,
     FAULT_ENV,
     STACKS_SIGNAL,
+    STOP_SECRET_ENV,
     TELEMETRY_ENV,
     ErrorReport,
     describe_exit,
@@ -111,6 +113,9 @@ class Supervisor:
         self.final: dict[str, Any] | None = None  # how this node ended, for the hub
         self.hub_ranks: list[int] = []  # this node's own ranks, as last said
         self.hub_silent = False  # node K: the hub has not answered for a while
+        # Signs the stop step in torch's store (training/stopping.py): this daemon's
+        # own, or a multi-node job's, derived from its keys (the same on every node).
+        self.stop_secret = secrets.token_hex(32)
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
@@ -126,6 +131,8 @@ class Supervisor:
                                world_size=self.config.world_size,
                                bind=bind or None, keys=keys, nodes=hub)
             if hub:
+                assert keys is not None
+                self.stop_secret = keys.stop_secret()
                 self._become_hub(bind)
             if not self.config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
@@ -251,6 +258,7 @@ class Supervisor:
         control, keys = nodes.find_hub(self.config, job, lambda m: print(
             f"ddtrain: {m}", file=self.err, flush=True))
         self.forwarder = nodes.Forwarder(self.config, control, keys)
+        self.stop_secret = keys.stop_secret()
         self.relay.forward = self.forwarder.send
         print(f"ddtrain: node {self.config.node_rank} forwards to the hub at {control}",
               file=self.err, flush=True)
@@ -399,6 +407,10 @@ class Supervisor:
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
             if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
                 os.environ[KEYS_ENV] = str(self.paths.keys)
+        if self.config.runs_user_code:  # only the built-in trainer reads it
+            os.environ.pop(STOP_SECRET_ENV, None)
+        else:
+            os.environ[STOP_SECRET_ENV] = self.stop_secret
         drills = os.environ.get(FAULT_ENV)
         if drills and not self.restarts:  # --inject (checked by ddtrain start)
             message = f"fault drills armed: {drills} (in the first attempt only)"

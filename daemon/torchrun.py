@@ -1,5 +1,7 @@
-"""Ranks started by torchrun: the daemon runs `torchrun --standalone` and
-supervises its agent.
+"""Ranks started by torchrun: the daemon runs `torchrun --standalone` (or, one
+node of a multi-node job, torchrun with c10d rendezvous) and supervises its
+agent: torch.distributed.run through training/agent.py, which keeps the stores
+the agent hosts on loopback when the rendezvous is there.
 
 torchrun runs `python -m ddtop.training` once per rank; the ranks read this
 run's config.json (DDTOP_CONFIG), write their own logs, and exit when the
@@ -12,6 +14,7 @@ ended is read from torchrun's failure summary in its log.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -36,11 +39,20 @@ from ddtop.daemon.runs import RunPaths, write_json_atomic
 from ddtop.daemon.starters import AGENT, Rank, rank_program
 from ddtop.daemon.state import RunState
 
+# torch.distributed.run, with the stores its agent hosts at a loopback address
+# listening there alone (started by name: the daemon imports nothing of training).
+AGENT_MODULE = "ddtop.training.agent"
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 42)"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REFUSED_MAX = 4096  # refused claims remembered, at most
 FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                              r"(-?\d+) \(pid: (\d+)\)")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class TorchrunRanks:
@@ -71,13 +83,16 @@ class TorchrunRanks:
                      "--rdzv-conf", f"is_host={'1' if config.is_hub else '0'}"]
             if config.local_addr:
                 where += ["--local-addr", config.local_addr]
-            if config.rdzv_host in LOOPBACK:  # every node on this machine: gloo on lo too
+            if is_loopback(config.rdzv_host):  # every node on this machine: gloo on lo too,
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                if not config.local_addr:  # and the store the workers share (AGENT_MODULE)
+                    where += ["--local-addr", config.rdzv_host]
         else:
-            where = ["--standalone", "--nproc-per-node", str(config.world_size)]
+            where = ["--standalone", "--nproc-per-node", str(config.world_size),
+                     "--local-addr", "127.0.0.1"]
         with self.log.open("ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts", "0",
+                [sys.executable, "-m", AGENT_MODULE, *where, "--max-restarts", "0",
                  "-m", rank_program(config).torchrun_module],
                 env=env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,

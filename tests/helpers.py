@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -222,3 +223,31 @@ def detached(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Iterat
         for pid in tagged_pids(tag):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets process `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = str(fd.readlink())
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(address_hex)
+            if family == socket.AF_INET:
+                raw = raw[::-1]
+            else:  # four little-endian 32-bit words
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+            found.append(f"{socket.inet_ntop(family, raw)}:{int(port_hex, 16)}")
+    return found

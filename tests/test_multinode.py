@@ -2,8 +2,9 @@
 two ranks each, c10d rendezvous over loopback, node 0's daemon the hub.
 
 Real processes, real ZeroMQ (CURVE), real gloo. Jobs: one stopped with
-`ddtrain stop` on node 0 (status, headless summary and a forwarder with wrong
-keys checked while it runs), one where a rank on node 1 is killed, one running
+`ddtrain stop` on node 0 (status, headless summary, a forwarder with wrong
+keys, where torch's stores listen and a forged stop step in one checked while
+it runs), one where a rank on node 1 is killed, one running
 a user's script, one whose hub is frozen for a while, one where node 1's
 daemon is killed. And the built-in trainer's stop agreement as a multi-node
 job makes it, with only rank 0 told of the stop. Run with -s, they print what
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -28,9 +31,12 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import torchrun
+from helpers import listening_addresses, torchrun
 
 from ddtop.daemon import journal, nodes, wire
+from ddtop.daemon.contract import ATTEMPT_ENV, STOP_SECRET_ENV
+from ddtop.daemon.keys import RunKeys
+from ddtop.daemon.processes import environ_value
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
@@ -101,6 +107,7 @@ class Job:
         self.node1 = (self.runs if shared else tmp / "node1-runs") / run_id / "nodes" / "1"
         host = "10.77.0.1" if net else "127.0.0.1"
         port = free_port() if net is None else 29400
+        self.rdzv_port = port
         self.nodes: list[subprocess.Popen[str]] = []
         for k in (0, 1):
             where = ["--runs-dir", str(self.runs)]
@@ -247,6 +254,7 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
             time.sleep(0.2)
     finally:
         ctx.destroy(linger=0)
+    check_torchs_store(job)  # a forged stop step must not stop it: the stop below still works
     # ddtop --headless on node 0 follows the whole job and exits with its outcome
     watcher = subprocess.Popen(
         [sys.executable, "-m", "ddtop.dashboard", "stopjob", "--headless", "--runs-dir",
@@ -439,7 +447,7 @@ def test_a_rank_whose_node_never_hears_of_the_stop_stops_after_the_same_step(
     finds the target in the store and stops after the same step. Were it to run
     past, the two would wait in different collectives (tests/scripts/stop_ranks.py)."""
     run = torchrun("--standalone", "--nproc-per-node", "2", str(STOP_RANKS), "20",
-                   cwd=tmp_path, timeout=90)
+                   cwd=tmp_path, timeout=90, env={STOP_SECRET_ENV: "7" * 64})
     assert run.returncode == 0, run.stderr[-3000:]
     # (both ranks write to one pipe: their lines may come in either order)
     said = {int(r): (int(step), signalled) for r, step, signalled in re.findall(
@@ -448,6 +456,107 @@ def test_a_rank_whose_node_never_hears_of_the_stop_stops_after_the_same_step(
     assert said[0][0] >= 20 + 3, run.stdout  # 3 s of steps after the signal, at least 3
     assert run.leftovers == []
     print(f"\n{run.stdout.strip()}")
+
+
+# torch's store as the ranks of a job see it: the default process group's keys
+# (torch 2.14) under this prefix; the fixed key the stop agreement once used.
+DEFAULT_PG = "default_pg/0//"
+OLD_STOP_KEY = "ddtop/stop_after"
+STORE_CLIENT = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=10))
+for key, value in zip(sys.argv[3::2], sys.argv[4::2]):
+    store.set(key, value)
+print("\\n".join(store.list_keys()))
+"""
+
+
+def processes_below(daemons: list[subprocess.Popen[str]]) -> list[int]:
+    """Every process below these daemons (by /proc's parent pids), the daemons too."""
+    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+    return [pid for pid in pids if any(descends_from(pid, d.pid) for d in daemons)]
+
+
+def test_a_stop_step_counts_only_signed_for_this_launch(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """What a rank reads from torch's store (training/stopping.py), in-process: only
+    a value rank 0 of this launch signed with the job's secret is a target; any
+    other is ignored, and said once."""
+    from ddtop.training.stopping import STORE_KEY, StopAgreement
+
+    monkeypatch.setenv(STOP_SECRET_ENV, "5" * 64)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv(ATTEMPT_ENV, "0")
+    main, other = StopAgreement(True, 100), StopAgreement(False, 100)
+    assert main.key == other.key != STORE_KEY and main.key.startswith("ddtop/stop/")
+    signed = main._signed(130).encode()
+    assert other._verified(signed) == 130
+    target, _, mac = signed.partition(b":")
+    forged = [b"0", b"131:" + mac, b"0:" + mac, target + b":" + b"0" * 64, target + b":",
+              b"-5:" + mac, b"9" * 40, b"\xff\xfe", b""]
+    monkeypatch.setenv(STOP_SECRET_ENV, "6" * 64)  # another job's secret
+    forged.append(StopAgreement(True, 100)._signed(130).encode())
+    monkeypatch.setenv(STOP_SECRET_ENV, "5" * 64)
+    monkeypatch.setenv("MASTER_PORT", "29501")  # another launch of this job (a resume)
+    forged.append(StopAgreement(True, 100)._signed(130).encode())
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    forged.append(StopAgreement(True, 120)._signed(130).encode())  # resumed from step 120
+    assert [other._verified(v) for v in forged] == [None] * len(forged)
+    assert other._verified(signed) == 130  # still: nothing forged is remembered
+    assert capsys.readouterr().err.count("ddtop: ignored a stop step in torch's store") == 1
+    # a rank started without the secret (a user's own torchrun): the fixed key, plain
+    monkeypatch.delenv(STOP_SECRET_ENV)
+    plain = StopAgreement(False, 0)
+    assert plain.key == STORE_KEY and plain._verified(b"42") == 42
+
+
+def check_torchs_store(job: Job) -> None:
+    """A running 2-node job on loopback: every socket its processes listen on is on
+    loopback (the rendezvous store and the store the workers share, hosted by
+    torchrun's agents; gloo; the daemons). An outside process sets the stop key
+    the ranks once polled, and a forged value at the key they read now: no rank
+    stops (before, the ranks other than 0 polled the fixed key, stopped at once,
+    and rank 0 waited in an all-reduce); each rank that read it says so once."""
+    ranks = job.status()["ranks"]
+    rank_pid = job.node1_rank_pid(max(r["rank"] for r in ranks if r["node"] == 1))
+    master = [environ_value(rank_pid, name) or "" for name in ("MASTER_ADDR", "MASTER_PORT")]
+    listening = {pid: listening_addresses(pid) for pid in processes_below(job.nodes)}
+    found = [a for addresses in listening.values() for a in addresses]
+    assert all(a.startswith(("127.", "::1:", "::ffff:127.")) for a in found), listening
+    assert master[0] == "127.0.0.1", master
+    assert f"127.0.0.1:{job.rdzv_port}" in found and f"127.0.0.1:{master[1]}" in found, (
+        listening)
+    # the outside process: the old fixed key, and a forged value at the key read now
+    secret = RunKeys.load(job.runs / job.run_id / "keys").stop_secret().encode()
+    key = DEFAULT_PG + "ddtop/stop/" + hmac.new(secret, b"key", hashlib.sha256).hexdigest()[:16]
+    before = job.status()["global_step"]
+    outside = subprocess.run([sys.executable, "-c", STORE_CLIENT, *master,
+                              DEFAULT_PG + OLD_STOP_KEY, "0", key, "0:" + "0" * 64],
+                             text=True, capture_output=True, timeout=30)
+    assert outside.returncode == 0, outside.stderr[-2000:]
+    assert DEFAULT_PG + OLD_STOP_KEY in outside.stdout.split()
+    set_at = time.monotonic()
+    # Every rank has looked in the store 4 times 2 s after the set (every 0.5 s);
+    # then the slowest rank still makes steps, every rank running (a rank that had
+    # stopped would hold the others in an all-reduce: the slowest step frozen).
+    while time.monotonic() - set_at < 2:
+        time.sleep(0.2)
+    settled = job.status()["global_step"]
+    deadline = time.monotonic() + 20
+    while (now := job.status()).get("global_step", 0) <= settled + 10:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in job.nodes), (
+            f"the ranks stopped training after the outside set: the slowest at step {before}, "
+            f"{settled} 2 s later, {now.get('global_step')} 20 s after that; {job.output()}")
+        time.sleep(0.3)
+    assert [r["state"] for r in now["ranks"]] == ["running"] * 4, now["ranks"]
+    print(f"\nan outside TCPStore.set at step {before}: the slowest rank at step "
+          f"{now['global_step']} {time.monotonic() - set_at:.1f} s later; listening: "
+          f"{sorted(set(found))}")
+    logs = [p.read_text() for p in (job.runs / job.run_id).glob("**/logs/rank-*.log")]
+    said = [log.count("ddtop: ignored a stop step in torch's store") for log in logs]
+    assert sorted(said)[-3:] == [1, 1, 1] and len(said) == 4, said  # the three that read it
 
 
 def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:

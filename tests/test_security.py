@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import BIN, Detached, ddtrain, detached, tagged_env
+from helpers import BIN, Detached, ddtrain, detached, listening_addresses, tagged_env
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.keys import RunKeys
@@ -250,34 +250,6 @@ def test_messages_sent_by_a_process_that_is_not_the_rank_are_dropped_and_counted
     assert all(r["phase"] != "done" for r in later["ranks"])
     kept = [wire.decode([r.frame]) for r in journal.read(root / "telemetry.journal")]
     assert not [m for m in kept if m.rank >= 0 and m.seq >= 10**9]  # none of them journaled
-
-
-def listening_addresses(pid: int) -> list[str]:
-    """The local addresses of the TCP sockets process `pid` listens on."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = str(fd.readlink())
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        for line in lines:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            address_hex, port_hex = local.split(":")
-            raw = bytes.fromhex(address_hex)
-            if family == socket.AF_INET:
-                raw = raw[::-1]
-            else:  # four little-endian 32-bit words
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-            found.append(f"{socket.inet_ntop(family, raw)}:{int(port_hex, 16)}")
-    return found
 
 
 def test_the_ranks_listen_on_loopback_only(guarded: tuple[Detached, Path]) -> None:

@@ -92,15 +92,22 @@ def host_store(master_addr: str, master_port: int, world_size: int) -> None:
     global _hosted
     if _hosted is not None:
         return
-    host = "127.0.0.1" if master_addr == "localhost" else master_addr
+    listener = listen_on(master_addr, master_port, world_size)
+    _hosted = TCPStore(master_addr, master_port, world_size, True, timeout=STORE_TIMEOUT,
+                       wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def listen_on(address: str, port: int, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on `address` alone (`localhost`: 127.0.0.1) at `port`
+    (0: one the system picks), for a TCPStore to serve on (`master_listen_fd`)."""
+    host = "127.0.0.1" if address == "localhost" else address
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((host, master_port))
+        listener.bind((host, port))
     except OSError as e:
         listener.close()
         raise dist.DistNetworkError(
-            f"the rendezvous port {host}:{master_port} cannot be bound: {e.strerror}") from None
-    listener.listen(max(128, world_size))
-    _hosted = TCPStore(master_addr, master_port, world_size, True, timeout=STORE_TIMEOUT,
-                       wait_for_workers=False, master_listen_fd=listener.detach())
+            f"the rendezvous port {host}:{port} cannot be bound: {e.strerror}") from None
+    listener.listen(max(128, backlog))
+    return listener

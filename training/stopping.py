@@ -23,20 +23,37 @@ NODES_MARGIN_S of steps ahead (at the faster of its average and its recent step
 rate), and every other rank also looks in the store every STORE_POLL_S whether
 or not its own signal has come: it finds the target within that, a step, and a
 round trip to the store, however late its daemon is (docs/multi-node.md).
+
+torch's store has no authentication: whoever reaches its port can list, read
+and write its keys. So what a rank reads there is signed: the daemon gives its
+ranks a secret in their environment only (DDTOP_STOP_SECRET; a multi-node job's
+is derived from its keys, the same on every node), and rank 0 writes
+`TARGET:MAC`, an HMAC-SHA256 over the key, this launch (attempt, the step it
+started from, MASTER_PORT) and the target. A value that does not verify is
+ignored, and said once in the rank's log. The key's name is derived from the
+secret too (no fixed name to aim at). A rank started without the secret (a
+user's own torchrun) looks in the store only once its own signal has come, and
+trusts what it finds there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import os
 import signal
+import sys
 import time
 from types import FrameType
 
 import torch.distributed as dist
 
+from ddtop.daemon.contract import ATTEMPT_ENV, STOP_SECRET_ENV
+
 STOP_SIGNAL = signal.SIGUSR1
-STORE_KEY = "ddtop/stop_after"
+STORE_KEY = "ddtop/stop_after"  # without a secret; with one, a name derived from it
+TARGET_DIGITS = 18  # a longer target in the store is not one rank 0 wrote
 MARGIN = 3
 # A multi-node job (above): the target this many seconds of steps ahead; the
 # ranks other than 0 look in the store this often; the recent step rate is
@@ -63,6 +80,13 @@ class StopAgreement:
         self.is_main = is_main
         self.target: int | None = None
         self.nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1) > 1
+        secret = os.environ.get(STOP_SECRET_ENV, "")
+        self.secret = secret.encode() if secret else None
+        self.key = STORE_KEY if self.secret is None else f"ddtop/stop/{self._mac('key')[:16]}"
+        # this launch: a value signed for another (a stop of an earlier one) is refused
+        self.launch = (f"{os.environ.get(ATTEMPT_ENV, '')}:{start_step}:"
+                       f"{os.environ.get('MASTER_PORT', '')}")
+        self.refused = False  # a value that did not verify, said once
         now = time.monotonic()
         self.since = (now, start_step)  # for the average step rate of a multi-node job
         self.window = (now, start_step)  # the current rate window's start
@@ -76,7 +100,8 @@ class StopAgreement:
             if self.nodes:  # one clock read a step; a store round trip every STORE_POLL_S
                 now = time.monotonic()
                 self._measure(now, global_step)
-                if not self.is_main and now - self.polled >= STORE_POLL_S:
+                if (not self.is_main and self.secret is not None
+                        and now - self.polled >= STORE_POLL_S):
                     self.polled, look = now, True
             if not look:
                 return False
@@ -85,10 +110,33 @@ class StopAgreement:
                 if not _requested:
                     return False
                 self.target = global_step + self._margin(global_step)
-                store.set(STORE_KEY, str(self.target))
-            elif store.check([STORE_KEY]):
-                self.target = int(store.get(STORE_KEY))
+                store.set(self.key, self._signed(self.target))
+            elif store.check([self.key]):
+                self.target = self._verified(store.get(self.key))
         return self.target is not None and global_step >= self.target
+
+    def _mac(self, text: str) -> str:
+        assert self.secret is not None
+        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def _signed(self, target: int) -> str:
+        if self.secret is None:
+            return str(target)
+        return f"{target}:{self._mac(f'{self.key}|{self.launch}|{target}')}"
+
+    def _verified(self, value: bytes) -> int | None:
+        """The target in a value from the store, if rank 0 of this launch wrote it."""
+        target, _, mac = value.decode(errors="replace").partition(":")
+        if target.isdigit() and len(target) <= TARGET_DIGITS and (
+                self.secret is None or hmac.compare_digest(
+                    mac, self._mac(f"{self.key}|{self.launch}|{target}"))):
+            return int(target)
+        if not self.refused:
+            self.refused = True
+            print(f"ddtop: ignored a stop step in torch's store at {self.key!r} that is not "
+                  "this run's (not signed with its secret): someone who can reach the store "
+                  "wrote it", file=sys.stderr, flush=True)
+        return None
 
     def _measure(self, now: float, global_step: int) -> None:
         t0, step0 = self.window
