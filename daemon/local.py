@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.leftovers import Leftover, in_sessions
 from ddtop.daemon.processes import LogTail, OwnProcess, ProcessId
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import Rank, choose_port, rank_program
@@ -76,6 +77,11 @@ class LocalRanks:
     def numbered(self) -> dict[int, ProcessId]:
         return {r.rank: r.process.identity for r in self.ranks
                 if r.process.exitcode is None and r.process.identity is not None}
+
+    def left_behind(self) -> list[Leftover]:
+        """Each rank leads its own session (training/worker.py): the rest of it."""
+        return in_sessions({r.rank: r.process.identity for r in self.ranks
+                            if r.process.identity is not None})
 
     def close(self) -> None:
         """Stop the forkserver and multiprocessing's resource tracker, if this run
