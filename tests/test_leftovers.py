@@ -38,7 +38,9 @@ def test_what_the_ranks_leave_running_is_ended_and_named(tmp_path: Path, launch:
     assert "run lc succeeded" in run.stderr
     assert "rank   1 finished" in run.stdout  # the headless summary, after the end
     for rank in (0, 1):
-        line = next(line for line in run.stderr.splitlines() if f"rank {rank} left" in line)
+        named = [line for line in run.stderr.splitlines() if f"rank {rank} left" in line]
+        assert len(named) == 1, run.stderr
+        line = named[0]
         assert line.startswith(f"ddtrain: rank {rank} left 2 processes behind (pid ")
         assert "sleep" in line and line.endswith("): terminated"), line
     assert len(left_pids(tmp_path / "runs" / "lc")) == 4
