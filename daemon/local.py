@@ -14,14 +14,21 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.processes import LogTail, OwnProcess, ProcessId
+from ddtop.daemon.leftovers import Leftover, in_sessions
+from ddtop.daemon.processes import LogTail, OwnProcess, ProcessId, send_signal
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import Rank, choose_port, rank_program
 from ddtop.daemon.state import RunState
+
+# Seconds the forkserver and resource tracker get to exit once told to, before they are killed.
+HELPER_EXIT_S = 5.0
 
 
 def _rank_entry(module: str, entry: str, *args: Any) -> None:
@@ -29,6 +36,10 @@ def _rank_entry(module: str, entry: str, *args: Any) -> None:
     import importlib
 
     getattr(importlib.import_module(module), entry)(*args)
+
+
+def _kill(name: str, helper: ProcessId | None, killed: dict[str, bool]) -> None:
+    killed[name] = send_signal(helper, signal.SIGKILL)
 
 
 class LocalRanks:
@@ -77,18 +88,45 @@ class LocalRanks:
         return {r.rank: r.process.identity for r in self.ranks
                 if r.process.exitcode is None and r.process.identity is not None}
 
+    def left_behind(self) -> list[Leftover]:
+        """Each rank leads its own session (training/worker.py): the rest of it."""
+        return in_sessions({r.rank: r.process.identity for r in self.ranks
+                            if r.process.identity is not None})
+
     def close(self) -> None:
         """Stop the forkserver and multiprocessing's resource tracker, if this run
         started them, and wait for both (unloading torch takes the forkserver a
-        second; without this it outlived the command)."""
+        second; without this it outlived the command). Each exits once every
+        copy of its pipe is closed: a process that a rank forked and that left
+        its session (so was not ended with the rank) may hold one; after
+        HELPER_EXIT_S the helper is killed rather than waited for."""
         if self.context is None or not self._started_helpers:
             return
         from multiprocessing import forkserver, resource_tracker
 
-        helpers: list[Any] = [forkserver._forkserver, resource_tracker._resource_tracker]
-        for helper in helpers:  # _stop (untyped in the stubs): close its pipe, wait for it
-            with contextlib.suppress(OSError, ChildProcessError):
-                helper._stop()
+        helpers: list[tuple[str, Any, int | None]] = [
+            ("forkserver", forkserver._forkserver,
+             forkserver._forkserver._forkserver_pid),  # type: ignore[attr-defined]
+            ("resource tracker", resource_tracker._resource_tracker,
+             resource_tracker._resource_tracker._pid)]  # type: ignore[attr-defined]
+        # Our own children, not reaped until _stop returns: their pids are their own.
+        # One deadline for both, from now.
+        killed: dict[str, bool] = {}
+        timers = [threading.Timer(HELPER_EXIT_S, _kill, (name, ProcessId.of(pid), killed))
+                  for name, _, pid in helpers]
+        for timer in timers:
+            timer.start()
+        try:
+            for _, helper, _ in helpers:  # _stop (untyped in the stubs): close its pipe, wait
+                with contextlib.suppress(OSError, ChildProcessError):
+                    helper._stop()
+        finally:
+            for timer in timers:
+                timer.cancel()
+        for name in (n for n, sent in killed.items() if sent):
+            print(f"ddtrain: multiprocessing's {name} did not exit within {HELPER_EXIT_S:g} s "
+                  "(a process the ranks started outside their sessions holds its pipe): killed",
+                  file=sys.stderr, flush=True)
 
     def _context(self, method: str, preload: str) -> Any:
         if method not in multiprocessing.get_all_start_methods():

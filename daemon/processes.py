@@ -41,6 +41,14 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
 
 
+def lead_own_session() -> None:
+    """Make this process the leader of a new session (and process group), so that
+    everything it starts can be found by the session's id once it has exited
+    (daemon/leftovers.py). Already a leader (torchrun starts each worker so): nothing."""
+    with contextlib.suppress(PermissionError):  # EPERM: it leads a group already
+        os.setsid()
+
+
 def pid_alive(pid: int | None) -> bool:
     """True while `pid` names a process that has not exited (a zombie has). Only
     a positive pid names one process (0 and -1 name groups, or everyone)."""
@@ -67,6 +75,7 @@ class Stat:
     state: str  # R, S, D, Z (zombie), ...
     ppid: int
     start: int  # clock ticks after boot
+    session: int = 0  # the pid of the session's leader (the process that called setsid)
 
 
 def parse_stat(text: str) -> Stat:
@@ -78,7 +87,8 @@ def parse_stat(text: str) -> Stat:
     if not paren or "(" not in head or len(fields) < 20:
         raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
     # fields[0] is field 3 (state): field N is fields[N - 3].
-    return Stat(state=fields[0], ppid=int(fields[1]), start=int(fields[19]))
+    return Stat(state=fields[0], ppid=int(fields[1]), start=int(fields[19]),
+                session=int(fields[3]))
 
 
 def read_stat(pid: int) -> Stat | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.leftovers import Leftover
 from ddtop.daemon.processes import LogTail, Process, ProcessId
 from ddtop.daemon.state import RunState
 
@@ -98,6 +99,12 @@ class RankStarter(Protocol):
 
     def numbered(self) -> dict[int, ProcessId]:
         """The live ranks this starter (or its agent) started, by rank number."""
+        ...
+
+    def left_behind(self) -> list[Leftover]:
+        """The processes this attempt's exited ranks started that are still running
+        (daemon/leftovers.py): never a live rank's, nor one whose identity cannot
+        be checked."""
         ...
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any, TextIO
 
-from ddtop.daemon import blame, nodes, wire
+from ddtop.daemon import blame, leftovers, nodes, wire
 from ddtop.daemon.config import TrainConfig, UsageError, count_of
 from ddtop.daemon.contract import (
     EXIT_FAILED,
@@ -160,6 +160,7 @@ class Supervisor:
             self._stop_all()
             raise
         finally:
+            self._end_leftovers()  # an exception's way out too: nothing may hold the helpers
             if self.forwarder is not None:
                 self.forwarder.close(self._local_ranks(), self.final or {"status": "failed"})
             self.starter.close()  # the forkserver and resource tracker, waited for
@@ -178,6 +179,7 @@ class Supervisor:
                     signal.signal(s, signal.SIG_IGN)
                 self._stop_all()
                 self._note_exits(None)
+                self._end_leftovers()
                 code = EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 128 + stop.signum
                 outcome = Outcome("stopped", code)
         finally:
@@ -204,6 +206,7 @@ class Supervisor:
         while True:
             self._start_ranks()
             outcome = self._supervise()
+            self._end_leftovers()  # the ranks have ended: so does what they left running
             if (outcome.status != "failed" or outcome.exit_code == EXIT_USAGE
                     or self.restarts >= self.config.max_restarts or self.stopping is not None):
                 return outcome
@@ -615,6 +618,18 @@ class Supervisor:
             r.exitcode = r.process.exitcode
 
     # -- the end of an attempt ---------------------------------------------------
+    def _end_leftovers(self) -> None:
+        """End what the exited ranks left running (daemon/leftovers.py), named in
+        one line per rank, so that nothing they started outlives the run or keeps
+        the command waiting."""
+        if self.starter is None or any(r.process.exitcode is None for r in self.ranks):
+            return
+        found, killed = leftovers.end(self.starter.left_behind)
+        for line in leftovers.describe(found, killed):
+            print(f"ddtrain: {line}", file=self.err, flush=True)
+            if self.relay is not None:
+                self.relay.emit(wire.Event, type="warning", message=line)
+
     def _rank_ends(self, processes: list[Rank]) -> list[Rank]:
         """How each rank ended, for processes that have exited."""
         assert self.starter is not None and self.relay is not None

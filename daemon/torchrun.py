@@ -23,6 +23,7 @@ import sys
 
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
+from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.processes import (
     AgentProcess,
     ExitedProcess,
@@ -33,6 +34,7 @@ from ddtop.daemon.processes import (
     environ_value,
     lineage,
     read_stat,
+    same_process,
     set_parent_death_signal,
 )
 from ddtop.daemon.runs import RunPaths, write_json_atomic
@@ -127,6 +129,13 @@ class TorchrunRanks:
     def numbered(self) -> dict[int, ProcessId]:
         self.rank_processes()  # who is below the agent now
         return dict(self.seen)
+
+    def left_behind(self) -> list[Leftover]:
+        """Once the agent has exited: the processes with this daemon's pid in the
+        environment it gave its workers, started after it (their RANK says whose)."""
+        if self.agent is None or same_process(self.agent):
+            return []
+        return with_environment(DAEMON_PID_ENV, str(os.getpid()), self.agent)
 
     def close(self) -> None:
         """Nothing of its own left: the agent has exited with its ranks."""

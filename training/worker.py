@@ -34,7 +34,7 @@ from ddtop.daemon.contract import (
     STACKS_SIGNAL,
     ErrorReport,
 )
-from ddtop.daemon.processes import pid_alive, set_parent_death_signal
+from ddtop.daemon.processes import lead_own_session, pid_alive, set_parent_death_signal
 from ddtop.daemon.runs import RunPaths, log_stream
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
@@ -152,9 +152,11 @@ def torchrun_environment(rank: int, world_size: int, master_addr: str, master_po
 
 
 def enter_rank(rank: int, run_dir: str, daemon_pid: int) -> RunPaths:
-    """What every rank the daemon forks does first: die with the daemon, leave
-    Ctrl-C to it (it reaches the whole terminal's process group; the daemon
+    """What every rank the daemon forks does first: lead a session of its own
+    (what it starts and leaves running when it exits is found there and ended:
+    daemon/leftovers.py), die with the daemon, leave Ctrl-C to it (the daemon
     decides what it means), and write its output to its own log."""
+    lead_own_session()
     die_with_daemon(daemon_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     paths = RunPaths(Path(run_dir))
