@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
 import msgspec
@@ -90,7 +91,19 @@ def left_early_words(step: int) -> str:
             "without a goodbye")
 
 
-def blame_order(end: RankEnd, report: ErrorReport | None) -> tuple[int, float]:
+class Cause(IntEnum):
+    """Why a rank ended, as blame weighs it: the lower, the likelier the cause."""
+
+    SIGNAL_OR_USAGE = 0  # killed by a signal (not the daemon's), or stopped by bad input
+    OWN_ERROR = 1  # raised an error of its own, or left early
+    SILENT_EXIT = 2  # exited non-zero without a word
+    LOST_PEER = 3  # its error says only that a peer went away
+    STOPPED = 4  # the daemon stopped it, and it said nothing of its own
+    CLEAN = 5  # exited 0 when it was done
+    NONE = 6  # no rank to weigh (a node that blamed none)
+
+
+def blame_order(end: RankEnd, report: ErrorReport | None) -> tuple[Cause, float]:
     """Among ranks that failed together, the likely cause comes first: one
     killed by a signal or stopped by bad input (0); then one that raised an
     error of its own, or left early (1: exited 0 while the others ran, see
@@ -100,20 +113,20 @@ def blame_order(end: RankEnd, report: ErrorReport | None) -> tuple[int, float]:
     the earliest error report (or exit, for one that left early) first."""
     when = report.time if report is not None else math.inf
     if end.exit_code == 0:
-        cause = 1 if end.left_early else 5
+        cause = Cause.OWN_ERROR if end.left_early else Cause.CLEAN
         if end.left_early and end.ended is not None:
             when = end.ended
     elif (report is not None and report.kind == "usage") or (
             end.exit_code < 0 and not end.stopped_by_daemon):
-        cause = 0
+        cause = Cause.SIGNAL_OR_USAGE
     elif report is not None and not PEER_LOSS.search(report.message):
-        cause = 1
+        cause = Cause.OWN_ERROR
     elif report is None and not end.stopped_by_daemon:
-        cause = 2
+        cause = Cause.SILENT_EXIT
     elif report is not None:
-        cause = 3
+        cause = Cause.LOST_PEER
     else:
-        cause = 4
+        cause = Cause.STOPPED
     return cause, when
 
 

@@ -24,6 +24,7 @@ import socket
 from dataclasses import dataclass
 from typing import Protocol
 
+from ddtop.daemon.blame import RankEnd
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.leftovers import Leftover
 from ddtop.daemon.processes import LogTail, Process, ProcessId
@@ -67,6 +68,11 @@ class Rank:
     ended: float | None = None  # wall clock when the daemon saw it exit
     others_running: bool = False  # other ranks of the attempt still ran when it exited
     left_early_at: int | None = None  # exited 0 before its work was done, at this step
+
+    def end(self) -> RankEnd:
+        """Its exit as the blame policy takes it."""
+        return RankEnd(self.exitcode or 0, self.stopped_by_us,
+                       left_early=self.left_early_at is not None, ended=self.ended)
 
 
 class RankStarter(Protocol):

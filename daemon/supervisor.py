@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -49,12 +48,13 @@ from ddtop.daemon.contract import (
 )
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.local import LocalRanks
-from ddtop.daemon.processes import ExitedProcess, send_signal
+from ddtop.daemon.noderole import NodeRole
+from ddtop.daemon.processes import send_signal
 from ddtop.daemon.rankview import STALLED
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
-from ddtop.daemon.starters import AGENT, Rank, RankStarter, choose_port, rank_program
+from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord
 from ddtop.daemon.torchrun import TorchrunRanks
@@ -107,12 +107,9 @@ class Supervisor:
         self.hung_since: float | None = None  # wall clock: since when the run hangs
         # The hung rank's failure, said by the daemon (--hang-timeout): its exit carries it.
         self.verdicts: dict[int, ErrorReport] = {}
-        # A multi-node job (daemon/nodes.py): node 0's node table, or node K's forwarder.
-        self.hub: nodes.Hub | None = None
-        self.forwarder: nodes.Forwarder | None = None
-        self.final: dict[str, Any] | None = None  # how this node ended, for the hub
-        self.hub_ranks: list[int] = []  # this node's own ranks, as last said
-        self.hub_silent = False  # node K: the hub has not answered for a while
+        # This daemon's part in a multi-node job (node 0's hub, node K's forwarder, or
+        # none): daemon/noderole.py.
+        self.role: NodeRole | None = None
         # Signs the stop step in torch's store (training/stopping.py): this daemon's
         # own, or a multi-node job's, derived from its keys (the same on every node).
         self.stop_secret = secrets.token_hex(32)
@@ -130,10 +127,11 @@ class Supervisor:
             self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
                                world_size=self.config.world_size,
                                bind=bind or None, keys=keys, nodes=hub)
+            self.role = NodeRole(self.config, self.paths, self.relay, self.err, self._local_ranks)
             if hub:
                 assert keys is not None
                 self.stop_secret = keys.stop_secret()
-                self._become_hub(bind)
+                self.role.become_hub(bind)
             if not self.config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(self.config.master_addr, 0)
@@ -142,7 +140,7 @@ class Supervisor:
             self._status("starting", f"run {self.paths.run_id} starting "
                          f"{count_of(self.config.world_size, 'rank')}")
             if self.config.multi_node and not self.config.is_hub:
-                self._join_hub()
+                self.stop_secret = self.role.join_hub().stop_secret()
         except (OSError, UsageError) as e:
             if self.relay is not None:
                 self.relay.close()
@@ -161,19 +159,20 @@ class Supervisor:
             raise
         finally:
             self._end_leftovers()  # an exception's way out too: nothing may hold the helpers
-            if self.forwarder is not None:
-                self.forwarder.close(self._local_ranks(), self.final or {"status": "failed"})
+            if self.role is not None:
+                self.role.close()
             self.starter.close()  # the forkserver and resource tracker, waited for
             self.relay.close()  # its sockets (and a private sockets folder) go with it
             if self.lock is not None:
                 os.close(self.lock)
 
     def _run(self) -> int:
-        assert self.relay is not None
+        assert self.relay is not None and self.role is not None
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
-                outcome = self._with_nodes(self._attempts())
+                outcome = self.role.settle(self._attempts(), lambda: self._note_exits(None),
+                                           self.on_tick)
             except Stopped as stop:
                 for s in previous:  # a second Ctrl-C must not interrupt the clean-up
                     signal.signal(s, signal.SIG_IGN)
@@ -194,8 +193,7 @@ class Supervisor:
             print(f"ddtrain: {names} did not stop in time and was killed with SIGKILL",
                   file=self.err, flush=True)
         self._status(outcome.status, headline, exit_code=outcome.exit_code)
-        if self.forwarder is not None:
-            self.final = self._final(outcome, headline)
+        self.role.record_final(outcome, headline)
         if self.on_tick is not None:
             self.on_tick(self.relay.state)
         self.report.print_outcome(outcome, self.out, self.err)
@@ -238,165 +236,6 @@ class Supervisor:
         self.ranks = []  # a signal before the new ranks exist stops at once
         self.relay.retire_senders()  # the old processes' pids are not the ranks' now
         self.hung_since, self.verdicts = None, {}
-
-    # -- multi-node (daemon/nodes.py) -------------------------------------------
-    def _become_hub(self, bind: str) -> None:
-        """Node 0: serve the node daemons, and tell them where (hub.json)."""
-        assert self.relay is not None
-        self.hub = nodes.Hub(self.config, self.relay)
-        self.relay.hub = self.hub
-        host = self.config.rdzv_host if bind in ("0.0.0.0", "::") else bind
-        endpoints = self.relay.endpoints
-        self.hub.nodes_endpoint = nodes.public(endpoints["nodes"], host)
-        control = nodes.public(endpoints["control"], host)
-        nodes.write_hub_file(self.paths, control, self.hub.nodes_endpoint)
-        print(f"ddtrain: node 0 is the hub of {self.config.nnodes} nodes: {control} "
-              f"(keys in {self.paths.keys}; written to {self.paths.hub_file})",
-              file=self.err, flush=True)
-
-    def _join_hub(self) -> None:
-        """Node K: find the hub (shared run directory, or --hub), forward to it."""
-        assert self.relay is not None
-        job = RunPaths(self.paths.root.parent.parent)
-        control, keys = nodes.find_hub(self.config, job, lambda m: print(
-            f"ddtrain: {m}", file=self.err, flush=True))
-        self.forwarder = nodes.Forwarder(self.config, control, keys)
-        self.stop_secret = keys.stop_secret()
-        self.relay.forward = self.forwarder.send
-        print(f"ddtrain: node {self.config.node_rank} forwards to the hub at {control}",
-              file=self.err, flush=True)
-
-    def _local_ranks(self) -> list[int]:
-        seen = getattr(self.starter, "seen", None)
-        return sorted(seen) if isinstance(seen, dict) else []
-
-    def _nodes_tick(self) -> None:
-        assert self.relay is not None
-        if self.hub is not None:
-            self.hub.check()
-            if self.hub.stop is None and self.relay.stop_request is not None:
-                self.hub.stop = self.relay.stop_request  # every node stops too
-            ranks = self._local_ranks()
-            if ranks != self.hub_ranks:
-                self.hub_ranks = ranks
-                self.relay.emit(wire.Event, type="info", message=(
-                    f"node 0 ({socket.gethostname()}): ranks {', '.join(map(str, ranks))}"),
-                    data={"node": 0, "node_state": nodes.UP, "ranks": ",".join(map(str, ranks)),
-                          "host": socket.gethostname()})
-        if self.forwarder is not None:
-            ranks = self._local_ranks()
-            if ranks != self.hub_ranks:  # this node's ranks: shown here, not the others'
-                self.hub_ranks = ranks
-                k, host = self.config.node_rank, socket.gethostname()
-                self.relay.emit(wire.Event, type="info", message=(
-                    f"node {k} ({host}): ranks {', '.join(map(str, ranks))}"),
-                    data={"node": k, "node_state": nodes.UP, "local": True,
-                          "ranks": ",".join(map(str, ranks)), "host": host})
-            self.forwarder.tick(ranks, self.relay.state.status)
-            self._watch_hub()
-            if self.forwarder.stop is not None and self.relay.stop_request is None:
-                self.relay.stop_request = self.forwarder.stop
-
-    def _watch_hub(self) -> None:
-        """Node K: say when the hub stops answering (this node trains on, holding
-        what it forwards up to the high-water mark) and when it answers again."""
-        assert self.forwarder is not None and self.relay is not None
-        heard = self.forwarder.heard or self.forwarder.started
-        silent = time.monotonic() - heard > nodes.NODE_TIMEOUT_S
-        if silent != self.hub_silent:
-            self.hub_silent = silent
-            message = (f"the hub (node 0) has not answered for {nodes.NODE_TIMEOUT_S:g} s; "
-                       f"this node goes on, holding up to {nodes.FORWARD_HWM:,} messages for it"
-                       if silent else "the hub (node 0) answers again")
-            print(f"ddtrain: {'warning: ' if silent else ''}{message}", file=self.err, flush=True)
-            self.relay.emit(wire.Event, type="warning" if silent else "info", message=message,
-                            data={"local": True})
-
-    def _final(self, outcome: Outcome, headline: str) -> dict[str, Any]:
-        """How node K ended, for the hub: status, headline, the rank it blamed."""
-        final: dict[str, Any] = {"status": outcome.status, "message": headline[:1000]}
-        rank = outcome.failed_rank
-        if outcome.status == "failed" and rank is not None and rank.exitcode is not None:
-            report = outcome.report
-            cause, _ = blame.blame_order(_rank_end(rank), report)
-            final["failure"] = {"rank": rank.rank, "pid": rank.process.pid,
-                                "exit_code": rank.exitcode, "cause": cause,
-                                "how": headline.partition(": ")[2][:500],
-                                "message": (report.message if report else "")[:1000]}
-        return final
-
-    def _with_nodes(self, outcome: Outcome) -> Outcome:
-        """The hub, once its own ranks ended: wait (bounded) for every node to say
-        how it ended; a node that went silent is lost; the job's outcome names the
-        node and rank to blame."""
-        hub, relay = self.hub, self.relay
-        if hub is None or relay is None:
-            return outcome
-        self._note_exits(None)
-        deadline = time.monotonic() + nodes.NODE_FINAL_WAIT_S + nodes.NODE_TIMEOUT_S
-        while not hub.settled() and time.monotonic() < deadline:
-            relay.serve(POLL_S)
-            hub.check()
-            if self.on_tick is not None:
-                self.on_tick(relay.state)
-        for k in hub.missing():  # never heard from
-            hub.nodes[k] = nodes.NodeSeen(k, state=nodes.UNREACHABLE)
-        for seen in hub.nodes.values():
-            if seen.state == nodes.UP:  # still running at the deadline: silent to us
-                seen.state = nodes.UNREACHABLE
-        lost = hub.lose_unreachable()
-        ours = outcome.failed_rank
-        our_cause = 9
-        if outcome.status == "failed" and ours is not None and ours.exitcode is not None:
-            our_cause = blame.blame_order(_rank_end(ours), outcome.report)[0]
-        theirs = [(s.failure["cause"], s) for s in hub.nodes.values()
-                  if s.state == nodes.DONE and s.status == "failed"
-                  and isinstance(s.failure, dict) and isinstance(s.failure.get("cause"), int)
-                  and isinstance(s.failure.get("rank"), int)]
-        theirs.sort(key=lambda c: c[0])
-        if theirs and theirs[0][0] < our_cause:
-            seen = theirs[0][1]
-            f = seen.failure or {}
-            raw_code, raw_pid = f.get("exit_code"), f.get("pid")
-            code = raw_code if isinstance(raw_code, int) else 1
-            pid = raw_pid if isinstance(raw_pid, int) else None
-            rank = Rank(f["rank"], ExitedProcess(pid, code), exitcode=code, noted=True)
-            how = str(f.get("how", "failed")).partition(f"rank {f['rank']} ")[2] or "failed"
-            message = str(f.get("message", ""))
-            early = code == 0  # blamed with exit code 0: it left early (its node said how)
-            relay.emit(wire.RankExit, exited=f["rank"], pid=pid,  # the job's culprit, named
-                       exit_code=code if code >= 0 else None, signal=signal_name(code),
-                       message=message or None, culprit=True, left_early=early,
-                       reason=how if early else None)
-            return Outcome("failed", EXIT_FAILED, rank,
-                           ErrorReport(rank=f["rank"], message=message) if message else None,
-                           reason=how, who=f"rank {f['rank']} on node {seen.node} ({seen.host})",
-                           log=f"{self.paths.node(seen.node).rank_log(f['rank'])} on node "
-                               f"{seen.node} ({seen.host})")
-        if lost and outcome.status != "stopped" and our_cause >= 3:
-            first = lost[0]
-            names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in lost)
-            ranks = ", ".join(str(r) for s in lost for r in s.ranks) or "unknown"
-            reason = (f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
-                      f"ranks {ranks} unreachable")
-            return self._node_failed(first, reason, names)
-        if outcome.status == "succeeded" and any(
-                s.status in ("failed", "stopped") for s in hub.nodes.values()):
-            worst = next(s for s in hub.nodes.values() if s.status in ("failed", "stopped"))
-            return self._node_failed(worst, worst.message or worst.status,
-                                     f"node {worst.node} ({worst.host})")
-        return outcome
-
-    def _node_failed(self, seen: nodes.NodeSeen, reason: str, who: str) -> Outcome:
-        """The job failed because of node `seen` as a whole (lost, or failed with no
-        rank to blame): the one culprit, in the state (run.json, status, the
-        headless summary, dashboards) as in the headline."""
-        assert self.relay is not None
-        self.relay.emit(wire.RankExit, exited=AGENT, pid=seen.pid, exit_code=None, signal=None,
-                        culprit=True, reason=reason, node=seen.node)
-        return Outcome("failed", EXIT_FAILED,
-                       Rank(AGENT, ExitedProcess(seen.pid, 1), exitcode=1, noted=True),
-                       reason=reason, who=who)
 
     # -- start -----------------------------------------------------------------
     def _start_ranks(self) -> None:
@@ -445,7 +284,8 @@ class Supervisor:
             # the other nodes, requests, the ranks' output): an exception in one is
             # said and counted by the relay, and the ranks stay supervised.
             self.relay.guarded("tick", self._tick)
-            self.relay.guarded("nodes", self._nodes_tick)
+            assert self.role is not None
+            self.relay.guarded("nodes", self.role.tick)
             self._check_stop()
             self.relay.guarded("stacks", self._serve_stacks)
             self.relay.guarded("logs", self._echo_logs)
@@ -456,6 +296,10 @@ class Supervisor:
             hung = self._check_hang()
             if hung is not None:
                 return hung
+
+    def _local_ranks(self) -> list[int]:
+        seen = getattr(self.starter, "seen", None)
+        return sorted(seen) if isinstance(seen, dict) else []
 
     def _tick(self) -> None:
         if self.on_tick is not None:
@@ -641,7 +485,7 @@ class Supervisor:
         ends = self._rank_ends(self.ranks)
         self._judge_leavers(ends)
         reports = {e.rank: r for e in ends if (r := self._error_report(e.rank)) is not None}
-        exits = {e.rank: _rank_end(e) for e in ends}
+        exits = {e.rank: e.end() for e in ends}
         chosen = blame.culprit(exits, reports)
         # No rank failed, yet a process did (torchrun's agent itself): blame that.
         failed = next((e for e in ends if e.rank == chosen),
@@ -716,12 +560,6 @@ class Supervisor:
         for prefix, tail in self.starter.tails:
             for line in tail.lines(final):
                 print(f"{prefix} {line}", file=self.out, flush=True)
-
-
-def _rank_end(rank: Rank) -> blame.RankEnd:
-    """A rank's exit as the blame policy takes it."""
-    return blame.RankEnd(rank.exitcode or 0, rank.stopped_by_us,
-                         left_early=rank.left_early_at is not None, ended=rank.ended)
 
 
 def _left_early(rank: Rank) -> str | None:

@@ -1,0 +1,215 @@
+"""A daemon's part in a multi-node job: node 0's hub, node K's forwarder, or none.
+
+The supervisor runs the ranks of its own node the same whatever its part; this
+is what the part adds (daemon/nodes.py has the hub's node table and the
+forwarder's sockets):
+
+- node 0 (`become_hub`): serves the node daemons and writes hub.json; each tick
+  turns their silences into `unreachable` events and passes a stop on to every
+  node; once its own ranks have ended, `settle` waits (bounded) for every node to
+  say how it ended and gives the job's one outcome: the rank or node to blame.
+- node K (`join_hub`): forwards every message its relay folds, beats once a
+  second, says when the hub stops answering, takes a stop from the hub's reply,
+  and at the end tells the hub how it ended (`record_final`, `close`).
+- a single-node run: every method does nothing (a null part, not a branch in
+  the supervisor).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from ddtop.daemon import blame, nodes, wire
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.contract import EXIT_FAILED, ErrorReport, signal_name
+from ddtop.daemon.keys import RunKeys
+from ddtop.daemon.processes import ExitedProcess
+from ddtop.daemon.relay import Relay
+from ddtop.daemon.report import Outcome
+from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.starters import AGENT, Rank
+from ddtop.daemon.state import RunState
+
+# Seconds between looks at the sockets while the hub waits for the nodes' ends.
+SETTLE_POLL_S = 0.1
+
+
+class NodeRole:
+    def __init__(self, config: TrainConfig, paths: RunPaths, relay: Relay, err: TextIO,
+                 local_ranks: Callable[[], list[int]]) -> None:
+        self.config, self.paths, self.relay, self.err = config, paths, relay, err
+        self.local_ranks = local_ranks  # this node's ranks, as its starter knows them
+        self.hub: nodes.Hub | None = None
+        self.forwarder: nodes.Forwarder | None = None
+        self.final: dict[str, Any] | None = None  # how this node ended, for the hub
+        self.ranks_said: list[int] = []  # this node's own ranks, as last said
+        self.hub_silent = False  # node K: the hub has not answered for a while
+
+    def _say(self, message: str) -> None:
+        print(f"ddtrain: {message}", file=self.err, flush=True)
+
+    # -- joining -------------------------------------------------------------------
+    def become_hub(self, bind: str) -> None:
+        """Node 0: serve the node daemons, and tell them where (hub.json)."""
+        self.hub = nodes.Hub(self.config, self.relay)
+        self.relay.hub = self.hub
+        host = self.config.rdzv_host if bind in ("0.0.0.0", "::") else bind
+        endpoints = self.relay.endpoints
+        self.hub.nodes_endpoint = nodes.public(endpoints["nodes"], host)
+        control = nodes.public(endpoints["control"], host)
+        nodes.write_hub_file(self.paths, control, self.hub.nodes_endpoint)
+        self._say(f"node 0 is the hub of {self.config.nnodes} nodes: {control} "
+                  f"(keys in {self.paths.keys}; written to {self.paths.hub_file})")
+
+    def join_hub(self) -> RunKeys:
+        """Node K: find the hub (shared run directory, or --hub), forward to it; the
+        job's keys."""
+        job = RunPaths(self.paths.root.parent.parent)
+        control, keys = nodes.find_hub(self.config, job, self._say)
+        self.forwarder = nodes.Forwarder(self.config, control, keys)
+        self.relay.forward = self.forwarder.send
+        self._say(f"node {self.config.node_rank} forwards to the hub at {control}")
+        return keys
+
+    # -- every tick ----------------------------------------------------------------
+    def tick(self) -> None:
+        relay = self.relay
+        if self.hub is not None:
+            self.hub.check()
+            if self.hub.stop is None and relay.stop_request is not None:
+                self.hub.stop = relay.stop_request  # every node stops too
+            self._say_ranks(0, local=False)
+        if self.forwarder is not None:
+            ranks = self._say_ranks(self.config.node_rank, local=True)
+            self.forwarder.tick(ranks, relay.state.status)
+            self._watch_hub()
+            if self.forwarder.stop is not None and relay.stop_request is None:
+                relay.stop_request = self.forwarder.stop
+
+    def _say_ranks(self, node: int, local: bool) -> list[int]:
+        """This node's ranks, said once each time they change (node K's are shown
+        on node K, the hub re-says them for the job)."""
+        ranks = self.local_ranks()
+        if ranks != self.ranks_said:
+            self.ranks_said = ranks
+            host = socket.gethostname()
+            data: dict[str, Any] = {"node": node, "node_state": nodes.UP,
+                                    "ranks": ",".join(map(str, ranks)), "host": host}
+            if local:
+                data["local"] = True
+            self.relay.emit(wire.Event, type="info", data=data,
+                            message=f"node {node} ({host}): ranks {', '.join(map(str, ranks))}")
+        return ranks
+
+    def _watch_hub(self) -> None:
+        """Node K: say when the hub stops answering (this node trains on, holding
+        what it forwards up to the high-water mark) and when it answers again."""
+        assert self.forwarder is not None
+        heard = self.forwarder.heard or self.forwarder.started
+        silent = time.monotonic() - heard > nodes.NODE_TIMEOUT_S
+        if silent != self.hub_silent:
+            self.hub_silent = silent
+            message = (f"the hub (node 0) has not answered for {nodes.NODE_TIMEOUT_S:g} s; "
+                       f"this node goes on, holding up to {nodes.FORWARD_HWM:,} messages for it"
+                       if silent else "the hub (node 0) answers again")
+            self._say(f"{'warning: ' if silent else ''}{message}")
+            self.relay.emit(wire.Event, type="warning" if silent else "info", message=message,
+                            data={"local": True})
+
+    # -- the end -------------------------------------------------------------------
+    def record_final(self, outcome: Outcome, headline: str) -> None:
+        """Node K: how it ended, for the hub: status, headline, the rank it blamed."""
+        if self.forwarder is None:
+            return
+        final: dict[str, Any] = {"status": outcome.status, "message": headline[:1000]}
+        rank = outcome.failed_rank
+        if outcome.status == "failed" and rank is not None and rank.exitcode is not None:
+            report = outcome.report
+            cause, _ = blame.blame_order(rank.end(), report)
+            final["failure"] = {"rank": rank.rank, "pid": rank.process.pid,
+                                "exit_code": rank.exitcode, "cause": cause,
+                                "how": headline.partition(": ")[2][:500],
+                                "message": (report.message if report else "")[:1000]}
+        self.final = final
+
+    def close(self) -> None:
+        """Node K: say how it ended (failed, when it never got to say), let the last
+        messages go."""
+        if self.forwarder is not None:
+            self.forwarder.close(self.local_ranks(), self.final or {"status": "failed"})
+
+    def settle(self, outcome: Outcome, note_exits: Callable[[], None],
+               on_tick: Callable[[RunState], None] | None) -> Outcome:
+        """The hub, once its own ranks ended: wait (bounded) for every node to say
+        how it ended; a node that went silent is lost; the job's outcome names the
+        node and rank to blame. Any other part: `outcome` as it is."""
+        hub, relay = self.hub, self.relay
+        if hub is None:
+            return outcome
+        note_exits()
+        deadline = time.monotonic() + nodes.NODE_FINAL_WAIT_S + nodes.NODE_TIMEOUT_S
+        while not hub.settled() and time.monotonic() < deadline:
+            relay.serve(SETTLE_POLL_S)
+            hub.check()
+            if on_tick is not None:
+                on_tick(relay.state)
+        for k in hub.missing():  # never heard from
+            hub.nodes[k] = nodes.NodeSeen(k, state=nodes.UNREACHABLE)
+        for seen in hub.nodes.values():
+            if seen.state == nodes.UP:  # still running at the deadline: silent to us
+                seen.state = nodes.UNREACHABLE
+        lost = hub.lose_unreachable()
+        ours = outcome.failed_rank
+        our_cause = blame.Cause.NONE
+        if outcome.status == "failed" and ours is not None and ours.exitcode is not None:
+            our_cause = blame.blame_order(ours.end(), outcome.report)[0]
+        theirs = sorted(((s.failure["cause"], s) for s in hub.nodes.values()
+                         if s.state == nodes.DONE and s.status == "failed"
+                         and s.failure is not None), key=lambda c: c[0])
+        if theirs and theirs[0][0] < our_cause:
+            return self._their_rank_failed(theirs[0][1])
+        if lost and outcome.status != "stopped" and our_cause >= blame.Cause.LOST_PEER:
+            first = lost[0]
+            names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in lost)
+            ranks = ", ".join(str(r) for s in lost for r in s.ranks) or "unknown"
+            reason = (f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
+                      f"ranks {ranks} unreachable")
+            return self._node_failed(first, reason, names)
+        if outcome.status == "succeeded" and any(
+                s.status in ("failed", "stopped") for s in hub.nodes.values()):
+            worst = next(s for s in hub.nodes.values() if s.status in ("failed", "stopped"))
+            return self._node_failed(worst, worst.message or worst.status,
+                                     f"node {worst.node} ({worst.host})")
+        return outcome
+
+    def _their_rank_failed(self, seen: nodes.NodeSeen) -> Outcome:
+        """The job's culprit is a rank of node `seen` (as its node daemon blamed it):
+        named in the state as in the headline."""
+        f = seen.failure or {}
+        code, pid, rank = f["exit_code"], f["pid"], f["rank"]
+        how = str(f["how"]).partition(f"rank {rank} ")[2] or "failed"
+        message = str(f["message"])
+        early = code == 0  # blamed with exit code 0: it left early (its node said how)
+        self.relay.emit(wire.RankExit, exited=rank, pid=pid,  # the job's culprit, named
+                        exit_code=code if code >= 0 else None, signal=signal_name(code),
+                        message=message or None, culprit=True, left_early=early,
+                        reason=how if early else None)
+        return Outcome("failed", EXIT_FAILED,
+                       Rank(rank, ExitedProcess(pid, code), exitcode=code, noted=True),
+                       ErrorReport(rank=rank, message=message) if message else None,
+                       reason=how, who=f"rank {rank} on node {seen.node} ({seen.host})",
+                       log=f"{self.paths.node(seen.node).rank_log(rank)} on node "
+                           f"{seen.node} ({seen.host})")
+
+    def _node_failed(self, seen: nodes.NodeSeen, reason: str, who: str) -> Outcome:
+        """The job failed because of node `seen` as a whole (lost, or failed with no
+        rank to blame): the one culprit, in the state (run.json, status, the
+        headless summary, dashboards) as in the headline."""
+        self.relay.emit(wire.RankExit, exited=AGENT, pid=seen.pid, exit_code=None, signal=None,
+                        culprit=True, reason=reason, node=seen.node)
+        return Outcome("failed", EXIT_FAILED,
+                       Rank(AGENT, ExitedProcess(seen.pid, 1), exitcode=1, noted=True),
+                       reason=reason, who=who)
