@@ -16,6 +16,9 @@
    `--comm-backend nccl` does the same on the GPUs, one rank per GPU, where the
    hook times with CUDA events and `dist.all_reduce` is timed with CUDA events
    around it on the training stream (`--only comm --comm-backend nccl`).
+4. The training thread's time per step while another thread calls
+   `ddtop.step()` in a tight loop, against one that calls a no-op as often (the
+   GIL shared the same way) and against none (`--only flood`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -151,6 +155,58 @@ def publish_cost() -> None:
     for name, us in results.items():
         print(f"{name:<20} | {us:11.2f}")
     print(f"(encoding a Step message, done on the sender thread: {encode_us:.2f} us)")
+
+
+def flood_cost(steps: int) -> None:
+    import torch
+
+    import ddtop
+    from ddtop.daemon.contract import TELEMETRY_ENV
+    from ddtop.training import api
+
+    listener = Listener()
+    os.environ[TELEMETRY_ENV] = listener.endpoint
+    weight = torch.randn(128, 128)
+
+    def noop() -> None:
+        pass
+
+    spinners: dict[str, Any] = {"none": None, "calling a no-op": noop,
+                                "calling ddtop.step()": ddtop.step}
+    results = {}
+    for name, call in spinners.items():
+        live = api.start(run="bench", world_size=2)
+        stop = threading.Event()
+        calls = 0
+
+        def spin(call: Any = call, stop: threading.Event = stop) -> None:
+            nonlocal calls
+            while not stop.is_set():
+                call()
+                calls += 1
+
+        thread = threading.Thread(target=spin)
+        if call is not None:
+            thread.start()
+        start = time.perf_counter()
+        for _ in range(steps):
+            with ddtop.phase("forward"):
+                loss = (weight @ weight).sum()
+            ddtop.step(loss=loss, samples=1)
+        took = time.perf_counter() - start
+        stop.set()
+        if call is not None:
+            thread.join()
+        if live is not None:
+            live.close(0)
+        results[name] = (took / steps * 1e6, calls / took)
+    listener.close()
+    print(f"\n4. The training thread's time per step ({steps} steps of a 128x128 matmul, "
+          "telemetry on) with another thread spinning")
+    print(f"{'other thread':<22} | {'us per step':>11} | {'its calls/s':>11}")
+    print("-" * 51)
+    for name, (us, rate) in results.items():
+        print(f"{name:<22} | {us:11.1f} | {rate:11,.0f}")
 
 
 def _comm_rank(rank: int, port: int, steps: int, width: int, out: str, backend: str,
@@ -281,13 +337,16 @@ def main() -> int:
     parser.add_argument("--comm-backend", choices=["gloo", "nccl"], default="gloo",
                         help="part 3: gloo, 2 ranks on the CPU (default); nccl, one rank "
                              "per GPU, timed with CUDA events")
-    parser.add_argument("--only", choices=["throughput", "publish", "comm"],
+    parser.add_argument("--flood-steps", type=int, default=3000)
+    parser.add_argument("--only", choices=["throughput", "publish", "flood", "comm"],
                         help="run one part only")
     args = parser.parse_args()
     if args.only in (None, "throughput"):
         throughput(args.repeats, args.samples)
     if args.only in (None, "publish"):
         publish_cost()
+    if args.only in (None, "flood"):
+        flood_cost(args.flood_steps)
     if args.only in (None, "comm"):
         comm_timing(args.comm_steps, args.comm_widths, args.comm_backend)
     return 0

@@ -48,7 +48,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddtop.daemon import wire
 from ddtop.daemon.contract import RUN_ID_ENV, TELEMETRY_ENV
 from ddtop.training.commtimer import CommTimer, DDPStats
-from ddtop.training.telemetry import LiveTelemetry, receiver_answers
+from ddtop.training.receiver import receiver_answers
+from ddtop.training.telemetry import LiveTelemetry
 
 FALLBACK_RUN_ID = "script"
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"

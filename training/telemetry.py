@@ -9,9 +9,9 @@ a `Telemetry`: the base class, whose methods do nothing, when telemetry is off.
 - The training thread only marks: which phase it enters (`phase`), that a
   step was counted (`count_step`) and what it added (`add_loss`), what a
   collective took (`comm_done`), which collective it waits in (`collective`).
-  Each mark is a tuple appended to a deque; the sender thread folds the marks
-  into the step window, in order. Nothing is summed, encoded or sent on the
-  training thread.
+  Each mark is a tuple appended to a bounded deque; the sender thread folds the
+  marks into the step window, in order, a bounded share per round
+  (training/marks.py). Nothing is summed, encoded or sent on the training thread.
 - A loss tensor on a device is summed on that device (no synchronisation on
   the training thread); the sender thread reads the sum when it sends. Each
   loss weighs its samples if given, else 1 (the Step message's `loss_weight`).
@@ -52,10 +52,22 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ddtop.daemon import wire
 from ddtop.daemon.keys import secure
+from ddtop.training.marks import (
+    COMM,
+    DDP_READING,
+    DDP_SYNC,
+    EXPOSED,
+    LOSS,
+    MAX_MARKS,
+    PHASE,
+    RESUME,
+    STEP,
+    SYNC,
+    FoldRounds,
+)
 
 SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
 HEARTBEAT_INTERVAL_S = 1.0
@@ -83,11 +95,6 @@ LOSS_OVERWRITTEN = (
     "such steps are shown without their loss; pass a tensor not reused after the call "
     "(or loss.item())")
 
-# What the training thread marks, for the sender to fold (the first item of a mark).
-_PHASE, _STEP, _LOSS, _COMM, _EXPOSED, _SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
-_DDP_SYNC, _DDP_READING = "ddp sync", "ddp reading"
-MAX_MARKS = 1 << 16  # marks not yet folded (the sender folds every SEND_INTERVAL_S)
-FOLD_CHUNK = 64  # marks folded between two releases of the GIL (about ten steps)
 OPEN_WAIT_S = 1.0  # how long a counted step waits for the reading of its all-reduce
 MAX_PENDING_SYNCS = 64  # all-reduces kept for a step not counted yet (no step ever: dropped)
 TYPICAL_OF = 9  # an all-reduce not read takes the median of this many recent readings
@@ -232,6 +239,7 @@ class LiveTelemetry(Telemetry):
         self._finished: list[StepWindow] = []  # windows closed at an epoch boundary
         self._events: collections.deque[wire.Message] = collections.deque([hello])
         self._queue_dropped = 0
+        self._rounds = FoldRounds(self.rank)  # how much of the marks a round folds
         self._rss: int | None = None  # resident memory as last read, and when (monotonic)
         self._rss_at = -math.inf
         self._bye: wire.Bye | None = None
@@ -258,7 +266,7 @@ class LiveTelemetry(Telemetry):
         """Several times per step."""
         now = time.perf_counter()
         self._phase_now = (name, now)
-        self._marks.append((_PHASE, name, now))
+        self._marks.append((PHASE, name, now))
 
     def count_step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
                    lr: float, loss: Any = None, samples: int | None = None,
@@ -272,18 +280,19 @@ class LiveTelemetry(Telemetry):
         self._phase_now = ("data" if phase == "setup" else phase, now)  # no phase spans two steps
         if isinstance(loss, torch.Tensor):
             loss = self._loss_mark(loss, samples)
-        self._marks.append((_STEP, now, epoch, step, steps_per_epoch, global_step, lr, loss,
+        self._marks.append((STEP, now, epoch, step, steps_per_epoch, global_step, lr, loss,
                             samples, hold, then))
         self._epoch, self._global_step = epoch, global_step
 
     def resume_at(self, epoch: int, global_step: int) -> None:
         """Steps done before this process started (a resumed run), for heartbeats."""
         self._epoch, self._global_step = epoch, global_step
+        self._marks.append((RESUME, global_step))  # (no step was dropped in between)
 
     def add_loss(self, loss: Any, samples: int | None, release: bool = False) -> None:
         """The last step's loss (a number or a tensor, any device) and samples;
         `release`: the step held for it may go out now."""
-        self._marks.append((_LOSS, self._loss_mark(loss, samples), samples, release))
+        self._marks.append((LOSS, self._loss_mark(loss, samples), samples, release))
 
     def _loss_mark(self, loss: Any, samples: int | None) -> Any:
         """A loss as its mark carries it, for the sender to read. A number: as
@@ -342,7 +351,7 @@ class LiveTelemetry(Telemetry):
         try:
             yield
         finally:
-            self._marks.append((_SYNC, time.perf_counter() - start))
+            self._marks.append((SYNC, time.perf_counter() - start))
             self.collective_completed(coll)
 
     def collective_started(self, op: str, nbytes: int) -> wire.Collective:
@@ -360,25 +369,25 @@ class LiveTelemetry(Telemetry):
         until then, so that a window sent in between cannot get the communication
         without its step. `bus_factor`: the op's busbw / algbw when it is not an
         all-reduce (training/strategies.py: all-gather, reduce-scatter)."""
-        self._marks.append((_COMM, seconds, nbytes,
+        self._marks.append((COMM, seconds, nbytes,
                             self._allreduce_bus_factor if bus_factor is None else bus_factor))
 
     def comm_exposed(self, seconds: float) -> None:
         """Of the step's communication, `seconds` the rank sat waiting for it."""
-        self._marks.append((_EXPOSED, seconds))
+        self._marks.append((EXPOSED, seconds))
 
     # A DDP model timed from DDP's own statistics (training/commtimer.py DDPStats):
     def ddp_all_reduce(self, source: Any, timed: bool) -> wire.Collective:
         """`source`'s model is all-reducing its gradients in this step: its bytes
         and buckets, and its time (read if `timed`, else estimated:
         `_close_open`); the collective heartbeats name meanwhile."""
-        self._marks.append((_DDP_SYNC, source, timed))
+        self._marks.append((DDP_SYNC, source, timed))
         return self.collective_started("allreduce", source.grad_bytes)
 
     def ddp_reading(self, source: Any, seconds: float) -> None:
         """What `source`'s last all-reduce took, read from DDP's statistics (the
         one of the step counted last)."""
-        self._marks.append((_DDP_READING, source, seconds))
+        self._marks.append((DDP_READING, source, seconds))
 
     def collective_over(self, coll: wire.Collective) -> None:
         """`coll` is over, unless another collective started since (then that one
@@ -391,49 +400,45 @@ class LiveTelemetry(Telemetry):
     # counted or the window is sent, so that a reading of its all-reduce, which
     # DDP only has at the next forward, still goes with it; a step whose reading
     # is due waits for it at most OPEN_WAIT_S.
-    def _fold(self) -> None:
-        """Everything marked so far, into the windows: a chunk at a time, letting
-        the training thread have the GIL between chunks (a whole window's marks
-        at once would hold it for a millisecond or more)."""
-        marks = self._marks
-        while marks:
-            for _ in range(min(len(marks), FOLD_CHUNK)):
-                m = marks.popleft()
-                kind = m[0]
-                if kind is _PHASE:
-                    self._account_phase(m[2])
-                    self._f_phase, self._f_since = m[1], m[2]
-                elif kind is _STEP:
-                    self._close_open()
-                    self._open_step(m)
-                elif kind is _LOSS:
-                    self._add_loss(self._open or self._window, m[1], m[2])
-                    if m[3]:
-                        self._hold_until = 0.0
-                elif kind is _COMM:
-                    pending = self._comm_pending
-                    pending.comm_s += m[1]
-                    pending.comm_bytes += m[2]
-                    pending.comm_ops += 1
-                    pending.comm_bus_bytes += m[2] * m[3]
-                elif kind is _EXPOSED:
-                    pending = self._comm_pending
-                    pending.comm_exposed_s = (pending.comm_exposed_s or 0.0) + m[1]
-                elif kind is _SYNC:
-                    self._window.sync_wait_s += m[1]
-                elif kind is _DDP_SYNC:
-                    if len(self._pending_syncs) < MAX_PENDING_SYNCS:
-                        self._pending_syncs.append([m[1], None, m[2]])
-                elif kind is _DDP_READING:
-                    recent = self._recent[m[1]]
-                    recent.readings.append(m[2])
-                    recent.typical = statistics.median(recent.readings)
-                    for sync in self._open_syncs:
-                        if sync[0] is m[1] and sync[1] is None and sync[2]:  # (a timed one)
-                            sync[1] = m[2]
-                            break
-            if marks:
-                os.sched_yield()  # (releases the GIL)
+    def _fold(self, final: bool = False) -> None:
+        """The marks, into the windows, as many as a round's budget allows
+        (training/marks.py: a chunk at a time, the GIL released in between)."""
+        for m in self._rounds.take(self._marks, final):
+            kind = m[0]
+            if kind is PHASE:
+                self._account_phase(m[2])
+                self._f_phase, self._f_since = m[1], m[2]
+            elif kind is STEP:
+                self._close_open()
+                self._open_step(m)
+            elif kind is LOSS:
+                self._add_loss(self._open or self._window, m[1], m[2])
+                if m[3]:
+                    self._hold_until = 0.0
+            elif kind is COMM:
+                pending = self._comm_pending
+                pending.comm_s += m[1]
+                pending.comm_bytes += m[2]
+                pending.comm_ops += 1
+                pending.comm_bus_bytes += m[2] * m[3]
+            elif kind is EXPOSED:
+                pending = self._comm_pending
+                pending.comm_exposed_s = (pending.comm_exposed_s or 0.0) + m[1]
+            elif kind is SYNC:
+                self._window.sync_wait_s += m[1]
+            elif kind is DDP_SYNC:
+                if len(self._pending_syncs) < MAX_PENDING_SYNCS:
+                    self._pending_syncs.append([m[1], None, m[2]])
+            elif kind is DDP_READING:
+                recent = self._recent[m[1]]
+                recent.readings.append(m[2])
+                recent.typical = statistics.median(recent.readings)
+                for sync in self._open_syncs:
+                    if sync[0] is m[1] and sync[1] is None and sync[2]:  # (a timed one)
+                        sync[1] = m[2]
+                        break
+            elif kind is RESUME:
+                self._rounds.resumed(m[1])
 
     def _account_phase(self, now: float) -> None:
         """The time in the current phase until `now`: step time or not."""
@@ -451,7 +456,8 @@ class LiveTelemetry(Telemetry):
         elif self._f_phase == "setup":
             self._f_phase = "data"  # set-up is over once a step is done
         self._f_since = now
-        o = StepWindow(steps=1, step_s=max(0.0, now - self._f_step_start - self._f_excluded),
+        o = StepWindow(steps=self._rounds.step(global_step, now),
+                       step_s=max(0.0, now - self._f_step_start - self._f_excluded),
                        epoch=epoch, step=step, steps_per_epoch=steps_per_epoch,
                        global_step=global_step, lr=lr, phase_s=self._f_acc)
         self._f_acc = collections.defaultdict(float)
@@ -519,7 +525,7 @@ class LiveTelemetry(Telemetry):
         w.compute_sum_s += compute
         w.compute_max_s = max(w.compute_max_s, compute)
         w.compute_steps += 1
-        w.steps += 1
+        w.steps += o.steps  # (more than 1: steps whose marks were dropped, marks.py)
         w.step_s += o.step_s
         for phase, spent in o.phase_s.items():
             w.phase_s[phase] += spent
@@ -658,7 +664,10 @@ class LiveTelemetry(Telemetry):
         """The steps counted since the last send, but a window that waits for its
         loss (held, or a GPU loss not computed yet: never a blocking read here)
         and those after it, unless `final`."""
-        self._fold()
+        self._fold(final)
+        flood = self._rounds.warning()
+        if flood is not None:
+            self.event("warning", flood)
         if self._open is not None and (final or not self._open_waits()):
             self._close_open()
         windows, self._finished = self._finished, []
@@ -756,29 +765,3 @@ def _scalar_value(raw: Any) -> float | torch.Tensor | None:
         except OverflowError:  # an int beyond any float
             return math.copysign(math.inf, raw)
     return None
-
-
-def receiver_answers(endpoint: str, timeout_s: float) -> str | None:
-    """None when a ZeroMQ PULL socket at `endpoint` completes a handshake with a
-    PUSH within `timeout_s` (that is what "a daemon answers" means: no
-    collective, no request); else why not, in one line."""
-    context = zmq.Context()
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    try:
-        try:
-            secure(sock, endpoint, None)
-            sock.connect(endpoint)
-        except zmq.ZMQError as e:
-            return f"DDTOP_TELEMETRY={endpoint!r} is not a ZeroMQ endpoint ({e})"
-        if monitor.poll(int(timeout_s * 1000)):
-            event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                return None
-        return f"no ddtop receiver answered at {endpoint} within {timeout_s:g} s"
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-        context.term()
