@@ -15,7 +15,7 @@ import msgspec
 
 from ddtop.daemon import control
 from ddtop.daemon.config import UsageError, count_of, default_runs_dir
-from ddtop.daemon.contract import EXIT_OK
+from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
 from ddtop.daemon.runinfo import RunInfo, list_runs
 from ddtop.daemon.runs import RunPaths, locate_run
@@ -160,11 +160,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if info.problem:
         print(f"ddtrain: warning: {info.problem}; its daemon, if any, cannot be found from it",
               file=sys.stderr)
+    unverifiable = info.unverifiable
     if not info.live:
         # Nothing is signalled: a pid that names another process now is left alone.
         reused = (f"; pid {pid} is another process now, left alone" if info.status == LOST
-                  and info.pid_reused else "")
-        print(f"ddtrain: run {rid} is not running ({info.status}{reused})")
+                  and info.pid_reused and not unverifiable else "")
+        said = f"; {unverifiable}" if info.status == LOST and unverifiable else ""
+        print(f"ddtrain: run {rid} is not running ({info.status}{reused}){said}")
         return EXIT_OK
     assert pid is not None
     try:
@@ -178,6 +180,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
                 else "ranks finish their step and rank 0 checkpoints")
         print(f"ddtrain: stopping run {rid}: {what} (up to {args.timeout:g} s)...", flush=True)
     except control.Unreachable as e:
+        if unverifiable:  # a daemon's command line, but which process is it?
+            print(f"ddtrain: run {rid}: the daemon (pid {pid}) does not answer ({e}); "
+                  f"{unverifiable} (stop it yourself if it is the run's daemon)", flush=True)
+            return EXIT_FAILED
         print(f"ddtrain: the daemon (pid {pid}) does not answer ({e}); terminating it, "
               "which stops its ranks at once", flush=True)
         # Only the daemon itself: send_signal checks that the pid still names it.
