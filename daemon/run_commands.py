@@ -83,8 +83,8 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         lines.append("  rejected by the daemon: " + ", ".join(
             f"{n} {reason}" for reason, n in sorted(s.rejected.items())))
     if s.journal_dropped:
-        lines.append(f"  journal: {s.journal_dropped} records not written (the disk refused "
-                     "them); a replay misses them")
+        lines.append(f"  journal: {count_of(s.journal_dropped, 'record')} not written (the disk "
+                     "refused them); a replay misses them")
     if s.stragglers:
         lines.append(f"  stragglers: {', '.join(map(str, s.stragglers))} "
                      f"(skew {1000 * s.skew_s:.1f} ms per step)")

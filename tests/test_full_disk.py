@@ -27,6 +27,7 @@ from helpers import DDTRAIN, finish, start, wait_until_gone
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import RESERVE_NAME, RunReport
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths, log_stream
@@ -113,6 +114,72 @@ def test_journal_drops_and_counts_whole_records_then_writes_again(tmp_path: Path
         writer.close()
         state, last = journal.replay(writer.path, "r")
         assert last == 3022 and state.journal_dropped == dropped + 1  # the gaps, counted
+
+
+def test_every_journal_outage_is_counted_and_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three outages of a relay's journal, the second and third within a minute of
+    the first warning: only the first is warned about, each end says what that
+    outage cost and what all did ('1 record ... was'), and the line at close
+    the final total, which is run.json's and the replay's count."""
+    with small_disk(tmp_path / "disk", 1) as disk:
+        now = [0.0]
+        relay = Relay("r", disk / "telemetry.journal", tmp_path / "sockets")
+        writer = relay.journal
+        writer.clock = lambda: now[0]
+        path = writer.path
+
+        def outage(frames: int) -> int:
+            """The disk full while `frames` records come, then room again; the
+            records that outage dropped."""
+            before = writer.dropped
+            filler = fill(disk)
+            for seq, received, frame in records(frames, start=relay.seq + 1):
+                relay.seq = seq
+                writer.append(seq, received, frame)
+            for _ in range(10_000):  # one at a time until the journal file's last page is full
+                relay.emit(wire.Event, type="info", message="during")
+                if writer.error is not None:
+                    break
+            filler.unlink()
+            now[0] += journal.RETRY_S
+            relay.emit(wire.Event, type="info", message="after")  # written: the outage ends
+            return writer.dropped - before
+
+        try:
+            relay.emit(wire.Event, type="info", message="before")
+            first = outage(3000)
+            now[0] += 10.0  # within WARN_EVERY_S of the first warning: not warned again
+            second = outage(3000)
+            now[0] += 10.0
+            third = outage(0)  # the one event that did not fit
+        finally:
+            relay.close()
+        total = first + second + third
+        assert first > 1 and second > 1 and third == 1 and writer.outages == 3
+        said = [e["message"] for e in relay.state.events if e["message"].startswith("journal")]
+        bytes_ = [e["data"]["dropped_bytes"] for e in relay.state.events
+                  if e["message"].startswith("journal: writing again")]
+        warned = next(e["data"]["dropped"] for e in relay.state.events
+                      if e["type"] == "warning")  # so far: the warning itself is dropped too
+        assert 0 < warned < first
+        assert said == [
+            f"journal: {NO_SPACE} on {path}: {warned} records not written; the run goes on, "
+            "and the journal is written again when there is room",
+            f"journal: writing again to {path}; {first} records ({bytes_[0]:,} bytes) were "
+            "not written",
+            f"journal: writing again to {path}; {second} records "
+            f"({bytes_[1] - bytes_[0]:,} bytes) were not written ({first + second} records in "
+            "all, 2 outages)",
+            f"journal: writing again to {path}; 1 record ({bytes_[2] - bytes_[1]:,} bytes) was "
+            f"not written ({total} records in all, 3 outages)"]
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"ddtrain: {'warning: ' * (m == said[0])}{m}" for m in said] + [
+            f"ddtrain: warning: journal: {total} records ({writer.dropped_bytes:,} bytes) not "
+            f"written to {path} in all (3 outages); a replay misses them"]
+        assert relay.state.journal_dropped == total == writer.dropped
+        replayed, _ = journal.replay(path, "r")
+        assert replayed.journal_dropped == total
 
 
 def test_the_final_run_json_is_written_from_the_reserve(tmp_path: Path) -> None:
