@@ -15,6 +15,13 @@ records it held are dropped and counted (`JournalWriter.dropped`), and for
 RETRY_S after that what comes is dropped and counted without touching the disk;
 then writing is tried again. Dropped records leave gaps in the relay sequence
 numbers, so a replay counts what is missing (`RunState.journal_dropped`).
+
+The writer tells of its own health (`JournalWriter.news`, `final_line`); the
+relay only says it. Each outage (from a refused write to the next one that
+works) is counted: its start is warned about (not again within WARN_EVERY_S of
+the last warning: a disk hovering at full), its end always says what that
+outage cost and, after the first, what all of them did; the final line, once
+the journal is closed, the total.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 import msgspec
 
 from ddtop.daemon import wire
+from ddtop.daemon.config import count_of
 from ddtop.daemon.state import RunState
 
 LENGTH = struct.Struct(">I")
@@ -36,6 +44,9 @@ MAX_RECORD_BYTES = wire.MAX_FRAME_BYTES + 64
 FLUSH_BYTES = 64 * 1024
 # Seconds after a failed write during which records are dropped unwritten.
 RETRY_S = 1.0
+# An outage that begins this soon after the last warning is not warned about (its
+# end is still said, with its count).
+WARN_EVERY_S = 60.0
 
 
 class Record(msgspec.Struct, array_like=True):
@@ -46,6 +57,14 @@ class Record(msgspec.Struct, array_like=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
+
+
+class News(msgspec.Struct, frozen=True):
+    """One thing to say about the journal: an event's type, message and data."""
+
+    type: wire.EventType
+    message: str
+    data: dict[str, str | int]
 
 
 class JournalWriter:
@@ -63,6 +82,11 @@ class JournalWriter:
         self.error: OSError | None = None  # why the newest write failed; None once one works
         self._retry_at = 0.0
         self._broken = False  # a torn record could not be cut off: nothing more is written
+        self.outages = 0  # times the disk began refusing writes
+        self._outage_from: tuple[int, int] | None = None  # (dropped, bytes) as this one began
+        self._begun = False  # an outage began, not yet told
+        self._ended: tuple[int, int] | None = None  # an outage's (records, bytes), not yet told
+        self._warned_at: float | None = None
 
     def append(self, seq: int, received: float, frame: bytes) -> None:
         data = _encoder.encode(Record(seq, received, frame))
@@ -88,12 +112,20 @@ class JournalWriter:
         else:
             self._end += written
             self.error = None
+            if self._outage_from is not None:  # an outage ends
+                records, size = self._outage_from
+                self._ended = (self.dropped - records, self.dropped_bytes - size)
+                self._outage_from = None
         self._pending.clear()
         self._ends.clear()
 
     def _failed(self, error: OSError, written: int) -> None:
         """Keep the whole records among the first `written` bytes, cut off the
         rest, count what is lost, and leave the disk alone for RETRY_S."""
+        if self._outage_from is None:  # an outage begins
+            self._outage_from = (self.dropped, self.dropped_bytes)
+            self.outages += 1
+            self._begun = True
         kept = sum(1 for end in self._ends if end <= written)
         whole = self._ends[kept - 1] if kept else 0
         if written > whole:  # a torn record would hide every record after it from a replay
@@ -110,9 +142,53 @@ class JournalWriter:
         self.dropped += records
         self.dropped_bytes += size
 
+    def news(self) -> News | None:
+        """What to say about the journal now, each thing once (call until None):
+        an outage begun (a warning, unless one was said within WARN_EVERY_S), an
+        outage ended (always, with its count)."""
+        if self._begun:
+            self._begun = False
+            now = self.clock()
+            if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+                self._warned_at = now
+                assert self.error is not None and self._outage_from is not None
+                why = self.error.strerror or str(self.error)
+                lost = self.dropped - self._outage_from[0]
+                return News("warning", (
+                    f"journal: {why} on {self.path}: {count_of(lost, 'record')} not written"
+                    f"{self._in_all()}; the run goes on, and the journal is written again "
+                    "when there is room"), {"error": why, **self._counts()})
+        if self._ended is not None:
+            (records, size), self._ended = self._ended, None
+            return News("info", (
+                f"journal: writing again to {self.path}; {count_of(records, 'record')} "
+                f"({_bytes(size)}) {'was' if records == 1 else 'were'} not written"
+                f"{self._in_all()}"), self._counts())
+        return None
+
+    def final_line(self) -> str | None:
+        """The count of every record not written, for the end (None: none)."""
+        if not self.dropped:
+            return None
+        return (f"journal: {count_of(self.dropped, 'record')} "
+                f"({_bytes(self.dropped_bytes)}) not written to {self.path} in all "
+                f"({count_of(self.outages, 'outage')}); a replay misses them")
+
+    def _in_all(self) -> str:
+        return (f" ({count_of(self.dropped, 'record')} in all, "
+                f"{count_of(self.outages, 'outage')})" if self.outages > 1 else "")
+
+    def _counts(self) -> dict[str, str | int]:
+        return {"path": str(self.path), "dropped": self.dropped,
+                "dropped_bytes": self.dropped_bytes, "outages": self.outages}
+
     def close(self) -> None:
         self.flush()
         os.close(self._fd)
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} {'byte' if n == 1 else 'bytes'}"
 
 
 def read(path: Path) -> Iterator[Record]:

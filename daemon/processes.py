@@ -27,6 +27,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
+from itertools import pairwise
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Protocol
@@ -143,8 +144,11 @@ def send_signal(process: ProcessId | None, sig: int) -> bool:
 
     The pidfd is opened before the start time is compared: from then on it
     names that one process, exited or not, so the signal cannot reach a
-    process that was given the pid in between."""
+    process that was given the pid in between. Without a start time there is
+    nothing to compare: never sent."""
     if process is None or process.pid <= 0:  # a group, or every process: never
+        return False
+    if process.start is None:  # which process the pid names now cannot be checked
         return False
     try:
         pidfd = os.pidfd_open(process.pid)
@@ -208,6 +212,28 @@ def lineage(pid: int, root: ProcessId, limit: int = 32) -> list[int] | None:
             return chain if same else None
         pid, stat = stat.ppid, parent
     return None
+
+
+def command_line(pid: int) -> list[str]:
+    """The arguments process `pid` was started with ([] when gone, a zombie or
+    unreadable)."""
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
+
+
+DAEMON_MODULES = ("ddtop.daemon", "ddtop.daemon.cli")
+
+
+def is_daemon_command(argv: list[str]) -> bool:
+    """Whether `argv` is a ddtrain daemon's: the `ddtrain` script (run by its
+    interpreter, or directly) or `python [options] -m ddtop.daemon ...`."""
+    head = argv[:6]  # an interpreter and its options come first
+    if any(Path(arg).name == "ddtrain" for arg in head[:2]):
+        return True
+    return any(a == "-m" and b in DAEMON_MODULES for a, b in pairwise(head))
 
 
 def environ_value(pid: int, name: str) -> str | None:

@@ -20,9 +20,10 @@ this daemon's server key).
 Every accepted message is folded into the RunState, appended to the journal
 and re-published, in that order, under one relay sequence number. A journal
 the disk cannot take (full) drops and counts records instead of stopping the
-daemon (daemon/journal.py); the relay says so once, as a warning event and a
-line on stderr, keeps the count in `RunState.journal_dropped` (status,
-run.json) and says when the journal is written again. A dashboard
+daemon (daemon/journal.py, which also decides what to say of it: an outage
+begun, an outage ended with its count, the total at the end); the relay says
+it, as events and lines on stderr, and keeps the count in
+`RunState.journal_dropped` (status, run.json). A dashboard
 subscribes first, then asks for a snapshot (the state and the relay sequence
 number it includes) and applies only the live messages newer than that.
 
@@ -77,9 +78,6 @@ HANDSHAKE_FAILURES: dict[int, str] = {
 SOCKET_MAX_BYTES = 1 << 20
 MAX_NODE_DIGITS = 6  # a node daemon's number, as it heads each forward
 BATCH = 2000  # messages read per socket per serve() call, so no socket starves another
-# A journal that fails again this soon after it last warned is not warned about again
-# (a disk hovering at full); its count still grows in the state.
-JOURNAL_WARN_EVERY_S = 60.0
 # An internal error in one handler is said (stderr, a warning event) at most this often;
 # every one is counted.
 INTERNAL_ERROR_EVERY_S = 60.0
@@ -183,8 +181,6 @@ class Relay:
                 self.poller.register(monitor, zmq.POLLIN)
                 self.monitors.append(monitor)
         self.journal = JournalWriter(journal)
-        self._journal_outage = False  # a warning said, its recovery not yet
-        self._journal_warned: float | None = None  # monotonic time of the last warning
         self._journal_speaking = False
         self._errors_said: dict[str, float] = {}  # handler -> monotonic time it was last said
 
@@ -407,41 +403,19 @@ class Relay:
         self._watch_journal()
 
     def _watch_journal(self) -> None:
-        """Keep the journal's dropped count in the state; say when it starts
-        dropping records and when it writes again."""
-        journal = self.journal
-        self.state.journal_dropped = journal.dropped
+        """Keep the journal's dropped count in the state; say what the journal
+        has to say (an outage begun, an outage ended: daemon/journal.py)."""
+        self.state.journal_dropped = self.journal.dropped
         if self._journal_speaking:
-            return  # one of the events below is being emitted
-        now = time.monotonic()
-        if journal.error is not None and not self._journal_outage and (
-                self._journal_warned is None
-                or now - self._journal_warned >= JOURNAL_WARN_EVERY_S):
-            self._journal_outage, self._journal_warned = True, now
-            why = journal.error.strerror or str(journal.error)
-            self._announce("warning", (
-                f"journal: {why} on {journal.path}: {journal.dropped} records not written; "
-                "the run goes on, and the journal is written again when there is room"),
-                error=why)
-        elif journal.error is None and self._journal_outage:
-            self._journal_outage = False
-            self._announce("info", (
-                f"journal: writing again to {journal.path}; {journal.dropped} records "
-                f"({journal.dropped_bytes:,} bytes) were not written"))
-
-    def _announce(self, type: wire.EventType, message: str, **data: str) -> None:
-        """One of the journal's events, and its line on stderr."""
-        journal = self.journal
+            return  # one of its events is being emitted
         self._journal_speaking = True
         try:
-            self.emit(wire.Event, type=type, message=message, data={
-                "path": str(journal.path), "dropped": journal.dropped,
-                "dropped_bytes": journal.dropped_bytes, **data})
+            while (news := self.journal.news()) is not None:
+                self.emit(wire.Event, type=news.type, message=news.message, data=dict(news.data))
+                _say(news.type, news.message)
         finally:
             self._journal_speaking = False
-        with contextlib.suppress(OSError):  # stderr on the same full disk: the event said it
-            print(f"ddtrain: {'warning: ' if type == 'warning' else ''}{message}",
-                  file=sys.stderr, flush=True)
+        self.state.journal_dropped = self.journal.dropped
 
     def _answer_zap(self) -> None:
         """Who may complete a CURVE handshake: the run's client key, and no one else
@@ -493,6 +467,8 @@ class Relay:
 
     def close(self) -> None:
         self.journal.close()
+        if (line := self.journal.final_line()) is not None:
+            _say("warning", line)  # the count once nothing more can be dropped
         sockets = [self.pull, self.pub, self.router, *([self.nodes] if self.nodes else [])]
         if self.monitors:
             for sock in sockets:
@@ -513,6 +489,12 @@ def _node_number(frame: bytes) -> int | None:
     if not 0 < len(frame) <= MAX_NODE_DIGITS or not frame.isdigit():
         return None
     return int(frame)
+
+
+def _say(type: wire.EventType, message: str) -> None:
+    with contextlib.suppress(OSError):  # stderr on the same full disk: the event said it
+        print(f"ddtrain: {'warning: ' if type == 'warning' else ''}{message}",
+              file=sys.stderr, flush=True)
 
 
 def _raise_open_files_limit() -> None:

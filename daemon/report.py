@@ -36,6 +36,8 @@ from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord, RunRecord,
 # much leaves room for a record of thousands of ranks).
 RESERVE_BYTES = 1 << 20
 RESERVE_NAME = ".run.json.reserve"
+# The failed rank's own words in the headline: their first line, up to this long.
+HEADLINE_CAUSE_CHARS = 500
 
 
 @dataclass
@@ -77,6 +79,8 @@ class RunReport:
             max_restarts=self.config.max_restarts, processes=processes,
         ).with_summary(state.summary(time.time()))
         data = encode_record(record)
+        if ended:  # every rank is gone: the room they held for error reports is free
+            self.paths.remove_error_reserves()
         if not self._reserved:
             self._reserved = True
             self._make_reserve()
@@ -137,12 +141,19 @@ class RunReport:
 
     # -- the terminal ----------------------------------------------------------------
     def headline(self, outcome: Outcome) -> str:
-        """The final RunStatus line: "run failed after 3.1 s: rank 1 was killed by SIGKILL"."""
+        """The final RunStatus line: "run failed after 3.1 s: rank 1 was killed by
+        SIGKILL", with what the failed rank said, if it said anything ("...: rank 0
+        exited with code 1: CheckpointWriteError: cannot write checkpoint ...: No
+        space left on device")."""
         seconds = self.elapsed()
         if outcome.status == "failed" and outcome.failed_rank is not None:
             who = outcome.who or self._who(outcome.failed_rank)
+            report = outcome.report
+            said = (f": {report.message.strip().splitlines()[0][:HEADLINE_CAUSE_CHARS]}"
+                    if report is not None and report.message.strip()
+                    and outcome.reason is None else "")
             return (f"run failed after {seconds:.1f} s: {who} "
-                    f"{self._how(outcome)}")
+                    f"{self._how(outcome)}{said}")
         return f"run {outcome.status} after {seconds:.1f} s"
 
     @staticmethod

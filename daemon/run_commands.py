@@ -15,7 +15,7 @@ import msgspec
 
 from ddtop.daemon import control
 from ddtop.daemon.config import UsageError, count_of, default_runs_dir
-from ddtop.daemon.contract import EXIT_OK
+from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
 from ddtop.daemon.runinfo import RunInfo, list_runs
 from ddtop.daemon.runs import RunPaths, locate_run
@@ -91,8 +91,8 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         lines.append("  rejected by the daemon: " + ", ".join(
             f"{n} {reason}" for reason, n in sorted(s.rejected.items())))
     if s.journal_dropped:
-        lines.append(f"  journal: {s.journal_dropped} records not written (the disk refused "
-                     "them); a replay misses them")
+        lines.append(f"  journal: {count_of(s.journal_dropped, 'record')} not written (the disk "
+                     "refused them); a replay misses them")
     if s.stragglers:
         lines.append(f"  stragglers: {', '.join(map(str, s.stragglers))} "
                      f"(skew {1000 * s.skew_s:.1f} ms per step)")
@@ -172,11 +172,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if info.problem:
         print(f"ddtrain: warning: {info.problem}; its daemon, if any, cannot be found from it",
               file=sys.stderr)
+    unverifiable = info.unverifiable
     if not info.live:
         # Nothing is signalled: a pid that names another process now is left alone.
         reused = (f"; pid {pid} is another process now, left alone" if info.status == LOST
-                  and info.pid_reused else "")
-        print(f"ddtrain: run {rid} is not running ({info.status}{reused})")
+                  and info.pid_reused and not unverifiable else "")
+        said = f"; {unverifiable}" if info.status == LOST and unverifiable else ""
+        print(f"ddtrain: run {rid} is not running ({info.status}{reused}){said}")
         return EXIT_OK
     assert pid is not None
     try:
@@ -190,6 +192,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
                 else "ranks finish their step and rank 0 checkpoints")
         print(f"ddtrain: stopping run {rid}: {what} (up to {args.timeout:g} s)...", flush=True)
     except control.Unreachable as e:
+        if unverifiable:  # a daemon's command line, but which process is it?
+            print(f"ddtrain: run {rid}: the daemon (pid {pid}) does not answer ({e}); "
+                  f"{unverifiable} (stop it yourself if it is the run's daemon)", flush=True)
+            return EXIT_FAILED
         print(f"ddtrain: the daemon (pid {pid}) does not answer ({e}); terminating it, "
               "which stops its ranks at once", flush=True)
         # Only the daemon itself: send_signal checks that the pid still names it.

@@ -3,11 +3,14 @@
 A run is *live* when its run.json has a non-final status and names a daemon
 that still exists: its pid, and (recorded since start times were kept) its
 start time, so that another process later given the same pid is not taken
-for the daemon. A live run answers `status` from its daemon's RunState; a
-finished one from the RunSummary its daemon wrote last into run.json. A
-run.json that says "running" while its daemon is gone means the daemon was
-killed: such a run is `lost` (also when its pid names another process now),
-and its journal (the same fold, replayed) tells how far it got.
+for the daemon, and a ddtrain daemon's command line (a run.json written before
+start times were kept has nothing else to tell a daemon from pid 1 or a
+`sleep`). A daemon without a recorded start time is never signalled. A live
+run answers `status` from its daemon's RunState; a finished one from the
+RunSummary its daemon wrote last into run.json. A run.json that says
+"running" while its daemon is gone means the daemon was killed: such a run is
+`lost` (also when its pid names another process now), and its journal (the
+same fold, replayed) tells how far it got.
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ import msgspec
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.processes import ProcessId, pid_alive, same_process
+from ddtop.daemon.processes import (
+    ProcessId,
+    command_line,
+    is_daemon_command,
+    pid_alive,
+    same_process,
+)
 from ddtop.daemon.runs import RunPaths, is_run_dir
 from ddtop.daemon.summary import (
     LOST,
@@ -86,13 +95,32 @@ class RunInfo:
                                               self.record.boot_id)
 
     @property
+    def daemon_here(self) -> bool:
+        """run.json's daemon still exists: its pid names the process started at
+        the recorded time (no time recorded: the pid alone), with a ddtrain
+        daemon's command line."""
+        daemon = self.daemon
+        return (daemon is not None and same_process(daemon)
+                and is_daemon_command(command_line(daemon.pid)))
+
+    @property
     def live(self) -> bool:
-        return self.record.status not in wire.FINAL_STATUSES and same_process(self.daemon)
+        return self.record.status not in wire.FINAL_STATUSES and self.daemon_here
 
     @property
     def pid_reused(self) -> bool:
         """The daemon is gone, and its pid names another process now."""
-        return pid_alive(self.daemon_pid) and not same_process(self.daemon)
+        return pid_alive(self.daemon_pid) and not self.daemon_here
+
+    @property
+    def unverifiable(self) -> str | None:
+        """Why run.json's daemon pid, alive, must not be signalled: recorded
+        without its start time (None when it has one, or names no process)."""
+        pid = self.daemon_pid
+        if not pid_alive(pid) or self.record.daemon_start_ticks is not None:
+            return None
+        return (f"run.json names pid {pid} without its start time; not signalling a "
+                "process whose identity cannot be checked")
 
     @property
     def status(self) -> str:

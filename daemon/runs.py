@@ -118,6 +118,15 @@ class RunPaths:
     def rank_error(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.error.json"
 
+    def remove_error_reserves(self) -> None:
+        """The room ranks held for their error reports (training/errorreport.py),
+        left by ranks that were stopped or killed: the run is over."""
+        try:
+            for room in self.logs.glob(".rank-*.error.json.reserve"):  # error_report_reserve
+                room.unlink(missing_ok=True)
+        except OSError:
+            pass
+
     def rank_stacks(self, rank: int) -> Path:
         """Rank k's Python stacks, appended at each `ddtrain stacks` (daemon/stacks.py)."""
         return self.logs / f"rank-{rank}.stacks"
@@ -171,6 +180,11 @@ def find_run(runs_dir: str | Path, run_id: str | None) -> RunPaths:
         names = ", ".join(p.name for p in matches[:4])
         raise UsageError(f"run id {run_id!r} is ambiguous ({names}): give more of it")
     return RunPaths(matches[0])
+
+
+def error_report_reserve(report: Path) -> Path:
+    """The hidden file beside a rank's error report holding room for it."""
+    return report.with_name(f".{report.name}.reserve")
 
 
 @contextmanager

@@ -41,7 +41,15 @@ from ddtop.daemon.rankview import (
     RankView,
 )
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
-from ddtop.daemon.summary import Failure, Restart, RunSummary, ScalarSummary, Status, summarize
+from ddtop.daemon.summary import (
+    LOST,
+    Failure,
+    Restart,
+    RunSummary,
+    ScalarSummary,
+    Status,
+    summarize,
+)
 
 MAX_EVENTS = 500
 MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
@@ -412,6 +420,8 @@ class RunState(msgspec.Struct, kw_only=True):
             if self.node_states.get(node) in ("unreachable", "lost") and states.get(r) not in (
                     None, "dead", "finished"):
                 states[r] = "unreachable"
+        if self.status == LOST:  # the daemon died: ranks that had not exited died with it
+            states = {r: st if st in (FINISHED, DEAD) else LOST for r, st in states.items()}
         return dict(sorted(states.items()))
 
     def _young(self, now: float) -> bool:

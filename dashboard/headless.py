@@ -7,7 +7,7 @@ same RunState the dashboard shows, ending with a summary and the run's exit code
     --format jsonl   {"kind": "event", ...} per event, {"kind": "progress", ...}
                      per interval, and last {"kind": "summary", "status": ...}
 
-Exit codes: 0 the run succeeded, 1 it failed (or its daemon was killed),
+Exit codes: 0 the run succeeded, 1 it failed (or was lost: its daemon was killed),
 130 it was stopped, 2 bad input or no run reachable within --wait.
 """
 
@@ -255,8 +255,9 @@ def final_summary(state: RunState, now: float) -> dict[str, Any]:
     """The last JSON line: how the run ended, per rank, and why when it failed."""
     summary = state.summary(now)
     status = summary.status
-    # The feed may end before the run did (a lost daemon): that counts as failed.
-    reported = status if status in ("succeeded", "stopped") else "failed"
+    # A run whose daemon was killed is `lost`, as `ddtrain status` and the dashboard
+    # say (its ranks too); a feed that ended before the run did otherwise, failed.
+    reported = status if status in ("succeeded", "stopped", LOST) else "failed"
     failure: dict[str, Any] | None = None
     if summary.failure is not None:
         failure = msgspec.to_builtins(summary.failure)
@@ -317,7 +318,8 @@ def failure_line(failure: dict[str, Any]) -> str:
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
-    icon = {"succeeded": "✅", "failed": "❌", "stopped": "⏹"}.get(summary["status"], "")
+    icons = {"succeeded": "✅", "failed": "❌", "stopped": "⏹", LOST: "❌"}
+    icon = icons.get(summary["status"], "")
     m = summary.get("metrics") or {}
     rows = [
         f"### {icon} ddtop: run `{summary['run_id']}` {summary['run_status']}", "",

@@ -27,6 +27,8 @@ from helpers import DDTRAIN, finish, start, wait_until_gone
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.contract import ErrorReport
+from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import RESERVE_NAME, RunReport
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths, log_stream
@@ -34,8 +36,10 @@ from ddtop.daemon.state import RunState, decode_snapshot
 from ddtop.daemon.summary import RunSummary, decode_record
 from ddtop.training import checkpoint
 from ddtop.training.progress import append_whole
+from ddtop.training.worker import run_reported, write_error_report
 
 NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
+decode_error_report = msgspec.json.Decoder(ErrorReport).decode
 WAIT_S = 60.0
 
 
@@ -113,6 +117,102 @@ def test_journal_drops_and_counts_whole_records_then_writes_again(tmp_path: Path
         writer.close()
         state, last = journal.replay(writer.path, "r")
         assert last == 3022 and state.journal_dropped == dropped + 1  # the gaps, counted
+
+
+def test_every_journal_outage_is_counted_and_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three outages of a relay's journal, the second and third within a minute of
+    the first warning: only the first is warned about, each end says what that
+    outage cost and what all did ('1 record ... was'), and the line at close
+    the final total, which is run.json's and the replay's count."""
+    with small_disk(tmp_path / "disk", 1) as disk:
+        now = [0.0]
+        relay = Relay("r", disk / "telemetry.journal", tmp_path / "sockets")
+        writer = relay.journal
+        writer.clock = lambda: now[0]
+        path = writer.path
+
+        def outage(frames: int) -> int:
+            """The disk full while `frames` records come, then room again; the
+            records that outage dropped."""
+            before = writer.dropped
+            filler = fill(disk)
+            for seq, received, frame in records(frames, start=relay.seq + 1):
+                relay.seq = seq
+                writer.append(seq, received, frame)
+            for _ in range(10_000):  # one at a time until the journal file's last page is full
+                relay.emit(wire.Event, type="info", message="during")
+                if writer.error is not None:
+                    break
+            filler.unlink()
+            now[0] += journal.RETRY_S
+            relay.emit(wire.Event, type="info", message="after")  # written: the outage ends
+            return writer.dropped - before
+
+        try:
+            relay.emit(wire.Event, type="info", message="before")
+            first = outage(3000)
+            now[0] += 10.0  # within WARN_EVERY_S of the first warning: not warned again
+            second = outage(3000)
+            now[0] += 10.0
+            third = outage(0)  # the one event that did not fit
+        finally:
+            relay.close()
+        total = first + second + third
+        assert first > 1 and second > 1 and third == 1 and writer.outages == 3
+        said = [e["message"] for e in relay.state.events if e["message"].startswith("journal")]
+        bytes_ = [e["data"]["dropped_bytes"] for e in relay.state.events
+                  if e["message"].startswith("journal: writing again")]
+        warned = next(e["data"]["dropped"] for e in relay.state.events
+                      if e["type"] == "warning")  # so far: the warning itself is dropped too
+        assert 0 < warned < first
+        assert said == [
+            f"journal: {NO_SPACE} on {path}: {warned} records not written; the run goes on, "
+            "and the journal is written again when there is room",
+            f"journal: writing again to {path}; {first} records ({bytes_[0]:,} bytes) were "
+            "not written",
+            f"journal: writing again to {path}; {second} records "
+            f"({bytes_[1] - bytes_[0]:,} bytes) were not written ({first + second} records in "
+            "all, 2 outages)",
+            f"journal: writing again to {path}; 1 record ({bytes_[2] - bytes_[1]:,} bytes) was "
+            f"not written ({total} records in all, 3 outages)"]
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"ddtrain: {'warning: ' * (m == said[0])}{m}" for m in said] + [
+            f"ddtrain: warning: journal: {total} records ({writer.dropped_bytes:,} bytes) not "
+            f"written to {path} in all (3 outages); a replay misses them"]
+        assert relay.state.journal_dropped == total == writer.dropped
+        replayed, _ = journal.replay(path, "r")
+        assert replayed.journal_dropped == total
+
+
+def test_an_error_report_on_a_full_disk_is_whole_or_absent(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank that fills the disk and fails of it (as a checkpoint that does not
+    fit): its report is written whole into the room held from its start; a
+    report with no room held is absent, never an empty file, and said on stderr."""
+    with small_disk(tmp_path / "disk", 1) as disk:
+        path = disk / "rank-0.error.json"
+
+        def fails_of_a_full_disk() -> None:
+            fill(disk)
+            raise checkpoint.CheckpointWriteError(
+                disk / "step-00000004.pt", OSError(errno.ENOSPC, NO_SPACE))
+
+        assert run_reported(fails_of_a_full_disk, 0, path) == 1
+        report = decode_error_report(path.read_bytes())
+        assert report.message == (f"CheckpointWriteError: cannot write checkpoint "
+                                  f"{disk / 'step-00000004.pt'}: {NO_SPACE}")
+        assert "fails_of_a_full_disk" in report.traceback
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "rank-0.error.json"]
+        assert (path.stat().st_mode & 0o777) == 0o600
+
+        path.unlink()
+        fill(disk)  # a full disk and no room held: no file at all
+        capsys.readouterr()
+        write_error_report(path, ErrorReport(rank=0, message="boom"))
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+        assert (f"could not write error report {path}: {NO_SPACE}; the report was: boom"
+                in capsys.readouterr().err)
 
 
 def test_the_final_run_json_is_written_from_the_reserve(tmp_path: Path) -> None:
@@ -339,6 +439,15 @@ def test_a_checkpoint_that_does_not_fit_fails_the_run_naming_the_disk(
         assert record.failure.rank == 0 and NO_SPACE in (record.failure.message or "")
         kept = sorted(p.name for p in (root / "checkpoints").iterdir())
         assert kept and all(name.startswith("step-") and name.endswith(".pt") for name in kept)
+        # Rank 0's own report, whole (room for it was held from its start), and in
+        # the run's final headline; no reserve or temporary file left in logs/.
+        report = msgspec.json.decode((root / "logs" / "rank-0.error.json").read_bytes())
+        assert NO_SPACE in report["message"] and "CheckpointWriteError" in report["message"]
+        assert sorted(p.name for p in (root / "logs").iterdir() if p.name.startswith(".")) == []
+        replayed, _ = journal.replay(root / "telemetry.journal", "c")
+        assert replayed.status == "failed" and replayed.status_message is not None
+        assert replayed.status_message.startswith("run failed after "), replayed.status_message
+        assert replayed.status_message.endswith(f".pt: {NO_SPACE}"), replayed.status_message
 
         for old in sorted((root / "checkpoints").iterdir())[:-1]:
             old.unlink()  # room for the epoch's checkpoint

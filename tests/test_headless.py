@@ -6,8 +6,11 @@ scalars through a real relay into the progress lines and the summary."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -91,6 +94,44 @@ def test_ddtop_headless_follows_a_detached_run_to_its_end(tmp_path: Path) -> Non
         assert any("epoch 3 done" in line for line in lines)
         assert "run bg succeeded" in lines[-4]
         assert run.leftovers() == []
+
+
+def test_ddtop_headless_says_lost_when_the_daemon_is_killed(tmp_path: Path) -> None:
+    """The daemon SIGKILLed while `ddtop --headless` watches: its summary says
+    `lost`, for the run and for each rank, as `ddtrain status` does; exit 1."""
+    with detached("-n", "2", "--epochs", "40", "--run-id", "gone", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stderr
+        pid = json.loads((tmp_path / "runs" / "gone" / "run.json").read_text())["daemon_pid"]
+        watcher = subprocess.Popen(
+            [DDTOP, "--headless", "--format", "jsonl", "--interval", "0.2", "gone"],
+            cwd=tmp_path, env=tagged_env("ddtop"), text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        try:
+            assert watcher.stdout is not None
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while time.monotonic() < deadline:  # watching a run whose ranks step
+                ready, _, _ = select.select([watcher.stdout], [], [], 1.0)
+                line = watcher.stdout.readline() if ready else ""
+                if line.startswith("{") and json.loads(line).get("kind") == "progress" and (
+                        json.loads(line)["global_step"] > 0):
+                    break
+                assert watcher.poll() is None, watcher.stderr.read() if watcher.stderr else ""
+            os.kill(pid, signal.SIGKILL)
+            out, err = watcher.communicate(timeout=60)
+        finally:
+            if watcher.poll() is None:
+                watcher.kill()
+                watcher.wait(timeout=10)
+        assert run.leftovers(timeout=5.0) == []  # the ranks died with their daemon
+        status = run.status("gone")
+    summary = jsonl(out)[-1]
+    assert watcher.returncode == 1, out[-2000:] + err
+    assert (summary["kind"], summary["status"], summary["run_status"], summary["exit_code"]) == (
+        "summary", "lost", "lost", 1)
+    assert status["status"] == "lost"
+    assert [r["state"] for r in summary["ranks"]] == [r["state"] for r in status["ranks"]] == [
+        "lost", "lost"]
+    assert f"the daemon (pid {pid}) is gone" in summary["failure"]["message"]
 
 
 def test_replay_of_a_recorded_journal(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """The daemon signals only processes it started itself, known by pid *and*
 start time: /proc parsing (a command name with spaces and parentheses), a
 reused pid is never signalled, a run.json whose daemon pid now names another
-process is lost, and a forged hello cannot turn `stop` against a stranger.
+process is lost, an old run.json without start times (naming pid 1, or a
+`sleep`) gets nothing signalled, and a forged hello cannot turn `stop` against
+a stranger.
 
 Every process a test starts here is a child of the test, killed at the end.
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import ddtrain, detached
+from helpers import DDTRAIN, ddtrain, detached, finish, start
 
 from ddtop.daemon import wire
 from ddtop.daemon.processes import (
@@ -98,6 +100,7 @@ def test_a_pid_is_signalled_only_while_it_names_the_same_process() -> None:
         legacy = ProcessId(proc.pid)  # a record without a start time: the pid alone
         assert [same_process(p) for p in (me, later, other_boot, legacy)] == [
             True, False, False, True]
+        assert not send_signal(legacy, signal.SIGTERM)  # which process it is cannot be checked
         assert not send_signal(later, signal.SIGTERM)
         assert not send_signal(other_boot, signal.SIGTERM)
         assert not send_signal(None, signal.SIGTERM)
@@ -204,16 +207,68 @@ def test_a_reused_daemon_pid_is_lost_and_never_signalled(tmp_path: Path) -> None
         assert stranger.poll() is None and same_process(me)  # still there, untouched
 
 
-def test_a_record_without_start_times_uses_the_pid_alone(tmp_path: Path) -> None:
-    """run.json written by an earlier version: no start time, so the live pid is
-    taken for the daemon, as before (not stopped here: it would be signalled)."""
-    with sleeper() as stranger:
+def daemon_lookalike(tmp_path: Path) -> list[str]:
+    """argv of a `sleep` whose command line is a ddtrain daemon's (a link named ddtrain)."""
+    link = tmp_path / "bin" / "ddtrain"
+    link.parent.mkdir()
+    link.symlink_to(Path(subprocess.check_output(["sh", "-c", "command -v sleep"],
+                                                 text=True).strip()))
+    return [str(link), SLEEP_S]
+
+
+def test_a_record_without_start_times_is_never_signalled(tmp_path: Path) -> None:
+    """run.json written by an earlier version: the daemon's pid without its start
+    time. A live pid whose command line is not a ddtrain daemon's is not the
+    daemon (lost); one that looks like a daemon is taken for it, but neither is
+    ever signalled: the pid alone cannot say which process it names now."""
+    with sleeper() as stranger, sleeper(daemon_lookalike(tmp_path)) as lookalike:
         recorded_run(tmp_path / "runs" / "older", stranger.pid, None)
         status = ddtrain("status", "older", "--json", cwd=tmp_path, timeout=60)
         assert status.returncode == 0, status.stderr
         doc = json.loads(status.stdout)
+        assert (doc["status"], doc["daemon_alive"]) == ("lost", False)
+        stop = ddtrain("stop", "older", "--timeout", "1", cwd=tmp_path, timeout=60)
+        assert (stop.returncode, stop.stdout, stop.stderr) == (0, (
+            f"ddtrain: run older is not running (lost); run.json names pid {stranger.pid} "
+            "without its start time; not signalling a process whose identity cannot be "
+            "checked\n"), "")
+
+        recorded_run(tmp_path / "runs" / "looks", lookalike.pid, None)  # no control endpoint
+        doc = json.loads(ddtrain("status", "looks", "--json", cwd=tmp_path, timeout=60).stdout)
         assert (doc["status"], doc["daemon_alive"]) == ("running", True)
-        assert stranger.poll() is None
+        stop = ddtrain("stop", "looks", "--timeout", "1", cwd=tmp_path, timeout=60)
+        assert stop.returncode == 1, stop.stdout + stop.stderr
+        assert stop.stdout.splitlines() == [
+            f"ddtrain: run looks: the daemon (pid {lookalike.pid}) does not answer (no control "
+            f"endpoint in run.json); run.json names pid {lookalike.pid} without its start time; "
+            "not signalling a process whose identity cannot be checked (stop it yourself if "
+            "it is the run's daemon)"]
+        time.sleep(0.2)  # a SIGTERM sent would have ended either by now
+        assert stranger.poll() is None and lookalike.poll() is None  # neither signalled
+
+
+UNSHARE = subprocess.run(["sh", "-c", "command -v unshare"], capture_output=True,
+                         text=True).stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not UNSHARE, reason="a pid namespace needs root")
+def test_a_record_naming_pid_1_never_signals_it(tmp_path: Path) -> None:
+    """An old run.json naming pid 1: `ddtrain stop` runs in a pid namespace of
+    its own, whose pid 1 is a shell that notes any SIGTERM (this machine's pid 1
+    is never named), and leaves it alone."""
+    recorded_run(tmp_path / "runs" / "init", 1, None)
+    marker = tmp_path / "pid-1-signalled"
+    script = (f'trap "echo TERM > {marker}" TERM; "$0" stop init --timeout 1; '
+              'echo "exit $?"; sleep 0.2')  # the trap runs once the command is done
+    proc, tag = start([UNSHARE, "--pid", "--fork", "--mount-proc", "sh", "-c", script,
+                       DDTRAIN], cwd=tmp_path)
+    run = finish(proc, tag, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not marker.exists(), run.stdout
+    assert run.stdout == ("ddtrain: run init is not running (lost); run.json names pid 1 "
+                          "without its start time; not signalling a process whose identity "
+                          "cannot be checked\nexit 0\n"), run.stderr
+    assert run.leftovers == []
 
 
 def test_the_daemon_records_its_own_start_time(tmp_path: Path) -> None:

@@ -22,7 +22,6 @@ from typing import Any
 
 # Imported here so that the forkserver pays for torch once, not every rank;
 # torch._dynamo too, which DDP's constructor imports (~1 s, 900 modules).
-import msgspec
 import torch._dynamo  # noqa: F401
 
 from ddtop.daemon.config import TrainConfig, UsageError
@@ -36,7 +35,7 @@ from ddtop.daemon.contract import (
 )
 from ddtop.daemon.processes import lead_own_session, pid_alive, set_parent_death_signal
 from ddtop.daemon.runs import RunPaths, log_stream
-from ddtop.training import stopping
+from ddtop.training import errorreport, stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.rendezvous import install as install_loopback
 from ddtop.training.trainer import train
@@ -85,14 +84,8 @@ def redirect_output(log: Path) -> None:
 
 
 def write_error_report(path: Path | None, report: ErrorReport) -> None:
-    if path is None:
-        return
-    try:  # owner-only, whatever mask the user's program runs with
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
-    except OSError as e:
-        print(f"could not write error report {path}: {e}", file=sys.stderr)
+    """The rank's error report, whole or not at all (training/errorreport.py)."""
+    errorreport.write(path, report)
 
 
 def rank_main(config: TrainConfig, env: RankEnv, error_report: Path | None,
@@ -112,7 +105,17 @@ def run_reported(body: Callable[[], object], rank: int, error_report: Path | Non
     """Run `body`; its exit code: 0, SystemExit's code, 2 for bad input (UsageError),
     1 for an exception, which is printed with its traceback (less the leading
     frames `own_frames` says are ours) and written to the error report the
-    daemon reads."""
+    daemon reads (into room held for it from the start: a full disk, the likely
+    cause, cannot refuse it)."""
+    errorreport.reserve(error_report)
+    try:
+        return _run_reported(body, rank, error_report, own_frames)
+    finally:
+        errorreport.release(error_report)  # written by now, or not needed
+
+
+def _run_reported(body: Callable[[], object], rank: int, error_report: Path | None,
+                  own_frames: Callable[[str], bool]) -> int:
     try:
         body()
     except UsageError as e:
