@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import hashlib
 import inspect
+import ipaddress
 import itertools
 import json
 import math
@@ -369,6 +370,14 @@ class TrainConfig:
         """Short digest of the settings that change results (same across ranks)."""
         fixed = {k: getattr(self, k) for k in RESUME_FIXED}
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or localhost) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 _BIND = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:_-]*")

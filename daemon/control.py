@@ -31,8 +31,7 @@ def decode_map(body: bytes) -> dict[str, Any]:
     try:
         return _map_decoder.decode(body)
     except wire.UNTRUSTED_ERRORS as e:
-        raise ValueError("nested too deeply" if isinstance(e, RecursionError)
-                         else str(e)[:200]) from None
+        raise ValueError(wire.why_refused(e)) from None
 
 
 class Unreachable(Exception):

@@ -110,18 +110,15 @@ class LocalRanks:
             ("resource tracker", resource_tracker._resource_tracker,
              resource_tracker._resource_tracker._pid)]  # type: ignore[attr-defined]
         # Our own children, not reaped until _stop returns: their pids are their own.
-        # One deadline for both, from now.
+        # Each gets its own HELPER_EXIT_S, from when it is told to exit.
         killed: dict[str, bool] = {}
-        timers = [threading.Timer(HELPER_EXIT_S, _kill, (name, ProcessId.of(pid), killed))
-                  for name, _, pid in helpers]
-        for timer in timers:
+        for name, helper, pid in helpers:
+            timer = threading.Timer(HELPER_EXIT_S, _kill, (name, ProcessId.of(pid), killed))
             timer.start()
-        try:
-            for _, helper, _ in helpers:  # _stop (untyped in the stubs): close its pipe, wait
+            try:  # _stop (untyped in the stubs): close its pipe, wait
                 with contextlib.suppress(OSError, ChildProcessError):
                     helper._stop()
-        finally:
-            for timer in timers:
+            finally:
                 timer.cancel()
         for name in (n for n, sent in killed.items() if sent):
             print(f"ddtrain: multiprocessing's {name} did not exit within {HELPER_EXIT_S:g} s "

@@ -153,9 +153,9 @@ class NodeRole:
         deadline = time.monotonic() + nodes.NODE_FINAL_WAIT_S + nodes.NODE_TIMEOUT_S
         while not hub.settled() and time.monotonic() < deadline:
             relay.serve(SETTLE_POLL_S)
-            hub.check()
+            relay.guarded("nodes", hub.check)  # as in the supervisor's loop
             if on_tick is not None:
-                on_tick(relay.state)
+                relay.guarded("tick", lambda: on_tick(relay.state))
         for k in hub.missing():  # never heard from
             hub.nodes[k] = nodes.NodeSeen(k, state=nodes.UNREACHABLE)
         for seen in hub.nodes.values():

@@ -10,7 +10,8 @@ pid still names that process; `send_signal` signals it only if so, through a
 pidfd (opened first, then the start time checked: a pidfd cannot come to
 name another process), so a reused pid is never signalled. Without /proc
 (not Linux) or for records written before start times were kept, the start
-time is unknown (None) and the pid check alone remains.
+time is unknown (None), and such a process is never signalled (send_signal
+refuses it: its identity cannot be checked).
 
 No torch, no sockets: ranks import `set_parent_death_signal` and `pid_alive`
 from here too.
@@ -114,7 +115,7 @@ class ProcessId:
     """One process, not just a pid: (pid, start time, boot) is never reused."""
 
     pid: int
-    start: int | None = None  # clock ticks after boot; None: unknown (the pid check alone)
+    start: int | None = None  # clock ticks after boot; None: unknown (never signalled)
     boot: str = ""  # boot_id() when the start time was read; "": unknown
 
     @classmethod

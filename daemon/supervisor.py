@@ -194,8 +194,7 @@ class Supervisor:
                   file=self.err, flush=True)
         self._status(outcome.status, headline, exit_code=outcome.exit_code)
         self.role.record_final(outcome, headline)
-        if self.on_tick is not None:
-            self.on_tick(self.relay.state)
+        self.relay.guarded("tick", self._tick)
         self.report.print_outcome(outcome, self.out, self.err)
         return outcome.exit_code
 

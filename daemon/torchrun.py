@@ -14,14 +14,13 @@ ended is read from torchrun's failure summary in its log.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import signal
 import subprocess
 import sys
 
-from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.config import TrainConfig, is_loopback
 from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.processes import (
@@ -48,13 +47,6 @@ AGENT_MODULE = "ddtop.training.agent"
 REFUSED_MAX = 4096  # refused claims remembered, at most
 FAILURE_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*"
                              r"(-?\d+) \(pid: (\d+)\)")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class TorchrunRanks:

@@ -272,19 +272,28 @@ def decode(frames: list[bytes], run: str | None = None) -> Message:
     try:
         envelope = _envelope.decode(frame)
     except UNTRUSTED_ERRORS as e:
-        raise Malformed(_why(e)) from None
+        raise Malformed(why_refused(e)) from None
     if envelope.v != SCHEMA_VERSION:
-        raise WrongVersion(f"schema version {envelope.v!r}, expected {SCHEMA_VERSION}")
+        raise WrongVersion(f"schema version {_shown(envelope.v)}, expected {SCHEMA_VERSION}")
     if run is not None and envelope.run != run:
-        raise WrongRun(f"run {envelope.run!r}, expected {run!r}")
+        raise WrongRun(f"run {_shown(envelope.run)}, expected {run!r}")
     try:
         message: Message = _decoder.decode(frame)
     except UNTRUSTED_ERRORS as e:
-        raise Malformed(_why(e)) from None
+        raise Malformed(why_refused(e)) from None
     return message
 
 
-def _why(error: Exception) -> str:
+def _shown(value: Any) -> str:
+    """A received value in an error's words: short, and never a repr of a nested
+    structure (as deep as the decoder allowed: repr could go deeper than Python)."""
+    if isinstance(value, int | float | str | None):
+        return repr(value)[:60]
+    return f"a {type(value).__name__}"
+
+
+def why_refused(error: Exception) -> str:
+    """One of UNTRUSTED_ERRORS in a few words (a RecursionError's own are no help)."""
     return "nested too deeply" if isinstance(error, RecursionError) else str(error)[:200]
 
 

@@ -46,6 +46,8 @@ def test_dropped_steps_are_counted_from_their_numbers() -> None:
     rounds.resumed(100)  # a resumed run goes on from step 100: nothing dropped
     assert rounds.step(101, 0.0) == 1 and rounds.dropped_steps == 2
     assert rounds.warning() is None  # the queue was never found full
+    first = FoldRounds(rank=0)  # the marks of steps 1-4 dropped before the first fold
+    assert first.step(5, 0.0) == 5 and first.dropped_steps == 4
 
 
 def test_a_thread_stepping_in_a_loop_leaves_the_sender_its_rounds() -> None:

@@ -52,7 +52,9 @@ def test_malformed_frames_on_a_live_run_are_counted_and_the_run_succeeds(tmp_pat
             asker.close(linger=0)
             context.term()
         assert [r["ok"] for r in replies] == [False] * len(BAD), replies
-        moved = run.wait_for(RUN, lambda s: s["rejected"].get("malformed", 0) >= len(BAD)
+        # Malformed, or (where the decoder takes the nesting: Python 3.12) of no version.
+        moved = run.wait_for(RUN, lambda s: s["rejected"].get("malformed", 0)
+                             + s["rejected"].get("wrong_version", 0) >= len(BAD)
                              and min(r["global_step"] for r in s["ranks"])
                              > max(r["global_step"] for r in first["ranks"]) + 10)
         assert moved["rejected"].get("bad_request", 0) >= len(BAD), moved["rejected"]

@@ -538,10 +538,16 @@ def check_torchs_store(job: Job) -> None:
     assert outside.returncode == 0, outside.stderr[-2000:]
     assert DEFAULT_PG + OLD_STOP_KEY in outside.stdout.split()
     set_at = time.monotonic()
-    # Every rank has looked in the store 4 times 2 s after the set (every 0.5 s);
-    # then the slowest rank still makes steps, every rank running (a rank that had
-    # stopped would hold the others in an all-reduce: the slowest step frozen).
-    while time.monotonic() - set_at < 2:
+
+    def ignored() -> list[int]:
+        logs = [p.read_text() for p in (job.runs / job.run_id).glob("**/logs/rank-*.log")]
+        return [log.count("ddtop: ignored a stop step in torch's store") for log in logs]
+
+    # Every rank but 0 looks in the store twice a second: once the three have said
+    # they ignored the forged value, the slowest rank still makes steps, every rank
+    # running (a rank that had stopped would hold the others in an all-reduce).
+    read_by = time.monotonic() + 20
+    while sum(ignored()) < 3 and time.monotonic() < read_by:
         time.sleep(0.2)
     settled = job.status()["global_step"]
     deadline = time.monotonic() + 20
@@ -554,8 +560,7 @@ def check_torchs_store(job: Job) -> None:
     print(f"\nan outside TCPStore.set at step {before}: the slowest rank at step "
           f"{now['global_step']} {time.monotonic() - set_at:.1f} s later; listening: "
           f"{sorted(set(found))}")
-    logs = [p.read_text() for p in (job.runs / job.run_id).glob("**/logs/rank-*.log")]
-    said = [log.count("ddtop: ignored a stop step in torch's store") for log in logs]
+    said = ignored()
     assert sorted(said)[-3:] == [1, 1, 1] and len(said) == 4, said  # the three that read it
 
 

@@ -22,7 +22,8 @@ from typing import Any
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in the stubs
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
 
-from ddtop.training.rendezvous import is_loopback, listen_on
+from ddtop.daemon.config import is_loopback
+from ddtop.training.rendezvous import listen_on
 
 
 def store(host_name: str, port: int, *, is_master: bool = False, **kwargs: Any) -> Any:

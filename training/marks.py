@@ -49,7 +49,10 @@ class FoldRounds:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.last_step: int | None = None  # the step number of the last step mark folded
+        # The step number of the last step mark folded: steps count from 1, so marks
+        # dropped before the first fold (a flood fills the queue in milliseconds on a
+        # fast core) are counted too; a resumed run says where it goes on (RESUME).
+        self.last_step = 0
         self.dropped_steps = 0  # step marks dropped (counted from the step numbers)
         self.flood_since: float | None = None  # when the deque was first found full
         self.said = False
@@ -84,12 +87,12 @@ class FoldRounds:
         """How many steps the step mark numbered `number` (marked at `at`,
         perf_counter) stands for: itself and those whose marks were dropped."""
         last = self.last_step
-        self.last_step = number if last is None else max(last, number)
+        self.last_step = max(last, number)
         if self.flood_since is not None:
             if self._first is None:
                 self._first = (at, number)
             self._last = (at, number)
-        dropped = number - last - 1 if last is not None else 0
+        dropped = number - last - 1
         if dropped <= 0:
             return 1
         self.dropped_steps += dropped

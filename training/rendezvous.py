@@ -27,7 +27,6 @@ sockets are torch's: docs/security.md says what they expose.
 from __future__ import annotations
 
 import functools
-import ipaddress
 import os
 import socket
 from collections.abc import Callable
@@ -37,19 +36,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in the stubs
 
+from ddtop.daemon.config import is_loopback
+
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 LOOPBACK_INTERFACE = "lo"
 STORE_TIMEOUT = timedelta(minutes=30)  # the server's; clients wait as init_process_group says
 
 _hosted: TCPStore | None = None  # rank 0's store, alive as long as the rank
 _original_init = dist.init_process_group
-
-
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
 
 
 def install(rank: int, world_size: int, master_addr: str, master_port: int) -> None:

@@ -402,7 +402,7 @@ class LiveTelemetry(Telemetry):
     # is due waits for it at most OPEN_WAIT_S.
     def _fold(self, final: bool = False) -> None:
         """The marks, into the windows, as many as a round's budget allows
-        (training/marks.py: a chunk at a time, the GIL released in between)."""
+        (training/marks.py: its CPU time and wall time bounded)."""
         for m in self._rounds.take(self._marks, final):
             kind = m[0]
             if kind is PHASE:
