@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +55,15 @@ def replaced(content: bytes) -> Callable[[bytes], bytes]:
     return lambda good: content
 
 
+def nested_record(good: bytes) -> bytes:
+    """A journal with a record, after its first, whose frame is 5 KB of arrays
+    nested 5,000 deep (what a sender could have had journalled by an older daemon)."""
+    (size,) = struct.unpack(">I", good[:4])
+    frame = b"\x82\xa1v" + b"\x91" * 5000 + b"\xc0" + b"\xa3run\xa1x"  # {v: [[[...]]], run: x}
+    record = msgspec.msgpack.encode([2, 0.0, frame])
+    return good[:4 + size] + struct.pack(">I", len(record)) + record + good[4 + size:]
+
+
 # (name, file, damage): what a crash, a bad edit or a full disk leaves behind.
 DAMAGE: list[tuple[str, str, Callable[[bytes], bytes]]] = [
     ("run-int", "run.json", replaced(b"5")),
@@ -78,6 +88,7 @@ DAMAGE: list[tuple[str, str, Callable[[bytes], bytes]]] = [
     ("config-string-world", "config.json", with_fields(world_size="two")),
     ("config-huge-world", "config.json", with_fields(world_size=10**9)),
     ("config-int-for-object", "config.json", with_fields(extra=5)),
+    ("journal-nested-record", "telemetry.journal", nested_record),
     ("config-nested", "config.json", replaced(b'{"extra": ' + b"[" * 5000 + b"]" * 5000 + b"}")),
 ]
 # Each command, and what it must do with a damaged finished run: (exit code, check).
