@@ -87,7 +87,8 @@ def read_error_report(path: Path, since: float) -> ErrorReport | None:
 
 def left_early_words(step: int) -> str:
     """How a rank that left early ended, as the headline, run.json and status say it."""
-    return (f"left early at step {step}: exit code 0 while the other ranks still trained, "
+    where = f"at step {step}" if step > 0 else "before it reported a step"
+    return (f"left early {where}: exit code 0 while the other ranks still trained, "
             "without a goodbye")
 
 

@@ -17,6 +17,7 @@ from ddtop.daemon.blame import (
     blame_order,
     culprit,
     left_early,
+    left_early_words,
     read_error_report,
 )
 from ddtop.daemon.contract import ErrorReport
@@ -154,3 +155,10 @@ def test_torchrun_ranks_are_read_from_its_failure_summary(tmp_path: Path) -> Non
         (0, TERMINATED, None, True), (1, KILLED, 4243, False), (2, TERMINATED, None, True)]
     exits = {r.rank: RankEnd(r.exitcode or 0, r.stopped_by_us) for r in ranks}
     assert culprit(exits, {}) == 1
+
+
+def test_a_rank_that_left_early_is_said_at_its_last_reported_step() -> None:
+    """At the step it last reported; before any (its telemetry went down with it),
+    never 'at step 0', which it had passed."""
+    assert left_early_words(46).startswith("left early at step 46: exit code 0 while")
+    assert left_early_words(0).startswith("left early before it reported a step: exit code 0")
