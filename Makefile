@@ -7,11 +7,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 WORLD_SIZE ?= 8
 
-.PHONY: help install demo test lint typecheck pytest fuzz bench clean
+.PHONY: help install demo test test-fast lint typecheck pytest fuzz bench clean
 
 help:
 	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset and watch them in ddtop"
 	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
+	@echo "make test-fast  ruff, mypy and the in-process tests only (under a minute): while editing"
 	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
 	@echo "make bench      benchmarks: start-up, telemetry, dashboard, own scripts, comm timing, sockets, strategies, faults (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
@@ -43,16 +44,21 @@ lint: $(STAMP)
 # mypy cannot follow the editable install's import hook, so it checks a tree
 # of links that spells the installed names (ddtop.training -> training/, ...,
 # ddtop -> api/).
+# Its cache is kept beside the tree (.mypy_cache), so a second run checks only what changed.
 typecheck: $(STAMP)
 	rm -rf .typecheck && mkdir -p .typecheck/ddtop
 	for part in training daemon dashboard; do ln -s ../../$$part .typecheck/ddtop/$$part; done
 	ln -s ../../api/__init__.py .typecheck/ddtop/__init__.py
-	cd .typecheck && ../$(BIN)/mypy --config-file ../pyproject.toml -p ddtop
+	cd .typecheck && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p ddtop
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
 test: lint typecheck pytest
+
+# The edit loop's tier: no test that starts a process (tests/conftest.py enforces the mark).
+test-fast: lint typecheck
+	DDTOP_FUZZ_EXAMPLES=25 $(BIN)/python -m pytest -q -m "not processes" -p no:cacheprovider
 
 # The fuzzing that make test runs in seconds, at length: every decoder of what the
 # daemon receives, 20,000 examples each from the fixed seed (tests/test_fuzz.py).

@@ -1,7 +1,21 @@
+"""Shared fixtures, and the line between the two tiers of the suite.
+
+A test that starts a process (a `ddtrain` or `torchrun` subprocess, a forkserver,
+any fork) carries `@pytest.mark.processes` (or its module's `pytestmark`); one
+that starts a process without it fails, naming the mark. `make test-fast` runs
+the others (`-m "not processes"`): lint, types and the in-process tests, for
+the edit loop; `make test` runs everything.
+"""
+
 from __future__ import annotations
 
+import multiprocessing.util
+import os
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,3 +45,36 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRun:
                   env={"DDTOP_TELEMETRY": "off"})  # no comm hook: the baseline
     assert run.returncode == 0, run.stdout + run.stderr
     return ReferenceRun(run, cwd / "runs" / "ref")
+
+
+# -- the tiers ---------------------------------------------------------------------
+PROCESSES = "processes"
+_running: list[pytest.Item] = []  # the test whose set-up, call or tear-down runs now
+
+
+def _checked(start: Callable[..., Any]) -> Callable[..., Any]:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        item = _running[-1] if _running else None
+        if item is not None and item.get_closest_marker(PROCESSES) is None:
+            pytest.fail(f"{item.nodeid} starts a process: mark it @pytest.mark.{PROCESSES} "
+                        "(make test-fast leaves such tests out)", pytrace=False)
+        return start(*args, **kwargs)
+    return guarded
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every way a test can start a process goes through a check of its mark:
+    subprocess, multiprocessing's forkserver and spawn (spawnv_passfds), fork."""
+    subprocess.Popen._execute_child = _checked(  # type: ignore[attr-defined]
+        subprocess.Popen._execute_child)  # type: ignore[attr-defined]
+    multiprocessing.util.spawnv_passfds = _checked(multiprocessing.util.spawnv_passfds)
+    os.fork = _checked(os.fork)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()

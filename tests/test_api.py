@@ -34,6 +34,7 @@ def python(code: str, tmp_path: Path, env: dict[str, str] | None = None) -> tupl
     return run.returncode, run.stdout, run.stderr
 
 
+@pytest.mark.processes
 def test_without_an_endpoint_every_call_is_a_no_op(tmp_path: Path) -> None:
     code, out, err = python("""
         import sys, ddtop
@@ -55,6 +56,7 @@ def test_without_an_endpoint_every_call_is_a_no_op(tmp_path: Path) -> None:
     assert ast.literal_eval(lines[1]) == []
 
 
+@pytest.mark.processes
 def test_strict_without_an_endpoint_is_one_clear_error(tmp_path: Path) -> None:
     code, _, err = python("import ddtop\nddtop.init(strict=True)\n", tmp_path)
     assert code == 1
@@ -69,6 +71,7 @@ def free_port() -> int:
         return port
 
 
+@pytest.mark.processes
 def test_strict_with_nobody_listening_errors_and_with_a_receiver_passes(tmp_path: Path) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     began = time.monotonic()
@@ -113,6 +116,7 @@ def one_rank(tmp_path: Path, body: str) -> tuple[Collector, str]:
     return collector, out
 
 
+@pytest.mark.processes
 def test_init_step_phase_log_send_the_right_messages(tmp_path: Path) -> None:
     with collecting() as collector:
         code, _, err = python("""
@@ -151,6 +155,7 @@ def test_init_step_phase_log_send_the_right_messages(tmp_path: Path) -> None:
     assert collector.of(wire.Bye)[-1].exit_code == 0
 
 
+@pytest.mark.processes
 def test_a_loss_changed_in_place_before_it_is_read_is_left_out_and_said_once(
         tmp_path: Path) -> None:
     """ddtop's thread reads a loss tensor after `ddtop.step` returns (reading it
@@ -221,6 +226,7 @@ PARAM_BYTES = (32 * 64 + 64 + 64 * 4 + 4) * 4
     # ddtop.step every iteration, one skipped by GradScaler: counted, as the script says
     (["--steps", "5", "--accum", "2", "--skip-step", "1", "--ddtop-step"], 5),
 ])
+@pytest.mark.processes
 def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: list[str],
                                                         steps: int) -> None:
     collector = run_script(tmp_path, *args)
@@ -241,6 +247,7 @@ def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: li
     assert not [e for e in collector.of(wire.Event) if e.type in ("warning", "error")]
 
 
+@pytest.mark.processes
 def test_ddtops_hook_trains_as_ddp_alone_over_several_buckets(tmp_path: Path) -> None:
     # ddp_accum.py's model has several buckets: the earlier ones all-reduced
     # asynchronously, the last one waited for inside ddtop's hook.
@@ -260,6 +267,7 @@ def test_ddtops_hook_trains_as_ddp_alone_over_several_buckets(tmp_path: Path) ->
             [(s.steps, s.comm_ops, s.comm_s) for s in sent]
 
 
+@pytest.mark.processes
 def test_on_cpu_a_long_all_reduce_is_read_or_estimated_and_a_long_compute_is_read(
         tmp_path: Path) -> None:
     """DDP times at most one iteration in 10 ms (after the first 20): of 70 steps
@@ -319,6 +327,7 @@ def test_on_cpu_a_long_all_reduce_is_read_or_estimated_and_a_long_compute_is_rea
         (s.steps, s.comm_s) for s in others]
 
 
+@pytest.mark.processes
 def test_on_cpu_a_step_quicker_than_the_recent_compute_still_has_its_all_reduce(
         tmp_path: Path) -> None:
     """Steps 21-40 compute 20 ms and are timed; steps 41-60 take about a
@@ -355,6 +364,7 @@ def test_on_cpu_a_step_quicker_than_the_recent_compute_still_has_its_all_reduce(
                                                          for s in quick]
 
 
+@pytest.mark.processes
 def test_a_compiled_model_on_cpu_is_timed(tmp_path: Path) -> None:
     """torch.compile traces the model's forward: ddtop's marks there still run
     (as Python, the model compiled as it would be), so comm is timed."""
@@ -379,6 +389,7 @@ def test_a_compiled_model_on_cpu_is_timed(tmp_path: Path) -> None:
     assert not [e for e in collector.of(wire.Event) if e.type == "warning"]
 
 
+@pytest.mark.processes
 def test_on_cpu_a_forward_with_no_backward_is_not_an_all_reduce(tmp_path: Path) -> None:
     """An evaluation with gradients on (model.eval() without no_grad), or a step
     skipped before backward: DDP all-reduces nothing, and neither does ddtop
@@ -408,6 +419,7 @@ def test_on_cpu_a_forward_with_no_backward_is_not_an_all_reduce(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("hook", ["--own-hook", "--builtin-hook"])
+@pytest.mark.processes
 def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path,
                                                                  hook: str) -> None:
     run_script(tmp_path, hook, "--out", str(tmp_path / "plain.pt"), run_id="plain",
@@ -421,6 +433,7 @@ def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path,
     assert sum(s.comm_bytes for s in sent) == 6 * PARAM_BYTES
 
 
+@pytest.mark.processes
 def test_watch_on_a_model_with_a_hook_already_times_it_and_says_what_is_not_ddp_once(
         tmp_path: Path) -> None:
     """On CPU a model's comm is timed from DDP's own statistics, whatever hook it
@@ -446,6 +459,7 @@ def test_watch_on_a_model_with_a_hook_already_times_it_and_says_what_is_not_ddp_
     assert sum(s.comm_ops for s in sent) == 3 and sum(s.comm_s for s in sent) > 0
 
 
+@pytest.mark.processes
 def test_import_ddtop_is_cheap() -> None:
     run = subprocess.run([sys.executable, "-X", "importtime", "-c", "import ddtop"],
                          capture_output=True, text=True, timeout=30)
@@ -453,6 +467,7 @@ def test_import_ddtop_is_cheap() -> None:
     assert "torch" not in run.stderr and "zmq" not in run.stderr
 
 
+@pytest.mark.processes
 def test_a_watched_model_can_be_deep_copied_and_still_trains(tmp_path: Path) -> None:
     """An EMA copy (copy.deepcopy of the DDP model) shares the timer instead of
     failing to copy its lock and sender; the copy's own forwards (evaluated with
@@ -485,6 +500,7 @@ def test_a_watched_model_can_be_deep_copied_and_still_trains(tmp_path: Path) -> 
     assert sum(s.comm_ops for s in collector.of(wire.Step)) == 30
 
 
+@pytest.mark.processes
 def test_a_gan_counts_one_step_per_iteration_with_ddtop_step(tmp_path: Path) -> None:
     """Two models, two optimizers, the second model's forward between the first
     optimizer's step and ddtop.step: one step per iteration, not two."""
@@ -496,6 +512,7 @@ def test_a_gan_counts_one_step_per_iteration_with_ddtop_step(tmp_path: Path) -> 
         assert sum(s.samples for s in sent) == 5 * 16
 
 
+@pytest.mark.processes
 def test_watch_then_an_own_hook_outside_ddtrain_is_timed_not_an_error(tmp_path: Path) -> None:
     """The documented order (watch, then register_comm_hook) under plain torchrun:
     the user's hook communicates as it would alone, timed; so is a model with a
@@ -523,6 +540,7 @@ def test_watch_then_an_own_hook_outside_ddtrain_is_timed_not_an_error(tmp_path: 
     assert warnings == []
 
 
+@pytest.mark.processes
 def test_with_the_api_alone_a_rank_leaves_setup_and_steps_take_time(tmp_path: Path) -> None:
     """No ddtop.phase call at all: after the first step the rank is in a step phase
     (never shown in 'setup' for the whole run, then stalled), and every step's

@@ -55,6 +55,7 @@ def assert_usage_error(run: Run, *fragments: str) -> None:
     (("--run-id", "r" * 300), ("--run-id is 300 characters long", "at most 100")),
     (("--runs-dir", "d" * 300), ("--runs-dir", "longer than 255 bytes")),
 ])
+@pytest.mark.processes
 def test_rejected_before_any_rank_starts(tmp_path: Path, args: tuple[str, ...],
                                          fragments: tuple[str, ...]) -> None:
     run = ddtrain("start", "--foreground", *args, cwd=tmp_path, timeout=30)
@@ -160,6 +161,7 @@ def test_summary_json_that_cannot_be_written_is_refused_before_the_run(
     assert not (in_tmp / "no-folder").exists()
 
 
+@pytest.mark.processes
 def test_summary_json_of_a_folder_as_typed(tmp_path: Path) -> None:
     """The command line of the report: one line, exit 2, and no rank started."""
     run = ddtrain("start", "--foreground", "--headless", "--summary-json", str(tmp_path),
@@ -168,6 +170,7 @@ def test_summary_json_of_a_folder_as_typed(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("runs/*/logs/rank-*.log"))
 
 
+@pytest.mark.processes
 def test_port_already_in_use(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -179,11 +182,13 @@ def test_port_already_in_use(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+@pytest.mark.processes
 def test_nccl_without_gpus_is_named_by_the_ranks(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "-n", "2", "--backend", "nccl", *SMALL, cwd=tmp_path)
     assert_usage_error(run, "--backend nccl needs one GPU per local rank", "--backend gloo")
 
 
+@pytest.mark.processes
 def test_dataset_missing_from_data_dir_is_named_by_the_ranks(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     run = ddtrain("start", "--foreground", "-n", "2", "--dataset", "fashion-mnist", *SMALL,
@@ -191,6 +196,7 @@ def test_dataset_missing_from_data_dir_is_named_by_the_ranks(tmp_path: Path) -> 
     assert_usage_error(run, "fashion-mnist not found", "--download")
 
 
+@pytest.mark.processes
 def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
     first = ddtrain("start", "--foreground", "-n", "2", *SMALL, "--run-id", "r1", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -200,12 +206,14 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
     assert_usage_error(again, "run r1 already exists", "--resume")
 
 
+@pytest.mark.processes
 def test_runs_dir_that_cannot_be_written(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("not a folder")
     run = ddtrain("start", "--foreground", "--runs-dir", "afile", *SMALL, cwd=tmp_path, timeout=30)
     assert_usage_error(run, "cannot write the run directory afile/", "--runs-dir")
 
 
+@pytest.mark.processes
 def test_resume_of_a_damaged_run_config(tmp_path: Path) -> None:
     (tmp_path / "runs/r1").mkdir(parents=True)
     (tmp_path / "runs/r1/config.json").write_text("{truncated")
@@ -229,11 +237,13 @@ def test_resume_of_a_damaged_run_config(tmp_path: Path) -> None:
     (("list", "--runs-dir", "d" * 300), ("File name too long",)),
     (("explode",), ("invalid choice: 'explode'",)),
 ])
+@pytest.mark.processes
 def test_commands_without_a_run(tmp_path: Path, args: tuple[str, ...],
                                 fragments: tuple[str, ...]) -> None:
     assert_usage_error(ddtrain(*args, cwd=tmp_path, timeout=30), *fragments)
 
 
+@pytest.mark.processes
 def test_unknown_run_and_ambiguous_prefix(tmp_path: Path) -> None:
     for rid in ("20261122-100000-aaaa", "20261122-100000-bbbb"):
         (tmp_path / "runs" / rid).mkdir(parents=True)
@@ -245,11 +255,13 @@ def test_unknown_run_and_ambiguous_prefix(tmp_path: Path) -> None:
         "unknown") == 2
 
 
+@pytest.mark.processes
 def test_detached_start_reports_bad_input_at_once(tmp_path: Path) -> None:
     run = ddtrain("start", "-n", "3", "--batch-size", "64", cwd=tmp_path, timeout=30)
     assert_usage_error(run, "--batch-size 64")
 
 
+@pytest.mark.processes
 def test_the_limits_are_in_the_help(tmp_path: Path) -> None:
     run = ddtrain("start", "--help", cwd=tmp_path, timeout=30)
     text = " ".join(run.stdout.split())
@@ -259,6 +271,7 @@ def test_the_limits_are_in_the_help(tmp_path: Path) -> None:
         assert says in text, says
 
 
+@pytest.mark.processes
 def test_ddtop_on_a_run_name_too_long_for_the_file_system(tmp_path: Path) -> None:
     run = subprocess.run([str(BIN / "ddtop"), "--headless", "r" * 300], cwd=tmp_path,
                          text=True, capture_output=True, stdin=subprocess.DEVNULL, timeout=30)

@@ -152,10 +152,12 @@ def loaded(module: str, packages: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
+@pytest.mark.processes
 def test_module_does_not_import_torch(module: str) -> None:
     assert loaded(module, ("torch", "torchvision")) == []
 
 
+@pytest.mark.processes
 def test_import_ddtop_loads_no_torch_zmq_or_textual() -> None:
     """A user's script imports ddtop, and so does every ddtop.* import: it stays tiny."""
     assert loaded("ddtop", ("torch", "torchvision", "zmq", "textual", "msgspec")) == []
@@ -163,16 +165,19 @@ def test_import_ddtop_loads_no_torch_zmq_or_textual() -> None:
 
 @pytest.mark.parametrize("module", ["ddtop.daemon.cli", "ddtop.dashboard.cli",
                                     "ddtop.dashboard.headless"])
+@pytest.mark.processes
 def test_command_lines_load_without_textual(module: str) -> None:
     assert loaded(module, ("textual",)) == []
 
 
 @pytest.mark.parametrize("args", [["--help"], ["start", "--help"], ["--version"]])
+@pytest.mark.processes
 def test_ddtrain_help(args: list[str]) -> None:
     run = subprocess.run([DDTRAIN, *args], capture_output=True, text=True, timeout=30)
     assert run.returncode == 0 and "ddtrain" in run.stdout
 
 
+@pytest.mark.processes
 def test_start_help_documents_every_flag() -> None:
     run = subprocess.run([DDTRAIN, "start", "--help"], capture_output=True, text=True, timeout=30)
     for flag in ("--world-size", "--backend", "--device", "--model", "--dataset", "--data-dir",

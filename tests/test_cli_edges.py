@@ -26,6 +26,8 @@ from helpers import BIN, DDTRAIN, Detached, ddtrain, detached, finish, start, ta
 from ddtop.daemon.config import UsageError
 from ddtop.daemon.keys import RunKeys
 
+pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
+
 DDTOP = str(BIN / "ddtop")
 RUN = "edges"
 COMMAND_TIMEOUT_S = 30  # a command that hangs (what damaged keys did) fails the test here

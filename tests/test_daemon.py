@@ -22,6 +22,8 @@ from helpers import Detached, ddtrain, detached
 
 from ddtop.daemon import blame, control, journal, state, wire
 
+pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
+
 LONG_RUN = ("-n", "2", "--epochs", "50", "--run-id", "live")
 
 

@@ -170,6 +170,7 @@ AS_PROCESSES = [d for d in DAMAGE
 
 
 @pytest.mark.parametrize(("kind", "file", "how"), AS_PROCESSES, ids=[d[0] for d in AS_PROCESSES])
+@pytest.mark.processes
 def test_the_same_as_real_processes(runs: Path, kind: str, file: str,
                                     how: Callable[[bytes], bytes]) -> None:
     damage(runs, file, how)
@@ -183,6 +184,7 @@ def test_the_same_as_real_processes(runs: Path, kind: str, file: str,
         assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_a_live_run_with_damaged_files_is_watched_and_stopped(tmp_path: Path) -> None:
     with detached("-n", "2", "--epochs", "50", "--run-id", "live", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
@@ -225,6 +227,7 @@ def test_pids_read_back_from_run_json_are_bounded() -> None:
                 decode_record(json.dumps(doc).encode())
 
 
+@pytest.mark.processes
 def test_a_renamed_run_folder_replays_its_journal(tmp_path: Path) -> None:
     """The journal's records carry the run id the run had; a folder renamed since
     is replayed all the same, and ddtop says so."""

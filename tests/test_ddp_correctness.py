@@ -20,6 +20,8 @@ from torch import nn
 from ddtop.training.data import SYNTHETIC_SPEC, synthetic_dataset
 from ddtop.training.models import build_model
 
+pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
+
 SEED, LR, BATCH, EPOCHS, TRAIN_N, VAL_N, SYNC_EVERY = 3, 0.05, 32, 2, 256, 101, 4
 
 

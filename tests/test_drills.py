@@ -172,6 +172,7 @@ def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> N
      "ddtrain: error: --inject '1:exit=3@epoch=3': the run trains --epochs 2, so epoch 3 "
      "never ends"),
 ])
+@pytest.mark.processes
 def test_bad_drills_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...],
                                            env: dict[str, str], fragment: str) -> None:
     proc, tag = start([DDTRAIN, "start", "-n", "2", *args], tmp_path, env)
@@ -210,6 +211,7 @@ def test_slow_takes_its_factor_of_the_step_time() -> None:
 
 
 @pytest.mark.parametrize("name", ["ignored", "ignored-torchrun"])
+@pytest.mark.processes
 def test_a_fault_set_by_hand_without_inject_does_nothing(drills: Started, name: str) -> None:
     """DDTOP_FAULT is --inject's transport only: one in the environment of
     `ddtrain start` reaches neither the daemon nor a rank (local forkserver, and
@@ -227,6 +229,7 @@ def test_a_fault_set_by_hand_without_inject_does_nothing(drills: Started, name: 
 
 
 # -- dead ranks ----------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_segfault_is_named_by_its_signal(drills: Started) -> None:
     run = drills.result("segv")
     assert run.returncode == 1, run.stderr[-2000:]
@@ -237,6 +240,7 @@ def test_segfault_is_named_by_its_signal(drills: Started) -> None:
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_exit_at_an_epoch_end_is_named_by_its_code(drills: Started) -> None:
     run = drills.result("exit")
     assert run.returncode == 1, run.stderr[-2000:]
@@ -250,6 +254,7 @@ def test_exit_at_an_epoch_end_is_named_by_its_code(drills: Started) -> None:
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_raise_in_a_users_script_goes_through_its_optimizer_step(drills: Started) -> None:
     run = drills.result("script")
     assert run.returncode == 1, run.stderr[-2000:]
@@ -261,6 +266,7 @@ def test_raise_in_a_users_script_goes_through_its_optimizer_step(drills: Started
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_kill_in_a_users_script_is_named_by_its_signal(drills: Started) -> None:
     run = drills.result("script-kill")
     assert run.returncode == 1, run.stderr[-2000:]
@@ -273,6 +279,7 @@ def test_kill_in_a_users_script_is_named_by_its_signal(drills: Started) -> None:
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_a_stopped_rank_in_a_users_script_is_silent_and_fails_the_run(drills: Started) -> None:
     run = drills.result("script-stop")
     assert run.returncode == 1, run.stderr[-3000:]
@@ -288,6 +295,7 @@ def test_a_stopped_rank_in_a_users_script_is_silent_and_fails_the_run(drills: St
 
 
 # -- slow and stalled ranks ---------------------------------------------------------------------
+@pytest.mark.processes
 def test_a_slow_rank_is_named_and_a_data_stall_is_data_time(drills: Started) -> None:
     run = drills.result("slow")
     assert run.returncode == 0, run.stderr[-2000:]
@@ -304,6 +312,7 @@ def test_a_slow_rank_is_named_and_a_data_stall_is_data_time(drills: Started) -> 
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_a_slow_rank_in_a_users_script_is_named(drills: Started) -> None:
     run = drills.result("script-slow")
     assert run.returncode == 0, run.stderr[-2000:]
@@ -323,6 +332,7 @@ def test_a_slow_rank_in_a_users_script_is_named(drills: Started) -> None:
 
 
 # -- hangs ----------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_a_hang_is_named_then_failed_by_hang_timeout_and_restarted(drills: Started) -> None:
     run = drills.result("hang")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -343,6 +353,7 @@ def test_a_hang_is_named_then_failed_by_hang_timeout_and_restarted(drills: Start
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_a_stopped_rank_is_silent_and_hang_timeout_fails_the_run(drills: Started) -> None:
     run = drills.result("stop")
     assert run.returncode == 1, run.stderr[-3000:]

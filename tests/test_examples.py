@@ -120,6 +120,7 @@ def test_each_example_has_at_most_four_ddtop_lines_and_none_unmarked(script: Pat
     assert "ddtop" not in names(strip_ddtop(source))  # every ddtop line is marked
 
 
+@pytest.mark.processes
 def test_ddp_tutorial_under_ddtrain_shows_steps_loss_progress_and_comm(tmp_path: Path) -> None:
     progress, summary = headless(TUTORIAL, TUTORIAL_ARGS, tmp_path, "tut", "--interval", "0.5")
     assert summary["program"] == "ddp_tutorial.py " + " ".join(TUTORIAL_ARGS)
@@ -129,6 +130,7 @@ def test_ddp_tutorial_under_ddtrain_shows_steps_loss_progress_and_comm(tmp_path:
     assert (tmp_path / "snapshot.pt").is_file()  # rank 0 saved, as the tutorial does
 
 
+@pytest.mark.processes
 def test_gpt_accum_counts_optimizer_steps_and_shows_rank0_evaluation_as_such(
         tmp_path: Path) -> None:
     progress, summary = headless(GPT, GPT_ARGS, tmp_path, "gpt", "--interval", "0.2")
@@ -166,6 +168,7 @@ def torch_aborted_at_exit(run: Run, what: str) -> bool:
     return False
 
 
+@pytest.mark.processes
 def test_ddp_tutorial_under_plain_torchrun_sends_to_a_receiver(tmp_path: Path) -> None:
     for attempt in (1, 2):  # a second only after torch's abort at exit (see above)
         cwd = tmp_path / f"attempt-{attempt}"  # no snapshot to resume from
@@ -194,6 +197,7 @@ def test_ddp_tutorial_under_plain_torchrun_sends_to_a_receiver(tmp_path: Path) -
         assert collector.of(wire.Bye, rank)[-1].exit_code == 0
 
 
+@pytest.mark.processes
 def test_ddp_tutorial_without_an_endpoint_prints_what_the_script_without_ddtop_prints(
         tmp_path: Path) -> None:
     stripped = tmp_path / "plain" / "ddp_tutorial.py"

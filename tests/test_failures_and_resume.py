@@ -53,6 +53,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cwd / "runs" / "whole"
 
 
+@pytest.mark.processes
 def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
         tmp_path: Path, uninterrupted: Path) -> None:
     # Rank 1 is SIGKILLed after global step 11 (epoch 2, step 3); the newest
@@ -94,6 +95,7 @@ def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
 KILL_STEPS = [k for k in range(4, 17) if k % 3]
 
 
+@pytest.mark.processes
 def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
         tmp_path: Path, uninterrupted: Path) -> None:
     kill = random.Random(os.urandom(8)).choice(KILL_STEPS)
@@ -119,6 +121,7 @@ def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
         assert torch.equal(want[name], got[name]), (kill, name)
 
 
+@pytest.mark.processes
 def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
                   "--synthetic-train-samples", "256", "--run-id", "boom",
@@ -139,6 +142,7 @@ def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
     assert "injected failure" in (state.failure.message or "")
 
 
+@pytest.mark.processes
 def test_a_rank_that_leaves_early_with_exit_0_is_blamed(tmp_path: Path) -> None:
     """Rank 1 exits with code 0 after step 20 of 40, without a goodbye
     (`os._exit(0)`), while rank 0 trains on: rank 0 then loses its peer in its
@@ -231,6 +235,7 @@ LONG_RUN = ("start", "--foreground", "-n", "2", "--epochs", "50", "--run-id", "l
             "--synthetic-train-samples", "4096", "--checkpoint-every", "20")
 
 
+@pytest.mark.processes
 def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path: Path) -> None:
     proc, tag = start([DDTRAIN, *LONG_RUN], tmp_path)
     log = tmp_path / "runs/long/logs/rank-0.log"
@@ -249,6 +254,7 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path: Path) -> No
     assert status["status"] == "stopped"
 
 
+@pytest.mark.processes
 def test_killing_the_launcher_leaves_no_rank_behind(tmp_path: Path) -> None:
     proc, tag = start([DDTRAIN, *LONG_RUN], tmp_path)
     try:
@@ -263,6 +269,7 @@ def test_killing_the_launcher_leaves_no_rank_behind(tmp_path: Path) -> None:
     assert leftovers == []
 
 
+@pytest.mark.processes
 def test_sigterm_while_the_ranks_start_stops_them_all(tmp_path: Path) -> None:
     """SIGTERM as soon as the first rank exists (before any step): every rank
     the daemon started is stopped, none is left behind, the run is `stopped`."""

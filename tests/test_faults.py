@@ -11,9 +11,11 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from helpers import DDTRAIN, detached, finish, start, tagged_pids
 
 
+@pytest.mark.processes
 def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
     """One run, rank 1 frozen (SIGSTOP): rank 0 waits in its all-reduce and
     `ddtrain stacks` still shows where, from faulthandler's C handler (the dump
@@ -57,6 +59,7 @@ def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.processes
 def test_two_starts_of_one_run_id_at_once_give_one_run(tmp_path: Path) -> None:
     """Started together: one wins, the other is one line, exit 2, and there is
     only ever one daemon (before, two of eight tries both won)."""
@@ -75,6 +78,7 @@ def test_two_starts_of_one_run_id_at_once_give_one_run(tmp_path: Path) -> None:
         assert record["status"] in ("succeeded", "running", "starting")
 
 
+@pytest.mark.processes
 def test_a_foreground_run_returns_when_everything_it_started_has_exited(
         tmp_path: Path) -> None:
     """Not a second later: no forkserver, no resource tracker, no rank left when
@@ -90,6 +94,7 @@ def test_a_foreground_run_returns_when_everything_it_started_has_exited(
     assert left == []
 
 
+@pytest.mark.processes
 def test_ctrl_c_returns_when_everything_it_started_has_exited(tmp_path: Path) -> None:
     proc, tag = start([DDTRAIN, "start", "--foreground", "-n", "2", "--epochs", "200",
                        "--run-id", "interrupted"], tmp_path)

@@ -96,6 +96,7 @@ def test_a_thread_stepping_in_a_loop_leaves_the_sender_its_rounds() -> None:
     assert sum(s.steps for s in steps) == produced
 
 
+@pytest.mark.processes
 def test_a_run_whose_ranks_step_in_a_loop_is_reported_and_ends_in_time(tmp_path: Path) -> None:
     shutil.copy(SCRIPTS / "step_flood.py", tmp_path)
     begun = time.monotonic()

@@ -89,6 +89,7 @@ def records(frames: int, start: int = 1) -> list[tuple[int, float, bytes]]:
 
 
 # -- the writers, one at a time -------------------------------------------------------
+@pytest.mark.processes
 def test_journal_drops_and_counts_whole_records_then_writes_again(tmp_path: Path) -> None:
     with small_disk(tmp_path / "disk", 1) as disk:
         now = [0.0]
@@ -119,6 +120,7 @@ def test_journal_drops_and_counts_whole_records_then_writes_again(tmp_path: Path
         assert last == 3022 and state.journal_dropped == dropped + 1  # the gaps, counted
 
 
+@pytest.mark.processes
 def test_every_journal_outage_is_counted_and_said(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Three outages of a relay's journal, the second and third within a minute of
@@ -185,6 +187,7 @@ def test_every_journal_outage_is_counted_and_said(
         assert replayed.journal_dropped == total
 
 
+@pytest.mark.processes
 def test_an_error_report_on_a_full_disk_is_whole_or_absent(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A rank that fills the disk and fails of it (as a checkpoint that does not
@@ -215,6 +218,7 @@ def test_an_error_report_on_a_full_disk_is_whole_or_absent(
                 in capsys.readouterr().err)
 
 
+@pytest.mark.processes
 def test_the_final_run_json_is_written_from_the_reserve(tmp_path: Path) -> None:
     with small_disk(tmp_path / "disk", 4) as disk:
         paths = RunPaths(disk / "r").create()
@@ -235,6 +239,7 @@ def test_the_final_run_json_is_written_from_the_reserve(tmp_path: Path) -> None:
         assert [p.name for p in paths.root.glob(".run.json.*.tmp")] == []
 
 
+@pytest.mark.processes
 def test_logs_and_metrics_lose_lines_not_the_process(tmp_path: Path) -> None:
     with small_disk(tmp_path / "disk", 1) as disk:
         log = disk / "rank-0.log"
@@ -259,6 +264,7 @@ def test_logs_and_metrics_lose_lines_not_the_process(tmp_path: Path) -> None:
         assert f"bytes of output not written here: {NO_SPACE}]" in lines[-2]
 
 
+@pytest.mark.processes
 def test_a_checkpoint_that_does_not_fit_names_the_disk_and_leaves_nothing(
         tmp_path: Path) -> None:
     with small_disk(tmp_path / "disk", 2) as disk:
@@ -334,6 +340,7 @@ STEPS_SCRIPT = textwrap.dedent('''\
 ''')
 
 
+@pytest.mark.processes
 def test_the_journal_filling_the_disk_costs_records_not_the_run(tmp_path: Path) -> None:
     """Built-in trainer; the disk is filled mid-epoch and freed a while later:
     the daemon keeps relaying, says so once, counts what it dropped, and the
@@ -385,6 +392,7 @@ def test_the_journal_filling_the_disk_costs_records_not_the_run(tmp_path: Path) 
             root / "logs" / "rank-0.log").read_text()
 
 
+@pytest.mark.processes
 def test_a_disk_full_to_the_end_still_records_how_the_run_ended(tmp_path: Path) -> None:
     """A detached run of a user's script on a disk that stays full until the run
     ends (the daemon's own log too): the daemon lives on, and the final status
@@ -414,6 +422,7 @@ def test_a_disk_full_to_the_end_still_records_how_the_run_ended(tmp_path: Path) 
         assert status.stdout.startswith("run s: succeeded"), status.stdout + status.stderr
 
 
+@pytest.mark.processes
 def test_a_checkpoint_that_does_not_fit_fails_the_run_naming_the_disk(
         tmp_path: Path) -> None:
     """Checkpoints every 2 steps, all kept, until one does not fit: rank 0 fails

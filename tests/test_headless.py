@@ -39,6 +39,7 @@ def ddtop(*args: str, cwd: Path, env: dict[str, str] | None = None,
                           capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout)
 
 
+@pytest.mark.processes
 def test_foreground_headless_jsonl_ends_with_a_summary_and_exit_0(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "--interval", "0.5",
                   "--run-id", "ok", "--summary-json", str(tmp_path / "summary.json"), *SHORT,
@@ -66,6 +67,7 @@ def test_foreground_headless_jsonl_ends_with_a_summary_and_exit_0(tmp_path: Path
     assert "succeeded" in run.stderr  # the daemon's own closing line
 
 
+@pytest.mark.processes
 def test_killed_rank_fails_the_headless_run_naming_rank_and_signal(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--headless", "--run-id", "bad", *SHORT,
                   "--inject", "1:kill@step=40", cwd=tmp_path)
@@ -84,6 +86,7 @@ def test_killed_rank_fails_the_headless_run_naming_rank_and_signal(tmp_path: Pat
     assert summary["ranks"][1]["signal"] == "SIGKILL"
 
 
+@pytest.mark.processes
 def test_ddtop_headless_follows_a_detached_run_to_its_end(tmp_path: Path) -> None:
     with detached("-n", "2", "--epochs", "3", "--run-id", "bg", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
@@ -96,6 +99,7 @@ def test_ddtop_headless_follows_a_detached_run_to_its_end(tmp_path: Path) -> Non
         assert run.leftovers() == []
 
 
+@pytest.mark.processes
 def test_ddtop_headless_says_lost_when_the_daemon_is_killed(tmp_path: Path) -> None:
     """The daemon SIGKILLed while `ddtop --headless` watches: its summary says
     `lost`, for the run and for each rank, as `ddtrain status` does; exit 1."""
@@ -134,6 +138,7 @@ def test_ddtop_headless_says_lost_when_the_daemon_is_killed(tmp_path: Path) -> N
     assert f"the daemon (pid {pid}) is gone" in summary["failure"]["message"]
 
 
+@pytest.mark.processes
 def test_replay_of_a_recorded_journal(tmp_path: Path) -> None:
     shutil.copytree(FIXTURES, tmp_path / "runs")
     ok = ddtop("--headless", "--replay", "--format", "jsonl", "recorded-ok", cwd=tmp_path)
@@ -156,6 +161,7 @@ def test_replay_of_a_recorded_journal(tmp_path: Path) -> None:
     assert plain.returncode == 1 and plain.stdout == failed.stdout
 
 
+@pytest.mark.processes
 def test_no_run_to_watch_is_exit_2_within_wait(tmp_path: Path) -> None:
     started = time.monotonic()
     none = ddtop("--headless", "--wait", "0.5", cwd=tmp_path)
@@ -169,12 +175,14 @@ def test_no_run_to_watch_is_exit_2_within_wait(tmp_path: Path) -> None:
         "ddtop: error: no runs under runs/: start one first, or pass --runs-dir"]
 
 
+@pytest.mark.processes
 def test_unreachable_daemon_is_exit_2(tmp_path: Path) -> None:
     nobody = ddtop("--headless", "--connect", "tcp://127.0.0.1:9", "--wait", "1", cwd=tmp_path)
     assert nobody.returncode == 2
     assert "cannot be reached within 1 s" in nobody.stderr
 
 
+@pytest.mark.processes
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     for args, says in [
         (["--interval", "0"], "--interval must be"),
@@ -194,6 +202,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert nofg.returncode == 2 and "add --foreground" in nofg.stderr
 
 
+@pytest.mark.processes
 def test_ddtop_help_is_quick_and_imports_no_torch_or_textual() -> None:
     code = ("import sys, time; t = time.perf_counter(); from ddtop.dashboard.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -204,6 +213,7 @@ def test_ddtop_help_is_quick_and_imports_no_torch_or_textual() -> None:
     assert "--headless" in run.stdout and "Exit codes" in run.stdout
 
 
+@pytest.mark.processes
 def test_on_a_terminal_text_output_is_a_progress_bar(tmp_path: Path) -> None:
     """Under a pseudo-terminal, --headless draws a rich progress bar (not repeated
     progress lines) with the events above it, then the summary."""
@@ -238,6 +248,7 @@ def test_on_a_terminal_text_output_is_a_progress_bar(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_a_scripts_scalars_are_in_the_progress_lines_and_the_summary(tmp_path: Path) -> None:
     """Two `ddtop --headless --connect` (text and jsonl) on a real relay fed a
     script's messages: each progress line and record carries the scalars across

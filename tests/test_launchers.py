@@ -15,6 +15,7 @@ from ddtop.daemon import wire
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_eight_ranks(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--world-size", "8", "--epochs", "1",
                   "--synthetic-train-samples", "1024", "--synthetic-val-samples", "100",
@@ -31,6 +32,7 @@ def test_eight_ranks(tmp_path: Path) -> None:
     assert re.search(r"first step done [\d.]+ s after launch", run.stdout)
 
 
+@pytest.mark.processes
 def test_torchrun_runs_the_training_module(tmp_path: Path) -> None:
     with collecting() as telemetry:  # DDTOP_TELEMETRY set by hand, as a torchrun user would
         run = torchrun("--standalone", "--nproc-per-node", "2", "-m", "ddtop.training",
@@ -51,6 +53,7 @@ def test_torchrun_runs_the_training_module(tmp_path: Path) -> None:
         assert [m.exit_code for m in telemetry.of(wire.Bye, rank)] == [0]
 
 
+@pytest.mark.processes
 def test_training_module_outside_torchrun_says_how_to_launch(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -63,6 +66,7 @@ def test_training_module_outside_torchrun_says_how_to_launch(tmp_path: Path) -> 
     assert "torchrun" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.processes
 def test_mnist_files_train_end_to_end(tmp_path: Path) -> None:
     write_mnist_like(tmp_path / "data", "MNIST", n_train=64, n_test=30)
     run = ddtrain("start", "--foreground", "-n", "2", "--dataset", "mnist", "--model", "cnn",

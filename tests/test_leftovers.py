@@ -30,6 +30,7 @@ def left_pids(root: Path) -> set[int]:
 
 
 @pytest.mark.parametrize("launch", [[], ["--launcher", "torchrun"]], ids=["local", "torchrun"])
+@pytest.mark.processes
 def test_what_the_ranks_leave_running_is_ended_and_named(tmp_path: Path, launch: list[str]
                                                          ) -> None:
     run = ddtrain("start", "--foreground", "--headless", "-n", "2", *launch, "--run-id", "lc",
@@ -47,6 +48,7 @@ def test_what_the_ranks_leave_running_is_ended_and_named(tmp_path: Path, launch:
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_a_detached_daemon_ends_what_the_ranks_left_and_exits(tmp_path: Path) -> None:
     with detached("-n", "2", "--run-id", "ld", str(SCRIPT), cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
@@ -56,6 +58,7 @@ def test_a_detached_daemon_ends_what_the_ranks_left_and_exits(tmp_path: Path) ->
     assert "rank 0 left 2 processes behind" in log and "rank 1 left 2 processes behind" in log
 
 
+@pytest.mark.processes
 def test_a_process_that_left_the_ranks_session_does_not_hold_the_run(tmp_path: Path) -> None:
     """Forked, then its own session: not found, so not ended (it is its own); the
     forkserver and resource tracker whose pipes it holds are killed after 5 s
@@ -72,6 +75,7 @@ def test_a_process_that_left_the_ranks_session_does_not_hold_the_run(tmp_path: P
     assert len(run.leftovers) == 2 and set(run.leftovers) <= left_pids(tmp_path / "runs/le")
 
 
+@pytest.mark.processes
 def test_a_sessions_members_are_found_once_its_leader_has_exited() -> None:
     child: ProcessId | None = None
     leader = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; read line"],

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 from helpers import detached
 from test_fuzz import BAD_UTF8, DEEP, DEEP_IN_MAP
@@ -28,6 +29,7 @@ BAD = [BAD_UTF8, DEEP, DEEP_IN_MAP]
 SERVE_TIMEOUT_S = 10.0
 
 
+@pytest.mark.processes
 def test_malformed_frames_on_a_live_run_are_counted_and_the_run_succeeds(tmp_path: Path) -> None:
     with detached("-n", "2", "--epochs", "3", "--synthetic-train-samples", "8192",
                   "--run-id", RUN, cwd=tmp_path) as run:

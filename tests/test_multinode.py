@@ -201,6 +201,7 @@ def job_factory(tmp_path: Path) -> Iterator[list[Job]]:
         job.close()
 
 
+@pytest.mark.processes
 def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
         tmp_path: Path, job_factory: list[Job]) -> None:
     job = Job(tmp_path, "stopjob", "--epochs", "1000")
@@ -284,6 +285,7 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
     assert sum(f" node {n} " in out0 for n in (0, 1)) == 2
 
 
+@pytest.mark.processes
 def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
         tmp_path: Path, namespaces: tuple[str, str, str, str] | None,
         job_factory: list[Job]) -> None:
@@ -333,6 +335,7 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
 
 
+@pytest.mark.processes
 def test_two_nodes_run_a_users_script(tmp_path: Path, job_factory: list[Job]) -> None:
     """examples/ddp_tutorial.py (the DDP tutorial, not the built-in trainer) as
     a two-node job over loopback: 512 samples over 4 ranks in batches of 32, 4
@@ -365,6 +368,7 @@ def test_two_nodes_run_a_users_script(tmp_path: Path, job_factory: list[Job]) ->
     assert (tmp_path / "snapshot.pt").is_file()  # rank 0 saved, wherever it ran
 
 
+@pytest.mark.processes
 def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
         tmp_path: Path, job_factory: list[Job]) -> None:
     """Node 0's daemon frozen (SIGSTOP) for 6 s while both nodes' ranks train:
@@ -440,6 +444,7 @@ def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
     assert on_hub <= steps_of(job.node1 / "telemetry.journal")
 
 
+@pytest.mark.processes
 def test_a_rank_whose_node_never_hears_of_the_stop_stops_after_the_same_step(
         tmp_path: Path) -> None:
     """The built-in trainer's stop agreement in a multi-node job, with only rank 0
@@ -564,6 +569,7 @@ def check_torchs_store(job: Job) -> None:
     assert sorted(said)[-3:] == [1, 1, 1] and len(said) == 4, said  # the three that read it
 
 
+@pytest.mark.processes
 def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:
     job = Job(tmp_path, "lostjob", "--epochs", "1000")
     job_factory.append(job)
@@ -592,6 +598,7 @@ def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[J
           f"later, node 0 exited naming it lost {ended - killed:.1f} s later")
 
 
+@pytest.mark.processes
 def test_the_slurm_example_is_valid_bash() -> None:
     done = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
@@ -611,6 +618,7 @@ def test_the_slurm_example_is_valid_bash() -> None:
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--run-id", "j", "--hub", "tcp://h:5",
       "--hub-keys", "k"], "on nodes 1 and up only"),
 ])
+@pytest.mark.processes
 def test_bad_multi_node_flags_are_one_line_and_exit_2(
         tmp_path: Path, flags: list[str], says: str) -> None:
     done = ddtrain("start", "--runs-dir", str(tmp_path / "runs"), *flags, cwd=tmp_path)

@@ -90,6 +90,7 @@ def jsonl(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+@pytest.mark.processes
 def test_a_diverging_run_warns_once_per_rank_and_says_nan(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", *DIVERGING,
                   "--run-id", "nan", cwd=tmp_path)
@@ -111,6 +112,7 @@ def test_a_diverging_run_warns_once_per_rank_and_says_nan(tmp_path: Path) -> Non
     assert "warning: the loss is" in logs.stdout
 
 
+@pytest.mark.processes
 def test_fail_on_nan_fails_the_run_naming_the_step(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", *DIVERGING,
                   "--fail-on-nan", "--run-id", "nan", cwd=tmp_path)

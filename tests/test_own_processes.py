@@ -75,6 +75,7 @@ def test_parse_stat_counts_fields_from_the_last_parenthesis() -> None:
             parse_stat(broken)
 
 
+@pytest.mark.processes
 def test_a_real_process_named_with_spaces_and_parentheses(tmp_path: Path) -> None:
     # The command name is the executable's file name: a link to sleep named TRICKY.
     (tmp_path / TRICKY).symlink_to(Path(subprocess.check_output(
@@ -91,6 +92,7 @@ def test_a_real_process_named_with_spaces_and_parentheses(tmp_path: Path) -> Non
         assert me == ProcessId(proc.pid, stat.start, boot_id()) and same_process(me)
 
 
+@pytest.mark.processes
 def test_a_pid_is_signalled_only_while_it_names_the_same_process() -> None:
     with sleeper() as proc:
         me = ProcessId.of(proc.pid)
@@ -111,6 +113,7 @@ def test_a_pid_is_signalled_only_while_it_names_the_same_process() -> None:
         assert ProcessId.of(proc.pid) is None
 
 
+@pytest.mark.processes
 def test_descendants_and_their_environment() -> None:
     script = f"sleep {SLEEP_S} & sleep {SLEEP_S} & wait"
     with sleeper(["sh", "-c", script], env={**os.environ, "RANK": "7"},
@@ -131,6 +134,7 @@ def test_descendants_and_their_environment() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.processes
 def test_a_senders_lineage_and_torchruns_rank_check(tmp_path: Path) -> None:
     """torchrun's workers are checked on the claimed process itself: its parents
     up to the agent (lineage), RANK in its environment, and no process between it
@@ -185,6 +189,7 @@ def recorded_run(root: Path, daemon_pid: int, start_ticks: int | None) -> None:
     (root / "run.json").write_bytes(encode_record(record))
 
 
+@pytest.mark.processes
 def test_a_reused_daemon_pid_is_lost_and_never_signalled(tmp_path: Path) -> None:
     with sleeper() as stranger:
         me = ProcessId.of(stranger.pid)
@@ -216,6 +221,7 @@ def daemon_lookalike(tmp_path: Path) -> list[str]:
     return [str(link), SLEEP_S]
 
 
+@pytest.mark.processes
 def test_a_record_without_start_times_is_never_signalled(tmp_path: Path) -> None:
     """run.json written by an earlier version: the daemon's pid without its start
     time. A live pid whose command line is not a ddtrain daemon's is not the
@@ -252,6 +258,7 @@ UNSHARE = subprocess.run(["sh", "-c", "command -v unshare"], capture_output=True
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not UNSHARE, reason="a pid namespace needs root")
+@pytest.mark.processes
 def test_a_record_naming_pid_1_never_signals_it(tmp_path: Path) -> None:
     """An old run.json naming pid 1: `ddtrain stop` runs in a pid namespace of
     its own, whose pid 1 is a shell that notes any SIGTERM (this machine's pid 1
@@ -271,6 +278,7 @@ def test_a_record_naming_pid_1_never_signals_it(tmp_path: Path) -> None:
     assert run.leftovers == []
 
 
+@pytest.mark.processes
 def test_the_daemon_records_its_own_start_time(tmp_path: Path) -> None:
     run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
                   "--synthetic-train-samples", "256", "--run-id", "own", cwd=tmp_path)
@@ -304,6 +312,7 @@ def send(endpoint: str, frames_list: list[list[bytes]]) -> None:
         context.term()
 
 
+@pytest.mark.processes
 def test_a_forged_hello_cannot_make_stop_signal_a_stranger(tmp_path: Path) -> None:
     """Hellos claiming rank 9 and rank 1 with an unrelated process's pid, then a
     stop: the daemon asks only the ranks torchrun's agent started; the stranger

@@ -62,6 +62,7 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.processes
 def test_a_script_runs_as_every_rank_with_torchruns_environment(project: Path) -> None:
     run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "own", "scripts/train.py",
                   "--", "--steps", "3", "--name", "a b", cwd=project)
@@ -88,6 +89,7 @@ def test_a_script_runs_as_every_rank_with_torchruns_environment(project: Path) -
 
 
 @pytest.mark.parametrize("launch", [["--launcher", "torchrun"], ["--start-method", "spawn"]])
+@pytest.mark.processes
 def test_a_module_runs_under_torchrun_and_spawn_too(project: Path, launch: list[str]) -> None:
     run = ddtrain("start", "--foreground", "-n", "2", *launch, "--run-id", "mod",
                   "-m", "mypkg.train", "--", "--steps", "2", cwd=project)
@@ -100,6 +102,7 @@ def test_a_module_runs_under_torchrun_and_spawn_too(project: Path, launch: list[
     assert weights(root, 0) == weights(root, 1)
 
 
+@pytest.mark.processes
 def test_a_script_that_raises_is_named_with_its_own_traceback(tmp_path: Path) -> None:
     (tmp_path / "boom.py").write_text(textwrap.dedent('''\
         import os, time
@@ -130,6 +133,7 @@ def test_a_script_that_raises_is_named_with_its_own_traceback(tmp_path: Path) ->
     (["--", "--lr", "1"], ["arguments after -- (--lr 1) are for a script"]),
     (["bad.py", "-m", "x"], ["not both"]),
 ])
+@pytest.mark.processes
 def test_a_program_that_cannot_run_is_one_line_and_starts_nothing(
         tmp_path: Path, args: list[str], fragments: list[str]) -> None:
     (tmp_path / "bad.py").write_text("def f(:\n    pass\n")
@@ -141,6 +145,7 @@ def test_a_program_that_cannot_run_is_one_line_and_starts_nothing(
     assert not (tmp_path / "runs").exists() and run.leftovers == []
 
 
+@pytest.mark.processes
 def test_a_detached_script_is_stopped_with_sigterm(tmp_path: Path) -> None:
     (tmp_path / "long.py").write_text(textwrap.dedent('''\
         import time
@@ -163,6 +168,7 @@ def test_a_detached_script_is_stopped_with_sigterm(tmp_path: Path) -> None:
         (signal.Signals.SIGTERM.name, True)}
 
 
+@pytest.mark.processes
 def test_max_restarts_runs_the_script_again(tmp_path: Path) -> None:
     (tmp_path / "flaky.py").write_text(textwrap.dedent('''\
         import os
@@ -183,6 +189,7 @@ def test_max_restarts_runs_the_script_again(tmp_path: Path) -> None:
     assert "[rank 0] attempt 1 done" in run.stdout and "[rank 1] attempt 1 done" in run.stdout
 
 
+@pytest.mark.processes
 def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(project: Path) -> None:
     run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "-n", "2",
                   "--run-id", "zero", "scripts/train.py", "--", "--steps", "30", cwd=project)
@@ -197,6 +204,7 @@ def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(project
     assert summary["hang"] is None and summary["telemetry_loss"] == 0
 
 
+@pytest.mark.processes
 def test_a_scripts_own_lines_show_in_the_headless_summary_and_status(tmp_path: Path) -> None:
     (tmp_path / "logs.py").write_text(textwrap.dedent('''\
         import torch, torch.distributed as dist

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import ReferenceRun
 
 
+@pytest.mark.processes
 def test_exit_code_output_and_nothing_left_behind(reference_run: ReferenceRun) -> None:
     run = reference_run.run
     assert run.returncode == 0
@@ -18,6 +20,7 @@ def test_exit_code_output_and_nothing_left_behind(reference_run: ReferenceRun) -
     assert "Traceback" not in run.stdout + run.stderr
 
 
+@pytest.mark.processes
 def test_run_directory_layout(reference_run: ReferenceRun) -> None:
     root = reference_run.root
     config = json.loads((root / "config.json").read_text())
@@ -36,6 +39,7 @@ def test_run_directory_layout(reference_run: ReferenceRun) -> None:
     assert names == [f"step-{s:08d}.pt" for s in range(1, 17)]
 
 
+@pytest.mark.processes
 def test_checkpoint_contents(reference_run: ReferenceRun) -> None:
     state = torch.load(reference_run.root / "checkpoints" / "step-00000008.pt", weights_only=True)
     # Written at the end of epoch 1: resume starts epoch 2 at its first step.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 from helpers import BIN, detached, tagged_env
 
@@ -36,6 +37,7 @@ def last_json(text: str) -> dict[str, Any]:
     return found
 
 
+@pytest.mark.processes
 def test_rejected_counts_outlive_the_run(tmp_path: Path) -> None:
     with detached("-n", "2", "--epochs", "50", "--run-id", "rj", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
@@ -70,6 +72,7 @@ def test_rejected_counts_outlive_the_run(tmp_path: Path) -> None:
     assert f"  rejected by the daemon: {JUNK} malformed" in text.stdout.splitlines()
 
 
+@pytest.mark.processes
 def test_a_failure_is_one_line_without_a_stray_colon(tmp_path: Path) -> None:
     assert Failure(rank=1, exit_code=1, message="RuntimeError: boom").line() == (
         "rank 1 exit code 1: RuntimeError: boom")
@@ -88,6 +91,7 @@ def test_a_failure_is_one_line_without_a_stray_colon(tmp_path: Path) -> None:
         assert " : " not in out and ": :" not in out
 
 
+@pytest.mark.processes
 def test_a_lost_runs_failure_is_the_reason_alone(tmp_path: Path) -> None:
     """The daemon was killed mid-run: nobody's exit to blame, the reason is the line."""
     root = tmp_path / "runs" / "cut"

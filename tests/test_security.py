@@ -32,6 +32,8 @@ from helpers import BIN, Detached, ddtrain, detached, listening_addresses, tagge
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.keys import RunKeys
 
+pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
+
 RUN = "guarded"
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"

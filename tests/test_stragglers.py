@@ -249,6 +249,7 @@ def test_median_of_the_others() -> None:
 SLOW_RANK, SLOW_FROM = 1, 100
 
 
+@pytest.mark.processes
 def test_a_slowed_rank_of_a_real_run_is_named_and_no_other(tmp_path: Path) -> None:
     # Rank 1 takes 8x its step time from step 100 on (it sleeps 7x its own step
     # time after each step): the few-ms steps of this run become ~25 ms, nearly all

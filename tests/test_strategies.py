@@ -127,11 +127,13 @@ def assert_same_weights(out: Path, strategy: str, world: int) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.processes
 def test_same_weights_as_one_process(strategy_run: StrategyRun, strategy: str) -> None:
     assert_same_weights(strategy_run.out, strategy, WORLD)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.processes
 def test_same_weights_as_one_process_on_3_ranks(strategy_run_3: Path, strategy: str) -> None:
     """Where 2 ranks cannot tell: the ring's chunk indices over two hops, and
     chunks of unequal size (tensor_split's first pieces are one longer)."""
@@ -139,6 +141,7 @@ def test_same_weights_as_one_process_on_3_ranks(strategy_run_3: Path, strategy: 
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.processes
 def test_checkpoint_state_resumes_the_same_training(strategy_run: StrategyRun,
                                                     strategy: str) -> None:
     """Model and optimizer state saved and loaded into a fresh model under the same
@@ -148,6 +151,7 @@ def test_checkpoint_state_resumes_the_same_training(strategy_run: StrategyRun,
         torch.testing.assert_close(both["resumed"][name], tensor, rtol=0, atol=0)
 
 
+@pytest.mark.processes
 def test_telemetry_counts_what_each_strategy_must_do(strategy_run: StrategyRun) -> None:
     model = build_model("mlp", SYNTHETIC_SPEC)
     params = list(model.parameters())
@@ -188,6 +192,7 @@ TRAIN_ARGS = ("--world-size", "2", "--batch-size", "32", "--lr", "0.05", "--seed
               "--sync-every", "4")
 
 
+@pytest.mark.processes
 def test_trainer_checkpoints_fsdp_and_resumes_it_as_ring(tmp_path: Path) -> None:
     """The built-in trainer: epoch 1 under fsdp (gathered checkpoint, evaluation
     with a different number of batches per rank), epoch 2 resumed from it under ring; both
@@ -248,6 +253,7 @@ FSDP_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 BLOCK = f"import sys\nsys.modules[{FSDP_COLLECTIVES!r}] = None\n"
 
 
+@pytest.mark.processes
 def test_without_fsdp2_every_other_strategy_trains_and_fsdp_says_why() -> None:
     """The strategies module (which the trainer always imports) imports nothing of
     FSDP until `fsdp` is built."""
@@ -287,6 +293,7 @@ def test_without_fsdp2_every_other_strategy_trains_and_fsdp_says_why() -> None:
                                f"torch {torch.__version__}"), lines[6]
 
 
+@pytest.mark.processes
 def test_ddtrain_start_fsdp_without_fsdp2_is_a_one_line_usage_error(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(BLOCK)  # in every process ddtrain starts
     run = ddtrain("start", "--foreground", "-n", "1", "--epochs", "1", "--strategy", "fsdp",

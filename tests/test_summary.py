@@ -135,6 +135,7 @@ def test_a_finished_run_of_the_first_layout_is_summarised_from_its_journal() -> 
     assert summary.global_step > 0 and summary.daemon_pid == 4526
 
 
+@pytest.mark.processes
 def test_a_run_whose_daemon_is_gone_is_lost_and_told_from_its_journal(tmp_path: Path) -> None:
     root = tmp_path / "recorded-failed"
     shutil.copytree(FIXTURES / "recorded-failed", root)

@@ -12,6 +12,8 @@ from helpers import Collector, Run, collecting, ddtrain, metric_records
 
 from ddtop.daemon import wire
 
+pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
+
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path, Collector]:
