@@ -8,13 +8,13 @@ so ddtop shows them side by side (docs/strategies.md):
 - `ddp`: torch DDP; gradients all-reduced bucket by bucket while backward runs
   (timed by the comm hook of commtimer.py, attached by `ddtop.watch`).
 - `allreduce`: after backward, one blocking `all_reduce` per parameter's
-  gradient, then a division by the world size (seed 004's average_gradients).
+  gradient, then a division by the world size (the classic `average_gradients`).
 - `hooks`: a `register_post_accumulate_grad_hook` per parameter all-reduces its
-  gradient the moment it is ready, blocking backward meanwhile (seeds 000, 002).
+  gradient the moment it is ready, blocking backward meanwhile.
 - `hooks-async`: the same hooks launch asynchronous all-reduces; backward goes on
   while they run, and all are waited for before the optimizer step.
 - `ring`: after backward, each gradient all-reduced by a ring of send/recv:
-  reduce-scatter, then all-gather, 2(n-1) exchanges of 1/n of it (seed 004).
+  reduce-scatter, then all-gather, 2(n-1) exchanges of 1/n of it (ring all-reduce).
 - `fsdp`: FSDP2 `fully_shard` per layer and on the root: each layer's parameters
   all-gathered before its forward and backward, gradients reduce-scattered.
 
@@ -293,7 +293,7 @@ class PerParameterHooks(Strategy):
         grad = param.grad
         if grad is None:
             return
-        if not self.asynchronous:  # seed 002: backward stops here until it is summed
+        if not self.asynchronous:  # blocking hooks: backward stops here until it is summed
             with self.ledger.blocking("allreduce", grad.nbytes, self.factor):
                 dist.all_reduce(grad)
             grad.div_(self.world)
