@@ -1,7 +1,7 @@
 """The values `ddtrain start`'s flags take, checked before anything starts.
 
 Every integer field of TrainConfig carries a Range (`flag(..., low=, high=)`):
-`add_config_arguments` refuses an integer field without one, `check_ranges`
+`flags.add_config_arguments` refuses an integer field without one, `check_ranges`
 checks a config against them (typed flags and a config.json alike), and --help
 says each upper limit. A string flag given an empty value is refused by the
 parser (`non_empty`): an empty --runs-dir or --bind would otherwise mean "the

@@ -30,14 +30,11 @@ import msgspec
 
 from ddtop.daemon import control, inject
 from ddtop.daemon.config import (
-    OneLineParser,
     TrainConfig,
     UsageError,
     add_runs_dir_argument,
-    add_train_arguments,
     count_of,
     default_runs_dir,
-    explicit_overrides,
     resume_mismatch,
 )
 from ddtop.daemon.contract import (
@@ -47,6 +44,11 @@ from ddtop.daemon.contract import (
     EXIT_USAGE,
     FAULT_ENV,
     owner_only_umask,
+)
+from ddtop.daemon.flags import (
+    OneLineParser,
+    add_train_arguments,
+    explicit_overrides,
 )
 from ddtop.daemon.program import check_program, split_program_args
 from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop

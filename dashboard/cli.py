@@ -20,12 +20,14 @@ import time
 from pathlib import Path
 
 from ddtop.daemon.config import (
-    OneLineParser,
     UsageError,
     add_runs_dir_argument,
     default_runs_dir,
 )
 from ddtop.daemon.contract import EXIT_USAGE
+from ddtop.daemon.flags import (
+    OneLineParser,
+)
 from ddtop.daemon.runinfo import list_runs
 from ddtop.daemon.runs import NoSuchRun, RunPaths, find_run, locate_run
 

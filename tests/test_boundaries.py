@@ -28,7 +28,8 @@ ALLOWED = {
     # A rank reads its config, run directory and the process contract, and publishes on the wire;
     # the built-in trainer reports through the public API, as a user's script does (one path);
     # a rank reads its fault drills with the parser `ddtrain start --inject` checks them with.
-    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.inject",
+    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.flags",
+                 "ddtop.daemon.inject",
                  "ddtop.daemon.keys", "ddtop.daemon.processes", "ddtop.daemon.runs",
                  "ddtop.daemon.wire", API},
     # The daemon starts ranks by module name (a string), never by import.
@@ -38,6 +39,7 @@ ALLOWED = {
     "api": {"ddtop.daemon.contract", "ddtop.training.api"},
     # The dashboard folds the same wire into the same state, and finds runs as ddtrain does.
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
+                  "ddtop.daemon.flags",
                   "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.rankview",
                   "ddtop.daemon.runinfo", "ddtop.daemon.runs", "ddtop.daemon.state",
                   "ddtop.daemon.summary", "ddtop.daemon.wire"},
@@ -136,6 +138,7 @@ def test_the_check_catches_a_new_arrow(module: str, source: str) -> None:
 
 
 TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.supervisor", "ddtop.daemon.config",
+              "ddtop.daemon.flags",
               "ddtop.daemon.runs", "ddtop.daemon.local", "ddtop.daemon.torchrun",
               "ddtop.dashboard.cli", "ddtop.dashboard.app", "ddtop.dashboard.headless",
               "ddtop.dashboard.feed"]

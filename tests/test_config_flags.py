@@ -16,11 +16,13 @@ from ddtop.daemon.bounds import Range, check_ranges, non_empty
 from ddtop.daemon.config import (
     Flag,
     TrainConfig,
+    flag,
+)
+from ddtop.daemon.flags import (
     add_config_arguments,
     add_train_arguments,
     explicit_overrides,
     field_docs,
-    flag,
 )
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 
 from ddtop.daemon.config import (
-    OneLineParser,
     TrainConfig,
     UsageError,
+)
+from ddtop.daemon.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE
+from ddtop.daemon.flags import (
+    OneLineParser,
     add_train_arguments,
     explicit_overrides,
 )
-from ddtop.daemon.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE
 from ddtop.daemon.runs import RunPaths, read_json
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
