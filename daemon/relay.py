@@ -11,11 +11,11 @@ and removed when it closes. Another user cannot connect, so cannot send,
 subscribe or ask anything (docs/security.md).
 
 With `--bind ADDR` they listen on TCP at ADDR instead, each a CURVE server
-with the run's keys (daemon/keys.py); the relay answers ZeroMQ's ZAP requests
-itself, admitting only the run's client key. Every refused handshake is
-counted from the sockets' monitors: `rejected.unauthenticated` (a CURVE peer
-with a key not of this run), `rejected.handshake_failed` (no CURVE, or not
-this daemon's server key).
+with the run's keys (daemon/keys.py); the relay's gate (daemon/gate.py) answers
+ZeroMQ's ZAP requests, admitting only the run's client key, and counts every
+refused handshake: `rejected.unauthenticated` (a CURVE peer with a key not of
+this run), `rejected.handshake_failed` (no CURVE, or not this daemon's server
+key).
 
 Every accepted message is folded into the RunState, appended to the journal
 and re-published, in that order, under one relay sequence number. A journal
@@ -42,8 +42,6 @@ thread); ZeroMQ sockets are not thread-safe.
 from __future__ import annotations
 
 import contextlib
-import functools
-import resource
 import shutil
 import sys
 import tempfile
@@ -55,24 +53,17 @@ from typing import Any
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ddtop.daemon import requests, wire
 from ddtop.daemon.config import UsageError
+from ddtop.daemon.gate import Gate
 from ddtop.daemon.journal import JournalWriter
-from ddtop.daemon.keys import ZAP_DOMAIN, RunKeys
+from ddtop.daemon.keys import RunKeys
 from ddtop.daemon.state import RunState
 
 # Room for an ipc socket's path: a unix socket address holds 107 bytes and a NUL.
 IPC_PATH_MAX = 100
 SOCKET_NAMES = ("telemetry", "publish", "control")
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may complete a handshake
-HANDSHAKE_TIMEOUT_MS = 3000  # a TCP peer that has not completed CURVE by then is dropped
-# Handshake failures on a CURVE socket, by the reason they are counted under.
-HANDSHAKE_FAILURES: dict[int, str] = {
-    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "unauthenticated",
-    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed",
-    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed"}
 # Frames larger than this make ZeroMQ drop the connection unread (memory bound);
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
@@ -131,12 +122,9 @@ class Relay:
         if bind is None:
             self.sockets, self._own_folder = private_folder(sockets)
         self.context = zmq.Context()
-        self.zap: zmq.Socket[bytes] | None = None
-        if bind is not None:  # the handler first: no handshake may complete unasked
-            self.zap = self.context.socket(zmq.REP)
-            self.zap.setsockopt(zmq.LINGER, 0)
-            self.zap.bind(ZAP_ENDPOINT)
-            _raise_open_files_limit()  # every peer that tries holds a descriptor a while
+        # Over TCP, who may complete a handshake (daemon/gate.py): bound first, so
+        # that no handshake completes unasked.
+        self.gate = Gate(self.context, keys, self.reject) if keys is not None and bind else None
         try:
             self.pull, self.pub, self.router = self._bind_all()
         except zmq.ZMQError as e:
@@ -170,16 +158,9 @@ class Relay:
             self.poller.register(self.nodes, zmq.POLLIN)
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.router, zmq.POLLIN)
-        self.monitors: list[zmq.Socket[bytes]] = []
-        if self.zap is not None:
-            self.poller.register(self.zap, zmq.POLLIN)
-            events = 0
-            for event in HANDSHAKE_FAILURES:
-                events |= event
-            for sock in (self.pull, self.pub, self.router, *([self.nodes] if self.nodes else [])):
-                monitor = sock.get_monitor_socket(events)
-                self.poller.register(monitor, zmq.POLLIN)
-                self.monitors.append(monitor)
+        if self.gate is not None:
+            self.gate.watch([self.pull, self.pub, self.router,
+                             *([self.nodes] if self.nodes else [])], self.poller)
         self.journal = JournalWriter(journal)
         self._journal_speaking = False
         self._errors_said: dict[str, float] = {}  # handler -> monotonic time it was last said
@@ -202,9 +183,7 @@ class Relay:
         try:
             if self.bind is not None:
                 assert self.keys is not None
-                self.keys.serve(sock)
-                # A peer that never finishes its handshake holds a descriptor: not long.
-                sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+                Gate.serve(sock, self.keys)
                 ipv6 = ":" in self.bind
                 sock.setsockopt(zmq.IPV6, int(ipv6))
                 sock.bind(f"tcp://{f'[{self.bind}]' if ipv6 else self.bind}:*")
@@ -218,8 +197,8 @@ class Relay:
 
     def _abandon(self) -> None:
         """After a failed start: nothing left open or behind."""
-        if self.zap is not None:
-            self.zap.close(linger=0)
+        if self.gate is not None:
+            self.gate.close()
         self.context.term()
         if self._own_folder and self.sockets is not None:
             shutil.rmtree(self.sockets, ignore_errors=True)
@@ -244,11 +223,9 @@ class Relay:
         finally:
             for fd in fds:
                 self.poller.unregister(fd)
-        if self.zap is not None and self.zap in ready:
-            self.guarded("zap", self._answer_zap)
-        for monitor in self.monitors:
-            if monitor in ready:
-                self.guarded("monitor", functools.partial(self._count_refusals, monitor))
+        if self.gate is not None:
+            for where, handler in self.gate.handlers(ready):
+                self.guarded(where, handler)
         if self.pull in ready:
             self.guarded("telemetry", self._drain_pull)
         if self.nodes is not None and self.nodes in ready:
@@ -417,33 +394,6 @@ class Relay:
             self._journal_speaking = False
         self.state.journal_dropped = self.journal.dropped
 
-    def _answer_zap(self) -> None:
-        """Who may complete a CURVE handshake: the run's client key, and no one else
-        (ZAP, RFC 27: version, request id, domain, address, identity, mechanism,
-        credentials)."""
-        assert self.zap is not None and self.keys is not None
-        for _ in range(BATCH):
-            try:
-                frames = self.zap.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            request_id = frames[1] if len(frames) > 1 else b""
-            admitted = (len(frames) >= 7 and frames[0] == b"1.0" and frames[2] == ZAP_DOMAIN
-                        and frames[5] == b"CURVE" and frames[6] == self.keys.client_public_raw)
-            status = (b"200", b"OK") if admitted else (b"400", b"not a key of this run")
-            with contextlib.suppress(zmq.ZMQError):
-                self.zap.send_multipart([b"1.0", request_id, *status, b"", b""])
-
-    def _count_refusals(self, monitor: zmq.Socket[bytes]) -> None:
-        for _ in range(BATCH):
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            reason = HANDSHAKE_FAILURES.get(int(event["event"]))
-            if reason is not None:
-                self.reject(reason)
-
     # -- requests --------------------------------------------------------------------
     def _drain_router(self) -> None:
         for _ in range(BATCH):
@@ -469,11 +419,9 @@ class Relay:
         self.journal.close()
         if (line := self.journal.final_line()) is not None:
             _say("warning", line)  # the count once nothing more can be dropped
-        sockets = [self.pull, self.pub, self.router, *([self.nodes] if self.nodes else [])]
-        if self.monitors:
-            for sock in sockets:
-                sock.disable_monitor()
-        for sock in [*self.monitors, *sockets, *([self.zap] if self.zap else [])]:
+        if self.gate is not None:
+            self.gate.close()
+        for sock in [self.pull, self.pub, self.router, *([self.nodes] if self.nodes else [])]:
             sock.close(linger=0)
         self.context.term()
         if self.sockets is not None:
@@ -495,15 +443,6 @@ def _say(type: wire.EventType, message: str) -> None:
     with contextlib.suppress(OSError):  # stderr on the same full disk: the event said it
         print(f"ddtrain: {'warning: ' if type == 'warning' else ''}{message}",
               file=sys.stderr, flush=True)
-
-
-def _raise_open_files_limit() -> None:
-    """The soft limit on open descriptors up to the hard one (peers on TCP each
-    hold one until their handshake ends)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def private_folder(preferred: Path | None) -> tuple[Path, bool]:
