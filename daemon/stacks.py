@@ -17,9 +17,9 @@ import time
 from ddtop.daemon import control
 from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
+from ddtop.daemon.hangs import rank_list
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import locate_run
-from ddtop.daemon.state import rank_list
 
 WAIT_S = 5.0  # for every asked rank's dump to appear
 SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long

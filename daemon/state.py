@@ -24,13 +24,12 @@ from typing import Any
 
 import msgspec
 
-from ddtop.daemon import stragglers, wire
+from ddtop.daemon import hangs, stragglers, wire
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import (
     DEAD,
     HISTORY_POINTS,
     RUNNING,
-    SILENT,
     SILENT_AFTER_S,
     SLOW_PHASES,
     STALLED,
@@ -41,6 +40,7 @@ from ddtop.daemon.rankview import (
     RankView,
 )
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
+from ddtop.daemon.rankview import SILENT as SILENT
 from ddtop.daemon.summary import (
     LOST,
     Failure,
@@ -443,43 +443,9 @@ class RunState(msgspec.Struct, kw_only=True):
         return found[1] if found is not None else None
 
     def hung(self, now: float) -> tuple[list[int], str] | None:
-        """When some ranks are stalled: the ranks the others wait for (those not
-        inside the collective the others wait in; without one, the stalled ranks;
-        [] when every live rank waits in it), and the hang in words."""
-        states = self.rank_states(now)
-        stalled = [r for r, s in states.items() if s == STALLED]
-        if not stalled:
-            return None
-        live = [r for r, s in states.items() if s in (RUNNING, STALLED, SILENT)]
-        # The collective each live rank is inside, if any.
-        waiting = {r: c for r in live if r in self.ranks and self.ranks[r].in_collective
-                   and (c := self.ranks[r].coll_started) is not None}
-        if not waiting:
-            return stalled, "; ".join(f"rank {r} stalled {self.ranks[r].where()}"
-                                      for r in stalled)
-        newest = max(c.seq for c in waiting.values())
-        inside = [r for r, c in waiting.items() if c.seq == newest]
-        coll = waiting[inside[0]]
-        others = [r for r in live if r not in inside]
-        # A rank that stepped past the step they wait in since their newest reading
-        # is not waited for: it has been through their collective, so that reading
-        # is stale (a stopped rank resumed; their own steps and heartbeats are on
-        # the way). Only since their reading: a rank that is ahead and stuck (a
-        # constant offset, rank 0 alone saving) is waited for once they report again.
-        waits_in = min(self.ranks[r].phase_step for r in inside)
-        read_at = max(self.ranks[r].phase_at or 0.0 for r in inside)
-        if any(v.phase_step > waits_in and v.stepped_at is not None and v.stepped_at > read_at
-               for r in others if (v := self.ranks.get(r)) is not None):
-            return None
-        text = f"{rank_list(inside)} wait in {coll.op} #{coll.seq}"
-        for r in others:
-            view = self.ranks.get(r)
-            where = view.where() if view is not None else "not heard from"
-            text += f"; rank {r} is {'silent, last ' if states[r] == SILENT else ''}{where}"
-        dead = [r for r, s in states.items() if s == DEAD]
-        if dead:
-            text += f"; {rank_list(dead)} dead"
-        return others, text
+        """When some ranks are stalled: the ranks the others wait for, and the hang
+        in words (daemon/hangs.py); None when none is."""
+        return hangs.hung(self.ranks, self.rank_states(now))
 
     def telemetry_loss(self) -> float:
         """Fraction of rank messages lost (sequence gaps), 0..1."""
@@ -503,21 +469,6 @@ class RunState(msgspec.Struct, kw_only=True):
         """The run as it stands at `now`: what `status`, `list`, run.json and the
         headless summary show."""
         return summarize(self, now)
-
-
-def rank_list(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    parts, start, prev = [], ranks[0], ranks[0]
-    for r in [*ranks[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else str(start))
-        if r is not None:
-            start = prev = r
-    return "ranks " + ", ".join(parts)
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
