@@ -251,3 +251,16 @@ def listening_addresses(pid: int) -> list[str]:
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
             found.append(f"{socket.inet_ntop(family, raw)}:{int(port_hex, 16)}")
     return found
+
+
+@contextlib.contextmanager
+def running(cwd: Path, run_id: str, *args: str) -> Iterator[Detached]:
+    """`ddtrain start ARGS --run-id RUN_ID` (detached), every rank past its first
+    step; afterwards stopped gracefully, with nothing left behind."""
+    with detached(*args, "--run-id", run_id, cwd=cwd) as run:
+        assert run.started.returncode == 0, run.started.stdout + run.started.stderr
+        run.wait_for(run_id, lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+        yield run
+        stopped = run.cli("stop", run_id, "--timeout", "30")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert run.leftovers() == []

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import BIN, DDTRAIN, Detached, ddtrain, detached, finish, start, tagged_env
+from helpers import BIN, DDTRAIN, Detached, ddtrain, finish, running, start, tagged_env
 
 from ddtop.daemon.config import UsageError
 from ddtop.daemon.keys import RunKeys
@@ -36,14 +36,8 @@ COMMAND_TIMEOUT_S = 30  # a command that hangs (what damaged keys did) fails the
 @pytest.fixture(scope="module")
 def over_tcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, Path]]:
     cwd = tmp_path_factory.mktemp("edges")
-    with detached("-n", "1", "--epochs", "200", "--run-id", RUN, "--bind", "127.0.0.1",
-                  cwd=cwd) as run:
-        assert run.started.returncode == 0, run.started.stdout + run.started.stderr
-        run.wait_for(RUN, lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+    with running(cwd, RUN, "-n", "1", "--epochs", "200", "--bind", "127.0.0.1") as run:
         yield run, cwd / "runs" / RUN
-        stopped = run.cli("stop", RUN, "--timeout", "30")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert run.leftovers() == []
 
 
 # -- damaged keys --------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import BIN, Detached, ddtrain, detached, listening_addresses, tagged_env
+from helpers import BIN, Detached, ddtrain, listening_addresses, running, tagged_env
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.keys import RunKeys
@@ -46,13 +46,8 @@ def guarded() -> Iterator[tuple[Detached, Path]]:
         base.chmod(0o755)
         (base / "runs").mkdir(mode=0o755)
         (base / "runs").chmod(0o755)
-        with detached("-n", "2", "--epochs", "200", "--run-id", RUN, cwd=base) as run:
-            assert run.started.returncode == 0, run.started.stdout + run.started.stderr
-            run.wait_for(RUN, lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+        with running(base, RUN, "-n", "2", "--epochs", "200") as run:
             yield run, base / "runs" / RUN
-            stopped = run.cli("stop", RUN, "--timeout", "30")
-            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-            assert run.leftovers() == []
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)
 
@@ -273,14 +268,8 @@ FORGED_LOSS = 12345.0
 @pytest.fixture(scope="module")
 def over_tcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, Path]]:
     cwd = tmp_path_factory.mktemp("tcp")
-    with detached("-n", "2", "--epochs", "200", "--run-id", TCP_RUN, "--bind", "127.0.0.1",
-                  cwd=cwd) as run:
-        assert run.started.returncode == 0, run.started.stdout + run.started.stderr
-        run.wait_for(TCP_RUN, lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
+    with running(cwd, TCP_RUN, "-n", "2", "--epochs", "200", "--bind", "127.0.0.1") as run:
         yield run, cwd / "runs" / TCP_RUN
-        stopped = run.cli("stop", TCP_RUN, "--timeout", "30")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert run.leftovers() == []
 
 
 def test_over_tcp_every_socket_speaks_curve_and_the_owner_gets_in(
