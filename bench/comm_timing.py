@@ -39,6 +39,8 @@ import socket
 import statistics
 import time
 
+from stats import median_ratio  # bench/stats.py, beside this script
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -127,7 +129,7 @@ def main() -> int:
     print("-" * 52)
     for name in names:
         added = statistics.median(m - b for m, b in zip(cpu[name], base, strict=True))
-        ratio = statistics.median(b / m for m, b in zip(cpu[name], base, strict=True))
+        ratio = median_ratio(base, cpu[name])
         print(f"{name:<16} | {statistics.median(cpu[name]) * 1e6:11.1f} | {added * 1e6:+8.1f} | "
               f"{ratio:6.3f}")
     return 0

@@ -42,9 +42,9 @@ long run with one dashboard attached (the TUI, or `ddtop --headless`), in N
 pairs of phases of --pair-phase-seconds, the dashboard running in one and
 frozen with SIGSTOP in the other (in a random order; a thawed one gets 1.5 s
 to catch up before its phase): running steps/s over frozen, the median with
-a sign-test interval, the mean with a 95% interval, and the dashboard's CPU
-while running. Phases a few seconds apart see the same load, which part 2's
-longer ones do not. --attached-pairs N: pairs of a TUI attached (a new one
+a sign-test interval, the mean with a 95% t interval (bench/stats.py), and the
+dashboard's CPU while running. Phases a few seconds apart see the same load,
+which part 2's longer ones do not. --attached-pairs N: pairs of a TUI attached (a new one
 each time, 5 s after its start) and no dashboard at all, attached over none;
 --frozen-pairs N: the same with the TUI frozen for 10 s before its phase.
 --waker-pairs N, a control: running against frozen, as for the TUI, with a
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from own_script import estimate  # bench/own_script.py, beside this script
+from stats import mean_interval, median_interval  # bench/stats.py, beside this script
 
 from ddtop.daemon import control, journal, wire
 from ddtop.daemon.runinfo import RunInfo
@@ -564,27 +564,18 @@ def part_attach_pairs(frozen: bool, world: int, pairs: int, phase_s: float, root
 
 
 def report_ratios(ratios: list[float], also: str) -> None:
-    found = estimate(ratios)
+    found = median_interval(ratios)
     print(f"steps/s ratio {found.cell()} (median [95% interval, sign test]): "
           f"{found.verdict()}{'; ' + also if also else ''}")
-    if len(ratios) >= MEAN_INTERVAL_FROM:
+    if len(ratios) >= 2:
         mean, half = mean_interval(ratios)
-        print(f"mean ratio {mean:.4f} [{mean - half:.4f}, {mean + half:.4f}] (95%, normal "
-              f"approximation; pairs' standard deviation {statistics.stdev(ratios):.4f})")
+        print(f"mean ratio {mean:.4f} [{mean - half:.4f}, {mean + half:.4f}] (95%, Student's "
+              f"t; pairs' standard deviation {statistics.stdev(ratios):.4f})")
 
 
 def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-MEAN_INTERVAL_FROM = 10  # pairs; with fewer the normal approximation is too narrow
-
-
-def mean_interval(values: list[float]) -> tuple[float, float]:
-    """The mean and the half-width of its 95% interval (normal approximation: for
-    the tens of pairs part 3 takes, a t interval is wider by a few percent)."""
-    return statistics.fmean(values), 1.96 * statistics.stdev(values) / len(values) ** 0.5
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ cost; the target is at least 0.99), read two ways:
 Each ratio is the median of paired ratios (an instrumented measurement over
 its baseline taken beside it), with a 95% interval for that median that
 assumes nothing about how the ratios are distributed (the sign test's, from
-the order statistics; with fewer than six pairs it is unbounded). The
+the order statistics, bench/stats.py; with fewer than six pairs it is unbounded). The
 verdict reads the interval: "meets 0.99" when its low end is at least 0.99,
 "below 0.99" when its high end is under 0.99, else "cannot tell (the
 interval spans 0.99)".
@@ -88,17 +88,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stats import Estimate, median_interval  # bench/stats.py, beside this script
 from telemetry import Listener  # bench/telemetry.py, beside this script
 
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
 DDTRAIN = str(BIN / "ddtrain")
-TARGET = 0.99
 RUN_TIMEOUT_S = 300
 WINDOW = 50  # part 1: steps per timed window
 
@@ -208,41 +207,6 @@ with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
                "params": sum(p.numel() for p in model.parameters())}, f)
 dist.destroy_process_group()
 '''.replace("@WINDOW@", str(WINDOW))
-
-
-# -- statistics -------------------------------------------------------------------------------
-@dataclass
-class Estimate:
-    median: float
-    low: float
-    high: float
-    n: int
-
-    def verdict(self) -> str:
-        if self.low >= TARGET:
-            return f"meets {TARGET}"
-        if self.high < TARGET:
-            return f"below {TARGET}"
-        return f"cannot tell (the interval spans {TARGET})"
-
-    def cell(self) -> str:
-        return f"{self.median:.3f} [{self.low:.3f}, {self.high:.3f}]"
-
-
-def estimate(ratios: Sequence[float]) -> Estimate:
-    """The median of paired ratios and a 95% interval for it that assumes nothing
-    about their distribution (the sign test's: between the k-th smallest and the
-    k-th largest, k the largest with P(Binomial(n, 1/2) < k) <= 2.5%). Under six
-    pairs there is none: the interval is unbounded."""
-    values = sorted(ratios)
-    n = len(values)
-    k, below = 0, 0  # below: the ways to have fewer than k successes in n
-    while (below + math.comb(n, k)) * 40 <= 2 ** n:  # P(X <= k) <= 1/40
-        below += math.comb(n, k)
-        k += 1
-    if k == 0:
-        return Estimate(statistics.median(values), -math.inf, math.inf, n)
-    return Estimate(statistics.median(values), values[k - 1], values[n - k], n)
 
 
 # -- part 1: whole runs -----------------------------------------------------------------------
@@ -388,9 +352,9 @@ def launchers(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
         if v.baseline:
             base = results[v.baseline]
             pairs = list(zip(mine, base, strict=True))
-            wall = estimate([m.rate / b.rate for m, b in pairs])
-            cpu = estimate([b.cpu / m.cpu for m, b in pairs])
-            core = estimate([b.cpu_core / m.cpu_core for m, b in pairs])
+            wall = median_interval([m.rate / b.rate for m, b in pairs])
+            cpu = median_interval([b.cpu / m.cpu for m, b in pairs])
+            core = median_interval([b.cpu_core / m.cpu_core for m, b in pairs])
             found[v.name] = (wall, cpu)
             cells = [wall.cell(), cpu.cell(), core.cell()]
             verdicts.append(f"verdict, whole runs, {v.name}: wall {wall.verdict()}; CPU "
@@ -575,8 +539,8 @@ def pieces(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
     print("-" * 104)
     found: dict[str, tuple[Estimate, Estimate]] = {}
     for name in names:
-        w = estimate([b / m for m, b in zip(wall[name], wall[BASE], strict=True)])
-        c = estimate([b / m for m, b in zip(cpu[name], cpu[BASE], strict=True)])
+        w = median_interval([b / m for m, b in zip(wall[name], wall[BASE], strict=True)])
+        c = median_interval([b / m for m, b in zip(cpu[name], cpu[BASE], strict=True)])
         found[name] = (w, c)
         added_wall = statistics.median(m - b for m, b in zip(wall[name], wall[BASE],
                                                              strict=True))
@@ -598,8 +562,8 @@ def pieces(args: argparse.Namespace) -> dict[str, tuple[Estimate, Estimate]]:
     per_second = background / duration
     for name in MODES:
         w, c = found[name]
-        whole = estimate([b / (m + per_second * t) for m, b, t in
-                          zip(cpu[name], cpu[BASE], wall[name], strict=True)])
+        whole = median_interval([b / (m + per_second * t) for m, b, t in
+                                 zip(cpu[name], cpu[BASE], wall[name], strict=True)])
         found[name] = (w, whole)
         print(f"verdict, same processes, {name}: wall {w.verdict()}; CPU with ddtop's threads "
               f"{whole.cell()}: {whole.verdict()}")

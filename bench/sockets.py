@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from stats import median_ratio, percentile  # bench/stats.py, beside this script
 
 RUN = "bench"
 WORLD = 1024
@@ -303,10 +304,9 @@ def sender_main(config: dict[str, Any]) -> int:
     context.term()
     out = []
     for j in range(n):
-        ordered = sorted(calls[j])
         out.append({"sent": len(frames), "waits": waits[j], "cpu": total_cpu,
-                    "burst_cpu": cpu[j], "median": statistics.median(ordered),
-                    "p99": ordered[int(0.99 * len(ordered))]})
+                    "burst_cpu": cpu[j], "median": statistics.median(calls[j]),
+                    "p99": percentile(calls[j], 99)})
     print(json.dumps(out), flush=True)
     return 0
 
@@ -443,11 +443,6 @@ def table(title: str, columns: list[tuple[str, int]], rows: list[list[str]]) -> 
               flush=True)
 
 
-def paired(values: list[float], baseline: list[float]) -> float:
-    """The median of the ratios of measurements taken side by side (the same round)."""
-    return statistics.median(v / b for v, b in zip(values, baseline, strict=True))
-
-
 def rotated(round_: int) -> list[str]:
     k = round_ % len(TRANSPORTS)
     return [*TRANSPORTS[k:], *TRANSPORTS[:k]]
@@ -491,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         return format(statistics.median(r[key] for r in ingest[t]), fmt)
 
     def ingest_ratio(t: str, key: str) -> str:
-        return f"{paired([r[key] for r in ingest[t]], [r[key] for r in ingest[BASE]]):.2f}"
+        return f"{median_ratio([r[key] for r in ingest[t]], [r[key] for r in ingest[BASE]]):.2f}"
 
     table(f"1. Ingest: {options.senders} sender processes, {WORLD} ranks, {messages:,} messages "
           f"a round (Step, Heartbeat every {HEARTBEAT_EVERY}th), the relay folds, journals and "
@@ -538,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                ("CPU us/msg", 10), ("ratio", 5), ("queue full", 10)],
               [[t, f"{1e6 * sends[t]['median']:.2f}", f"{1e6 * sends[t]['p99']:.2f}",
                 f"{sends[t]['median'] / sends[BASE]['median']:.2f}", f"{cpu_us(t):.2f}",
-                f"{paired(cpu_blocks(t), cpu_blocks(BASE)):.2f}", f"{sends[t]['waits']}"]
+                f"{median_ratio(cpu_blocks(t), cpu_blocks(BASE)):.2f}", f"{sends[t]['waits']}"]
                for t in TRANSPORTS])
 
         # 3. Attach.
@@ -562,10 +557,10 @@ def main(argv: list[str] | None = None) -> int:
         relay_cpu = {t: relays[t].cpu_s() - relay_cpu[t] for t in TRANSPORTS}
         rows = []
         for t in TRANSPORTS:
-            times = sorted(attaches[t])
+            times = attaches[t]
             rows.append([t, f"{statistics.median(times):.1f}",
-                         f"{times[int(0.95 * (len(times) - 1))]:.1f}", f"{times[0]:.1f}",
-                         f"{paired(attaches[t], attaches[BASE]):.2f}",
+                         f"{percentile(times, 95):.1f}", f"{min(times):.1f}",
+                         f"{median_ratio(times, attaches[BASE]):.2f}",
                          f"{statistics.median(client_cpu[t]):.1f}",
                          f"{1000 * relay_cpu[t] / options.attaches:.1f}",
                          f"{statistics.median(pings[t]):.2f}", f"{sizes[t] / 1e3:,.0f}"])
