@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -138,3 +139,47 @@ def culprit(exits: Mapping[int, RankEnd], reports: Mapping[int, ErrorReport]) ->
     if not failed:
         return None
     return min(failed, key=lambda rank: (*blame_order(exits[rank], reports.get(rank)), rank))
+
+
+@dataclass(frozen=True)
+class NodeEnd:
+    """How another node of a multi-node job ended, as the hub heard it."""
+
+    node: int
+    status: str  # its daemon's final run status ("" if it never said)
+    lost: bool = False  # its daemon stopped answering before it said how it ended
+    # The cause its daemon blamed its own culprit rank on (None: it blamed no rank).
+    cause: Cause | None = None
+
+
+@dataclass(frozen=True)
+class JobVerdict:
+    """Whom a multi-node job's outcome names: `kind` is "ours" (the hub's own
+    outcome stands), "their_rank" (a rank of node `node`, as its daemon blamed
+    it), "lost" (the nodes in `lost`, the first to blame) or "node" (node `node`
+    as a whole: it failed or stopped with no rank to blame)."""
+
+    kind: Literal["ours", "their_rank", "lost", "node"]
+    node: int = 0
+    lost: tuple[int, ...] = ()
+
+
+def job_verdict(status: str, our_cause: Cause, others: list[NodeEnd]) -> JobVerdict:
+    """The job's one outcome from the hub's own (`status`, and the cause of its
+    culprit rank: Cause.NONE when it blamed none) and how every other node ended:
+    a rank another node blamed on a likelier cause than ours comes first (ties
+    to us, then to the node first in `others`); then lost nodes, unless the job
+    was stopped or our own culprit failed of its own (a cause below LOST_PEER);
+    then, where we succeeded, the first node that failed or stopped."""
+    theirs = [e for e in others if not e.lost and e.status == "failed" and e.cause is not None]
+    first = min(theirs, key=lambda e: e.cause or 0, default=None)
+    if first is not None and first.cause is not None and first.cause < our_cause:
+        return JobVerdict("their_rank", node=first.node)
+    lost = tuple(e.node for e in others if e.lost)
+    if lost and status != "stopped" and our_cause >= Cause.LOST_PEER:
+        return JobVerdict("lost", lost=lost)
+    if status == "succeeded":
+        worst = next((e for e in others if e.status in ("failed", "stopped")), None)
+        if worst is not None:
+            return JobVerdict("node", node=worst.node)
+    return JobVerdict("ours")

@@ -161,26 +161,27 @@ class NodeRole:
         for seen in hub.nodes.values():
             if seen.state == nodes.UP:  # still running at the deadline: silent to us
                 seen.state = nodes.UNREACHABLE
-        lost = hub.lose_unreachable()
+        hub.lose_unreachable()
         ours = outcome.failed_rank
         our_cause = blame.Cause.NONE
         if outcome.status == "failed" and ours is not None and ours.exitcode is not None:
             our_cause = blame.blame_order(ours.end(), outcome.report)[0]
-        theirs = sorted(((s.failure["cause"], s) for s in hub.nodes.values()
-                         if s.state == nodes.DONE and s.status == "failed"
-                         and s.failure is not None), key=lambda c: c[0])
-        if theirs and theirs[0][0] < our_cause:
-            return self._their_rank_failed(theirs[0][1])
-        if lost and outcome.status != "stopped" and our_cause >= blame.Cause.LOST_PEER:
-            first = lost[0]
-            names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in lost)
-            ranks = ", ".join(str(r) for s in lost for r in s.ranks) or "unknown"
+        verdict = blame.job_verdict(outcome.status, our_cause, [
+            blame.NodeEnd(s.node, s.status, lost=s.state == nodes.LOST,
+                          cause=s.failure["cause"] if s.state == nodes.DONE and s.failure
+                          else None) for s in hub.nodes.values()])
+        if verdict.kind == "their_rank":
+            return self._their_rank_failed(hub.nodes[verdict.node])
+        if verdict.kind == "lost":
+            gone = [hub.nodes[k] for k in verdict.lost]
+            first = gone[0]
+            names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in gone)
+            ranks = ", ".join(str(r) for s in gone for r in s.ranks) or "unknown"
             reason = (f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
                       f"ranks {ranks} unreachable")
             return self._node_failed(first, reason, names)
-        if outcome.status == "succeeded" and any(
-                s.status in ("failed", "stopped") for s in hub.nodes.values()):
-            worst = next(s for s in hub.nodes.values() if s.status in ("failed", "stopped"))
+        if verdict.kind == "node":
+            worst = hub.nodes[verdict.node]
             return self._node_failed(worst, worst.message or worst.status,
                                      f"node {worst.node} ({worst.host})")
         return outcome

@@ -162,7 +162,6 @@ class Relay:
             self.gate.watch([self.pull, self.pub, self.router,
                              *([self.nodes] if self.nodes else [])], self.poller)
         self.journal = JournalWriter(journal)
-        self._journal_speaking = False
         self._errors_said: dict[str, float] = {}  # handler -> monotonic time it was last said
 
     def _bind_all(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], zmq.Socket[bytes]]:
@@ -372,26 +371,25 @@ class Relay:
              **fields: Any) -> None:
         """Fold, journal and publish a message of the daemon's own: it speaks as
         rank -1 (wire.DAEMON_RANK) with a sequence of its own."""
+        self._emit(kind, **fields)
+        self._watch_journal()
+
+    def _emit(self, kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event],
+              **fields: Any) -> None:
         message = kind(run=self.run, rank=wire.DAEMON_RANK, seq=self.daemon_seq, t=time.time(),
                        **fields)
         self.daemon_seq += 1
         self._accept(message, wire.encode(message)[0], message.t)
         self.journal.flush()
-        self._watch_journal()
 
     def _watch_journal(self) -> None:
-        """Keep the journal's dropped count in the state; say what the journal
-        has to say (an outage begun, an outage ended: daemon/journal.py)."""
-        self.state.journal_dropped = self.journal.dropped
-        if self._journal_speaking:
-            return  # one of its events is being emitted
-        self._journal_speaking = True
-        try:
-            while (news := self.journal.news()) is not None:
-                self.emit(wire.Event, type=news.type, message=news.message, data=dict(news.data))
-                _say(news.type, news.message)
-        finally:
-            self._journal_speaking = False
+        """Keep the journal's dropped count in the state; emit what the journal
+        writer says of itself (an outage begun, an outage ended: daemon/journal.py),
+        each thing once. Its own events may be refused by the disk in turn: that is
+        more news for the loop, never a call back into it."""
+        while (news := self.journal.news()) is not None:
+            self._emit(wire.Event, type=news.type, message=news.message, data=dict(news.data))
+            _say(news.type, news.message)
         self.state.journal_dropped = self.journal.dropped
 
     # -- requests --------------------------------------------------------------------

@@ -31,7 +31,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any, TextIO
 
-from ddtop.daemon import blame, leftovers, nodes, wire
+from ddtop.daemon import leftovers, nodes, wire
 from ddtop.daemon.config import TrainConfig, UsageError, count_of
 from ddtop.daemon.contract import (
     EXIT_FAILED,
@@ -46,6 +46,7 @@ from ddtop.daemon.contract import (
     describe_exit,
     signal_name,
 )
+from ddtop.daemon.exits import Exits
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.noderole import NodeRole
@@ -56,18 +57,13 @@ from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
 from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord
+from ddtop.daemon.summary import ProcessRecord
 from ddtop.daemon.torchrun import TorchrunRanks
 
-# Seconds a rank gets to exit after SIGTERM before it is killed.
-TERM_GRACE_S = 5.0
 # Seconds between looks at the sockets and the ranks' logs while they run.
 POLL_S = 0.1
 # Seconds ranks get to stop gracefully after the first Ctrl-C.
 INTERRUPT_STOP_TIMEOUT_S = 30.0
-# After a rank fails: seconds the ranks that already wrote an error report get to
-# exit by themselves before the others are stopped (their exits race each other).
-FAILURE_SETTLE_S = 3.0
 # A hang failed by --hang-timeout: seconds the ranks get to write their stacks first.
 STACKS_GRACE_S = 0.3
 
@@ -96,17 +92,15 @@ class Supervisor:
         self.on_tick = on_tick
         self.report = RunReport(config, paths)
         self.starter: RankStarter | None = None
-        self.ranks: list[Rank] = []  # the supervised processes of this attempt
+        # How this attempt's ranks end (daemon/exits.py): made once the relay is.
+        self.exits: Exits | None = None
         self.relay: Relay | None = None
         self.restarts = 0
         self.stopping: float | None = None  # deadline of a graceful stop in progress
         self.interrupted = False  # the stop came from Ctrl-C
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
-        self.attempt_started = 0.0  # wall clock: error reports older than this are stale
         self.hung_since: float | None = None  # wall clock: since when the run hangs
-        # The hung rank's failure, said by the daemon (--hang-timeout): its exit carries it.
-        self.verdicts: dict[int, ErrorReport] = {}
         # This daemon's part in a multi-node job (node 0's hub, node K's forwarder, or
         # none): daemon/noderole.py.
         self.role: NodeRole | None = None
@@ -137,6 +131,8 @@ class Supervisor:
                 port = choose_port(self.config.master_addr, 0)
             self.starter = STARTERS[self.config.launcher](self.paths, port, self.report.started)
             self.relay.rank_pid = self.starter.is_rank  # a hello from any other pid: dropped
+            self.exits = Exits(self.paths, self.relay, self.starter,
+                               rank_program(self.config).stop_signal)
             self._status("starting", f"run {self.paths.run_id} starting "
                          f"{count_of(self.config.world_size, 'rank')}")
             if self.config.multi_node and not self.config.is_hub:
@@ -152,13 +148,10 @@ class Supervisor:
                              "pick another --runs-dir") from None
         try:
             return self._run()
-        except BaseException:
-            # An error the loop did not survive: its ranks must not train on
-            # unsupervised while the clean-up below waits for them.
-            self._stop_all()
-            raise
         finally:
-            self._end_leftovers()  # an exception's way out too: nothing may hold the helpers
+            # Every way out, an error the loop did not survive included: its ranks
+            # must not train on unsupervised, nothing they left may hold the helpers.
+            self._end_ranks(tell=False)
             if self.role is not None:
                 self.role.close()
             self.starter.close()  # the forkserver and resource tracker, waited for
@@ -171,14 +164,12 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
-                outcome = self.role.settle(self._attempts(), lambda: self._note_exits(None),
-                                           self.on_tick)
+                assert self.exits is not None
+                outcome = self.role.settle(self._attempts(), self.exits.note, self.on_tick)
             except Stopped as stop:
                 for s in previous:  # a second Ctrl-C must not interrupt the clean-up
                     signal.signal(s, signal.SIG_IGN)
-                self._stop_all()
-                self._note_exits(None)
-                self._end_leftovers()
+                self._end_ranks()
                 code = EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 128 + stop.signum
                 outcome = Outcome("stopped", code)
         finally:
@@ -203,7 +194,7 @@ class Supervisor:
         while True:
             self._start_ranks()
             outcome = self._supervise()
-            self._end_leftovers()  # the ranks have ended: so does what they left running
+            self._end_ranks()  # the ranks have ended: so does what they left running
             if (outcome.status != "failed" or outcome.exit_code == EXIT_USAGE
                     or self.restarts >= self.config.max_restarts or self.stopping is not None):
                 return outcome
@@ -232,9 +223,10 @@ class Supervisor:
         self.relay.emit(wire.Event, type="restart", message=message, data=entry)
         self._status("restarting", message, write=False)
         self.config = replace(self.config, resume=newest is not None)
-        self.ranks = []  # a signal before the new ranks exist stops at once
+        assert self.exits is not None
+        self.exits.begin()  # a signal before the new ranks exist stops at once
         self.relay.retire_senders()  # the old processes' pids are not the ranks' now
-        self.hung_since, self.verdicts = None, {}
+        self.hung_since = None
 
     # -- start -----------------------------------------------------------------
     def _start_ranks(self) -> None:
@@ -242,8 +234,7 @@ class Supervisor:
         # them: one intra-op thread per rank unless told otherwise (as torchrun
         # does), and where to send telemetry (this daemon, unless the user said).
         os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
-        assert self.relay is not None and self.starter is not None
-        self.attempt_started = time.time()
+        assert self.relay is not None and self.starter is not None and self.exits is not None
         if not os.environ.get(TELEMETRY_ENV):
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
             if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
@@ -257,8 +248,7 @@ class Supervisor:
             message = f"fault drills armed: {drills} (in the first attempt only)"
             print(f"ddtrain: {message}", file=self.err, flush=True)
             self.relay.emit(wire.Event, type="info", message=message)
-        self.ranks = []
-        self.starter.start(self.config, self.restarts, self.ranks)
+        self.starter.start(self.config, self.restarts, self.exits.begin())
         self._status("running", f"{count_of(self.config.world_size, 'rank')} started")
 
     # -- supervise -------------------------------------------------------------
@@ -270,10 +260,15 @@ class Supervisor:
             return
         raise Stopped(signum)
 
+    @property
+    def ranks(self) -> list[Rank]:
+        """The supervised processes of this attempt."""
+        return self.exits.ranks if self.exits is not None else []
+
     def _supervise(self) -> Outcome:
-        assert self.relay is not None
+        assert self.relay is not None and self.exits is not None
         while True:
-            running = [r for r in self.ranks if r.exitcode is None]
+            running = self.exits.running()
             if not running:
                 if self.stopping is not None:
                     return Outcome("stopped", EXIT_INTERRUPTED)
@@ -288,10 +283,11 @@ class Supervisor:
             self._check_stop()
             self.relay.guarded("stacks", self._serve_stacks)
             self.relay.guarded("logs", self._echo_logs)
-            if self._collect_exits(running):
-                self._settle()
-                self._stop_all()
-                return self._failure()
+            stopping = self.stopping is not None
+            if self.exits.collect(running, stopping):
+                self.exits.settle(stopping)
+                self.exits.stop_all()  # the others would wait in their next collective
+                return self.exits.failure(stopping)
             hung = self._check_hang()
             if hung is not None:
                 return hung
@@ -304,38 +300,6 @@ class Supervisor:
         if self.on_tick is not None:
             assert self.relay is not None
             self.on_tick(self.relay.state)
-
-    def _collect_exits(self, running: list[Rank]) -> bool:
-        """Record the exits among `running`; report the clean ones at once. True
-        when one failed (its exit is reported once the culprit is known)."""
-        failed = False
-        stop_signal = rank_program(self.config).stop_signal
-        # Ranks seen to exit in the same look are not ordered: each ran when the other left.
-        others = [o for o in self.ranks if o.exitcode is None]
-        for r in running:
-            if r.process.exitcode is not None:
-                r.exitcode, r.ended = r.process.exitcode, time.time()
-                r.others_running = any(o is not r for o in others)
-                if self.stopping is not None and r.exitcode in (-stop_signal, 128 + stop_signal):
-                    r.stopped_by_us = True  # it ended as a stop asked it to (a user's program)
-                if r.exitcode == 0 or r.stopped_by_us:
-                    self._note_exits(None, [r])
-                else:
-                    failed = True
-        return failed
-
-    def _settle(self) -> None:
-        """Which of the ranks that fail together the OS reaps first is a race:
-        give every rank that already wrote an error report a moment to exit by
-        itself, so that the blame is decided from what each rank said."""
-        assert self.relay is not None
-        deadline = time.monotonic() + FAILURE_SETTLE_S
-        while time.monotonic() < deadline:
-            running = [r for r in self.ranks if r.exitcode is None]
-            if not any(self._error_report(r.rank) for r in running):
-                return
-            self.relay.serve(POLL_S, [r.process.sentinel for r in running])
-            self._collect_exits(running)
 
     def _check_stop(self) -> None:
         assert self.relay is not None and self.starter is not None
@@ -364,12 +328,13 @@ class Supervisor:
             self.relay.emit(wire.Event, type="stop_requested", message=message)
             self._status("stopping", message)
         elif self.stopping is not None and time.monotonic() > self.stopping:
+            assert self.exits is not None
             late = [r for r in self.ranks if r.process.exitcode is None]
-            message = (f"{self._describe(late)} did not stop within "
+            message = (f"{self.exits.describe(late)} did not stop within "
                        f"{self.relay.stop_request or 0:g} s: terminating (SIGTERM, then SIGKILL)")
             print(f"ddtrain: {message}", file=self.err, flush=True)
             self.relay.emit(wire.Event, type="warning", message=message)
-            self._stop_all()
+            self.exits.stop_all()
             self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
 
     def _check_hang(self) -> Outcome | None:
@@ -397,8 +362,9 @@ class Supervisor:
         print(f"ddtrain: {message}; stopping the ranks (their stacks first: "
               f"{self.paths.logs}/rank-K.stacks)", file=self.err, flush=True)
         self.relay.emit(wire.Event, type="warning", message=message)
-        self.verdicts[blamed] = ErrorReport(rank=blamed, message=f"{reason}: {text}")
-        assert self.starter is not None
+        assert self.starter is not None and self.exits is not None
+        verdict = ErrorReport(rank=blamed, message=f"{reason}: {text}")
+        self.exits.verdicts[blamed] = verdict
         numbered = self.starter.numbered()
         for process in numbered.values():  # where each rank hangs, kept
             send_signal(process, STACKS_SIGNAL)
@@ -411,12 +377,11 @@ class Supervisor:
         # once, taking no step; it writes no stacks), not 5 s later of SIGKILL.
         for process in numbered.values():
             send_signal(process, signal.SIGCONT)
-        self._stop_all()
-        self._note_exits(blamed)
-        ends = self._rank_ends(self.ranks)
+        self._end_ranks(culprit=blamed)
+        ends = self.exits.ends(self.ranks)
         failed = next((e for e in ends if e.rank == blamed), None) or next(
             p for p in self.ranks if p.exitcode is not None)
-        return Outcome("failed", EXIT_FAILED, failed, self.verdicts[blamed],
+        return Outcome("failed", EXIT_FAILED, failed, verdict,
                        reason=f"{reason} and was stopped")
 
     def _serve_stacks(self) -> None:
@@ -431,115 +396,24 @@ class Supervisor:
             if None in asked or rank in asked:
                 send_signal(process, STACKS_SIGNAL)
 
-    def _describe(self, ranks: list[Rank]) -> str:
-        """'rank 1 (silent, last in forward of step 571)', for each of `ranks`."""
-        assert self.relay is not None
-        state, parts = self.relay.state, []
-        states = state.rank_states(time.time())
-        for r in ranks:
-            view = state.ranks.get(r.rank)
-            if r.rank < 0:
-                parts.append("torchrun's agent (and its ranks)")
-            elif view is None:
-                parts.append(f"rank {r.rank} (never heard from)")
-            else:
-                parts.append(f"rank {r.rank} ({states.get(r.rank, '?')}, last {view.where()})")
-        return ", ".join(parts) or "no rank"
-
-    def _stop_all(self) -> None:
-        alive = [r for r in self.ranks if r.process.exitcode is None]
-        for r in alive:
-            r.stopped_by_us = True
-            r.process.terminate()
-        deadline = time.monotonic() + TERM_GRACE_S
-        for r in alive:
-            r.process.join(max(0.0, deadline - time.monotonic()))
-            if r.process.exitcode is None:
-                r.process.kill()
-                r.process.join()
-        for r in self.ranks:
-            r.exitcode = r.process.exitcode
-
     # -- the end of an attempt ---------------------------------------------------
-    def _end_leftovers(self) -> None:
-        """End what the exited ranks left running (daemon/leftovers.py), named in
-        one line per rank, so that nothing they started outlives the run or keeps
-        the command waiting."""
-        if self.starter is None or any(r.process.exitcode is None for r in self.ranks):
+    def _end_ranks(self, culprit: int | None = None, tell: bool = True) -> None:
+        """The one clean-up of an attempt, whatever ended it: every rank still
+        running stopped (daemon/exits.py), each exit told (the culprit's first)
+        unless `tell` is False (the way out of an error), and what the ranks left
+        running ended (daemon/leftovers.py), named in one line per rank, so that
+        nothing they started outlives the run or keeps the command waiting."""
+        if self.exits is None or self.starter is None:
             return
+        self.exits.stop_all()
+        if tell:
+            self.exits.note(culprit)
         found, killed = leftovers.end(self.starter.left_behind)
         for line in leftovers.describe(found, killed):
             print(f"ddtrain: {line}", file=self.err, flush=True)
             if self.relay is not None:
                 self.relay.emit(wire.Event, type="warning", message=line)
 
-    def _rank_ends(self, processes: list[Rank]) -> list[Rank]:
-        """How each rank ended, for processes that have exited."""
-        assert self.starter is not None and self.relay is not None
-        return [end for p in processes if p.exitcode is not None
-                for end in self.starter.rank_exits(p, self.relay.state)]
-
-    def _failure(self) -> Outcome:
-        """Blame one rank, report every exit (the culprit's first), and the outcome."""
-        ends = self._rank_ends(self.ranks)
-        self._judge_leavers(ends)
-        reports = {e.rank: r for e in ends if (r := self._error_report(e.rank)) is not None}
-        exits = {e.rank: e.end() for e in ends}
-        chosen = blame.culprit(exits, reports)
-        # No rank failed, yet a process did (torchrun's agent itself): blame that.
-        failed = next((e for e in ends if e.rank == chosen),
-                      next(p for p in self.ranks if p.exitcode))
-        if failed.left_early_at is not None:
-            failed.noted = False  # said as it exited, as finished: said again, as the culprit
-        self._note_exits(chosen)
-        report = reports.get(chosen) if chosen is not None else None
-        code = EXIT_USAGE if report is not None and report.kind == "usage" else EXIT_FAILED
-        return Outcome("failed", code, failed, report, reason=_left_early(failed))
-
-    def _judge_leavers(self, ends: list[Rank]) -> None:
-        """Which of the ranks that exited 0 left early (blame.left_early): exited
-        while the others ran, before the last step, without a goodbye."""
-        assert self.relay is not None
-        self.relay.serve(0)  # a goodbye still queued is heard first
-        state = self.relay.state
-        total = state.progress()[1]
-        for e in ends:
-            view = state.ranks.get(e.rank)
-            if e.exitcode != 0 or view is None:
-                continue
-            early = blame.left_early(blame.Leaving(
-                said_hello=view.max_seq >= 0, said_bye=view.bye_code is not None,
-                others_running=e.others_running, stopping=self.stopping is not None,
-                global_step=view.global_step, total_steps=total))
-            e.left_early_at = view.global_step if early else None
-
-    def _note_exits(self, culprit: int | None, processes: list[Rank] | None = None) -> None:
-        """Tell the relay (state, journal, dashboards) how each rank of the exited
-        `processes` (default: all not yet reported) ended, the culprit's first:
-        dashboards name the first failed rank they hear of."""
-        todo = [p for p in (self.ranks if processes is None else processes)
-                if p.exitcode is not None and not p.noted]
-        for p in todo:
-            p.noted = True
-        assert self.relay is not None
-        for r in sorted(self._rank_ends(todo), key=lambda r: r.rank != culprit):
-            assert r.exitcode is not None
-            report = self._error_report(r.rank) if r.exitcode else None
-            tb = report.traceback.rstrip().splitlines()[-TRACEBACK_TAIL_LINES:] if report else []
-            self.relay.emit(
-                wire.RankExit, exited=r.rank, pid=r.process.pid,
-                exit_code=r.exitcode if r.exitcode >= 0 else None,
-                signal=signal_name(r.exitcode), stopped_by_daemon=r.stopped_by_us,
-                message=report.message if report else None, traceback="\n".join(tb) or None,
-                culprit=r.rank == culprit, reason=_left_early(r),
-                left_early=r.left_early_at is not None)
-
-    def _error_report(self, rank: int) -> ErrorReport | None:
-        if rank in self.verdicts:
-            return self.verdicts[rank]
-        return blame.read_error_report(self.paths.rank_error(rank), self.attempt_started)
-
-    # -- output ----------------------------------------------------------------
     def _status(self, status: wire.RunStatusName, message: str, write: bool = True,
                 exit_code: int | None = None) -> None:
         """Announce the run's status (state, journal, dashboards), then record it in
@@ -560,7 +434,3 @@ class Supervisor:
             for line in tail.lines(final):
                 print(f"{prefix} {line}", file=self.out, flush=True)
 
-
-def _left_early(rank: Rank) -> str | None:
-    """How a rank that left early ended, in words (None: it did not)."""
-    return None if rank.left_early_at is None else blame.left_early_words(rank.left_early_at)

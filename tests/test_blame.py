@@ -12,10 +12,14 @@ from pathlib import Path
 import pytest
 
 from ddtop.daemon.blame import (
+    Cause,
+    JobVerdict,
     Leaving,
+    NodeEnd,
     RankEnd,
     blame_order,
     culprit,
+    job_verdict,
     left_early,
     left_early_words,
     read_error_report,
@@ -162,3 +166,41 @@ def test_a_rank_that_left_early_is_said_at_its_last_reported_step() -> None:
     never 'at step 0', which it had passed."""
     assert left_early_words(46).startswith("left early at step 46: exit code 0 while")
     assert left_early_words(0).startswith("left early before it reported a step: exit code 0")
+
+
+# The job's outcome across nodes (noderole.settle asks job_verdict): the hub's own
+# outcome, and how each other node ended.
+FAILED_OF_ITS_OWN = NodeEnd(1, "failed", cause=Cause.OWN_ERROR)
+LOST_A_PEER = NodeEnd(2, "failed", cause=Cause.LOST_PEER)
+LOST_NODE = NodeEnd(3, "running", lost=True)
+
+
+@pytest.mark.parametrize(("status", "ours", "others", "verdict"), [
+    # Every node succeeded: the hub's outcome stands.
+    ("succeeded", Cause.NONE, [NodeEnd(1, "succeeded")], JobVerdict("ours")),
+    # Another node's rank failed of its own, ours only lost a peer: theirs is blamed.
+    ("failed", Cause.LOST_PEER, [FAILED_OF_ITS_OWN], JobVerdict("their_rank", node=1)),
+    # The same cause on both sides: ties go to the hub's own culprit.
+    ("failed", Cause.OWN_ERROR, [FAILED_OF_ITS_OWN], JobVerdict("ours")),
+    # Of two nodes' culprits, the likelier cause, whichever node says it first.
+    ("failed", Cause.STOPPED, [LOST_A_PEER, FAILED_OF_ITS_OWN],
+     JobVerdict("their_rank", node=1)),
+    # A lost node is the cause when our culprit only lost a peer, or we had none.
+    ("failed", Cause.LOST_PEER, [NodeEnd(1, "succeeded"), LOST_NODE],
+     JobVerdict("lost", lost=(3,))),
+    ("succeeded", Cause.NONE, [LOST_NODE], JobVerdict("lost", lost=(3,))),
+    # ... but not when our own rank failed of its own, nor when the job was stopped.
+    ("failed", Cause.OWN_ERROR, [LOST_NODE], JobVerdict("ours")),
+    ("stopped", Cause.NONE, [LOST_NODE], JobVerdict("ours")),
+    # A rank another node blamed comes before a lost node.
+    ("failed", Cause.LOST_PEER, [LOST_NODE, FAILED_OF_ITS_OWN], JobVerdict("their_rank", node=1)),
+    # We succeeded, another node failed with no rank to blame, or was stopped.
+    ("succeeded", Cause.NONE, [NodeEnd(1, "succeeded"), NodeEnd(2, "failed")],
+     JobVerdict("node", node=2)),
+    ("succeeded", Cause.NONE, [NodeEnd(1, "stopped")], JobVerdict("node", node=1)),
+    # We failed with a culprit; another node failed with none to blame: ours stands.
+    ("failed", Cause.SILENT_EXIT, [NodeEnd(1, "failed")], JobVerdict("ours")),
+])
+def test_a_jobs_verdict_across_nodes(status: str, ours: Cause, others: list[NodeEnd],
+                                     verdict: JobVerdict) -> None:
+    assert job_verdict(status, ours, others) == verdict
