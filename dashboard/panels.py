@@ -22,6 +22,7 @@ from ddtop.daemon.rankview import (
     UNREACHED,
 )
 from ddtop.daemon.state import RunState
+from ddtop.daemon.strategy_names import comm_ops
 from ddtop.daemon.summary import LOST
 from ddtop.dashboard import format as fmt
 
@@ -35,15 +36,6 @@ EVENT_STYLE = {"error": "bold red", "warning": "yellow", "exit": "red", "restart
                "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
                "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
 BAR_WIDTH = 30
-# What the comm panel counts, per --strategy of the built-in trainer (docs/strategies.md).
-COMM_OPS = {
-    "ddp": "all-reduce/step (DDP buckets, during backward)",
-    "allreduce": "all-reduce/step (one per parameter, after backward)",
-    "hooks": "all-reduce/step (one per parameter from its hook, blocking backward)",
-    "hooks-async": "all-reduce/step (one per parameter from its hook, async)",
-    "ring": "ring all-reduce/step (one per parameter, send/recv)",
-    "fsdp": "collectives/step (all-gathers, reduce-scatters)",
-}
 
 
 def header(state: RunState, now: float, note: str = "") -> Text:
@@ -128,7 +120,7 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
         nbytes = med([v.comm_bytes or 0 for v in views])
         secs = med([v.comm_s or 0.0 for v in views])
         per_op = nbytes / ops if ops else 0
-        text.append(COMM_OPS.get(state.strategy, "all-reduce/step") + " ", "bold")
+        text.append(comm_ops(state.strategy) + " ", "bold")
         text.append(f"{ops:.0f} ops of {fmt.size(per_op)} = {fmt.size(nbytes)} in "
                     f"{fmt.millis(secs)} ms; algbw {med([v.algbw_gbps or 0 for v in views]):.2f}"
                     f" busbw {med([v.busbw_gbps or 0 for v in views]):.2f} GB/s")
