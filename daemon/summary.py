@@ -20,7 +20,7 @@ import msgspec.inspect
 from ddtop.daemon import wire
 from ddtop.daemon.bounds import MAX_WORLD_SIZE
 from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.rankview import DEAD, FINISHED, STARTING
+from ddtop.daemon.rankview import DEAD, FINISHED, STARTING, RankState
 
 if TYPE_CHECKING:
     from ddtop.daemon.processes import ProcessId
@@ -93,7 +93,7 @@ class Restart(msgspec.Struct, kw_only=True):
 
 class RankSummary(msgspec.Struct, kw_only=True):
     rank: int
-    state: str  # starting | running | stalled | silent | dead | finished | lost
+    state: RankState
     host: str = ""
     node: int | None = None  # a multi-node job: the node it runs on (daemon/nodes.py)
     pid: int | None = None
@@ -105,7 +105,7 @@ class RankSummary(msgspec.Struct, kw_only=True):
     comm_share: float | None = None
     exit_code: int | None = None
     signal: str | None = None
-    phase: str = "setup"
+    phase: wire.Phase = "setup"
     stopped_by_daemon: bool = False
     last_seen_s: float | None = None
     lost: int = 0  # telemetry messages lost

@@ -20,15 +20,16 @@ from ddtop.daemon.rankview import (
     STALLED,
     STARTING,
     UNREACHED,
+    RankState,
 )
 from ddtop.daemon.state import RunState
 from ddtop.daemon.strategy_names import comm_ops
 from ddtop.daemon.summary import LOST
 from ddtop.dashboard import format as fmt
 
-STATE_STYLE = {RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta",
-               UNREACHED: "bold magenta", DEAD: "bold red",
-               FINISHED: "blue", STARTING: "dim", LOST: "bold red"}
+STATE_STYLE: dict[RankState, str] = {
+    RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta", UNREACHED: "bold magenta",
+    DEAD: "bold red", FINISHED: "blue", STARTING: "dim", LOST: "bold red"}
 STATUS_STYLE = {"starting": "dim", "running": "bold green", "stopping": "yellow",
                 "restarting": "bold yellow", "succeeded": "bold blue", "failed": "bold red",
                 "stopped": "yellow", LOST: "bold red"}
