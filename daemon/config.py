@@ -47,11 +47,6 @@ from ddtop.daemon.strategy_names import SyncStrategy
 T = TypeVar("T")
 
 
-def count_of(n: int, noun: str) -> str:
-    """'1 rank', '2 ranks': a count as a sentence says it (nouns with a plain plural)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def default_runs_dir() -> str:
     """Where runs live when --runs-dir is not given: $DDTOP_RUNS_DIR, else ./runs."""
     return os.environ.get(RUNS_DIR_ENV) or "runs"

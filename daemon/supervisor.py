@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ddtop.daemon import blame, leftovers, nodes, wire
-from ddtop.daemon.config import TrainConfig, UsageError, count_of
+from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.contract import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -57,6 +57,7 @@ from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
 from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord
+from ddtop.daemon.text import count_of
 from ddtop.daemon.torchrun import TorchrunRanks
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.

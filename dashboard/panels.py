@@ -10,7 +10,6 @@ import statistics
 
 from rich.text import Text
 
-from ddtop.daemon.config import count_of
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import (
     DEAD,
@@ -25,6 +24,7 @@ from ddtop.daemon.rankview import (
 from ddtop.daemon.state import RunState
 from ddtop.daemon.strategy_names import comm_ops
 from ddtop.daemon.summary import LOST
+from ddtop.daemon.text import count_of
 from ddtop.dashboard import format as fmt
 
 STATE_STYLE: dict[RankState, str] = {
