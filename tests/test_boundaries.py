@@ -37,7 +37,7 @@ ALLOWED = {
                  "ddtop.daemon.wire", API},
     # The daemon starts ranks by module name (a string), never by import.
     "daemon": set(),
-    # `import ddtop` reads the telemetry variable's name from the contract, and
+    # `import ddtop` asks the contract whether telemetry is on (lazily, on its first call), and
     # imports the live implementation (torch, zmq) only when an endpoint is set.
     "api": {"ddtop.daemon.contract", "ddtop.training.api"},
     # The dashboard folds the same wire into the same state, and finds runs as ddtrain does;
