@@ -26,7 +26,6 @@ imports neither torch, zmq nor textual. The live implementation
 from __future__ import annotations
 
 import contextlib
-import os
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +56,9 @@ def _resolve() -> LiveRank | None:
     started on the first call that needs it), else None, for good."""
     global _live
     if _live is _UNRESOLVED:
-        from ddtop.daemon.contract import TELEMETRY_ENV
+        from ddtop.daemon.contract import telemetry_endpoint
 
-        endpoint = os.environ.get(TELEMETRY_ENV)
-        if not endpoint or endpoint == "off":
+        if telemetry_endpoint() is None:
             _live = None
         else:
             from ddtop.training.api import current

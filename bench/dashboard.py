@@ -212,7 +212,7 @@ def feeder(world: int, seconds: float, endpoint_file: str) -> int:
 def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
     from ddtop.daemon import control
     from ddtop.dashboard.app import DashboardApp
-    from ddtop.dashboard.feed import LiveFeed
+    from ddtop.dashboard.live import LiveFeed
 
     with tempfile.TemporaryDirectory() as tmp:
         endpoint_file = Path(tmp) / "endpoints.json"

@@ -126,7 +126,7 @@ def measure_hub(world: int, nodes: int, seconds: float, fps: float) -> dict[str,
     from ddtop.daemon import control
     from ddtop.daemon.keys import KEYS_ENV
     from ddtop.dashboard.app import DashboardApp
-    from ddtop.dashboard.feed import LiveFeed
+    from ddtop.dashboard.live import LiveFeed
 
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)

@@ -45,7 +45,7 @@ for each transport:
    64-message queue full (the relay process descheduled for a while); a rank
    drops and counts those, this sender waits.
 3. Attach: with those 1,024 ranks in each relay, a dashboard attaches as
-   `ddtop --connect` does: a `dashboard.feed.LiveFeed` is made and pumped until
+   `ddtop --connect` does: a `dashboard.live.LiveFeed` is made and pumped until
    it is live (ping, SUB connect, `snapshot` request, decode), `--attaches`
    times per transport, interleaved; median, p95, min, and the snapshot's size.
    CPU per attach, every thread: of the attaching process (median), and of the
@@ -366,7 +366,7 @@ def ingest_round(transport: str, steps: int, senders: int) -> dict[str, float]:
     procs: list[subprocess.Popen[str]] = []
     try:
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 200_000)  # as dashboard.feed.LiveFeed
+        sub.setsockopt(zmq.RCVHWM, 200_000)  # as dashboard.live.LiveFeed
         sub.setsockopt(zmq.SUBSCRIBE, wire.RELAY_TOPIC)
         secure(sub, relay.endpoints["publish"], relay.keys)
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -413,7 +413,8 @@ def ingest_round(transport: str, steps: int, senders: int) -> dict[str, float]:
 def attach_once(relay: RelayProcess) -> tuple[float, float, int]:
     """Seconds from making a LiveFeed until it is live, the CPU seconds this
     process spent on it (every thread), and the ranks it holds."""
-    from ddtop.dashboard.feed import LIVE, LiveFeed
+    from ddtop.dashboard.feed import LIVE
+    from ddtop.dashboard.live import LiveFeed
 
     cpu = time.process_time()
     start = time.perf_counter()

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddtop.daemon.strategy_names import STRATEGIES
+
 WARMUP = 5
 FLUSH_S = 0.3  # > the telemetry's send interval: warm-up steps leave before timed ones
 
@@ -178,8 +180,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30,
                         help="timed steps per strategy and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--strategies", nargs="+",
-                        default=["ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:

@@ -295,7 +295,7 @@ def comm_timing(steps: int, widths: list[int], backend: str) -> None:
     import torch
     import torch.multiprocessing as mp
 
-    from ddtop.daemon.config import count_of
+    from ddtop.daemon.text import count_of
     from ddtop.daemon.wire import algbw_busbw
 
     if backend == "nccl" and not torch.cuda.is_available():

@@ -33,7 +33,6 @@ from ddtop.daemon.config import (
     TrainConfig,
     UsageError,
     add_runs_dir_argument,
-    count_of,
     default_runs_dir,
     resume_mismatch,
 )
@@ -65,6 +64,7 @@ from ddtop.daemon.runs import (
 from ddtop.daemon.stacks import cmd_stacks
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import RunSummary
+from ddtop.daemon.text import count_of
 
 EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
               "130 stopped (Ctrl-C or ddtrain stop).")

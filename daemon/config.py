@@ -42,13 +42,9 @@ from ddtop.daemon.bounds import (
     non_empty,
 )
 from ddtop.daemon.contract import RUNS_DIR_ENV
+from ddtop.daemon.strategy_names import SyncStrategy
 
 T = TypeVar("T")
-
-
-def count_of(n: int, noun: str) -> str:
-    """'1 rank', '2 ranks': a count as a sentence says it (nouns with a plain plural)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def default_runs_dir() -> str:
@@ -120,7 +116,7 @@ class TrainConfig:
     """where each rank computes; auto = cuda:<local rank> when available, else cpu"""
     model: Literal["mlp", "cnn", "resnet18"] = "mlp"
     """model to train"""
-    strategy: Literal["ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"] = "ddp"
+    strategy: SyncStrategy = "ddp"
     """how ranks synchronise gradients: ddp (torch DDP, gradient buckets), allreduce
     (an all_reduce per parameter after backward), hooks / hooks-async (per-parameter
     hooks during backward, blocking / asynchronous), ring (all-reduce from send/recv

@@ -16,7 +16,8 @@ import msgspec
 
 # -- environment variables ---------------------------------------------------------
 # Where ranks send telemetry (a ZeroMQ endpoint, tcp://HOST:PORT); "off" or unset:
-# they publish nothing. The daemon sets it for its ranks unless the user did.
+# they publish nothing (telemetry_endpoint). The daemon sets it for its ranks unless
+# the user did.
 TELEMETRY_ENV = "DDTOP_TELEMETRY"
 # The run's config.json, for ranks the daemon starts through torchrun
 # (`python -m ddtop.training` reads its settings from there).
@@ -43,6 +44,13 @@ RUNS_DIR_ENV = "DDTOP_RUNS_DIR"
 # everything of the run owner-only (0o077); a user's program runs with it again.
 USER_UMASK_ENV = "DDTOP_USER_UMASK"
 OWNER_ONLY_UMASK = 0o077
+
+
+def telemetry_endpoint() -> str | None:
+    """Where this process sends telemetry: DDTOP_TELEMETRY's endpoint, or None when
+    it is unset, empty or "off"."""
+    endpoint = os.environ.get(TELEMETRY_ENV)
+    return None if not endpoint or endpoint == "off" else endpoint
 
 
 def owner_only_umask() -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddtop.daemon.rankview import DEAD, RUNNING, SILENT, STALLED, RankView
+from ddtop.daemon.rankview import DEAD, RUNNING, SILENT, STALLED, RankState, RankView
 
 
-def hung(ranks: Mapping[int, RankView], states: Mapping[int, str]
+def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
      ) -> tuple[list[int], str] | None:
     """When some ranks are stalled: the ranks the others wait for (those not
     inside the collective the others wait in; without one, the stalled ranks;

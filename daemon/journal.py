@@ -35,8 +35,8 @@ from pathlib import Path
 import msgspec
 
 from ddtop.daemon import wire
-from ddtop.daemon.config import count_of
 from ddtop.daemon.state import RunState
+from ddtop.daemon.text import count_of
 
 LENGTH = struct.Struct(">I")
 MAX_RECORD_BYTES = wire.MAX_FRAME_BYTES + 64

@@ -29,7 +29,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, Final, TypeGuard
 
 import msgspec
 import zmq
@@ -47,8 +47,11 @@ HUB_WAIT_S = 120.0  # how long node K waits for the hub's hub.json (shared file 
 NODE_FINAL_WAIT_S = 10.0  # how long the hub waits, at the end, for nodes to say how they ended
 NODE_HEADER = b"ddtop-node/1"
 
-# A node's state, as the hub sees it.
-UP, UNREACHABLE, LOST, DONE = "up", "unreachable", "lost", "done"
+# A node's state, as the hub sees it (wire.NodeState).
+UP: Final = "up"
+UNREACHABLE: Final = "unreachable"
+LOST: Final = "lost"
+DONE: Final = "done"
 
 
 def hub_bind_address(config: TrainConfig) -> str:
@@ -78,7 +81,7 @@ class NodeSeen:
     pid: int | None = None
     ranks: list[int] = field(default_factory=list)
     beat: float = 0.0  # monotonic time of the last heartbeat
-    state: str = UP
+    state: wire.NodeState = UP
     status: str = ""  # the node daemon's own run status (running, failed, ...)
     message: str = ""  # its final headline
     failure: dict[str, Any] | None = None  # the rank it blamed, if it failed

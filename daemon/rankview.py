@@ -8,6 +8,8 @@ the time "now" the caller passes, so the rule is tested without waiting.
 
 from __future__ import annotations
 
+from typing import Final, Literal
+
 import msgspec
 
 from ddtop.daemon import wire
@@ -21,16 +23,25 @@ STALL_MIN_S = 4.5
 STALL_STEPS = 3
 SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
 HISTORY_POINTS = 120  # per rank
-STEP_PHASES = ("data", "forward", "backward", "optimizer", "metric_sync")
-# Work outside the steps, stalled only after SLOW_PHASE_STALL_S ("done" never).
-SLOW_PHASES = ("setup", "evaluation", "checkpoint")
+# Work outside the steps (wire.STEP_PHASES), stalled only after SLOW_PHASE_STALL_S
+# ("done" never).
+SLOW_PHASES: tuple[wire.Phase, ...] = ("setup", "evaluation", "checkpoint")
 
-# Rank states, as shown.
-STARTING, RUNNING, STALLED, SILENT, DEAD, FINISHED = (
-    "starting", "running", "stalled", "silent", "dead", "finished")
+# A rank's state, as shown: `RankView.state` tells the first six from its readings;
+# RunState.rank_states the rest, from the run's (LOST: daemon/summary.py).
+RankState = Literal["starting", "running", "stalled", "silent", "dead", "finished",
+                    "unreached", "unreachable", "lost"]
+STARTING: Final = "starting"
+RUNNING: Final = "running"
+STALLED: Final = "stalled"
+SILENT: Final = "silent"
+DEAD: Final = "dead"
+FINISHED: Final = "finished"
 # Never heard from, long after the run started: its telemetry never reached the
 # daemon (wrong CURVE keys, an endpoint it cannot reach), which is not a hang.
-UNREACHED = "unreached"
+UNREACHED: Final = "unreached"
+# On a node the hub cannot reach (or has lost): how it stands is unknown.
+UNREACHABLE: Final = "unreachable"
 
 
 class Point(msgspec.Struct, array_like=True):
@@ -74,7 +85,7 @@ class RankView(msgspec.Struct, kw_only=True):
     rss: int | None = None
     last_step_t: float | None = None  # sender time of the newest step message
     # Liveness, from heartbeats (receiver clock).
-    phase: str = "setup"
+    phase: wire.Phase = "setup"
     phase_s: float = 0.0
     phase_at: float | None = None
     # Global steps done when the phase reading was taken: the heartbeat's, or a
@@ -128,7 +139,7 @@ class RankView(msgspec.Struct, kw_only=True):
             return 0.0
         return self.phase_s + max(0.0, now - self.phase_at)
 
-    def state(self, now: float) -> str:
+    def state(self, now: float) -> RankState:
         if self.exited:
             return FINISHED if self.exit_code == 0 and not self.left_early else DEAD
         if self.bye_code is not None:
@@ -142,7 +153,7 @@ class RankView(msgspec.Struct, kw_only=True):
         return RUNNING
 
     def stall_after(self) -> float:
-        if self.phase not in STEP_PHASES:
+        if self.phase not in wire.STEP_PHASES:
             return float("inf") if self.phase == "done" else SLOW_PHASE_STALL_S
         return max(STALL_MIN_S, STALL_STEPS * (self.step_time_s or 0.0))
 

@@ -14,12 +14,13 @@ from typing import Any
 import msgspec
 
 from ddtop.daemon import control
-from ddtop.daemon.config import UsageError, count_of, default_runs_dir
+from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
 from ddtop.daemon.runinfo import RunInfo, list_runs
 from ddtop.daemon.runs import RunPaths, locate_run
 from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunRecord
+from ddtop.daemon.text import count_of
 
 FOLLOW_POLL_S = 0.2
 # `ddtrain stop` waits this long past --timeout before it kills the daemon itself

@@ -175,7 +175,7 @@ class RunInfo:
         if summary is None and self.status == LOST:
             summary = as_lost(self._replayed())
         elif summary is None and self.record.schema < RECORD_SCHEMA:
-            # Written before run.json held the summary, or unreadable: the journal tells.
+            # run.json was unreadable (its record made from the journal): the journal tells.
             summary = msgspec.structs.replace(self._replayed(), status=self.record.status,
                                               exit_code=self.record.exit_code)
         if summary is None:

@@ -34,9 +34,10 @@ from ddtop.daemon.rankview import (
     SLOW_PHASES,
     STALLED,
     STARTING,
-    STEP_PHASES,
+    UNREACHABLE,
     UNREACHED,
     Point,
+    RankState,
     RankView,
 )
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
@@ -400,7 +401,7 @@ class RunState(msgspec.Struct, kw_only=True):
             del self.events[: len(self.events) - MAX_EVENTS]
 
     # -- what the fold tells -----------------------------------------------------------
-    def rank_states(self, now: float) -> dict[int, str]:
+    def rank_states(self, now: float) -> dict[int, RankState]:
         states = {r: v.state(now) for r, v in sorted(self.ranks.items())}
         # Work only some ranks do (rank 0 evaluating or saving: a slow phase, with a
         # long stall limit of its own) keeps the others waiting in their next step's
@@ -410,7 +411,7 @@ class RunState(msgspec.Struct, kw_only=True):
             # Waiting for it: inside a collective that the slow rank has not reached.
             reached = min(v.coll_started.seq if v.coll_started else 0 for v in slow)
             for r, v in self.ranks.items():
-                if (states[r] == STALLED and v.phase in STEP_PHASES and v.in_collective
+                if (states[r] == STALLED and v.phase in wire.STEP_PHASES and v.in_collective
                         and v.coll_started is not None and v.coll_started.seq > reached):
                     states[r] = RUNNING
         for r in range(self.world_size):
@@ -418,8 +419,8 @@ class RunState(msgspec.Struct, kw_only=True):
                 states.setdefault(r, STARTING if self._young(now) else UNREACHED)
         for r, node in self.rank_nodes.items():  # a node gone silent: its ranks, unknown
             if self.node_states.get(node) in ("unreachable", "lost") and states.get(r) not in (
-                    None, "dead", "finished"):
-                states[r] = "unreachable"
+                    None, DEAD, FINISHED):
+                states[r] = UNREACHABLE
         if self.status == LOST:  # the daemon died: ranks that had not exited died with it
             states = {r: st if st in (FINISHED, DEAD) else LOST for r, st in states.items()}
         return dict(sorted(states.items()))

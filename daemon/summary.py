@@ -20,7 +20,7 @@ import msgspec.inspect
 from ddtop.daemon import wire
 from ddtop.daemon.bounds import MAX_WORLD_SIZE
 from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.rankview import DEAD, FINISHED, STARTING
+from ddtop.daemon.rankview import DEAD, FINISHED, RankState
 
 if TYPE_CHECKING:
     from ddtop.daemon.processes import ProcessId
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # A run whose daemon is gone although it never reached a final status: it was killed.
 LOST: Literal["lost"] = "lost"
 Status = wire.RunStatusName | Literal["lost"]
-# run.json's layout version (absent in run.json files written before it existed).
+# run.json's layout version.
 RECORD_SCHEMA = 2
 # Lines of a failed rank's traceback that status, the headless summary and the
 # daemon's final report show.
@@ -93,7 +93,7 @@ class Restart(msgspec.Struct, kw_only=True):
 
 class RankSummary(msgspec.Struct, kw_only=True):
     rank: int
-    state: str  # starting | running | stalled | silent | dead | finished | lost
+    state: RankState
     host: str = ""
     node: int | None = None  # a multi-node job: the node it runs on (daemon/nodes.py)
     pid: int | None = None
@@ -105,7 +105,7 @@ class RankSummary(msgspec.Struct, kw_only=True):
     comm_share: float | None = None
     exit_code: int | None = None
     signal: str | None = None
-    phase: str = "setup"
+    phase: wire.Phase = "setup"
     stopped_by_daemon: bool = False
     last_seen_s: float | None = None
     lost: int = 0  # telemetry messages lost
@@ -253,8 +253,7 @@ _record_decoder = msgspec.json.Decoder(RunRecord)
 
 
 def decode_record(data: bytes) -> RunRecord:
-    """run.json as written by this version, or by the version before RECORD_SCHEMA
-    (its own field names, translated); raises ValueError when it is neither."""
+    """run.json as this version writes it; raises ValueError when it is not."""
     try:
         return _decode_record(data)
     except RecursionError:
@@ -268,16 +267,10 @@ def _decode_record(data: bytes) -> RunRecord:
         raw = msgspec.json.decode(data)
         if not isinstance(raw, dict):
             raise
-        if "schema" in raw:  # this layout, perhaps with a NaN (a diverged loss)
-            try:
-                return msgspec.convert(_restore_nan(raw, _record_type()), RunRecord)
-            except msgspec.ValidationError:
-                raise error from None
-        try:
-            translated = _from_first_layout(raw)
-        except (TypeError, AttributeError) as e:  # values of the wrong kind
-            raise ValueError(f"not a run.json of any version ({e})") from None
-        return msgspec.convert(translated, RunRecord)
+        try:  # perhaps with a NaN (a diverged loss), which JSON wrote as null
+            return msgspec.convert(_restore_nan(raw, _record_type()), RunRecord)
+        except msgspec.ValidationError:
+            raise error from None
 
 
 def encode_record(record: RunRecord) -> bytes:
@@ -306,37 +299,3 @@ def _restore_nan(value: Any, kind: msgspec.inspect.Type) -> Any:
         return [_restore_nan(item, kind.item_type) for item in value]
     return value
 
-
-def _from_first_layout(old: dict[str, Any]) -> dict[str, Any]:
-    """run.json before RECORD_SCHEMA: `exitcode` (negative for a signal) and
-    `stopped_by_launcher` per rank, `launcher_pid`, the failure's `exitcode`."""
-    final = old.get("status") in wire.FINAL_STATUSES
-
-    def rank(proc: dict[str, Any]) -> dict[str, Any]:
-        code = proc.get("exitcode")
-        state = (STARTING if code is None and not final
-                 else FINISHED if code == 0 else DEAD)
-        return {"rank": proc.get("rank"), "pid": proc.get("pid"), "state": state,
-                "exit_code": code if code is None or code >= 0 else None,
-                "signal": proc.get("signal"),
-                "stopped_by_daemon": bool(proc.get("stopped_by_launcher"))}
-
-    failure = old.get("failure")
-    if isinstance(failure, dict):
-        code = failure.get("exit_code", failure.get("exitcode"))
-        failure = {k: failure.get(k) for k in ("rank", "pid", "signal", "message", "traceback")}
-        failure["exit_code"] = code if code is None or code >= 0 else None
-    timeline = [{**entry, "exit_code": None} if (entry.get("exit_code") or 0) < 0 else entry
-                for entry in old.get("timeline", [])]
-    ranks = [rank(p) for p in old.get("ranks", []) if isinstance(p, dict)]
-    return {
-        "run_id": old.get("run_id", ""), "status": old.get("status", "starting"),
-        "exit_code": old.get("exit_code"), "world_size": old.get("world_size", len(ranks)),
-        "restarts": old.get("restarts", 0), "timeline": timeline,
-        "failure": failure, "ranks": ranks, "started": old.get("started"),
-        "processes": [{"rank": r["rank"], "pid": r["pid"]} for r in ranks],
-        "schema": 1, "daemon_pid": old.get("daemon_pid", old.get("launcher_pid")),
-        "host": old.get("host", ""), "ended": old.get("ended"),
-        "endpoints": old.get("endpoints", {}), "master_addr": old.get("master_addr", ""),
-        "master_port": old.get("master_port", 0), "max_restarts": old.get("max_restarts", 0),
-    }

@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ddtop.daemon import leftovers, nodes, wire
-from ddtop.daemon.config import TrainConfig, UsageError, count_of
+from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.contract import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -58,6 +58,7 @@ from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
 from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import ProcessRecord
+from ddtop.daemon.text import count_of
 from ddtop.daemon.torchrun import TorchrunRanks
 
 # Seconds between looks at the sockets and the ranks' logs while they run.

@@ -12,7 +12,7 @@ frames raise a `WireError` subclass, which callers count and drop.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -37,8 +37,11 @@ ProgramText = Annotated[str, msgspec.Meta(max_length=MAX_PROGRAM_CHARS,
 # A --strategy name as a hello carries it: short, printable.
 StrategyName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9_-]*$")]
 
-Phase = Literal["setup", "data", "forward", "backward", "optimizer", "metric_sync",
-                "checkpoint", "evaluation", "done"]
+# Where a rank is (a heartbeat's phase): in one of a training step's phases, or at
+# work outside the steps (setting up, checkpointing, evaluating), or done.
+StepPhase = Literal["data", "forward", "backward", "optimizer", "metric_sync"]
+Phase = Literal["setup", StepPhase, "checkpoint", "evaluation", "done"]
+STEP_PHASES: tuple[StepPhase, ...] = get_args(StepPhase)
 # What an Aggregate covers: a mid-epoch metric sync, or a whole epoch.
 Scope = Literal["sync", "epoch"]
 EventType = Literal["checkpoint", "epoch_end", "warning", "error", "resumed", "info", "stopped",
@@ -48,6 +51,9 @@ RunStatusName = Literal["starting", "running", "stopping", "restarting", "succee
                         "stopped"]
 # The statuses after which nothing more happens.
 FINAL_STATUSES: tuple[RunStatusName, ...] = ("succeeded", "failed", "stopped")
+# A node of a multi-node job, as node 0's hub sees it (daemon/nodes.py), and as
+# the hub's events about it say (their data's "node_state").
+NodeState = Literal["up", "unreachable", "lost", "done"]
 
 
 class Collective(msgspec.Struct, frozen=True, kw_only=True):

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check(args)
-        from ddtop.dashboard.feed import open_feed
+        from ddtop.dashboard.live import open_feed
 
         headless = args.headless or not (sys.stdout.isatty() and sys.stdin.isatty())
         if args.connect is not None:

@@ -20,11 +20,12 @@ from ddtop.daemon.rankview import (
     STALLED,
     STARTING,
     UNREACHED,
+    RankState,
     RankView,
 )
 from ddtop.daemon.state import RunState
 
-PROBLEM_STATES = (STALLED, SILENT, UNREACHED, DEAD)
+PROBLEM_STATES: tuple[RankState, ...] = (STALLED, SILENT, UNREACHED, DEAD)
 
 # ddtop.log scalars get a column each, keyed by this prefix and the scalar's name
 # (no key of COLUMNS has a ':', so a scalar named "loss" is not the LOSS column).
@@ -186,8 +187,8 @@ def scalar_name(key: str) -> str | None:
 # Every column sorts (`s` cycles through them in this order; a click on a title picks one).
 SORT_KEYS = ("rank", "state", "step", "loss", "rate", "step_ms", "comm_share", "seen", "comm_ms",
              "busbw", "sync", "memory", "epoch", "progress", "host", "device")
-STATE_ORDER = {DEAD: 0, STALLED: 1, SILENT: 2, UNREACHED: 3, STARTING: 4, RUNNING: 5,
-               FINISHED: 6}
+STATE_ORDER: dict[RankState, int] = {DEAD: 0, STALLED: 1, SILENT: 2, UNREACHED: 3,
+                                     STARTING: 4, RUNNING: 5, FINISHED: 6}
 
 
 @dataclass
@@ -195,7 +196,7 @@ class Row:
     """One rank, every cell already text, plus what sorting and colour need."""
 
     rank: int
-    state: str
+    state: RankState
     cells: dict[str, str]
     sort: dict[str, Any]
     slowest: bool = False
@@ -258,7 +259,7 @@ def rank_rows(state: RunState, now: float, scalars: Sequence[str] = ()) -> list[
     return rows
 
 
-def _state_text(v: RankView, st: str) -> str:
+def _state_text(v: RankView, st: RankState) -> str:
     if st == DEAD:
         return v.signal or (f"exit {v.exit_code}" if v.exit_code is not None else DEAD)
     return st

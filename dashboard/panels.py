@@ -10,7 +10,6 @@ import statistics
 
 from rich.text import Text
 
-from ddtop.daemon.config import count_of
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import (
     DEAD,
@@ -20,14 +19,17 @@ from ddtop.daemon.rankview import (
     STALLED,
     STARTING,
     UNREACHED,
+    RankState,
 )
 from ddtop.daemon.state import RunState
+from ddtop.daemon.strategy_names import comm_ops
 from ddtop.daemon.summary import LOST
+from ddtop.daemon.text import count_of
 from ddtop.dashboard import format as fmt
 
-STATE_STYLE = {RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta",
-               UNREACHED: "bold magenta", DEAD: "bold red",
-               FINISHED: "blue", STARTING: "dim", LOST: "bold red"}
+STATE_STYLE: dict[RankState, str] = {
+    RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta", UNREACHED: "bold magenta",
+    DEAD: "bold red", FINISHED: "blue", STARTING: "dim", LOST: "bold red"}
 STATUS_STYLE = {"starting": "dim", "running": "bold green", "stopping": "yellow",
                 "restarting": "bold yellow", "succeeded": "bold blue", "failed": "bold red",
                 "stopped": "yellow", LOST: "bold red"}
@@ -35,15 +37,6 @@ EVENT_STYLE = {"error": "bold red", "warning": "yellow", "exit": "red", "restart
                "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
                "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
 BAR_WIDTH = 30
-# What the comm panel counts, per --strategy of the built-in trainer (docs/strategies.md).
-COMM_OPS = {
-    "ddp": "all-reduce/step (DDP buckets, during backward)",
-    "allreduce": "all-reduce/step (one per parameter, after backward)",
-    "hooks": "all-reduce/step (one per parameter from its hook, blocking backward)",
-    "hooks-async": "all-reduce/step (one per parameter from its hook, async)",
-    "ring": "ring all-reduce/step (one per parameter, send/recv)",
-    "fsdp": "collectives/step (all-gathers, reduce-scatters)",
-}
 
 
 def header(state: RunState, now: float, note: str = "") -> Text:
@@ -128,7 +121,7 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
         nbytes = med([v.comm_bytes or 0 for v in views])
         secs = med([v.comm_s or 0.0 for v in views])
         per_op = nbytes / ops if ops else 0
-        text.append(COMM_OPS.get(state.strategy, "all-reduce/step") + " ", "bold")
+        text.append(comm_ops(state.strategy) + " ", "bold")
         text.append(f"{ops:.0f} ops of {fmt.size(per_op)} = {fmt.size(nbytes)} in "
                     f"{fmt.millis(secs)} ms; algbw {med([v.algbw_gbps or 0 for v in views]):.2f}"
                     f" busbw {med([v.busbw_gbps or 0 for v in views]):.2f} GB/s")

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import Collector, collecting, ddtrain, finish, start
 
+import ddtop
 from ddtop.daemon import journal, wire
 from ddtop.training.telemetry import LOSS_OVERWRITTEN
 
@@ -32,6 +34,15 @@ def python(code: str, tmp_path: Path, env: dict[str, str] | None = None) -> tupl
     run = finish(proc, tag, TIMEOUT_S)
     assert run.leftovers == []
     return run.returncode, run.stdout, run.stderr
+
+
+def test_every_phase_name_is_shown_as_a_wire_phase() -> None:
+    """ddtop.phase's names map onto the wire's Phase; every phase a rank can be
+    in has a name, but "done", which only the end of the rank enters."""
+    wire_phases = set(typing.get_args(wire.Phase))
+    assert set(ddtop.PHASES.values()) <= wire_phases
+    assert wire_phases - set(ddtop.PHASES.values()) == {"done"}
+    assert set(wire.STEP_PHASES) < wire_phases
 
 
 @pytest.mark.processes

@@ -39,7 +39,8 @@ from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState, encode_snapshot
 from ddtop.dashboard.app import DashboardApp
-from ddtop.dashboard.feed import LIVE, Feed, LiveFeed, Pacer, open_feed
+from ddtop.dashboard.feed import LIVE, Feed, Pacer
+from ddtop.dashboard.live import LiveFeed, open_feed
 from ddtop.dashboard.screens import HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable, TextPanel
 

@@ -27,22 +27,27 @@ API = "ddtop"
 ALLOWED = {
     # A rank reads its config, run directory and the process contract, and publishes on the wire;
     # the built-in trainer reports through the public API, as a user's script does (one path);
-    # a rank reads its fault drills with the parser `ddtrain start --inject` checks them with.
+    # a rank reads its fault drills with the parser `ddtrain start --inject` checks them with;
+    # the built-in trainer's strategies are keyed by the names ddtrain declares, and its
+    # console counts in the same words.
     "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.flags",
                  "ddtop.daemon.inject",
                  "ddtop.daemon.keys", "ddtop.daemon.processes", "ddtop.daemon.runs",
+                 "ddtop.daemon.strategy_names", "ddtop.daemon.text",
                  "ddtop.daemon.wire", API},
     # The daemon starts ranks by module name (a string), never by import.
     "daemon": set(),
-    # `import ddtop` reads the telemetry variable's name from the contract, and
+    # `import ddtop` asks the contract whether telemetry is on (lazily, on its first call), and
     # imports the live implementation (torch, zmq) only when an endpoint is set.
     "api": {"ddtop.daemon.contract", "ddtop.training.api"},
-    # The dashboard folds the same wire into the same state, and finds runs as ddtrain does.
+    # The dashboard folds the same wire into the same state, and finds runs as ddtrain does;
+    # it says what each --strategy's collectives are, from the table that declares them.
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
                   "ddtop.daemon.flags",
                   "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.rankview",
                   "ddtop.daemon.runinfo", "ddtop.daemon.runs", "ddtop.daemon.state",
-                  "ddtop.daemon.summary", "ddtop.daemon.wire"},
+                  "ddtop.daemon.strategy_names", "ddtop.daemon.summary", "ddtop.daemon.text",
+                  "ddtop.daemon.wire"},
 }
 # The one arrow that runs back up, declared: `ddtrain start --foreground --headless`
 # prints the run with the dashboard's headless printer, and `ddtrain start --help`

@@ -42,7 +42,7 @@ from ddtop.daemon.state import RunState
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.app import DashboardApp
-from ddtop.dashboard.feed import LiveFeed
+from ddtop.dashboard.live import LiveFeed
 from ddtop.dashboard.widgets import RankTable
 
 # A backstop above each test's own waits (their asserts say more than a timeout).

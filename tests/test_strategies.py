@@ -13,11 +13,13 @@ once with three; one pair of `ddtrain start` runs covers the built-in trainer
 
 from __future__ import annotations
 
+import argparse
 import collections
 import subprocess
 import sys
 import textwrap
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,11 +31,14 @@ from test_ddp_correctness import SingleProcess, load_weights
 from torch import nn
 
 from ddtop.daemon import wire
+from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.flags import add_train_arguments
 from ddtop.daemon.state import RunState
+from ddtop.daemon.strategy_names import STRATEGIES, SyncStrategy, comm_ops
 from ddtop.dashboard import panels
 from ddtop.training.data import SYNTHETIC_SPEC
 from ddtop.training.models import build_model
-from ddtop.training.strategies import STRATEGIES
+from ddtop.training.strategies import BUILDERS
 
 SCRIPT = Path(__file__).parent / "scripts" / "strategy_ranks.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -126,13 +131,13 @@ def assert_same_weights(out: Path, strategy: str, world: int) -> None:
                                    msg=lambda m, n=name: f"{strategy}, {n}: {m}")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.processes
 def test_same_weights_as_one_process(strategy_run: StrategyRun, strategy: str) -> None:
     assert_same_weights(strategy_run.out, strategy, WORLD)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.processes
 def test_same_weights_as_one_process_on_3_ranks(strategy_run_3: Path, strategy: str) -> None:
     """Where 2 ranks cannot tell: the ring's chunk indices over two hops, and
@@ -140,7 +145,7 @@ def test_same_weights_as_one_process_on_3_ranks(strategy_run_3: Path, strategy: 
     assert_same_weights(strategy_run_3, strategy, WORLD_3)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.processes
 def test_checkpoint_state_resumes_the_same_training(strategy_run: StrategyRun,
                                                     strategy: str) -> None:
@@ -221,6 +226,23 @@ def test_trainer_checkpoints_fsdp_and_resumes_it_as_ring(tmp_path: Path) -> None
     assert checked == [8, 16]
 
 
+def test_the_flag_the_dashboard_and_the_trainer_name_the_same_strategies() -> None:
+    """--strategy is declared once (daemon/strategy_names.py): the config field's
+    type, the flag's choices, the comm panel's table and the trainer's
+    implementations all list its names, in its order."""
+    names = typing.get_args(SyncStrategy)
+    assert len(names) == 6
+    assert typing.get_type_hints(TrainConfig)["strategy"] == SyncStrategy
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    flag = next(a for a in parser._actions if a.dest == "strategy")
+    assert tuple(flag.choices or ()) == names
+    assert tuple(STRATEGIES) == names
+    assert tuple(BUILDERS) == names
+    assert [comm_ops(name) for name in names] == list(STRATEGIES.values())
+    assert comm_ops("") == comm_ops("a-script's-own") == "all-reduce/step"
+
+
 def test_dashboard_shows_the_strategy_and_its_overlap() -> None:
     state = RunState(run="r")
     hello = dict(run="r", local_rank=0, host="h", pid=1, device="cpu", backend="gloo",
@@ -268,7 +290,7 @@ def test_without_fsdp2_every_other_strategy_trains_and_fsdp_says_why() -> None:
 
         print("fsdp imported:", sorted(m for m in sys.modules if ".fsdp" in m and sys.modules[m]))
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        for name in strategies.STRATEGIES:
+        for name in strategies.BUILDERS:
             if name == "fsdp":
                 continue
             model = build_model("mlp", SYNTHETIC_SPEC)

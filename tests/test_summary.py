@@ -1,7 +1,7 @@
 """RunSummary, the one description of how a run stands or ended: derived from
-RunState, written into run.json, read back (including run.json files written
-before the summary was typed), and shown by `ddtrain status`. Pure code and
-files; no processes but a finished one's pid."""
+RunState, written into run.json, read back (a run.json of another layout is
+unreadable, and the run told from its journal), and shown by `ddtrain status`.
+Pure code and files; no processes but a finished one's pid."""
 
 from __future__ import annotations
 
@@ -29,6 +29,19 @@ from ddtop.daemon.summary import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
+# recorded-failed's run.json in the layout of a development version before
+# RECORD_SCHEMA (`exitcode`, negative for a signal; `launcher_pid`), which no
+# released version wrote and none reads.
+FIRST_LAYOUT = json.dumps({
+    "run_id": "recorded-failed", "status": "failed", "exit_code": 1, "world_size": 2,
+    "restarts": 0, "timeline": [], "daemon_pid": 4526, "launcher_pid": 4526, "host": "vm",
+    "started": 1795396158.2018273, "ended": 1795396163.7216914,
+    "failure": {"rank": 1, "pid": 4534, "exitcode": -9, "signal": "SIGKILL",
+                "stopped_by_launcher": False},
+    "ranks": [{"rank": 0, "pid": 4533, "exitcode": -15, "signal": "SIGTERM",
+               "stopped_by_launcher": True},
+              {"rank": 1, "pid": 4534, "exitcode": -9, "signal": "SIGKILL",
+               "stopped_by_launcher": False}]}).encode()
 
 
 def daemon(kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event], seq: int,
@@ -115,24 +128,41 @@ def test_run_record_round_trips_with_daemon_facts_and_the_summary() -> None:
     assert [r["exit_code"] for r in plain["ranks"]] == [None, None]
 
 
-def test_run_json_of_the_first_layout_is_translated() -> None:
+def test_the_recorded_runs_run_json_is_read() -> None:
     record = decode_record((FIXTURES / "recorded-failed" / "run.json").read_bytes())
     assert (record.schema, record.status, record.exit_code, record.daemon_pid) == (
-        1, "failed", 1, 4526)
-    assert record.failure == Failure(rank=1, pid=4534, signal="SIGKILL")
+        RECORD_SCHEMA, "failed", 1, 4526)
+    assert record.failure == Failure(rank=1, pid=4534, signal="SIGKILL", global_step=599)
     assert [(r.rank, r.state, r.signal, r.stopped_by_daemon) for r in record.ranks] == [
         (0, "dead", "SIGTERM", True), (1, "dead", "SIGKILL", False)]
     ok = decode_record((FIXTURES / "recorded-ok" / "run.json").read_bytes())
     assert [(r.state, r.exit_code) for r in ok.ranks] == [("finished", 0), ("finished", 0)]
 
 
-def test_a_finished_run_of_the_first_layout_is_summarised_from_its_journal() -> None:
+def test_a_finished_run_is_summarised_from_its_run_json() -> None:
     info = RunInfo.load(RunPaths(FIXTURES / "recorded-failed"))
     assert (info.status, info.live, info.problem) == ("failed", False, None)
     summary = info.summary()
     assert (summary.status, summary.exit_code, summary.model) == ("failed", 1, "mlp")
     assert summary.failure is not None and summary.failure.rank == 1
     assert summary.global_step > 0 and summary.daemon_pid == 4526
+
+
+def test_a_run_json_of_the_first_layout_is_unreadable_and_the_journal_tells_the_run(
+        tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="missing required field `state`"):
+        decode_record(FIRST_LAYOUT)
+    root = tmp_path / "recorded-failed"
+    shutil.copytree(FIXTURES / "recorded-failed", root)
+    (root / "run.json").write_bytes(FIRST_LAYOUT)
+    info = RunInfo.load(RunPaths(root))
+    assert info.problem is not None and "run.json is unreadable" in info.problem
+    assert (info.status, info.live) == ("failed", False)
+    summary = info.summary()
+    # The journal's final status predates its exit code; the daemon's pid was run.json's.
+    assert (summary.status, summary.exit_code, summary.model) == ("failed", None, "mlp")
+    assert summary.failure is not None and summary.failure.rank == 1
+    assert summary.global_step > 0 and summary.daemon_pid is None
 
 
 @pytest.mark.processes
@@ -154,7 +184,7 @@ def test_a_run_whose_daemon_is_gone_is_lost_and_told_from_its_journal(tmp_path: 
 
 @pytest.mark.parametrize("content", [
     b"{not json", b"[1, 2]", b'{"schema": 2, "status": 7}',
-    # The first layout with values of the wrong kind.
+    # The first layout (FIRST_LAYOUT), with values of the wrong kind.
     b'{"status": "failed", "ranks": 5}', b'{"status": "failed", "ranks": [{"exitcode": "x"}]}',
     b'{"status": "failed", "failure": {"exitcode": "x"}}', b'{"timeline": [3]}'])
 def test_an_unreadable_run_json_is_named_not_a_traceback(

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtop.daemon.config import TrainConfig, UsageError, count_of, resume_mismatch
+from ddtop.daemon.config import TrainConfig, UsageError, resume_mismatch
+from ddtop.daemon.contract import TELEMETRY_ENV, telemetry_endpoint
 from ddtop.daemon.runs import RunPaths, find_run, write_json_atomic
+from ddtop.daemon.text import count_of
 from ddtop.training import checkpoint
 
 
@@ -35,6 +37,18 @@ def test_validation_names_the_flag(fields: dict[str, object], message: str) -> N
 def test_a_count_of_ranks_reads_as_a_sentence() -> None:
     assert [count_of(n, "rank") for n in (1, 2, 8)] == ["1 rank", "2 ranks", "8 ranks"]
     assert count_of(1, "epoch") == "1 epoch"
+
+
+@pytest.mark.parametrize(("value", "endpoint"), [
+    (None, None), ("", None), ("off", None),
+    ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5555"), ("ipc:///tmp/t.ipc", "ipc:///tmp/t.ipc")])
+def test_telemetry_is_off_when_its_variable_is_unset_empty_or_off(
+        monkeypatch: pytest.MonkeyPatch, value: str | None, endpoint: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv(TELEMETRY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TELEMETRY_ENV, value)
+    assert telemetry_endpoint() == endpoint
 
 
 def test_config_round_trips_and_digest_tracks_results() -> None:

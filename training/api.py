@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.daemon import wire
-from ddtop.daemon.contract import RUN_ID_ENV, TELEMETRY_ENV
+from ddtop.daemon.contract import RUN_ID_ENV, telemetry_endpoint
 from ddtop.training.commtimer import CommTimer, DDPStats
 from ddtop.training.receiver import receiver_answers
 from ddtop.training.telemetry import LiveTelemetry
@@ -363,16 +363,11 @@ _current: LiveRank | None = None
 _lock = threading.Lock()
 
 
-def _endpoint() -> str | None:
-    endpoint = os.environ.get(TELEMETRY_ENV)
-    return None if not endpoint or endpoint == "off" else endpoint
-
-
 def current() -> LiveRank | None:
     """This process's LiveRank, started on the first call; None when
     DDTOP_TELEMETRY names no endpoint."""
     global _current
-    endpoint = _endpoint()
+    endpoint = telemetry_endpoint()
     if endpoint is None:
         return None
     with _lock:
@@ -393,7 +388,7 @@ def start(**identity: Any) -> LiveRank | None:
     environment says; None when DDTOP_TELEMETRY names no endpoint. A rank that
     has closed (a test's earlier rank in the same process) is replaced."""
     global _current
-    endpoint = _endpoint()
+    endpoint = telemetry_endpoint()
     if endpoint is None:
         return None
     with _lock:

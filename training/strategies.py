@@ -19,21 +19,14 @@ so ddtop shows them side by side (docs/strategies.md):
   all-gathered before its forward and backward, gradients reduce-scattered.
 
 Whatever the strategy, the averaged gradient is where the optimizer finds it
-when `backward` returns, so the training loop is the same for all.
-
-What is timed, without a device synchronisation (`CommLedger`): on CPU a
-blocking collective on the thread that called it, all of it exposed (the rank
-waits); an asynchronous one from launch to its future's completion, charged
-from when the previous one finished (they queue on one process group), with
-the rank's wait for them as the exposed part. DDP: its buckets by the comm
-hook; exposed is the time from the last gradient being ready to backward
-returning (DDP waits for the last buckets). On CUDA: CUDA events around each
-collective, read back once they have completed; exposure is not measured.
+when `backward` returns, so the training loop is the same for all. The
+collectives a strategy issues itself are timed by commledger.py's `CommLedger`.
+The names are declared once, in daemon/strategy_names.py; `BUILDERS` maps each
+to its implementation here.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,103 +40,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddtop
 from ddtop.daemon.config import UsageError
+from ddtop.daemon.strategy_names import STRATEGIES, SyncStrategy
+from ddtop.training.commledger import CommLedger, allreduce_factor, gather_factor
 from ddtop.training.telemetry import Telemetry
 
-STRATEGIES = ("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp")
 # FSDP2's public fully_shard and its custom all-gather / reduce-scatter hooks
 # (set_custom_all_gather and the private DefaultAllGather it is timed through)
 # arrived in this release; pyproject.toml allows older torch for the rest.
 FSDP_MIN_TORCH = "2.9"
 
 
-def allreduce_factor(n: int) -> float:
-    """busbw / algbw of an all-reduce (nccl-tests): a ring moves 2(n-1)/n of it."""
-    return 2 * (n - 1) / n
-
-
-def gather_factor(n: int) -> float:
-    """busbw / algbw of an all-gather or reduce-scatter (nccl-tests): (n-1)/n."""
-    return (n - 1) / n
-
-
-class CommLedger:
-    """Times the collectives a strategy issues itself, into the rank's telemetry."""
-
-    def __init__(self, telemetry: Telemetry, cuda: bool) -> None:
-        self.telemetry, self.cuda = telemetry, cuda
-        self._lock = threading.Lock()  # future callbacks run on the backend's threads
-        self._last_end = 0.0
-        self._pending: list[tuple[Any, Any, int, float]] = []  # CUDA: start, end, bytes, factor
-        # Not a training step's communication (an evaluation's all-gathers): not
-        # counted, or it would land in the next step's numbers.
-        self.paused = False
-
-    @contextmanager
-    def blocking(self, op: str, nbytes: int, bus_factor: float) -> Iterator[None]:
-        """Around a collective that returns when it is done (on CPU): all of it is
-        time the rank waits."""
-        coll = self.telemetry.collective_started(op, nbytes)
-        if self.cuda:
-            start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start_ev.record()
-        start = time.perf_counter()
-        yield
-        if self.cuda:
-            end_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end_ev.record()
-            with self._lock:
-                self._pending.append((start_ev, end_ev, nbytes, bus_factor))
-        else:
-            end = time.perf_counter()
-            with self._lock:
-                self._last_end = end
-            self.telemetry.comm_done(end - start, nbytes, bus_factor)
-            self.telemetry.comm_exposed(end - start)
-        self.telemetry.collective_completed(coll)
-
-    def launch(self, op: str, nbytes: int, bus_factor: float,
-               call: Callable[[], dist.Work]) -> torch.futures.Future[Any]:
-        """Start an asynchronous collective; a future that completes once it has
-        finished and been accounted for (wait on this one, not the work's)."""
-        coll = self.telemetry.collective_started(op, nbytes)
-        start = time.perf_counter()
-        work = call()
-
-        def finished(f: torch.futures.Future[Any]) -> None:
-            end = time.perf_counter()
-            with self._lock:
-                charged = end - max(start, self._last_end)  # queued behind the previous one
-                self._last_end = end
-            self.telemetry.comm_done(charged, nbytes, bus_factor)
-            self.telemetry.collective_completed(coll)
-            f.value()  # raises what the collective raised, into the waiter
-
-        return work.get_future().then(finished)
-
-    @contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Around the rank waiting for its asynchronous collectives (exposed time)."""
-        start = time.perf_counter()
-        yield
-        if not self.cuda:
-            self.telemetry.comm_exposed(time.perf_counter() - start)
-
-    def harvest(self) -> None:
-        """CUDA: account for the collectives whose end event has passed (never waits)."""
-        if not self._pending:
-            return
-        with self._lock:
-            done = [p for p in self._pending if p[1].query()]
-            self._pending = [p for p in self._pending if p not in done]
-        for start_ev, end_ev, nbytes, factor in done:
-            self.telemetry.comm_done(start_ev.elapsed_time(end_ev) / 1000.0, nbytes, factor)
-
-
 class Strategy:
     """`model` is what the loop runs forward through; `backward` leaves every
     parameter's gradient averaged over the ranks."""
-
-    name = "?"
 
     def __init__(self, module: nn.Module, ledger: CommLedger) -> None:
         self.module = module  # the bare model: evaluation, checkpoints
@@ -185,7 +94,7 @@ class Strategy:
 
 
 class TorchDDP(Strategy):
-    name = "ddp"
+    """`ddp`: torch's DistributedDataParallel, its buckets all-reduced during backward."""
 
     def __init__(self, module: nn.Module, ledger: CommLedger, device: torch.device) -> None:
         super().__init__(module, ledger)
@@ -210,7 +119,7 @@ class TorchDDP(Strategy):
 
 
 class AllReduceAfterBackward(Strategy):
-    name = "allreduce"
+    """`allreduce`: one blocking all-reduce per gradient once backward is done."""
 
     def __init__(self, module: nn.Module, ledger: CommLedger) -> None:
         super().__init__(module, ledger)
@@ -231,7 +140,7 @@ class AllReduceAfterBackward(Strategy):
 
 
 class RingAfterBackward(AllReduceAfterBackward):
-    name = "ring"
+    """`ring`: as `allreduce`, each all-reduce a ring of send/recv (ring_all_reduce)."""
 
     def reduce(self, grad: torch.Tensor) -> None:
         with self.ledger.blocking("ring_allreduce", grad.nbytes, self.factor):
@@ -275,14 +184,12 @@ def ring_all_reduce(flat: torch.Tensor) -> None:
 
 
 class PerParameterHooks(Strategy):
-    """All-reduce each gradient from its post-accumulate-grad hook, during backward."""
-
-    name = "hooks"
+    """All-reduce each gradient from its post-accumulate-grad hook, during backward
+    (`hooks`: blocking; `hooks-async`: asynchronous, waited for when backward returns)."""
 
     def __init__(self, module: nn.Module, ledger: CommLedger, asynchronous: bool) -> None:
         super().__init__(module, ledger)
         self.asynchronous = asynchronous
-        self.name = "hooks-async" if asynchronous else "hooks"
         self._broadcast_from_rank0()
         self.factor = allreduce_factor(self.world)
         self._in_flight: list[torch.futures.Future[Any]] = []
@@ -375,7 +282,7 @@ def _work(work: dist.Work | None) -> dist.Work:
 
 
 class FullyShard(Strategy):
-    name = "fsdp"
+    """`fsdp`: FSDP2's fully_shard per layer and on the root (shard_units)."""
 
     def __init__(self, module: nn.Module, ledger: CommLedger, device: torch.device) -> None:
         try:  # FSDP2 and its collectives: only this strategy needs them (a recent torch)
@@ -469,17 +376,23 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return blocks or [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
 
 
+# Each --strategy's implementation, built around the model with the rank's ledger
+# and device (inside the process group: a collective).
+Builder = Callable[[nn.Module, CommLedger, torch.device], Strategy]
+BUILDERS: dict[SyncStrategy, Builder] = {
+    "ddp": TorchDDP,
+    "allreduce": lambda module, ledger, _: AllReduceAfterBackward(module, ledger),
+    "hooks": lambda module, ledger, _: PerParameterHooks(module, ledger, asynchronous=False),
+    "hooks-async": lambda module, ledger, _: PerParameterHooks(module, ledger,
+                                                               asynchronous=True),
+    "ring": lambda module, ledger, _: RingAfterBackward(module, ledger),
+    "fsdp": FullyShard,
+}
+
+
 def build(name: str, module: nn.Module, device: torch.device, telemetry: Telemetry) -> Strategy:
     """`name`'s strategy around `module` (inside the process group; a collective)."""
     ledger = CommLedger(telemetry, cuda=device.type == "cuda")
-    if name == "ddp":
-        return TorchDDP(module, ledger, device)
-    if name == "allreduce":
-        return AllReduceAfterBackward(module, ledger)
-    if name in ("hooks", "hooks-async"):
-        return PerParameterHooks(module, ledger, asynchronous=name == "hooks-async")
-    if name == "ring":
-        return RingAfterBackward(module, ledger)
-    if name == "fsdp":
-        return FullyShard(module, ledger, device)
-    raise ValueError(f"unknown strategy {name!r}: one of {', '.join(STRATEGIES)}")
+    if name not in BUILDERS:
+        raise ValueError(f"unknown strategy {name!r}: one of {', '.join(STRATEGIES)}")
+    return BUILDERS[name](module, ledger, device)

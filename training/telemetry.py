@@ -78,7 +78,7 @@ CLOSE_TIMEOUT_S = 2.0
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
 RSS_EVERY_S = 1.0  # how often the process's resident memory is read again
-STEP_PHASES = frozenset({"data", "forward", "backward", "optimizer", "metric_sync"})
+STEP_PHASES = frozenset(wire.STEP_PHASES)
 TRIM_MIN_STEPS = 3  # Step.compute_trim_s from this many steps (as daemon/stragglers.py reads it)
 
 

@@ -23,10 +23,11 @@ import torch.distributed as dist
 from torch import nn
 
 import ddtop
+from ddtop.daemon.strategy_names import STRATEGIES
 from ddtop.training import api
 from ddtop.training.data import SYNTHETIC_SPEC
 from ddtop.training.models import build_model
-from ddtop.training.strategies import STRATEGIES, Strategy, build
+from ddtop.training.strategies import Strategy, build
 from ddtop.training.telemetry import Telemetry
 
 SEED, LR, BATCH, STEPS = 5, 0.05, 16, 3
