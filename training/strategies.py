@@ -1,9 +1,9 @@
 """How the built-in trainer's ranks synchronise gradients (`--strategy`).
 
-The seeds teach data parallelism in steps; each step is a strategy here, and
-every one reports its communication through the same telemetry (ops, bytes,
-time, bus bandwidth, and how much of it overlapped with the rank's own work),
-so ddtop shows them side by side (docs/strategies.md):
+Data parallelism is taught in steps, from averaging gradients by hand to DDP;
+each step is a strategy here, and every one reports its communication through
+the same telemetry (ops, bytes, time, bus bandwidth, and how much of it
+overlapped with the rank's own work), so ddtop shows them side by side (docs/strategies.md):
 
 - `ddp`: torch DDP; gradients all-reduced bucket by bucket while backward runs
   (timed by the comm hook of commtimer.py, attached by `ddtop.watch`).
