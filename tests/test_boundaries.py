@@ -37,10 +37,12 @@ ALLOWED = {
     # `import ddtop` reads the telemetry variable's name from the contract, and
     # imports the live implementation (torch, zmq) only when an endpoint is set.
     "api": {"ddtop.daemon.contract", "ddtop.training.api"},
-    # The dashboard folds the same wire into the same state, and finds runs as ddtrain does.
+    # The dashboard folds the same wire into the same state, finds runs and asks their
+    # daemons (control, protocol) as ddtrain does.
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
                   "ddtop.daemon.flags",
-                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.rankview",
+                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.protocol",
+                  "ddtop.daemon.rankview",
                   "ddtop.daemon.runinfo", "ddtop.daemon.runs", "ddtop.daemon.state",
                   "ddtop.daemon.summary", "ddtop.daemon.wire"},
 }
