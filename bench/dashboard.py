@@ -210,7 +210,7 @@ def feeder(world: int, seconds: float, endpoint_file: str) -> int:
 
 
 def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
-    from ddtop.daemon import control
+    from ddtop.daemon import control, protocol
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.live import LiveFeed
 
@@ -238,7 +238,7 @@ def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
                     frames0, start = app.frames, time.monotonic()
                     while time.monotonic() - start < seconds:
                         await pilot.pause(PING_EVERY_S)
-                        relay_seq = control.request(control_endpoint, "ping", 5.0)["seq"]
+                        relay_seq = control.request(control_endpoint, protocol.Ping(), 5.0).seq
                         shown_seq = feed.seq
                         first = (relay_seq, shown_seq) if first is None else first
                         lags.append(relay_seq - shown_seq)

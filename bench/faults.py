@@ -78,10 +78,11 @@ from typing import Any
 
 from stats import mean_interval, median_interval  # bench/stats.py, beside this script
 
-from ddtop.daemon import control, journal, wire
+from ddtop.daemon import control, journal, protocol, wire
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
+from ddtop.daemon.summary import RunSummary
 
 BIN = Path(sys.executable).parent
 DDTRAIN, DDTOP = str(BIN / "ddtrain"), str(BIN / "ddtop")
@@ -294,11 +295,10 @@ def part_drills(world: int, repeats: int, root: Path, only: set[str] | None = No
 
 
 # -- part 2: watching ------------------------------------------------------------------------
-def status(info: RunInfo) -> dict[str, object]:
+def status(info: RunInfo) -> RunSummary:
     assert info.control is not None
-    reply = control.request(info.control, "status", 5.0, keys=info.keys)
-    summary = reply["summary"]
-    assert isinstance(summary, dict)
+    summary = control.request(info.control, protocol.Status(), 5.0, keys=info.keys).summary
+    assert summary is not None
     return summary
 
 
@@ -370,7 +370,7 @@ def long_run(world: int, root: Path, run_id: str) -> Iterator[tuple[Path, RunInf
     try:
         info = RunInfo.load(RunPaths(cwd / "runs" / run_id))
         deadline = time.monotonic() + 120
-        while not status(info)["global_step"]:  # past start-up
+        while not status(info).global_step:  # past start-up
             if time.monotonic() > deadline:
                 sys.exit("the run took no step within 120 s (see its logs)")
             time.sleep(0.5)
@@ -383,10 +383,9 @@ def long_run(world: int, root: Path, run_id: str) -> Iterator[tuple[Path, RunInf
 
 def steps_per_second(info: RunInfo, seconds: float) -> float:
     """The run's steps per second (the slowest rank's) over the next `seconds`."""
-    a, t0 = status(info)["global_step"], time.monotonic()
+    a, t0 = status(info).global_step, time.monotonic()
     time.sleep(seconds)
-    b, t1 = status(info)["global_step"], time.monotonic()
-    assert isinstance(a, int) and isinstance(b, int)
+    b, t1 = status(info).global_step, time.monotonic()
     return (b - a) / (t1 - t0)
 
 

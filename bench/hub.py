@@ -123,7 +123,7 @@ def node_process(folder: str, k: int, world: int, nodes: int, seconds: float) ->
 
 
 def measure_hub(world: int, nodes: int, seconds: float, fps: float) -> dict[str, Any]:
-    from ddtop.daemon import control
+    from ddtop.daemon import control, protocol
     from ddtop.daemon.keys import KEYS_ENV
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.live import LiveFeed
@@ -157,7 +157,7 @@ def measure_hub(world: int, nodes: int, seconds: float, fps: float) -> dict[str,
                     frames0, start = app.frames, time.monotonic()
                     while time.monotonic() - start < seconds:
                         await pilot.pause(single.PING_EVERY_S)
-                        relay_seq = control.request(control_endpoint, "ping", 5.0)["seq"]
+                        relay_seq = control.request(control_endpoint, protocol.Ping(), 5.0).seq
                         shown_seq = feed.seq
                         first = (relay_seq, shown_seq) if first is None else first
                         lags.append(relay_seq - shown_seq)

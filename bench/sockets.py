@@ -162,12 +162,11 @@ class RelayProcess:
         self.endpoints: dict[str, str] = info["endpoints"]
         self.keys: Path | None = Path(info["keys"]) if info["keys"] else None
 
-    def request(self, op: str, **args: Any) -> dict[str, Any]:
+    def request(self, request: Any) -> Any:
+        """The relay's reply to `request` (daemon/protocol.py)."""
         from ddtop.daemon import control
 
-        reply: dict[str, Any] = control.request(self.endpoints["control"], op, 10.0,
-                                                keys=self.keys, **args)
-        return reply
+        return control.request(self.endpoints["control"], request, 10.0, keys=self.keys)
 
     def cpu_s(self) -> float:
         """CPU seconds the relay process has used, every thread (/proc, 10 ms ticks)."""
@@ -176,13 +175,17 @@ class RelayProcess:
 
     def wait_for(self, seq: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.request("ping")["seq"] < seq:
+        from ddtop.daemon import protocol
+
+        while self.request(protocol.Ping()).seq < seq:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {self.transport} relay did not get {seq} messages")
             time.sleep(0.05)
 
     def stop(self) -> dict[str, Any]:
-        self.request("stop")
+        from ddtop.daemon import protocol
+
+        self.request(protocol.Stop())
         self.proc.wait(timeout=30)
         result: dict[str, Any] = json.loads((self.folder / "relay.json").read_text())
         self.close()
@@ -356,7 +359,7 @@ def stop_all(procs: Sequence[subprocess.Popen[str]]) -> None:
 
 # -- 1. ingest ------------------------------------------------------------------------
 def ingest_round(transport: str, steps: int, senders: int) -> dict[str, float]:
-    from ddtop.daemon import wire
+    from ddtop.daemon import protocol, wire
     from ddtop.daemon.keys import secure
 
     expect = WORLD * messages_per_rank(1, steps)
@@ -376,7 +379,7 @@ def ingest_round(transport: str, steps: int, senders: int) -> dict[str, float]:
             raise RuntimeError(f"the subscriber's handshake with the {transport} relay failed")
         sub.disable_monitor()
         monitor.close(linger=0)
-        relay.request("ping")  # the subscription has had time to reach the PUB
+        relay.request(protocol.Ping())  # the subscription has had time to reach the PUB
         go(procs)
         sub_cpu0 = time.process_time()
         got, quiet_since = 0, time.monotonic()
@@ -455,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         return relay_main(args[1], Path(args[2]), int(args[3]))
     if args and args[0] == SENDER_FLAG:
         return sender_main(json.loads(args[1]))
+    from ddtop.daemon import protocol
+
     parser = argparse.ArgumentParser(description=str(__doc__).split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5,
                         help="ingest rounds per transport (default 5)")
@@ -538,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                for t in TRANSPORTS])
 
         # 3. Attach.
-        sizes = {t: len(relays[t].request("snapshot")["state"]) for t in TRANSPORTS}
+        sizes = {t: len(relays[t].request(protocol.Snapshot()).state) for t in TRANSPORTS}
         attaches: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
         pings: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
         client_cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
@@ -553,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                 attaches[transport].append(1000 * elapsed)
                 client_cpu[transport].append(1000 * cpu_s)
                 start = time.perf_counter()
-                relays[transport].request("ping")
+                relays[transport].request(protocol.Ping())
                 pings[transport].append(1000 * (time.perf_counter() - start))
         relay_cpu = {t: relays[t].cpu_s() - relay_cpu[t] for t in TRANSPORTS}
         rows = []

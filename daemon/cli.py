@@ -26,9 +26,7 @@ from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import msgspec
-
-from ddtop.daemon import control, inject
+from ddtop.daemon import control, inject, protocol
 from ddtop.daemon.config import (
     TrainConfig,
     UsageError,
@@ -63,7 +61,6 @@ from ddtop.daemon.runs import (
 )
 from ddtop.daemon.stacks import cmd_stacks
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import RunSummary
 from ddtop.daemon.text import count_of
 
 EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
@@ -353,12 +350,14 @@ def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, expected: in
     deadline = time.monotonic() + START_WATCH_S
     while time.monotonic() < deadline and daemon.poll() is None and info.control:
         try:
-            reply = control.request(info.control, "status", 1.0, keys=info.keys)
-            ranks = msgspec.convert(reply.get("summary"), RunSummary).ranks
-        except (control.Unreachable, msgspec.ValidationError):
+            summary = control.request(info.control, protocol.Status(), 1.0,
+                                      keys=info.keys).summary
+        except control.Unreachable:
+            summary = None
+        if summary is None:
             time.sleep(0.1)
             continue
-        if sum(r.state != "starting" for r in ranks) >= expected:
+        if sum(r.state != "starting" for r in summary.ranks) >= expected:
             return True
         time.sleep(0.1)
     return False

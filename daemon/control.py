@@ -1,48 +1,54 @@
-"""Asking a run's daemon something: `status`, `snapshot`, `stop`, `ping`.
+"""Asking a run's daemon something: `status`, `snapshot`, `stop`, `ping`, `stacks`.
 
 One REQ socket per request, a deadline, and no linger: a daemon that is gone
-or wedged costs the caller `timeout_s`, never a hang. A reply that is not a
-msgpack map counts as no answer; its fields are the caller's to validate.
-`decode_map` is the one decoder of what a control socket carries, both ways.
+or wedged costs the caller `timeout_s`, never a hang. The request and its reply
+are typed (daemon/protocol.py); a reply that is not the one the request
+expects counts as no answer.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import overload
 
-import msgspec
 import zmq
 
-from ddtop.daemon import wire
+from ddtop.daemon import protocol
 from ddtop.daemon.keys import KEYS_ENV, RunKeys, needs_keys, peer_keys
 
 # How long `ddtrain stop` and ddtop's `x` wait for the daemon to accept a stop.
 STOP_REQUEST_TIMEOUT_S = 5.0
 
 
-_map_decoder = msgspec.msgpack.Decoder(dict[str, Any])
-
-
-def decode_map(body: bytes) -> dict[str, Any]:
-    """A request or a reply off a control socket: a msgpack map with string keys.
-    Raises ValueError for anything else (bad UTF-8, nesting too deep, ...)."""
-    try:
-        return _map_decoder.decode(body)
-    except wire.UNTRUSTED_ERRORS as e:
-        raise ValueError(wire.why_refused(e)) from None
-
-
 class Unreachable(Exception):
     """The daemon did not answer in time (it is gone, or not yet listening)."""
 
 
-def request(endpoint: str, op: str, timeout_s: float = 2.0, *,
-            keys: RunKeys | Path | None = None, **args: Any) -> dict[str, Any]:
-    """`op` with `args` to the daemon at `endpoint`: its reply. Over TCP the run's
-    CURVE keys are needed: `keys` (loaded, or a keys folder), else DDTOP_KEYS; a
-    damaged key file is a UsageError naming it, raised before any socket is made."""
+Keys = RunKeys | Path | None
+
+
+@overload
+def request(endpoint: str, message: protocol.Ping, timeout_s: float = ..., *,
+            keys: Keys = ...) -> protocol.PingReply: ...
+@overload
+def request(endpoint: str, message: protocol.Status, timeout_s: float = ..., *,
+            keys: Keys = ...) -> protocol.StatusReply: ...
+@overload
+def request(endpoint: str, message: protocol.Snapshot, timeout_s: float = ..., *,
+            keys: Keys = ...) -> protocol.SnapshotReply: ...
+@overload
+def request(endpoint: str, message: protocol.Stop, timeout_s: float = ..., *,
+            keys: Keys = ...) -> protocol.StopReply: ...
+@overload
+def request(endpoint: str, message: protocol.Stacks, timeout_s: float = ..., *,
+            keys: Keys = ...) -> protocol.Reply: ...
+def request(endpoint: str, message: protocol.AnyRequest, timeout_s: float = 2.0, *,
+            keys: Keys = None) -> protocol.Reply:
+    """`message` to the daemon at `endpoint`: its reply, of the kind the request
+    expects (protocol.REPLIES). Over TCP the run's CURVE keys are needed: `keys`
+    (loaded, or a keys folder), else DDTOP_KEYS; a damaged key file is a UsageError
+    naming it, raised before any socket is made."""
     run_keys = peer_keys(endpoint, keys)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = context.socket(zmq.REQ)
@@ -53,8 +59,8 @@ def request(endpoint: str, op: str, timeout_s: float = 2.0, *,
         if run_keys is not None:
             run_keys.client(sock)
         sock.connect(endpoint)
-        sock.send(msgspec.msgpack.encode({"op": op, **args}))
-        reply = decode_map(sock.recv())
+        sock.send(protocol.encode(message))
+        reply = protocol.decode_reply(protocol.REPLIES[type(message)], sock.recv())
     except zmq.Again:
         hint = ""
         if needs_keys(endpoint) and keys is None and not os.environ.get(KEYS_ENV):
@@ -63,7 +69,7 @@ def request(endpoint: str, op: str, timeout_s: float = 2.0, *,
         raise Unreachable(f"no answer from {endpoint} within {timeout_s:g} s{hint}") from None
     except zmq.ZMQError as e:
         raise Unreachable(f"{endpoint}: {e}") from None
-    except ValueError:
+    except protocol.ProtocolError:
         raise Unreachable(f"{endpoint} answered something that is not a ddtrain reply"
                           ) from None
     finally:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ddtop.daemon import blame, nodes, wire
+from ddtop.daemon import blame, nodes, protocol, wire
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import EXIT_FAILED, ErrorReport, signal_name
 from ddtop.daemon.keys import RunKeys
@@ -44,7 +44,7 @@ class NodeRole:
         self.local_ranks = local_ranks  # this node's ranks, as its starter knows them
         self.hub: nodes.Hub | None = None
         self.forwarder: nodes.Forwarder | None = None
-        self.final: dict[str, Any] | None = None  # how this node ended, for the hub
+        self.final: protocol.NodeFinal | None = None  # how this node ended, for the hub
         self.ranks_said: list[int] = []  # this node's own ranks, as last said
         self.hub_silent = False  # node K: the hub has not answered for a while
 
@@ -124,22 +124,24 @@ class NodeRole:
         """Node K: how it ended, for the hub: status, headline, the rank it blamed."""
         if self.forwarder is None:
             return
-        final: dict[str, Any] = {"status": outcome.status, "message": headline[:1000]}
+        failure = None
         rank = outcome.failed_rank
         if outcome.status == "failed" and rank is not None and rank.exitcode is not None:
             report = outcome.report
             cause, _ = blame.blame_order(rank.end(), report)
-            final["failure"] = {"rank": rank.rank, "pid": rank.process.pid,
-                                "exit_code": rank.exitcode, "cause": cause,
-                                "how": headline.partition(": ")[2][:500],
-                                "message": (report.message if report else "")[:1000]}
-        self.final = final
+            failure = protocol.NodeFailure(
+                rank=rank.rank, pid=rank.process.pid, exit_code=rank.exitcode, cause=cause,
+                how=headline.partition(": ")[2][:protocol.MAX_HOW_CHARS],
+                message=(report.message if report else "")[:protocol.MAX_REPORT_CHARS])
+        self.final = protocol.NodeFinal(status=outcome.status, failure=failure,
+                                        message=headline[:protocol.MAX_HEADLINE_CHARS])
 
     def close(self) -> None:
         """Node K: say how it ended (failed, when it never got to say), let the last
         messages go."""
         if self.forwarder is not None:
-            self.forwarder.close(self.local_ranks(), self.final or {"status": "failed"})
+            self.forwarder.close(self.local_ranks(),
+                                 self.final or protocol.NodeFinal(status="failed"))
 
     def settle(self, outcome: Outcome, note_exits: Callable[[], None],
                on_tick: Callable[[RunState], None] | None) -> Outcome:
@@ -168,7 +170,7 @@ class NodeRole:
             our_cause = blame.blame_order(ours.end(), outcome.report)[0]
         verdict = blame.job_verdict(outcome.status, our_cause, [
             blame.NodeEnd(s.node, s.status, lost=s.state == nodes.LOST,
-                          cause=s.failure["cause"] if s.state == nodes.DONE and s.failure
+                          cause=s.failure.cause if s.state == nodes.DONE and s.failure
                           else None) for s in hub.nodes.values()])
         if verdict.kind == "their_rank":
             return self._their_rank_failed(hub.nodes[verdict.node])
@@ -189,10 +191,11 @@ class NodeRole:
     def _their_rank_failed(self, seen: nodes.NodeSeen) -> Outcome:
         """The job's culprit is a rank of node `seen` (as its node daemon blamed it):
         named in the state as in the headline."""
-        f = seen.failure or {}
-        code, pid, rank = f["exit_code"], f["pid"], f["rank"]
-        how = str(f["how"]).partition(f"rank {rank} ")[2] or "failed"
-        message = str(f["message"])
+        f = seen.failure
+        assert f is not None
+        code, pid, rank = f.exit_code, f.pid, f.rank
+        how = f.how.partition(f"rank {rank} ")[2] or "failed"
+        message = f.message
         early = code == 0  # blamed with exit code 0: it left early (its node said how)
         self.relay.emit(wire.RankExit, exited=rank, pid=pid,  # the job's culprit, named
                         exit_code=code if code >= 0 else None, signal=signal_name(code),

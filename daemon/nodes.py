@@ -1,8 +1,9 @@
 """Multi-node jobs: node daemons forward to node 0's daemon, the hub.
 
     node K's daemon ── PUSH (CURVE) ──► hub's `nodes` PULL    every message it folds
-                    ── DEALER (CURVE) ─► hub's control ROUTER  {"op": "node"} once a second;
-                                                               the reply carries a stop request
+                    ── DEALER (CURVE) ─► hub's control ROUTER  a NodeHeartbeat once a second;
+                                                               the NodeReply carries a stop
+(the messages and their bounds: daemon/protocol.py)
 
 Node 0's daemon (the hub) serves its sockets on TCP with the job's CURVE keys
 (runs/<id>/keys): only a peer holding the job's client key completes a
@@ -23,29 +24,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import math
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeGuard
+from typing import Any, Final
 
-import msgspec
 import zmq
 
-from ddtop.daemon import wire
+from ddtop.daemon import protocol, wire
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.control import decode_map
 from ddtop.daemon.keys import RunKeys
 from ddtop.daemon.runs import RunPaths, write_json_atomic
+from ddtop.daemon.summary import Status
 
 HEARTBEAT_S = 1.0  # a node daemon's `node` request, this often
 NODE_TIMEOUT_S = 5.0  # no heartbeat for this long: the node is unreachable
 FORWARD_HWM = 10_000  # messages a node daemon holds for the hub before it drops (counted)
 HUB_WAIT_S = 120.0  # how long node K waits for the hub's hub.json (shared file system)
 NODE_FINAL_WAIT_S = 10.0  # how long the hub waits, at the end, for nodes to say how they ended
-NODE_HEADER = b"ddtop-node/1"
 
 # A node's state, as the hub sees it (wire.NodeState).
 UP: Final = "up"
@@ -84,7 +82,7 @@ class NodeSeen:
     state: wire.NodeState = UP
     status: str = ""  # the node daemon's own run status (running, failed, ...)
     message: str = ""  # its final headline
-    failure: dict[str, Any] | None = None  # the rank it blamed, if it failed
+    failure: protocol.NodeFailure | None = None  # the rank it blamed, if it failed
     dropped: int = 0  # messages it could not forward (its high-water mark)
 
 
@@ -92,50 +90,41 @@ class Hub:
     """Node 0's side: the node table, fed by the relay (forwarded frames, `node`
     requests); `check` turns silences into `unreachable` events."""
 
-    def __init__(self, config: TrainConfig, relay: Any) -> None:
+    def __init__(self, config: TrainConfig, relay: protocol.HubRelay) -> None:
         self.config, self.relay = config, relay
         self.nodes: dict[int, NodeSeen] = {}
         self.nodes_endpoint = ""  # where node daemons push (public address)
         self.stop: float | None = None  # a stop for every node (its timeout)
 
     # -- from the relay ------------------------------------------------------------
-    def request(self, request: dict[str, Any]) -> dict[str, Any]:
-        node = request.get("node")
-        if not isinstance(node, int) or isinstance(node, bool) or not (
-                0 < node < self.config.nnodes):
-            return {"ok": False, "error": f"node must be 1 to {self.config.nnodes - 1}"}
+    def request(self, beat: protocol.NodeHeartbeat) -> protocol.Reply:
+        """A node daemon's heartbeat (its fields' kinds and bounds checked by the
+        decoder): the node table updated; the reply carries a stop for every node.
+        Ranks outside the job's world size are left out, as is a blamed one."""
+        node, world_size = beat.node, self.config.world_size
+        if not node < self.config.nnodes:
+            return protocol.refused(f"node must be 1 to {self.config.nnodes - 1}")
         seen = self.nodes.get(node)
         if seen is None:
             seen = self.nodes[node] = NodeSeen(node)
         was = seen.state
         seen.beat = time.monotonic()
-        host = request.get("host")
-        seen.host = host[:255] if isinstance(host, str) else ""
-        pid = request.get("pid")
-        seen.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
-        ranks = request.get("ranks")
-        if isinstance(ranks, list):
-            ranks = sorted({r for r in ranks if isinstance(r, int)
-                            and 0 <= r < self.config.world_size})
-            if ranks != seen.ranks:
-                seen.ranks = ranks
-                self._say(node, "info", f"node {node} ({seen.host}): ranks "
-                          f"{', '.join(map(str, ranks)) or 'none yet'}")
-        status = request.get("status")
-        if isinstance(status, str):
-            seen.status = status[:32]
-        dropped = request.get("dropped")
-        if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped >= 0:
-            seen.dropped = dropped
-        if status in wire.FINAL_STATUSES:
+        seen.host, seen.pid, seen.status, seen.dropped = (beat.host, beat.pid, beat.status,
+                                                          beat.dropped)
+        ranks = sorted({r for r in beat.ranks if r < world_size})
+        if ranks != seen.ranks:
+            seen.ranks = ranks
+            self._say(node, "info", f"node {node} ({seen.host}): ranks "
+                      f"{', '.join(map(str, ranks)) or 'none yet'}")
+        if beat.status in wire.FINAL_STATUSES:
             seen.state = DONE
-            message = request.get("message")
-            seen.message = message[:2000] if isinstance(message, str) else ""
-            seen.failure = node_failure(request.get("failure"), self.config.world_size)
+            seen.message = beat.message
+            failure = beat.failure
+            seen.failure = failure if failure is not None and failure.rank < world_size else None
         elif was != UP and seen.state != DONE:
             seen.state = UP
             self._say(node, "info", f"node {node} ({seen.host}) is reachable again")
-        return {"ok": True, "stop": self.stop, "nodes": self.nodes_endpoint}
+        return protocol.NodeReply(ok=True, stop=self.stop, nodes=self.nodes_endpoint)
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
         """A message node `node` folded: its ranks' (relayed as they are) or its own."""
@@ -194,28 +183,6 @@ class Hub:
                                 "ranks": ",".join(map(str, seen.ranks)) if seen else "",
                                 "host": seen.host if seen else ""}
         self.relay.emit(wire.Event, type=type, message=message, data=data, traceback=traceback)
-
-
-def node_failure(failure: Any, world_size: int) -> dict[str, Any] | None:
-    """The rank a node daemon blamed, as its final heartbeat says (Supervisor._final),
-    kept only when every field is of its kind: a rank of the job, an int cause,
-    exit code and pid (or none), bounded text."""
-    if not isinstance(failure, dict):
-        return None
-    rank, cause = failure.get("rank"), failure.get("cause")
-    if not (_is_int(rank) and 0 <= rank < world_size and _is_int(cause)):
-        return None
-    code, pid = failure.get("exit_code"), failure.get("pid")
-    how, message = failure.get("how"), failure.get("message")
-    return {"rank": rank, "cause": cause,
-            "exit_code": code if _is_int(code) and -255 <= code <= 255 else 1,
-            "pid": pid if _is_int(pid) and pid > 0 else None,
-            "how": how[:500] if isinstance(how, str) else "failed",
-            "message": message[:1000] if isinstance(message, str) else ""}
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def write_hub_file(paths: RunPaths, control: str, nodes: str) -> None:
@@ -284,7 +251,7 @@ class Forwarder:
         self.stop: float | None = None  # the hub asked every node to stop
         self.heard: float | None = None  # monotonic time of the hub's last reply
         self.started = time.monotonic()
-        self.host = socket.gethostname()
+        self.host = socket.gethostname()[:protocol.MAX_HOST_CHARS]
 
     def send(self, frame: bytes) -> None:
         if self.push is None:
@@ -293,11 +260,12 @@ class Forwarder:
             self.waiting.append(frame)
             return
         try:
-            self.push.send_multipart([NODE_HEADER, str(self.node).encode(), frame], zmq.NOBLOCK)
+            self.push.send_multipart(protocol.forward_frames(self.node, frame), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
 
-    def tick(self, ranks: list[int], status: str, final: dict[str, Any] | None = None) -> None:
+    def tick(self, ranks: list[int], status: Status,
+             final: protocol.NodeFinal | None = None) -> None:
         """Answers from the hub; a heartbeat when one is due (or `final`: at once)."""
         for _ in range(100):
             try:
@@ -309,27 +277,24 @@ class Forwarder:
         if final is None and now - self.last_beat < HEARTBEAT_S:
             return
         self.last_beat = now
-        beat: dict[str, Any] = {"op": "node", "node": self.node, "host": self.host,
-                                "pid": os.getpid(), "ranks": ranks, "status": status,
-                                "dropped": self.dropped, **(final or {})}
+        said = final or protocol.NodeFinal(status=status)  # not over: its status alone
+        beat = protocol.NodeHeartbeat(node=self.node, host=self.host, pid=os.getpid(),
+                                      ranks=ranks, dropped=self.dropped, status=said.status,
+                                      message=said.message, failure=said.failure)
         with contextlib.suppress(zmq.ZMQError):
-            self.control.send(msgspec.msgpack.encode(beat), zmq.NOBLOCK)
+            self.control.send(protocol.encode(beat), zmq.NOBLOCK)
 
     def take_reply(self, body: bytes) -> None:
         """One of the hub's replies: a stop for every node, where to forward to."""
         try:
-            reply = decode_map(body)
-        except ValueError:  # not a map: not the hub's reply
+            reply = protocol.decode_reply(protocol.NodeReply, body)
+        except protocol.ProtocolError:  # not the hub's reply
             return
         self.heard = time.monotonic()
-        stop = reply.get("stop")
-        if (isinstance(stop, int | float) and not isinstance(stop, bool)
-                and math.isfinite(stop) and stop >= 0):
-            self.stop = float(stop)
-        nodes = reply.get("nodes")
-        if (self.push is None and isinstance(nodes, str) and nodes.startswith("tcp://")
-                and len(nodes) < 300):
-            self._connect(nodes)
+        if reply.stop is not None:
+            self.stop = reply.stop
+        if self.push is None and reply.nodes:
+            self._connect(reply.nodes)
 
     def _connect(self, endpoint: str) -> None:
         self.push = self.context.socket(zmq.PUSH)
@@ -340,9 +305,9 @@ class Forwarder:
         while self.waiting:
             self.send(self.waiting.popleft())
 
-    def close(self, ranks: list[int], final: dict[str, Any]) -> None:
+    def close(self, ranks: list[int], final: protocol.NodeFinal) -> None:
         """Say how this node ended, then let the last messages go (bounded)."""
-        self.tick(ranks, final.get("status", "failed"), final)
+        self.tick(ranks, final.status, final)
         time.sleep(0.3)
         self.control.close(linger=1000)
         if self.push is not None:

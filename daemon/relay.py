@@ -2,7 +2,7 @@
 
     PULL   bound, ranks PUSH their telemetry here (DDTOP_TELEMETRY)
     PUB    bound, every accepted message re-published with its relay sequence number
-    ROUTER bound, requests: status, snapshot, stop, ping
+    ROUTER bound, requests (daemon/protocol.py): status, snapshot, stop, stacks, ping
 
 All three are ZeroMQ ipc sockets (unix domain sockets) in a folder only the
 run's owner can enter: the run directory's `sock/`, or, where that path is too
@@ -51,10 +51,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 
-from ddtop.daemon import requests, wire
+from ddtop.daemon import protocol, requests, wire
 from ddtop.daemon.config import UsageError
 from ddtop.daemon.gate import Gate
 from ddtop.daemon.journal import JournalWriter
@@ -67,7 +66,6 @@ SOCKET_NAMES = ("telemetry", "publish", "control")
 # Frames larger than this make ZeroMQ drop the connection unread (memory bound);
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
-MAX_NODE_DIGITS = 6  # a node daemon's number, as it heads each forward
 BATCH = 2000  # messages read per socket per serve() call, so no socket starves another
 # An internal error in one handler is said (stderr, a warning event) at most this often;
 # every one is counted.
@@ -114,7 +112,7 @@ class Relay:
         self.bind, self.keys = bind, keys
         # A multi-node job (daemon/nodes.py): the hub's node table, or a node
         # daemon's forwarder, fed every message this relay folds.
-        self.hub: Any = None
+        self.hub: protocol.NodeHub | None = None
         self.forward: Callable[[bytes], None] | None = None
         self.nodes: zmq.Socket[bytes] | None = None
         self.sockets: Path | None = None  # the ipc sockets' folder (None over TCP)
@@ -337,8 +335,8 @@ class Relay:
 
     def take_forward(self, frames: list[bytes], received: float) -> None:
         """One forward off the `nodes` socket, handed to the hub or counted."""
-        node = _node_number(frames[1]) if len(frames) == 3 else None
-        if node is None or frames[0] != b"ddtop-node/1" or self.hub is None:
+        node = protocol.forward_node(frames)
+        if node is None or self.hub is None:
             self.reject("bad_forward")
             return
         try:
@@ -408,10 +406,9 @@ class Relay:
                 reply = requests.answer(self, body)
             except Exception as e:  # noqa: BLE001 -- a request must not stop the daemon: said, counted
                 self.internal_error("control", e)
-                reply = {"ok": False, "error": f"the daemon could not answer ({type(e).__name__})"}
+                reply = protocol.refused(f"the daemon could not answer ({type(e).__name__})")
             with contextlib.suppress(zmq.ZMQError):  # the asker is gone
-                self.router.send_multipart([*envelope, msgspec.msgpack.encode(reply)],
-                                           zmq.NOBLOCK)
+                self.router.send_multipart([*envelope, protocol.encode(reply)], zmq.NOBLOCK)
 
     def close(self) -> None:
         self.journal.close()
@@ -427,14 +424,6 @@ class Relay:
                 (self.sockets / name).unlink(missing_ok=True)
             if self._own_folder:
                 shutil.rmtree(self.sockets, ignore_errors=True)
-
-
-def _node_number(frame: bytes) -> int | None:
-    """A forward's node number: ASCII digits, at most MAX_NODE_DIGITS of them (int()
-    refuses numbers of over 4,300 digits, and no job has a million nodes)."""
-    if not 0 < len(frame) <= MAX_NODE_DIGITS or not frame.isdigit():
-        return None
-    return int(frame)
 
 
 def _say(type: wire.EventType, message: str) -> None:

@@ -7,67 +7,60 @@
     stacks    {"rank": K or nil}: the ranks write their stacks (ddtrain stacks)
     node      a node daemon's heartbeat, answered by the hub (daemon/nodes.py)
 
-A request is a msgpack map with a string `op` (control.decode_map); anything
-else, and any value of the wrong kind, is answered with {"ok": false, "error":
-...} and counted in `RunState.rejected["bad_request"]`. The answer only records
+The requests and replies are typed (daemon/protocol.py), decoded by the socket's
+one decoder (a hub's also takes `node`). What is not a request of a kind the
+socket takes is answered with {"ok": false, "error": ...} and counted in
+`RunState.rejected["bad_request"]`; a known request with an argument of the wrong
+kind or out of range is answered so too, not counted. The answer only records
 what was asked (a stop's timeout, the ranks asked for stacks): the supervisor
 acts on it at its next tick, in its own loop.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, assert_never
 
-from ddtop.daemon import control
+from ddtop.daemon import protocol
 from ddtop.daemon.state import encode_snapshot
 
 if TYPE_CHECKING:
     from ddtop.daemon.relay import Relay
 
-MAX_REQUEST_BYTES = 16384  # a node daemon's heartbeat lists its ranks
 MAX_STACKS_REQUESTS = 16  # asked between two ticks of the supervisor; more are answered, not kept
-OPS = "ping, status, snapshot, stop or stacks"
 
 
-def answer(relay: Relay, body: bytes) -> dict[str, Any]:
+def answer(relay: Relay, body: bytes) -> protocol.Reply:
     """The reply to one request `body` received by `relay`."""
-    if len(body) > MAX_REQUEST_BYTES:
-        relay.reject("bad_request")
-        return {"ok": False, "error": "request too large"}
+    decoder = protocol.REQUESTS if relay.hub is None else protocol.HUB_REQUESTS
     try:
-        request = control.decode_map(body)
-    except ValueError:
-        request = {}
-    op = request.get("op")
-    if not isinstance(op, str):
-        relay.reject("bad_request")
-        return {"ok": False, "error": "expected a msgpack map with a string 'op'"}
-    if op == "ping":
-        return {"ok": True, "run": relay.run, "seq": relay.seq, "endpoints": relay.endpoints}
-    if op == "status":
-        return {"ok": True, "seq": relay.seq, "summary": relay.state.summary(time.time())}
-    if op == "snapshot":
-        return {"ok": True, "seq": relay.seq, "state": encode_snapshot(relay.state)}
-    if op == "stop":
-        timeout = request.get("timeout", 30.0)
-        if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
-                or not math.isfinite(timeout) or timeout < 0):
-            return {"ok": False, "error": "timeout must be a number of seconds >= 0"}
-        if relay.stop_request is None:
-            relay.stop_request = float(timeout)
-        return {"ok": True, "status": "stopping"}
-    if op == "node" and relay.hub is not None:  # a node daemon's heartbeat
-        reply: dict[str, Any] = relay.hub.request(request)
-        return reply
-    if op == "stacks":
-        rank = request.get("rank")
-        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
-                                 or not 0 <= rank < (relay.world_size or 1 << 16)):
-            return {"ok": False, "error": "rank must be a rank of this run"}
-        if len(relay.stacks_requests) < MAX_STACKS_REQUESTS:
-            relay.stacks_requests.append(rank)
-        return {"ok": True}
-    relay.reject("bad_request")
-    return {"ok": False, "error": f"unknown op {op[:40]!r}: {OPS}"}
+        request = decoder.decode(body)
+    except protocol.BadRequest as e:
+        if e.counted:
+            relay.reject("bad_request")
+        return protocol.refused(e.error)
+    match request:
+        case protocol.Ping():
+            return protocol.PingReply(ok=True, run=relay.run, seq=relay.seq,
+                                      endpoints=relay.endpoints)
+        case protocol.Status():
+            return protocol.StatusReply(ok=True, seq=relay.seq,
+                                        summary=relay.state.summary(time.time()))
+        case protocol.Snapshot():
+            return protocol.SnapshotReply(ok=True, seq=relay.seq,
+                                          state=encode_snapshot(relay.state))
+        case protocol.Stop(timeout=timeout):
+            if relay.stop_request is None:
+                relay.stop_request = timeout
+            return protocol.StopReply(ok=True, status="stopping")
+        case protocol.Stacks(rank=rank):
+            if rank is not None and relay.world_size and rank >= relay.world_size:
+                return protocol.refused(protocol.Stacks.refusal)
+            if len(relay.stacks_requests) < MAX_STACKS_REQUESTS:
+                relay.stacks_requests.append(rank)
+            return protocol.Reply(ok=True)
+        case protocol.NodeHeartbeat():
+            assert relay.hub is not None  # only a hub's decoder takes it
+            return relay.hub.request(request)
+        case _:
+            assert_never(request)

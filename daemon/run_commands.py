@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from ddtop.daemon import control
+from ddtop.daemon import control, protocol
 from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
@@ -185,10 +185,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
     try:
         if info.control is None:
             raise control.Unreachable("no control endpoint in run.json")
-        reply = control.request(info.control, "stop", control.STOP_REQUEST_TIMEOUT_S,
-                                keys=info.keys, timeout=args.timeout)
-        if not reply.get("ok"):
-            raise control.Unreachable(str(reply.get("error")))
+        reply = control.request(info.control, protocol.Stop(timeout=args.timeout),
+                                control.STOP_REQUEST_TIMEOUT_S, keys=info.keys)
+        if not reply.ok:
+            raise control.Unreachable(reply.error)
         what = ("its ranks get SIGTERM" if info.config and info.config.runs_user_code
                 else "ranks finish their step and rank 0 checkpoints")
         print(f"ddtrain: stopping run {rid}: {what} (up to {args.timeout:g} s)...", flush=True)

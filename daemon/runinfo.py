@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from ddtop.daemon import control, journal, wire
+from ddtop.daemon import control, journal, protocol, wire
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.processes import (
     ProcessId,
@@ -160,18 +160,19 @@ class RunInfo:
         summary: RunSummary | None = None
         if self.live and self.control:
             try:
-                reply = control.request(self.control, "status", timeout_s, keys=self.keys)
-                if not reply.get("ok"):
-                    raise control.Unreachable(f"it refused: {reply.get('error')}")
-                summary = msgspec.convert(reply.get("summary"), RunSummary)
+                reply = control.request(self.control, protocol.Status(), timeout_s,
+                                        keys=self.keys)
+                if not reply.ok:
+                    raise control.Unreachable(f"it refused: {reply.error}")
+                if reply.summary is None:
+                    raise control.Unreachable("its answer is not a summary")
+                summary = reply.summary
                 self.answered = True
-            except (control.Unreachable, msgspec.ValidationError) as e:
+            except control.Unreachable as e:
                 # Told from run.json instead, and said so (unless the daemon has just
                 # exited: then its last record is the run's end, read again below).
                 if self.live:
-                    self.answered, self.no_answer = False, (
-                        str(e) if isinstance(e, control.Unreachable)
-                        else f"its answer is not a summary: {e}")
+                    self.answered, self.no_answer = False, str(e)
         if summary is None and self.status == LOST:
             summary = as_lost(self._replayed())
         elif summary is None and self.record.schema < RECORD_SCHEMA:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ddtop.daemon import control
+from ddtop.daemon import control, protocol
 from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.hangs import rank_list
@@ -38,12 +38,12 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     files = {k: paths.rank_stacks(k) for k in ranks}
     before = {k: f.stat().st_size if f.exists() else 0 for k, f in files.items()}
     try:
-        reply = control.request(info.control, "stacks", control.STOP_REQUEST_TIMEOUT_S,
-                                keys=info.keys, rank=args.rank)
+        reply = control.request(info.control, protocol.Stacks(rank=args.rank),
+                                control.STOP_REQUEST_TIMEOUT_S, keys=info.keys)
     except control.Unreachable as e:
         raise UsageError(f"the daemon of run {paths.run_id} does not answer: {e}") from None
-    if not reply.get("ok"):
-        raise UsageError(f"the daemon refused: {reply.get('error')}")
+    if not reply.ok:
+        raise UsageError(f"the daemon refused: {reply.error}")
     dumps = _wait_for_dumps(files, before)
     for k in ranks:
         text = dumps.get(k)

@@ -31,7 +31,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
-from ddtop.daemon import control
+from ddtop.daemon import control, protocol
 from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
@@ -421,17 +421,16 @@ class DashboardApp(App[None]):
         """Ask the daemon to stop the run, off the UI thread: a daemon that does not
         answer costs this worker STOP_REQUEST_TIMEOUT_S, and the dashboard nothing."""
         try:
-            reply = control.request(endpoint, "stop", STOP_REQUEST_TIMEOUT_S,
-                                    keys=self.feed.keys,
-                                    timeout=STOP_TIMEOUT_S)
+            reply = control.request(endpoint, protocol.Stop(timeout=STOP_TIMEOUT_S),
+                                    STOP_REQUEST_TIMEOUT_S, keys=self.feed.keys)
         except control.Unreachable as e:
             self.post_message(StopAnswered(f"the daemon did not answer: {e}", "error"))
             return
-        if reply.get("ok"):
+        if reply.ok:
             self.post_message(StopAnswered(
                 "stopping: ranks finish their step, rank 0 checkpoints", "information"))
         else:
-            self.post_message(StopAnswered(f"the daemon refused: {reply.get('error')}", "error"))
+            self.post_message(StopAnswered(f"the daemon refused: {reply.error}", "error"))
 
     def on_stop_answered(self, message: StopAnswered) -> None:
         self.notify(message.text, severity=message.severity)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from ddtop.daemon import control, journal, wire
+from ddtop.daemon import control, journal, protocol, wire
 from ddtop.daemon.keys import peer_keys, secure
 from ddtop.daemon.runinfo import RunInfo, merged_counts
 from ddtop.daemon.runs import RunPaths
@@ -62,19 +62,18 @@ class LiveFeed(Feed):
     def _endpoints(self) -> tuple[str, str] | None:
         """(control, publish) endpoints, or None when they cannot be known yet."""
         if self.connect_to is not None:
-            reply = control.request(self.connect_to, "ping", REQUEST_TIMEOUT_S, keys=self.keys)
-            endpoints = reply.get("endpoints")
-            publish = str(endpoints.get("publish", "")) if isinstance(endpoints, dict) else ""
+            reply = control.request(self.connect_to, protocol.Ping(), REQUEST_TIMEOUT_S,
+                                    keys=self.keys)
+            publish = reply.endpoints.get("publish", "")
             if self.connect_to.startswith("ipc://") and publish.startswith("ipc:///"):
                 found: str | None = publish  # a socket in the same owner-only folder
             else:  # the publish port, on the host the control endpoint was reached at
                 host, port = urlsplit(self.connect_to).hostname, _port(publish)
                 found = f"tcp://{host}:{port}" if host and port else None
-            if not reply.get("ok") or found is None:
+            if not reply.ok or found is None:
                 raise control.Unreachable(f"{self.connect_to} is not a ddtrain daemon")
-            run = reply.get("run")
-            if isinstance(run, str):
-                self.state.run = run[:200]
+            if reply.run:
+                self.state.run = reply.run[:200]
             return self.connect_to, found
         assert self.paths is not None
         info = RunInfo.load(self.paths)
@@ -111,17 +110,16 @@ class LiveFeed(Feed):
 
     def _snapshot(self) -> None:
         assert self.control is not None
-        reply = control.request(self.control, "snapshot", REQUEST_TIMEOUT_S, keys=self.keys)
-        if not reply.get("ok"):
-            raise control.Unreachable(str(reply.get("error")))
-        unreadable = control.Unreachable("its snapshot is not one this ddtop can read")
+        reply = control.request(self.control, protocol.Snapshot(), REQUEST_TIMEOUT_S,
+                                keys=self.keys)
+        if not reply.ok:
+            raise control.Unreachable(reply.error)
         try:
-            state, seq = decode_snapshot(reply["state"]), reply["seq"]
-        except (KeyError, TypeError):
-            raise unreadable from None
+            state = decode_snapshot(reply.state)
         except wire.UNTRUSTED_ERRORS:
-            raise unreadable from None
-        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise control.Unreachable("its snapshot is not one this ddtop can read") from None
+        seq = reply.seq
+        if seq is None:
             raise control.Unreachable("its snapshot has no sequence number")
         with self.lock:
             self.state, self.seq = state, seq
@@ -207,13 +205,13 @@ class LiveFeed(Feed):
     def _check_daemon(self) -> None:
         assert self.control is not None
         try:
-            reply = control.request(self.control, "ping", REQUEST_TIMEOUT_S, keys=self.keys)
+            reply = control.request(self.control, protocol.Ping(), REQUEST_TIMEOUT_S,
+                                    keys=self.keys)
             self.last_heard = time.monotonic()
             # Back after a while, or the relay published more than came: the PUB
             # drops what it sends before our subscription reaches it, and a quiet
             # run sends nothing after that would show the gap. The snapshot has it.
-            seq = reply.get("seq")
-            if self.connection == GONE or not isinstance(seq, int) or seq > self.seq:
+            if self.connection == GONE or not reply.ok or reply.seq > self.seq:
                 self._snapshot()
         except control.Unreachable as e:
             if self.paths is not None and not RunInfo.load(self.paths).live:

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Sparkline, Static
 
-from ddtop.daemon import control
+from ddtop.daemon import control, protocol
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed
 from ddtop.dashboard.widgets import TextPanel, set_chart
@@ -119,10 +119,10 @@ class RankDetail(Screen[None]):
     @work(thread=True, group="stacks", exit_on_error=False)
     def _ask_for_stacks(self, endpoint: str) -> None:
         try:
-            reply = control.request(endpoint, "stacks", control.STOP_REQUEST_TIMEOUT_S,
-                                    keys=self.feed.keys, rank=self.rank)
-            self.stacks_note = ("waiting for the rank's dump..." if reply.get("ok")
-                                else f"refused: {reply.get('error')}")
+            reply = control.request(endpoint, protocol.Stacks(rank=self.rank),
+                                    control.STOP_REQUEST_TIMEOUT_S, keys=self.feed.keys)
+            self.stacks_note = ("waiting for the rank's dump..." if reply.ok
+                                else f"refused: {reply.error}")
         except control.Unreachable as e:
             self.stacks_note = f"the daemon did not answer: {e}"
 

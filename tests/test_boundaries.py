@@ -40,11 +40,13 @@ ALLOWED = {
     # `import ddtop` asks the contract whether telemetry is on (lazily, on its first call), and
     # imports the live implementation (torch, zmq) only when an endpoint is set.
     "api": {"ddtop.daemon.contract", "ddtop.training.api"},
-    # The dashboard folds the same wire into the same state, and finds runs as ddtrain does;
-    # it says what each --strategy's collectives are, from the table that declares them.
+    # The dashboard folds the same wire into the same state, finds runs and asks their
+    # daemons (control, protocol) as ddtrain does; it says what each --strategy's
+    # collectives are, from the table that declares them.
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
                   "ddtop.daemon.flags",
-                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.rankview",
+                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.protocol",
+                  "ddtop.daemon.rankview",
                   "ddtop.daemon.runinfo", "ddtop.daemon.runs", "ddtop.daemon.state",
                   "ddtop.daemon.strategy_names", "ddtop.daemon.summary", "ddtop.daemon.text",
                   "ddtop.daemon.wire"},

@@ -20,7 +20,7 @@ import pytest
 import zmq
 from helpers import Detached, ddtrain, detached
 
-from ddtop.daemon import blame, control, journal, state, wire
+from ddtop.daemon import blame, control, journal, protocol, state, wire
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
 
@@ -99,9 +99,9 @@ def test_a_late_subscriber_gets_a_snapshot_that_agrees_with_the_journal(live: De
         # Subscribed once a first message came (the live run sends ten a second).
         assert sub.poll(30_000), "nothing published in 30 s"
         live_messages = [wire.decode_relayed(sub.recv_multipart(), "live")]
-        reply = control.request(endpoints["control"], "snapshot", 5.0)
-        assert reply["ok"]
-        seen, snapshot = reply["seq"], state.decode_snapshot(reply["state"])
+        reply = control.request(endpoints["control"], protocol.Snapshot(), 5.0)
+        assert reply.ok
+        seen, snapshot = reply.seq, state.decode_snapshot(reply.state)
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             if sub.poll(100):

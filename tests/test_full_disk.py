@@ -25,7 +25,7 @@ import pytest
 import torch
 from helpers import DDTRAIN, finish, start, wait_until_gone
 
-from ddtop.daemon import control, journal, wire
+from ddtop.daemon import control, journal, protocol, wire
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import ErrorReport
 from ddtop.daemon.relay import Relay
@@ -286,11 +286,11 @@ def test_a_checkpoint_that_does_not_fit_names_the_disk_and_leaves_nothing(
 
 
 # -- real runs ----------------------------------------------------------------------
-def live(root: Path, op: str) -> dict[str, Any]:
+def live(root: Path, request: Any) -> Any:
     endpoint = RunInfo.load(RunPaths(root)).control
     assert endpoint is not None
-    reply = control.request(endpoint, op, 5.0)
-    assert reply.get("ok"), reply
+    reply = control.request(endpoint, request, 5.0)
+    assert reply.ok, reply
     return reply
 
 
@@ -307,11 +307,13 @@ def wait_for(what: str, check: Any, timeout: float = WAIT_S) -> Any:
 
 
 def summary(root: Path) -> RunSummary:
-    return msgspec.convert(live(root, "status")["summary"], RunSummary)
+    found: RunSummary | None = live(root, protocol.Status()).summary
+    assert found is not None
+    return found
 
 
 def snapshot(root: Path) -> RunState:
-    return decode_snapshot(live(root, "snapshot")["state"])
+    return decode_snapshot(live(root, protocol.Snapshot()).state)
 
 
 # Steps until rank 0 finds the file named by its argument, then ends (both ranks

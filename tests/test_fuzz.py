@@ -1,12 +1,12 @@
 """Property-based fuzzing of every decoder of what ddtop receives.
 
 The rule: no input can stop the daemon's loop. Every decoder of bytes from
-outside (a telemetry frame, a relayed frame, a control request and its reply,
+outside (a telemetry frame, a relayed frame, a control request and each reply,
 a node daemon's forward and heartbeat, the hub's reply, a journal, run.json,
 config.json, a rank's error report, hub.json, a snapshot, the run's key files)
 either takes it or refuses it in its one documented way (a counted rejection,
-a WireError, a ValueError, a UsageError, None); and whatever the wire lets
-through, the state's fold takes without raising.
+a WireError, a ValueError, a UsageError, None, a request's one-line refusal);
+and whatever the wire lets through, the state's fold takes without raising.
 
 Each property runs twice in `make test`: a fixed number of examples from a
 fixed seed (DDTOP_FUZZ_EXAMPLES, default 100: the same every run) and a few
@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddtop.daemon import blame, control, journal, nodes, requests, wire
+from ddtop.daemon import blame, journal, nodes, protocol, requests, wire
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.keys import RunKeys
 from ddtop.daemon.relay import Relay
@@ -135,20 +135,26 @@ def relayed(data: bytes, **_: Any) -> None:
 
 
 def control_request(data: bytes, relay: Relay, **_: Any) -> None:
+    """Through a hub's relay (its decoder takes node heartbeats too), then a plain
+    daemon's decoder."""
     reply = requests.answer(relay, data)
-    assert isinstance(reply.get("ok"), bool)
+    assert isinstance(msgspec.to_builtins(reply).get("ok"), bool)
     msgspec.msgpack.encode(reply)  # and it can be sent
     relay.stop_request, relay.stacks_requests = None, []
+    with contextlib.suppress(protocol.BadRequest):
+        protocol.REQUESTS.decode(data)
 
 
 def control_reply(data: bytes, **_: Any) -> None:
-    with contextlib.suppress(ValueError):
-        control.decode_map(data)
+    """Every reply's decoder, as a client (or a node daemon) reads it."""
+    for kind in set(protocol.REPLIES.values()):
+        with contextlib.suppress(ValueError):
+            protocol.decode_reply(kind, data)
 
 
 def node_forward(data: bytes, relay: Relay, **_: Any) -> None:
-    relay.take_forward([nodes.NODE_HEADER, data[:3], data[3:]], 0.0)
-    relay.take_forward([nodes.NODE_HEADER, data, valid_frames()[0]], 0.0)
+    relay.take_forward([protocol.NODE_HEADER, data[:3], data[3:]], 0.0)
+    relay.take_forward([protocol.NODE_HEADER, data, valid_frames()[0]], 0.0)
     relay.take_forward([data], 0.0)
 
 
@@ -265,7 +271,7 @@ def test_requests_of_every_op_with_any_values(request: dict[str, Any], relay: Re
     assert relay.hub is not None
     for seen in relay.hub.nodes.values():  # what the hub kept is of its kinds
         assert isinstance(seen.host, str) and isinstance(seen.ranks, list)
-        assert seen.failure is None or isinstance(seen.failure["rank"], int)
+        assert seen.failure is None or isinstance(seen.failure.rank, int)
 
 
 # -- the fold: whatever the wire lets through --------------------------------------------

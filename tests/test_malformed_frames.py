@@ -19,7 +19,7 @@ import zmq
 from helpers import detached
 from test_fuzz import BAD_UTF8, DEEP, DEEP_IN_MAP
 
-from ddtop.daemon import nodes, wire
+from ddtop.daemon import nodes, protocol, wire
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.keys import RunKeys
 from ddtop.daemon.relay import Relay
@@ -90,7 +90,7 @@ def test_a_node_number_of_5000_digits_is_refused_and_the_hub_goes_on(tmp_path: P
                               phase_s=0.1)
         frame = wire.encode(beat)[0]
         for node in (b"9" * 5000, b"0", b"2", b"1\xff", b"1"):
-            push.send_multipart([nodes.NODE_HEADER, node, frame])
+            push.send_multipart([protocol.NODE_HEADER, node, frame])
         _serve_until(relay, lambda: 3 in relay.state.ranks)
         assert relay.state.rejected.get("bad_forward") == 4, relay.state.rejected
         assert relay.state.ranks[3].global_step == 7

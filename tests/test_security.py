@@ -29,7 +29,7 @@ import pytest
 import zmq
 from helpers import BIN, Detached, ddtrain, listening_addresses, running, tagged_env
 
-from ddtop.daemon import control, journal, wire
+from ddtop.daemon import control, journal, protocol, wire
 from ddtop.daemon.keys import RunKeys
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
@@ -322,7 +322,7 @@ def forge(run: Detached, endpoints: dict[str, str], keys: RunKeys | None, reason
     push.close()
     context.term()
     with pytest.raises(control.Unreachable):
-        control.request(endpoints["control"], "stop", 2.0,
+        control.request(endpoints["control"], protocol.Stop(), 2.0,
                         keys=None if keys is None else keys_folder(keys))
 
 
