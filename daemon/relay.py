@@ -368,8 +368,8 @@ class Relay:
         if self.forward is not None:
             self.forward(frame)
 
-    def emit(self, kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event],
-             **fields: Any) -> None:
+    def emit(self, kind: type[wire.RankExit] | type[wire.Restarting] | type[wire.RunStatus]
+             | type[wire.Event], **fields: Any) -> None:
         """Fold, journal and publish a message of the daemon's own: it speaks as
         rank -1 (wire.DAEMON_RANK) with a sequence of its own."""
         message = kind(run=self.run, rank=wire.DAEMON_RANK, seq=self.daemon_seq, t=time.time(),

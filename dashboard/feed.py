@@ -10,7 +10,7 @@
     ReplayFeed   a run's journal played back at a chosen speed (0: at once); a run
                  folder renamed since is played all the same (its records carry
                  the old run id: `note` says so).
-    StateFeed    a RunState someone else folds (`ddtrain start --foreground --headless`).
+    StateFeed    a RunState someone else folds, in the same thread (tests, benchmarks).
 
 Every feed folds into `feed.state` under `feed.lock` and tells the time with
 `feed.now()`: wall-clock time while a run is live, the journal's time in a
