@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="your training script, run as every rank with torchrun's "
                        "environment instead of the built-in trainer; its own arguments "
                        "follow -- (e.g. ddtrain start -n 8 train.py -- --lr 3e-4)")
-    from ddtop.dashboard.headless import add_output_arguments
+    from ddtop.daemon.printer import add_output_arguments
 
     add_output_arguments(start)
     add_train_arguments(start)
@@ -278,9 +278,8 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
     """--foreground --headless: the daemon in this process, and the headless printer
     reading its RunState after every poll; ranks' output stays in their log files,
     ddtrain's own lines go to stderr, stdout has only the printer's lines."""
+    from ddtop.daemon.printer import Printer, check_output_arguments
     from ddtop.daemon.supervisor import Supervisor
-    from ddtop.dashboard.feed import StateFeed
-    from ddtop.dashboard.headless import Printer, check_output_arguments
 
     if not args.foreground:
         raise UsageError("--headless prints a run in this terminal: add --foreground (a "
@@ -288,13 +287,12 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
     problem = check_output_arguments(args)
     if problem is not None:
         raise UsageError(problem)
-    printers: list[Printer] = []
+    printer = Printer(args.format, args.interval, summary_json=args.summary_json)
+    printed: list[RunState] = []  # the daemon's state, once it has polled
 
     def tick(state: RunState) -> None:
-        if not printers:
-            printers.append(Printer(StateFeed(state), args.format, args.interval,
-                                    summary_json=args.summary_json))
-        printers[0].tick()
+        printed[:] = [state]
+        printer.tick(state, time.time())
 
     verb = "resuming" if config.resume else "starting"
     print(f"ddtrain: {verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}"
@@ -302,9 +300,8 @@ def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPath
           file=sys.stderr, flush=True)
     with _removed_if_refused(paths):
         code = Supervisor(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
-    if printers:
-        printers[0].feed.finished = True
-        printers[0].finish()
+    for state in printed:  # over: the time of its last message, not of the clock
+        printer.finish(state, state.updated or time.time())
     return code
 
 

@@ -1,7 +1,9 @@
 """RankView: what is known about one rank, and what state that puts it in.
 
 Folded by RunState (daemon/state.py) from the rank's messages and the daemon's
-RankExit; the state a rank is in (starting, running, stalled, silent, dead,
+RankExit, in the order of the rank's sequence numbers (`sequence`: lost, late
+and duplicate messages counted; `new_incarnation`: a restarted process starts
+a new sequence); the state a rank is in (starting, running, stalled, silent, dead,
 finished; unreached: never heard from) is derived here from those readings and
 the time "now" the caller passes, so the rule is tested without waiting.
 """
@@ -23,6 +25,7 @@ STALL_MIN_S = 4.5
 STALL_STEPS = 3
 SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
 HISTORY_POINTS = 120  # per rank
+MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 # Work outside the steps (wire.STEP_PHASES), stalled only after SLOW_PHASE_STALL_S
 # ("done" never).
 SLOW_PHASES: tuple[wire.Phase, ...] = ("setup", "evaluation", "checkpoint")
@@ -117,6 +120,39 @@ class RankView(msgspec.Struct, kw_only=True):
     history: list[Point] = []
     # Whether the others wait for it: windows of its steps, judged (daemon/stragglers.py).
     evidence: Evidence = msgspec.field(default_factory=Evidence)
+
+    # -- its messages' order ---------------------------------------------------------
+    def sequence(self, seq: int) -> bool | None:
+        """Count message `seq` in: False: in order; True: late (counted lost
+        before); None: a duplicate (counted, to be ignored)."""
+        if seq > self.max_seq:
+            gap = seq - self.max_seq - 1
+            if gap:
+                self.lost += gap
+                if len(self.missing) + gap <= MAX_MISSING:
+                    self.missing.update(range(self.max_seq + 1, seq))
+            self.max_seq = seq
+            return False
+        if seq in self.missing:
+            self.missing.discard(seq)
+            self.lost -= 1
+            return True
+        self.duplicates += 1
+        return None
+
+    def new_incarnation(self) -> None:
+        """The rank's process was restarted: a new sequence, a new life."""
+        self.max_seq = -1
+        self.missing = set()
+        self.bye_code = None
+        self.exited = False
+        self.exit_code = self.signal = self.error = self.traceback = None
+        self.stopped_by_daemon = False
+        self.phase, self.phase_s, self.phase_at, self.phase_step = "setup", 0.0, None, -1
+        self.stepped_at = None
+        self.coll_started = self.coll_completed = None
+        self.last_step_t = None
+        self.evidence = Evidence()
 
     # -- derived ------------------------------------------------------------------
     @property

@@ -85,6 +85,11 @@ def peer_pid(frame: zmq.Frame) -> int | None:
     return int(pid) if pid.isdigit() and int(pid) > 0 else None
 
 
+# What the daemon says in its own name (as rank -1).
+DaemonSays = (type[wire.RankExit] | type[wire.Restarting] | type[wire.RunStatus]
+              | type[wire.Event])
+
+
 class Relay:
     def __init__(self, run: str, journal: Path, sockets: Path | None = None,
                  world_size: int | None = None,
@@ -365,15 +370,13 @@ class Relay:
         if self.forward is not None:
             self.forward(frame)
 
-    def emit(self, kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event],
-             **fields: Any) -> None:
+    def emit(self, kind: DaemonSays, **fields: Any) -> None:
         """Fold, journal and publish a message of the daemon's own: it speaks as
         rank -1 (wire.DAEMON_RANK) with a sequence of its own."""
         self._emit(kind, **fields)
         self._watch_journal()
 
-    def _emit(self, kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event],
-              **fields: Any) -> None:
+    def _emit(self, kind: DaemonSays, **fields: Any) -> None:
         message = kind(run=self.run, rank=wire.DAEMON_RANK, seq=self.daemon_seq, t=time.time(),
                        **fields)
         self.daemon_seq += 1

@@ -1,7 +1,7 @@
 """RunState: everything known about a run, folded from its telemetry messages.
 
 This is the one fold. The daemon applies every message it accepts (and its own
-RankExit / RunStatus / Event messages) to a RunState, answers `status` and
+RankExit / Restarting / RunStatus / Event messages) to a RunState, answers `status` and
 `snapshot` requests from it, and journals the same messages; a dashboard
 starts from a snapshot and applies the live messages newer than it; a replay
 applies the journal. No torch, no sockets, no clock: the caller passes the
@@ -13,19 +13,20 @@ Per rank, messages are ordered by their sequence number `seq`:
 - a number that was counted lost and arrives late is un-lost; a late step adds
   its samples to the totals but does not overwrite newer readings;
 - a number already seen is a duplicate: counted and ignored;
-- a `hello` with a new pid (a restarted rank) starts a new sequence.
+- a `hello` with a new pid (a restarted rank) starts a new sequence
+  (RankView.sequence and new_incarnation, daemon/rankview.py).
+
+What it records for people to follow are typed events (daemon/events.py); the
+summary it gives (`summary`) is a RunSummary (daemon/summary.py).
 """
 
 from __future__ import annotations
-
-import contextlib
-import math
-from typing import Any
 
 import msgspec
 
 from ddtop.daemon import hangs, stragglers, wire
 from ddtop.daemon.contract import describe_exit
+from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
 from ddtop.daemon.rankview import (
     DEAD,
     HISTORY_POINTS,
@@ -42,27 +43,15 @@ from ddtop.daemon.rankview import (
 )
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
 from ddtop.daemon.rankview import SILENT as SILENT
-from ddtop.daemon.summary import (
-    LOST,
-    Failure,
-    Restart,
-    RunSummary,
-    ScalarSummary,
-    Status,
-    summarize,
-)
+from ddtop.daemon.scalars import keep_newest, summaries
+from ddtop.daemon.summary import LOST, Failure, RankSummary, RunSummary, ScalarSummary, Status
 
-MAX_EVENTS = 500
-MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 MAX_RANKS = 1 << 16
 # A rank that has spoken sends its next message with the next sequence number, or
 # a few later where some were lost; a jump of more than this (a day of messages at
 # ten a second) is no rank's: it is refused (rejected `seq_jump`), so that a
 # message forged with a huge number cannot make the rank's own look old.
 MAX_SEQ_JUMP = 1_000_000
-# Distinct ddtop.log keys the run keeps (each rank may send wire.MAX_SCALAR_KEYS
-# per message); newer keys beyond it are dropped and counted.
-MAX_RUN_SCALAR_KEYS = 256
 
 
 class GlobalPoint(msgspec.Struct, array_like=True):
@@ -90,18 +79,18 @@ class RunState(msgspec.Struct, kw_only=True):
     status_message: str = ""
     exit_code: int | None = None  # from the daemon's final RunStatus
     restarts: int = 0
-    timeline: list[Restart] = []  # restarts: which rank, why, at what step, from where
+    timeline: list[wire.Restart] = []  # restarts: which rank, why, at what step, from where
     failure: Failure | None = None
     started: float | None = None  # receiver clock
     updated: float | None = None  # receiver time of the newest message folded
     ranks: dict[int, RankView] = {}
     aggregate: wire.Aggregate | None = None  # newest global metrics
     epochs_done: list[wire.Aggregate] = []
-    events: list[dict[str, Any]] = []  # the newest MAX_EVENTS
+    events: list[RunEvent] = []  # the newest MAX_EVENTS (daemon/events.py)
     event_count: int = 0  # events ever recorded: readers print those after the last they saw
     global_history: list[GlobalPoint] = []  # metric syncs, newest HISTORY_POINTS
     scalars: dict[str, dict[int, float]] = {}  # ddtop.log: key -> rank -> newest value
-    scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS, ignored
+    scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS (daemon/scalars.py), ignored
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
@@ -130,11 +119,11 @@ class RunState(msgspec.Struct, kw_only=True):
         if view is None:
             view = self.ranks[message.rank] = RankView(rank=message.rank)
         if isinstance(message, wire.Hello) and view.max_seq >= 0 and message.pid != view.pid:
-            self._new_incarnation(view)
+            view.new_incarnation()
         elif view.max_seq >= 0 and message.seq - view.max_seq > MAX_SEQ_JUMP:
             self.rejected["seq_jump"] = self.rejected.get("seq_jump", 0) + 1
             return False
-        late = self._sequence(view, message.seq)
+        late = view.sequence(message.seq)
         if late is None:
             return False
         view.received += 1
@@ -155,44 +144,11 @@ class RunState(msgspec.Struct, kw_only=True):
             self._apply_event(view, message)
         elif isinstance(message, wire.Scalars):
             if not late:
-                self._apply_scalars(message)
+                self.scalars_dropped += keep_newest(self.scalars, message.rank, message.values)
         elif isinstance(message, wire.Bye):
             view.bye_code = message.exit_code
             view.phase = "done"
         return True
-
-    @staticmethod
-    def _sequence(view: RankView, seq: int) -> bool | None:
-        """False: in order; True: late (counted lost before); None: duplicate."""
-        if seq > view.max_seq:
-            gap = seq - view.max_seq - 1
-            if gap:
-                view.lost += gap
-                if len(view.missing) + gap <= MAX_MISSING:
-                    view.missing.update(range(view.max_seq + 1, seq))
-            view.max_seq = seq
-            return False
-        if seq in view.missing:
-            view.missing.discard(seq)
-            view.lost -= 1
-            return True
-        view.duplicates += 1
-        return None
-
-    @staticmethod
-    def _new_incarnation(view: RankView) -> None:
-        """The rank's process was restarted: a new sequence, a new life."""
-        view.max_seq = -1
-        view.missing = set()
-        view.bye_code = None
-        view.exited = False
-        view.exit_code = view.signal = view.error = view.traceback = None
-        view.stopped_by_daemon = False
-        view.phase, view.phase_s, view.phase_at, view.phase_step = "setup", 0.0, None, -1
-        view.stepped_at = None
-        view.coll_started = view.coll_completed = None
-        view.last_step_t = None
-        view.evidence = stragglers.Evidence()
 
     def _apply_hello(self, view: RankView, m: wire.Hello) -> None:
         # A script's rank says hello again when it learns more (its model, device,
@@ -296,36 +252,6 @@ class RunState(msgspec.Struct, kw_only=True):
             self._event(m.t, m.rank, "epoch_end", f"epoch {m.epoch + 1} done: train loss "
                         f"{m.train_loss:.4f} acc {100 * m.train_accuracy:.2f}%{val}")
 
-    def _apply_scalars(self, m: wire.Scalars) -> None:
-        """The newest value per rank and key; a key the run has no room for is
-        dropped and counted."""
-        for key, value in m.values.items():
-            by_rank = self.scalars.get(key)
-            if by_rank is None:
-                if len(self.scalars) >= MAX_RUN_SCALAR_KEYS:
-                    self.scalars_dropped += 1
-                    continue
-                by_rank = self.scalars[key] = {}
-            by_rank[m.rank] = value
-
-    def scalar_summaries(self) -> list[ScalarSummary]:
-        """Each logged key across ranks: mean, min and max of the finite newest
-        values and which rank holds the min and max; by key."""
-        found = []
-        for key, by_rank in sorted(self.scalars.items()):
-            finite = {r: v for r, v in by_rank.items() if math.isfinite(v)}
-            if not finite:
-                found.append(ScalarSummary(name=key, ranks=len(by_rank),
-                                           nonfinite=len(by_rank)))
-                continue
-            low = min(finite, key=lambda r: (finite[r], r))
-            high = max(finite, key=lambda r: (finite[r], -r))
-            found.append(ScalarSummary(
-                name=key, mean=math.fsum(finite.values()) / len(finite), min=finite[low],
-                min_rank=low, max=finite[high], max_rank=high, ranks=len(by_rank),
-                nonfinite=len(by_rank) - len(finite)))
-        return found
-
     def _apply_event(self, view: RankView, m: wire.Event) -> None:
         if m.type == "error":
             view.error, view.traceback = m.message, m.traceback
@@ -371,15 +297,14 @@ class RunState(msgspec.Struct, kw_only=True):
             self.exit_code = m.exit_code if m.status in wire.FINAL_STATUSES else None
             self.world_size = m.world_size or self.world_size
             self._event(m.t, m.rank, "status", m.message or f"run {m.status}")
+        elif isinstance(m, wire.Restarting):
+            self.timeline.append(m.restart)
+            self._event(m.t, m.rank, "restart", m.message, msgspec.to_builtins(m.restart))
         elif isinstance(m, wire.Event):
             self._apply_node(m.data)
-            if m.type == "restart":
-                # A malformed entry is left out of the timeline; the event still shows.
-                with contextlib.suppress(msgspec.ValidationError):
-                    self.timeline.append(msgspec.convert(m.data, Restart))
             self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
-    def _apply_node(self, data: dict[str, Any]) -> None:
+    def _apply_node(self, data: EventData) -> None:
         node, ranks, state = data.get("node"), data.get("ranks"), data.get("node_state")
         if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < MAX_RANKS:
             return
@@ -392,10 +317,10 @@ class RunState(msgspec.Struct, kw_only=True):
             if data.get("local") is True:
                 self.local_ranks = sorted(r for r, k in self.rank_nodes.items() if k == node)
 
-    def _event(self, t: float, rank: int, type: str, message: str,
-               data: dict[str, Any] | None = None, traceback: str | None = None) -> None:
-        self.events.append({"t": t, "rank": rank, "type": type, "message": message,
-                            "data": dict(data or {}), "traceback": traceback})
+    def _event(self, t: float, rank: int, type: EventKind, message: str,
+               data: EventData | None = None, traceback: str | None = None) -> None:
+        self.events.append(RunEvent(t=t, rank=rank, type=type, message=message,
+                                    data=dict(data or {}), traceback=traceback))
         self.event_count += 1
         if len(self.events) > MAX_EVENTS:
             del self.events[: len(self.events) - MAX_EVENTS]
@@ -466,10 +391,45 @@ class RunState(msgspec.Struct, kw_only=True):
         done = min((v.global_step for v in self.ranks.values()), default=0)
         return done, self.total_steps or spe * self.epochs
 
+    def eta(self, now: float) -> float | None:
+        """Seconds left at the current global rate (steps of the slowest rank); None
+        when the total is not known (a script that gave none): no made-up ETA."""
+        done, total = self.progress()
+        if not total or done >= total:
+            return None
+        if not self.global_batch:  # a script: its ranks' time per step instead
+            times = [v.step_time_s for v in self.ranks.values() if v.step_time_s]
+            return (total - done) * max(times) if times else None
+        rate = self.throughput(now)
+        if rate <= 0:
+            return None
+        return (total - done) * self.global_batch / rate
+
+    def elapsed(self, now: float) -> float:
+        return max(0.0, now - self.started) if self.started is not None else 0.0
+
+    def scalar_summaries(self) -> list[ScalarSummary]:
+        """Each ddtop.log key across ranks (daemon/scalars.py)."""
+        return summaries(self.scalars)
+
     def summary(self, now: float) -> RunSummary:
         """The run as it stands at `now`: what `status`, `list`, run.json and the
-        headless summary show."""
-        return summarize(self, now)
+        headless summary show (daemon/summary.py)."""
+        states = self.rank_states(now)
+        slowest, skew, slow = self.stragglers()
+        done, total = self.progress()
+        ranks = [RankSummary.of(self.ranks.get(r) or RankView(rank=r), st,
+                                self.rank_nodes.get(r), now) for r, st in states.items()]
+        return RunSummary(
+            run_id=self.run, status=self.status, exit_code=self.exit_code,
+            world_size=self.world_size, model=self.model, dataset=self.dataset,
+            backend=self.backend, restarts=self.restarts, timeline=list(self.timeline),
+            failure=self.failure, global_step=done, total_steps=total,
+            samples_per_s=self.throughput(now), telemetry_loss=self.telemetry_loss(),
+            rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
+            journal_dropped=self.journal_dropped, hang=self.hang(now), ranks=ranks,
+            started=self.started, updated=self.updated, metrics=self.aggregate,
+            program=self.program, scalars=self.scalar_summaries())
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()

@@ -1,6 +1,6 @@
 """RunSummary: the one description of how a run stands or how it ended.
 
-It is derived from RunState (`summarize`), never assembled by hand: the
+It is derived from RunState (`RunState.summary`), never assembled by hand: the
 daemon answers `status` with it and writes the last one into run.json
 (`RunRecord` adds what only the daemon's process knows); `ddtrain status` and
 `list`, the headless summary and the dashboard's banner all read it, under the
@@ -20,11 +20,11 @@ import msgspec.inspect
 from ddtop.daemon import wire
 from ddtop.daemon.bounds import MAX_WORLD_SIZE
 from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.rankview import DEAD, FINISHED, RankState
+from ddtop.daemon.rankview import DEAD, FINISHED, RankState, RankView
+from ddtop.daemon.wire import Restart
 
 if TYPE_CHECKING:
     from ddtop.daemon.processes import ProcessId
-    from ddtop.daemon.state import RunState
 
 # A run whose daemon is gone although it never reached a final status: it was killed.
 LOST: Literal["lost"] = "lost"
@@ -77,20 +77,6 @@ class Failure(msgspec.Struct, kw_only=True):
         return f"rank {self.rank}" + (f" on node {self.node}" if self.node is not None else "")
 
 
-class Restart(msgspec.Struct, kw_only=True):
-    """One restart after a failure (`--max-restarts`): which rank, why, from where."""
-
-    restart: int  # 1, 2, ...
-    rank: int  # the rank that failed
-    reason: str  # how it ended, in words: "was killed by SIGKILL"
-    pid: int | None = None
-    exit_code: int | None = None  # None when killed by a signal
-    signal: str | None = None
-    global_step: int | None = None  # the last step it reported
-    checkpoint: str | None = None  # resumed from; None: restarted from the start
-    time: float | None = None  # wall clock
-
-
 class RankSummary(msgspec.Struct, kw_only=True):
     rank: int
     state: RankState
@@ -109,6 +95,17 @@ class RankSummary(msgspec.Struct, kw_only=True):
     stopped_by_daemon: bool = False
     last_seen_s: float | None = None
     lost: int = 0  # telemetry messages lost
+
+    @classmethod
+    def of(cls, v: RankView, state: RankState, node: int | None, now: float) -> RankSummary:
+        """Rank `v` in `state` at `now` (on `node` of a multi-node job)."""
+        return cls(
+            rank=v.rank, state=state, host=v.host, node=node, pid=v.pid, epoch=v.epoch,
+            step=v.step, global_step=v.global_step, loss=v.loss, samples_per_s=v.samples_per_s,
+            comm_share=v.comm_share, exit_code=v.exit_code, signal=v.signal, phase=v.phase,
+            stopped_by_daemon=v.stopped_by_daemon,
+            last_seen_s=None if v.last_seen is None else max(0.0, now - v.last_seen),
+            lost=v.lost)
 
 
 class ScalarSummary(msgspec.Struct, kw_only=True):
@@ -207,37 +204,6 @@ class RunRecord(RunSummary, kw_only=True):
                            else msgspec.structs.replace(r, pid=pids[r.rank])
                            for r in summary.ranks]
         return msgspec.structs.replace(self, **fields)
-
-
-def summarize(state: RunState, now: float) -> RunSummary:
-    """The run as `state` tells it at time `now`."""
-    states = state.rank_states(now)
-    slowest, skew, slow = state.stragglers()
-    done, total = state.progress()
-    ranks = []
-    for r, rank_state in states.items():
-        v = state.ranks.get(r)
-        if v is None:
-            ranks.append(RankSummary(rank=r, state=rank_state, node=state.rank_nodes.get(r)))
-            continue
-        ranks.append(RankSummary(
-            rank=r, state=rank_state, host=v.host, node=state.rank_nodes.get(r), pid=v.pid,
-            epoch=v.epoch, step=v.step,
-            global_step=v.global_step, loss=v.loss, samples_per_s=v.samples_per_s,
-            comm_share=v.comm_share, exit_code=v.exit_code, signal=v.signal, phase=v.phase,
-            stopped_by_daemon=v.stopped_by_daemon,
-            last_seen_s=None if v.last_seen is None else max(0.0, now - v.last_seen),
-            lost=v.lost))
-    return RunSummary(
-        run_id=state.run, status=state.status, exit_code=state.exit_code,
-        world_size=state.world_size, model=state.model, dataset=state.dataset,
-        backend=state.backend, restarts=state.restarts, timeline=list(state.timeline),
-        failure=state.failure, global_step=done, total_steps=total,
-        samples_per_s=state.throughput(now), telemetry_loss=state.telemetry_loss(),
-        rejected=dict(state.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
-        journal_dropped=state.journal_dropped,
-        hang=state.hang(now), ranks=ranks, started=state.started, updated=state.updated,
-        metrics=state.aggregate, program=state.program, scalars=state.scalar_summaries())
 
 
 def as_lost(summary: RunSummary) -> RunSummary:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from types import FrameType
-from typing import Any, TextIO
+from typing import TextIO
 
 from ddtop.daemon import leftovers, nodes, wire
 from ddtop.daemon.config import TrainConfig, UsageError
@@ -209,19 +209,17 @@ class Supervisor:
         view = self.relay.state.ranks.get(rank.rank)
         reason = outcome.reason or describe_exit(rank.exitcode, None)
         step = view.global_step if view else None
-        entry: dict[str, Any] = {  # a summary.Restart, sent as the event's data
-            "restart": self.restarts, "rank": rank.rank, "pid": rank.process.pid,
-            "reason": reason, "exit_code": rank.exitcode if rank.exitcode >= 0 else None,
-            "signal": signal_name(rank.exitcode),
-            "global_step": step, "checkpoint": newest.name if newest else None,
-            "time": time.time(),
-        }
+        entry = wire.Restart(
+            restart=self.restarts, rank=rank.rank, pid=rank.process.pid, reason=reason,
+            exit_code=rank.exitcode if rank.exitcode >= 0 else None,
+            signal=signal_name(rank.exitcode), global_step=step,
+            checkpoint=newest.name if newest else None, time=time.time())
         source = ("(the program resumes by its own means)" if self.config.runs_user_code
                   else f"from {newest.name}" if newest else "from the start (no checkpoint yet)")
         message = (f"restart {self.restarts}/{self.config.max_restarts}: rank {rank.rank} "
                    f"{reason} at step {step}; restarting {source}")
         print(f"ddtrain: {message}", file=self.err, flush=True)
-        self.relay.emit(wire.Event, type="restart", message=message, data=entry)
+        self.relay.emit(wire.Restarting, message=message, restart=entry)
         self._status("restarting", message, write=False)
         self.config = replace(self.config, resume=newest is not None)
         assert self.exits is not None

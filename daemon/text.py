@@ -1,8 +1,39 @@
-"""Words for numbers, as ddtrain, the daemon, the ranks and ddtop all say them."""
+"""Counts, numbers and times as a person reads them, in ddtrain's lines, the
+daemon's, the ranks' and ddtop's alike (the headless printer, the dashboard's
+panels): written once."""
 
 from __future__ import annotations
+
+import time
 
 
 def count_of(n: int, noun: str) -> str:
     """'1 rank', '2 ranks': a count as a sentence says it (nouns with a plain plural)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def num(value: float | None, spec: str = ".3f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def seconds(s: float | None) -> str:
+    """1.2 s, 3m05s, 2h01m."""
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"
+
+
+def stamp(t: float) -> str:
+    """The date and time of a line of a log: '2026-11-26 14:03:07'."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def traceback_tail(text: str | None, lines: int = 8) -> list[str]:
+    """The last `lines` lines of a traceback (none for None)."""
+    return (text or "").rstrip().splitlines()[-lines:]

@@ -44,6 +44,8 @@ Phase = Literal["setup", StepPhase, "checkpoint", "evaluation", "done"]
 STEP_PHASES: tuple[StepPhase, ...] = get_args(StepPhase)
 # What an Aggregate covers: a mid-epoch metric sync, or a whole epoch.
 Scope = Literal["sync", "epoch"]
+# `restart`: a restart as journals written before the Restarting message carry it;
+# shown as it is, and kept out of the timeline.
 EventType = Literal["checkpoint", "epoch_end", "warning", "error", "resumed", "info", "stopped",
                     "restart", "stop_requested"]
 # A run as a whole, as the daemon announces it (RunStatus).
@@ -201,6 +203,28 @@ class RankExit(_Header, tag="rank_exit", tag_field="kind", kw_only=True):
     node: int | None = None
 
 
+class Restart(msgspec.Struct, kw_only=True):
+    """One restart after a failure (`--max-restarts`): which rank, why, from where.
+    Sent in a Restarting message; RunState.timeline and run.json keep it as it is."""
+
+    restart: int  # 1, 2, ...
+    rank: int  # the rank that failed
+    reason: str  # how it ended, in words: "was killed by SIGKILL"
+    pid: int | None = None
+    exit_code: int | None = None  # None when killed by a signal
+    signal: str | None = None
+    global_step: int | None = None  # the last step it reported
+    checkpoint: str | None = None  # resumed from; None: restarted from the start
+    time: float | None = None  # wall clock
+
+
+class Restarting(_Header, tag="restart", tag_field="kind", kw_only=True):
+    """From the daemon (rank -1): the ranks are started again after a failure."""
+
+    message: str
+    restart: Restart
+
+
 class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):
     """From the daemon (rank -1): the run as a whole changed state."""
 
@@ -213,12 +237,14 @@ class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):
     exit_code: int | None = None
 
 
-# The `rank` the daemon uses for what it says itself (RankExit, RunStatus, Event).
+# The `rank` the daemon uses for what it says itself (RankExit, Restarting, RunStatus, Event).
 DAEMON_RANK = -1
 
-Message = Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye | RankExit | RunStatus
+Message = (Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye | RankExit | Restarting
+           | RunStatus)
 KINDS = {cls.__struct_config__.tag: cls
-         for cls in (Hello, Step, Heartbeat, Aggregate, Event, Scalars, Bye, RankExit, RunStatus)}
+         for cls in (Hello, Step, Heartbeat, Aggregate, Event, Scalars, Bye, RankExit, Restarting,
+                     RunStatus)}
 
 
 class WireError(ValueError):

@@ -40,7 +40,7 @@ FIND_POLL_S = 0.2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddtop.dashboard.headless import add_output_arguments
+    from ddtop.daemon.printer import add_output_arguments
 
     parser = OneLineParser(
         prog="ddtop",
@@ -129,7 +129,7 @@ def _find(runs_dir: Path, run: str | None, late: bool) -> RunPaths:
 
 
 def check(args: argparse.Namespace) -> None:
-    from ddtop.dashboard.headless import check_output_arguments
+    from ddtop.daemon.printer import check_output_arguments
 
     problem = check_output_arguments(args)
     if problem is None and not 0 <= args.wait < math.inf:
@@ -176,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddtop: note: {feed.note}", file=sys.stderr)
     try:
         if headless:
-            from ddtop.dashboard.headless import Printer, watch
+            from ddtop.daemon.printer import Printer
+            from ddtop.dashboard.headless import watch
 
-            printer = Printer(feed, args.format, args.interval, summary_json=args.summary_json)
+            printer = Printer(args.format, args.interval, summary_json=args.summary_json)
             return watch(feed, printer, args.wait)
         from ddtop.dashboard.app import DashboardApp
 

@@ -4,7 +4,7 @@ Three feeds, one interface (`Feed`):
 
     LiveFeed     a live run's daemon (live.py)
     ReplayFeed   a run's journal played back (replay.py)
-    StateFeed    a RunState someone else folds (`ddtrain start --foreground --headless`)
+    StateFeed    a RunState someone else folds, in the same thread (tests, benchmarks)
 
 `open_feed` (live.py) picks one for a run directory or an endpoint.
 

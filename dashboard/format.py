@@ -1,7 +1,9 @@
-"""Numbers as a person reads them, and the rows of the ranks table, from a RunState.
+"""Numbers as the dashboard shows them, and the rows of the ranks table, from a RunState.
 
-Pure functions shared by the Textual app and the headless printer: what each
-column means is decided once, here.
+Pure functions for the Textual app's panels and widgets: what each column means
+is decided once, here. What ddtrain's lines show as well (seconds, a number or
+none, a traceback's tail) is written once in daemon/text.py, a scalar's value
+in daemon/scalars.py.
 """
 
 from __future__ import annotations
@@ -23,50 +25,16 @@ from ddtop.daemon.rankview import (
     RankState,
     RankView,
 )
+from ddtop.daemon.scalars import SCALAR_WIDTH, compact
 from ddtop.daemon.state import RunState
+from ddtop.daemon.text import num
 
 PROBLEM_STATES: tuple[RankState, ...] = (STALLED, SILENT, UNREACHED, DEAD)
 
 # ddtop.log scalars get a column each, keyed by this prefix and the scalar's name
 # (no key of COLUMNS has a ':', so a scalar named "loss" is not the LOSS column).
 SCALAR_PREFIX = "scalar:"
-SCALAR_WIDTH = 9  # compact() writes any number in this many cells
 SCALAR_MAX_WIDTH = 14  # a longer name is cut, with "…", in the column's title
-
-
-def num(value: float | None, spec: str = ".3f", none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
-def compact(value: float) -> str:
-    """A number in at most SCALAR_WIDTH cells, four significant digits where they
-    fit: 0.1235, 2.5, 1234, 12.35k, 3.2M, 1e-05, -0.000123, nan, inf."""
-    if not math.isfinite(value):
-        return str(value)
-    magnitude = abs(value)
-    if 9999.5 <= magnitude < 1e15:
-        for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
-            if magnitude < 999.95 * scale or unit == "T":
-                return f"{value / scale:.4g}{unit}"
-    text = f"{value:.4g}"
-    for digits in (3, 2, 1):
-        if len(text) <= SCALAR_WIDTH:
-            break
-        text = f"{value:.{digits}g}"
-    return text
-
-
-def seconds(s: float | None) -> str:
-    """1.2 s, 3m05s, 2h01m."""
-    if s is None:
-        return "-"
-    if s < 60:
-        return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
-    m, sec = divmod(int(s), 60)
-    if m < 60:
-        return f"{m}m{sec:02d}s"
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m"
 
 
 def millis(s: float | None) -> str:
@@ -89,10 +57,6 @@ def clock(t: float | None) -> str:
     return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
 
 
-def stamp(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
 def bar(fraction: float, width: int) -> str:
     """A text progress bar: '█████▌    '."""
     fraction = min(1.0, max(0.0, fraction))
@@ -100,39 +64,6 @@ def bar(fraction: float, width: int) -> str:
     full, part = divmod(eighths, 8)
     partial = " ▏▎▍▌▋▊▉"[part] if part and full < width else ""
     return ("█" * full + partial).ljust(width)
-
-
-def eta(state: RunState, now: float) -> float | None:
-    """Seconds left at the current global rate (steps of the slowest rank); None
-    when the total is not known (a script that gave none): no made-up ETA."""
-    done, total = state.progress()
-    if not total or done >= total:
-        return None
-    if not state.global_batch:  # a script: its ranks' time per step instead
-        times = [v.step_time_s for v in state.ranks.values() if v.step_time_s]
-        return (total - done) * max(times) if times else None
-    rate = state.throughput(now)
-    if rate <= 0:
-        return None
-    return (total - done) * state.global_batch / rate
-
-
-def scalars_line(state: RunState, limit: int = 6) -> str:
-    """ddtop.log scalars across ranks, 'name mean (min..max)', as many as `limit`."""
-    parts = []
-    for s in state.scalar_summaries()[:limit]:
-        if s.mean is None or s.min is None or s.max is None:
-            parts.append(f"{s.name} not finite")
-        elif s.min == s.max:
-            parts.append(f"{s.name} {compact(s.mean)}")
-        else:
-            parts.append(f"{s.name} {compact(s.mean)} ({compact(s.min)}..{compact(s.max)})")
-    more = len(state.scalars) - limit
-    return " · ".join(parts) + (f" · +{more} more" if more > 0 else "")
-
-
-def elapsed(state: RunState, now: float) -> float:
-    return max(0.0, now - state.started) if state.started is not None else 0.0
 
 
 def nodes(state: RunState) -> int:
@@ -291,22 +222,3 @@ def format_line(row: Row) -> str:
 def _cell(column: Column, text: str) -> str:
     text = text[: column.width]
     return text.rjust(column.width) if column.right else text.ljust(column.width)
-
-
-# -- events -----------------------------------------------------------------------
-def event_source(event: dict[str, Any]) -> str:
-    if event["type"] == "epoch_end":
-        return "global"  # every rank derived the same metrics; one of them is shown
-    return "daemon" if event["rank"] < 0 else f"rank {event['rank']}"
-
-
-def new_events(state: RunState, seen: int) -> tuple[list[dict[str, Any]], int]:
-    """Events recorded after the first `seen` (as many as are still kept), and the new count."""
-    fresh = state.event_count - seen
-    if fresh <= 0:
-        return [], state.event_count
-    return state.events[-min(fresh, len(state.events)):], state.event_count
-
-
-def traceback_tail(text: str | None, lines: int = 8) -> list[str]:
-    return (text or "").rstrip().splitlines()[-lines:]

@@ -11,6 +11,7 @@ import statistics
 from rich.text import Text
 
 from ddtop.daemon.contract import describe_exit
+from ddtop.daemon.events import EventKind
 from ddtop.daemon.rankview import (
     DEAD,
     FINISHED,
@@ -21,10 +22,12 @@ from ddtop.daemon.rankview import (
     UNREACHED,
     RankState,
 )
+from ddtop.daemon.scalars import SCALAR_WIDTH, compact
+from ddtop.daemon.scalars import line as scalars_line
 from ddtop.daemon.state import RunState
 from ddtop.daemon.strategy_names import comm_ops
 from ddtop.daemon.summary import LOST
-from ddtop.daemon.text import count_of
+from ddtop.daemon.text import count_of, num, seconds, traceback_tail
 from ddtop.dashboard import format as fmt
 
 STATE_STYLE: dict[RankState, str] = {
@@ -33,9 +36,10 @@ STATE_STYLE: dict[RankState, str] = {
 STATUS_STYLE = {"starting": "dim", "running": "bold green", "stopping": "yellow",
                 "restarting": "bold yellow", "succeeded": "bold blue", "failed": "bold red",
                 "stopped": "yellow", LOST: "bold red"}
-EVENT_STYLE = {"error": "bold red", "warning": "yellow", "exit": "red", "restart": "bold yellow",
-               "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
-               "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
+EVENT_STYLE: dict[EventKind, str] = {
+    "error": "bold red", "warning": "yellow", "exit": "red", "restart": "bold yellow",
+    "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
+    "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
 BAR_WIDTH = 30
 
 
@@ -60,15 +64,15 @@ def header(state: RunState, now: float, note: str = "") -> Text:
     text.append(fmt.bar(fraction, BAR_WIDTH), "green")
     epochs = f" · epoch {max((v.epoch for v in state.ranks.values()), default=0) + 1}/" \
              f"{state.epochs}" if state.epochs else ""
-    eta = fmt.eta(state, now)
+    eta = state.eta(now)
     text.append(f" step {done}/{total or '?'} ({100 * fraction:.1f}%){epochs} · "
                 f"{state.throughput(now):,.0f} samples/s · elapsed "
-                f"{fmt.seconds(fmt.elapsed(state, now))}"
-                f"{' · ETA ' + fmt.seconds(eta) if eta is not None else ''}")
+                f"{seconds(state.elapsed(now))}"
+                f"{' · ETA ' + seconds(eta) if eta is not None else ''}")
     agg = state.aggregate
     if agg is None and state.program:  # a user's script: its ddtop.log scalars instead
         text.append("\nscalars: ")
-        text.append(fmt.scalars_line(state) or "none logged (ddtop.log)",
+        text.append(scalars_line(state.scalars) or "none logged (ddtop.log)",
                     "" if state.scalars else "dim")
     elif agg is None:
         text.append("\nglobal: ")
@@ -139,7 +143,7 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
         text.append(f"rank {v.rank}: ", "bold")
         text.append(f"{v.comm_ops or 0:.1f} ops, {fmt.size(v.comm_bytes)}, "
                     f"{fmt.millis(v.comm_s)} ms "
-                    f"({share:.0f}% of step), busbw {fmt.num(v.busbw_gbps, '.2f')} GB/s, "
+                    f"({share:.0f}% of step), busbw {num(v.busbw_gbps, '.2f')} GB/s, "
                     f"sync wait {v.sync_wait_s:.2f} s\n")
     text.append("last collective (started / completed), laggards first\n", "dim")
     # The rank that has not yet started the collective the others are in comes first.
@@ -158,11 +162,11 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
 
 def events(state: RunState, lines: int, rank: int | None = None, title: str = "events") -> Text:
     text = Text(f"{title}\n", "bold", no_wrap=True, overflow="ellipsis")
-    chosen = [e for e in state.events if rank is None or e["rank"] == rank]
+    chosen = [e for e in state.events if rank is None or e.rank == rank]
     for event in chosen[-lines:]:
-        text.append(f"{fmt.clock(event['t'])} ", "dim")
-        text.append(f"{event['message']}", EVENT_STYLE.get(event["type"], ""))
-        tail = fmt.traceback_tail(event.get("traceback"), 1)
+        text.append(f"{fmt.clock(event.t)} ", "dim")
+        text.append(event.message, EVENT_STYLE.get(event.type, ""))
+        tail = traceback_tail(event.traceback, 1)
         if tail:
             text.append(f"  | {tail[0]}", "red")
         text.append("\n")
@@ -188,9 +192,9 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
     where = "" if ended else f" · now {v.where()} for {v.phase_elapsed(now):.1f} s"
     text.append(f"epoch {v.epoch + 1} step {v.step}/{v.steps_per_epoch} (global {v.global_step})"
                 f"{where} · last message "
-                f"{fmt.seconds(None if v.last_seen is None else now - v.last_seen)} ago\n")
-    text.append(f"loss {fmt.num(v.loss, '.4f')} · {fmt.num(v.samples_per_s, ',.0f')} samples/s · "
-                f"lr {fmt.num(v.lr, '.2e')} · memory {fmt.size(v.memory)} · messages "
+                f"{seconds(None if v.last_seen is None else now - v.last_seen)} ago\n")
+    text.append(f"loss {num(v.loss, '.4f')} · {num(v.samples_per_s, ',.0f')} samples/s · "
+                f"lr {num(v.lr, '.2e')} · memory {fmt.size(v.memory)} · messages "
                 f"{v.received} received, {v.lost} lost, {v.duplicates} duplicates, "
                 f"{v.sender_dropped} dropped by the rank\n")
     if ended:
@@ -223,7 +227,7 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
     else:  # measured (the built-in trainer's --strategy)
         overlapped = v.comm_overlap_s / v.comm_s if v.comm_s else 0.0
         share_row("comm", v.comm_s, f" of the step, {100 * overlapped:.0f}% of it overlapped")
-    for line in fmt.traceback_tail(v.traceback, 12):
+    for line in traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text
 
@@ -239,16 +243,16 @@ def rank_scalars(state: RunState, rank: int, width: int) -> list[str]:
             continue
         mark = ("" if s.min == s.max else "▲" if rank == s.max_rank
                 else "▼" if rank == s.min_rank else "")
-        cells.append((s.name, fmt.compact(value), mark))
+        cells.append((s.name, compact(value), mark))
     if not cells:
         return []
     name_width = max(len(name) for name, _, _ in cells)
-    cell = name_width + 1 + fmt.SCALAR_WIDTH + 2
+    cell = name_width + 1 + SCALAR_WIDTH + 2
     columns = max(1, (width + 2) // (cell + 2))
     per_column = -(-len(cells) // columns)
     lines = []
     for row in range(per_column):
-        parts = [f"{name:<{name_width}} {value:>{fmt.SCALAR_WIDTH}} {mark:<1}"
+        parts = [f"{name:<{name_width}} {value:>{SCALAR_WIDTH}} {mark:<1}"
                  for name, value, mark in cells[row::per_column]]
         lines.append("  ".join(parts).rstrip())
     return lines

@@ -125,7 +125,7 @@ def test_a_late_subscriber_gets_a_snapshot_that_agrees_with_the_journal(live: De
         fields = ("global_step", "samples", "received", "lost", "max_seq", "loss", "phase")
         assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
         assert [p.global_step for p in a.history] == [p.global_step for p in b.history]
-    assert [e["message"] for e in snapshot.events] == [e["message"] for e in replayed.events]
+    assert [e.message for e in snapshot.events] == [e.message for e in replayed.events]
     assert snapshot.aggregate == replayed.aggregate
 
 

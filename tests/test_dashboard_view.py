@@ -7,7 +7,10 @@ from __future__ import annotations
 from test_state import RUN, beat, fold, hello, step
 
 from ddtop.daemon import wire
+from ddtop.daemon.printer import new_events
+from ddtop.daemon.scalars import SCALAR_WIDTH, compact
 from ddtop.daemon.state import RunState
+from ddtop.daemon.text import seconds
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.widgets import fit_columns
@@ -121,14 +124,14 @@ def test_sorting_and_filtering() -> None:
 
 def test_new_events_survive_the_bounded_event_list() -> None:
     s = fold(hello(0))
-    events, seen = fmt.new_events(s, 0)
-    assert [e["type"] for e in events] == ["join"] and seen == 1
-    assert fmt.new_events(s, seen) == ([], 1)
+    events, seen = new_events(s, 0)
+    assert [e.type for e in events] == ["join"] and seen == 1
+    assert new_events(s, seen) == ([], 1)
 
 
 def test_numbers_for_people() -> None:
-    assert fmt.seconds(3.21) == "3.2 s" and fmt.seconds(185) == "3m05s"
-    assert fmt.seconds(7300) == "2h01m"
+    assert seconds(3.21) == "3.2 s" and seconds(185) == "3m05s"
+    assert seconds(7300) == "2h01m"
     assert fmt.size(940_600) == "940.6 KB" and fmt.size(12) == "12 B"
     assert fmt.bar(0.5, 4) == "██  " and fmt.bar(1.5, 2) == "██"
 
@@ -193,8 +196,8 @@ def test_numbers_in_a_scalar_column_fit_it() -> None:
     cases = {0.123456: "0.1235", 2.5: "2.5", 1234.0: "1234", 12345.0: "12.35k",
              3.2e6: "3.2M", 1e-5: "1e-05", -0.00012345: "-0.000123", -1.2345e-7: "-1.23e-07",
              -1.5e15: "-1.5e+15", float("inf"): "inf", float("nan"): "nan", 512.0: "512"}
-    assert {v: fmt.compact(v) for v in cases} == cases
-    assert all(len(text) <= fmt.SCALAR_WIDTH for text in cases.values())
+    assert {v: compact(v) for v in cases} == cases
+    assert all(len(shown) <= SCALAR_WIDTH for shown in cases.values())
 
 
 def test_scalar_columns_follow_the_fixed_ones_by_name_and_count_those_left_out() -> None:

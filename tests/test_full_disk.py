@@ -162,11 +162,11 @@ def test_every_journal_outage_is_counted_and_said(
             relay.close()
         total = first + second + third
         assert first > 1 and second > 1 and third == 1 and writer.outages == 3
-        said = [e["message"] for e in relay.state.events if e["message"].startswith("journal")]
-        bytes_ = [e["data"]["dropped_bytes"] for e in relay.state.events
-                  if e["message"].startswith("journal: writing again")]
-        warned = next(e["data"]["dropped"] for e in relay.state.events
-                      if e["type"] == "warning")  # so far: the warning itself is dropped too
+        said = [e.message for e in relay.state.events if e.message.startswith("journal")]
+        bytes_ = [e.data["dropped_bytes"] for e in relay.state.events
+                  if e.message.startswith("journal: writing again")]
+        warned = next(e.data["dropped"] for e in relay.state.events
+                      if e.type == "warning")  # so far: the warning itself is dropped too
         assert 0 < warned < first
         assert said == [
             f"journal: {NO_SPACE} on {path}: {warned} records not written; the run goes on, "
@@ -364,10 +364,10 @@ def test_the_journal_filling_the_disk_costs_records_not_the_run(tmp_path: Path) 
             seen = wait_for("the drop counted and the warnings relayed", lambda: (
                 (s := snapshot(root)).journal_dropped > 0
                 and min(v.global_step for v in s.ranks.values()) >= filled_at + 30
-                and any("metrics.jsonl is not written" in e["message"] for e in s.events)
+                and any("metrics.jsonl is not written" in e.message for e in s.events)
                 and s))
             assert seen.status == "running"
-            warnings = [e["message"] for e in seen.events if e["type"] == "warning"]
+            warnings = [e.message for e in seen.events if e.type == "warning"]
             assert any(m.startswith(f"journal: {NO_SPACE} on {root / 'telemetry.journal'}: ")
                        for m in warnings), warnings
             assert any("metrics.jsonl is not written" in m for m in warnings), warnings
@@ -386,7 +386,7 @@ def test_the_journal_filling_the_disk_costs_records_not_the_run(tmp_path: Path) 
         assert json.loads(status.stdout)["journal_dropped"] == record.journal_dropped
         replayed, _ = journal.replay(root / "telemetry.journal", "j")
         assert replayed.status == "succeeded" and replayed.journal_dropped > 0
-        assert any(e["message"].startswith("journal: writing again")
+        assert any(e.message.startswith("journal: writing again")
                    for e in replayed.events)
         syncs = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
         assert 0 < len([r for r in syncs if r["kind"] == "sync"]) < 1000  # whole lines only

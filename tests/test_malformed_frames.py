@@ -111,10 +111,10 @@ def test_an_exception_in_a_handler_is_said_counted_and_the_loop_goes_on(tmp_path
         for _ in range(3):
             relay.guarded("stacks", broken)
         assert relay.state.rejected["internal_error"] == 3
-        warnings = [e for e in relay.state.events if e["type"] == "warning"]
+        warnings = [e for e in relay.state.events if e.type == "warning"]
         assert len(warnings) == 1, warnings
-        assert "internal error in the stacks handler" in warnings[0]["message"]
-        assert "KeyError" in warnings[0]["message"]
+        assert "internal error in the stacks handler" in warnings[0].message
+        assert "KeyError" in warnings[0].message
         context = zmq.Context()
         asker = context.socket(zmq.REQ)
         try:

@@ -8,7 +8,8 @@ import math
 import msgspec
 import pytest
 
-from ddtop.daemon import state, wire
+from ddtop.daemon import wire
+from ddtop.daemon.scalars import MAX_RUN_SCALAR_KEYS
 from ddtop.daemon.state import RunState
 
 RUN = "r1"
@@ -60,8 +61,8 @@ def test_keys_beyond_the_run_bound_are_dropped_and_counted() -> None:
     messages = [scalars(0, seq, **{f"k{seq}_{i}": 1.0 for i in range(wire.MAX_SCALAR_KEYS)})
                 for seq in range(5)]
     s = fold(*messages)
-    assert len(s.scalars) == state.MAX_RUN_SCALAR_KEYS
-    assert s.scalars_dropped == 5 * wire.MAX_SCALAR_KEYS - state.MAX_RUN_SCALAR_KEYS
+    assert len(s.scalars) == MAX_RUN_SCALAR_KEYS
+    assert s.scalars_dropped == 5 * wire.MAX_SCALAR_KEYS - MAX_RUN_SCALAR_KEYS
 
 
 def frame(**fields: object) -> list[bytes]:
@@ -96,7 +97,7 @@ def test_a_scripts_hello_gives_program_and_totals_and_says_join_once() -> None:
                                            total_steps=500, epochs=2))
     assert (s.program, s.total_steps, s.model, s.backend, s.epochs) == (
         "train.py", 500, "GPT", "gloo", 2)
-    assert [e["type"] for e in s.events] == ["join"]
+    assert [e.type for e in s.events] == ["join"]
     assert s.progress() == (0, 500)
     assert s.summary(100.0).program == "train.py"
 

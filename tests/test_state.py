@@ -163,7 +163,7 @@ def test_dead_with_signal_becomes_the_failure() -> None:
     assert s.failure is not None
     assert (s.failure.rank, s.failure.signal, s.failure.global_step) == (1, "SIGKILL", 11)
     assert s.failure.message == "RuntimeError: boom"
-    assert [e["message"] for e in s.events if e["type"] == "error"][-1] == (
+    assert [e.message for e in s.events if e.type == "error"][-1] == (
         "rank 1 (pid 1001) was killed by SIGKILL")
 
 
@@ -187,17 +187,20 @@ def test_aggregates_from_every_rank_count_once() -> None:
 
     s = fold(hello(0), hello(1), agg(0), agg(1))
     assert len(s.epochs_done) == 1 and s.aggregate == agg(0)
-    assert sum(e["type"] == "epoch_end" for e in s.events) == 1
+    assert sum(e.type == "epoch_end" for e in s.events) == 1
 
 
 def test_restart_timeline_and_status_from_the_daemon() -> None:
     entry = {"restart": 1, "rank": 1, "reason": "was killed by SIGKILL", "global_step": 11,
              "checkpoint": "step-00000009.pt"}
-    s = fold(hello(0), wire.Event(run=RUN, rank=-1, seq=0, type="restart", message="restart 1",
-                                  data=entry),
+    s = fold(hello(0), wire.Restarting(run=RUN, rank=-1, seq=0, message="restart 1",
+                                       restart=Restart(**entry)),
              wire.RunStatus(run=RUN, rank=-1, seq=1, status="restarting", world_size=2,
                             restarts=1))
     assert s.timeline == [Restart(**entry)] and (s.status, s.restarts) == ("restarting", 1)
+    # Shown as an event too, the entry as its data (the headless printer's JSON lines).
+    (event,) = [e for e in s.events if e.type == "restart"]
+    assert (event.message, event.data["checkpoint"]) == ("restart 1", "step-00000009.pt")
 
 
 def test_snapshot_round_trip_keeps_folding_identically() -> None:
@@ -215,7 +218,7 @@ def test_bounded_history_and_events() -> None:
     assert len(s.ranks[0].history) == state.HISTORY_POINTS
     for i in range(state.MAX_EVENTS + 10):
         s.apply(wire.Event(run=RUN, rank=0, seq=400 + i, type="info", message=str(i)), 100.0)
-    assert len(s.events) == state.MAX_EVENTS and s.events[-1]["message"] == str(
+    assert len(s.events) == state.MAX_EVENTS and s.events[-1].message == str(
         state.MAX_EVENTS + 9)
 
 

@@ -44,8 +44,8 @@ FIRST_LAYOUT = json.dumps({
                "stopped_by_launcher": False}]}).encode()
 
 
-def daemon(kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event], seq: int,
-           **fields: object) -> wire.Message:
+def daemon(kind: type[wire.RankExit] | type[wire.RunStatus] | type[wire.Event]
+           | type[wire.Restarting], seq: int, **fields: object) -> wire.Message:
     return kind(run=RUN, rank=wire.DAEMON_RANK, seq=seq, t=101.0, **fields)  # type: ignore[arg-type]
 
 
@@ -109,11 +109,18 @@ def test_the_exit_code_belongs_to_the_final_status_only() -> None:
 
 def test_a_malformed_restart_entry_stays_out_of_the_timeline() -> None:
     s = fold(hello(0))
-    good = {"restart": 1, "rank": 1, "reason": "was killed by SIGKILL", "checkpoint": None}
-    s.apply(daemon(wire.Event, 0, type="restart", message="restart 1", data=good), 101.0)
+    good = Restart(restart=1, rank=1, reason="was killed by SIGKILL", checkpoint=None)
+    s.apply(daemon(wire.Restarting, 0, message="restart 1", restart=good), 101.0)
+    # A restart as journals written before the Restarting message carry it: an
+    # event with the entry as untyped data, shown as it is.
     s.apply(daemon(wire.Event, 1, type="restart", message="restart 2", data={"rank": "x"}), 101.0)
     assert s.timeline == [Restart(restart=1, rank=1, reason="was killed by SIGKILL")]
-    assert sum(e["type"] == "restart" for e in s.events) == 2  # both still shown
+    assert sum(e.type == "restart" for e in s.events) == 2  # both still shown
+    # A Restarting message with a malformed entry is refused whole, by the wire's decoder.
+    bad = msgspec.to_builtins(daemon(wire.Restarting, 2, message="restart 3", restart=good))
+    bad["restart"]["rank"] = "x"
+    with pytest.raises(wire.Malformed, match=r"\$\.restart\.rank"):
+        wire.decode([msgspec.msgpack.encode(bad)], RUN)
 
 
 def test_run_record_round_trips_with_daemon_facts_and_the_summary() -> None:

@@ -30,6 +30,10 @@ def examples() -> list[wire.Message]:
                        val_samples=101),
         wire.Event(run=RUN, rank=0, type="error", message="RuntimeError: x",
                    traceback="Traceback...", data={"global_step": 3, "phase": "forward"}),
+        wire.Restarting(run=RUN, rank=wire.DAEMON_RANK, message="restart 1/2: rank 1 ...",
+                        restart=wire.Restart(restart=1, rank=1, reason="was killed by SIGKILL",
+                                             pid=42, signal="SIGKILL", global_step=20,
+                                             checkpoint="step-00000020.pt", time=1.7e9)),
         wire.Bye(run=RUN, rank=0, exit_code=0, dropped=3),
     ]
 
