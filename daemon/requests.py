@@ -19,18 +19,32 @@ acts on it at its next tick, in its own loop.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, assert_never
+from typing import Protocol, assert_never
 
 from ddtop.daemon import protocol
-from ddtop.daemon.state import encode_snapshot
-
-if TYPE_CHECKING:
-    from ddtop.daemon.relay import Relay
+from ddtop.daemon.state import RunState, encode_snapshot
 
 MAX_STACKS_REQUESTS = 16  # asked between two ticks of the supervisor; more are answered, not kept
 
 
-def answer(relay: Relay, body: bytes) -> protocol.Reply:
+class Answering(Protocol):
+    """What a request is answered from and may change: the relay (daemon/relay.py)."""
+
+    run: str
+    seq: int
+    state: RunState
+    world_size: int | None
+    stop_request: float | None
+    stacks_requests: list[int | None]
+    hub: protocol.NodeHub | None
+
+    @property
+    def endpoints(self) -> dict[str, str]: ...
+
+    def reject(self, reason: str) -> None: ...
+
+
+def answer(relay: Answering, body: bytes) -> protocol.Reply:
     """The reply to one request `body` received by `relay`."""
     decoder = protocol.REQUESTS if relay.hub is None else protocol.HUB_REQUESTS
     try:

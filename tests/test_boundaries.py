@@ -62,9 +62,6 @@ KNOWN_CYCLES = {
     frozenset({"ddtop.training.api", "ddtop.training.autowatch"}),
     # The live rank makes itself the public API's (`ddtop._live`), which imports it lazily.
     frozenset({"ddtop", "ddtop.training.api"}),
-    # The relay answers requests with requests.answer, which is handed the relay
-    # (imported for its type, under TYPE_CHECKING).
-    frozenset({"ddtop.daemon.relay", "ddtop.daemon.requests"}),
 }
 # Third-party packages only some modules may import.
 HEAVY = {
