@@ -20,7 +20,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TextIO
 
 from ddtop.daemon import blame, nodes, protocol, wire
 from ddtop.daemon.config import TrainConfig
@@ -96,11 +96,8 @@ class NodeRole:
         if ranks != self.ranks_said:
             self.ranks_said = ranks
             host = socket.gethostname()
-            data: dict[str, Any] = {"node": node, "node_state": nodes.UP,
-                                    "ranks": ",".join(map(str, ranks)), "host": host}
-            if local:
-                data["local"] = True
-            self.relay.emit(wire.Event, type="info", data=data,
+            self.relay.emit(wire.Event, type="info",
+                            data=wire.node_news(node, nodes.UP, ranks, host, local),
                             message=f"node {node} ({host}): ranks {', '.join(map(str, ranks))}")
         return ranks
 

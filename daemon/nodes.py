@@ -179,9 +179,8 @@ class Hub:
 
     def _say(self, node: int, type: Any, message: str, traceback: str | None = None) -> None:
         seen = self.nodes.get(node)
-        data: dict[str, Any] = {"node": node, "node_state": seen.state if seen else UP,
-                                "ranks": ",".join(map(str, seen.ranks)) if seen else "",
-                                "host": seen.host if seen else ""}
+        data = (wire.node_news(node, seen.state, seen.ranks, seen.host) if seen
+                else wire.node_news(node, UP, [], ""))
         self.relay.emit(wire.Event, type=type, message=message, data=data, traceback=traceback)
 
 

@@ -98,7 +98,7 @@ class RunState(msgspec.Struct, kw_only=True):
     # A multi-node job (daemon/nodes.py): each rank's node, and each node's state
     # (up, unreachable, lost, done), from the hub's node events.
     rank_nodes: dict[int, int] = {}
-    node_states: dict[int, str] = {}
+    node_states: dict[int, wire.NodeState] = {}
     # Node K's own daemon: the ranks it runs (the others are the hub's to show).
     local_ranks: list[int] = []
 
@@ -305,17 +305,20 @@ class RunState(msgspec.Struct, kw_only=True):
             self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
     def _apply_node(self, data: EventData) -> None:
-        node, ranks, state = data.get("node"), data.get("ranks"), data.get("node_state")
-        if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < MAX_RANKS:
-            return
-        if isinstance(state, str) and len(self.node_states) < MAX_RANKS:
-            self.node_states[node] = state[:16]
-        if isinstance(ranks, str) and ranks:
-            for part in ranks.split(",")[:MAX_RANKS]:
-                if part.isdigit() and int(part) < MAX_RANKS:
-                    self.rank_nodes[int(part)] = node
-            if data.get("local") is True:
-                self.local_ranks = sorted(r for r, k in self.rank_nodes.items() if k == node)
+        if "node" not in data:
+            return  # an event about no node
+        try:
+            news = msgspec.convert(data, wire.NodeNews)
+        except msgspec.ValidationError:
+            return  # shown as an event, not believed
+        if len(self.node_states) < MAX_RANKS or news.node in self.node_states:
+            self.node_states[news.node] = news.node_state
+        if news.ranks:
+            for rank in news.rank_list()[:MAX_RANKS]:
+                if rank < MAX_RANKS:
+                    self.rank_nodes[rank] = news.node
+            if news.local:
+                self.local_ranks = sorted(r for r, k in self.rank_nodes.items() if k == news.node)
 
     def _event(self, t: float, rank: int, type: EventKind, message: str,
                data: EventData | None = None, traceback: str | None = None) -> None:

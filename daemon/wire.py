@@ -56,6 +56,37 @@ FINAL_STATUSES: tuple[RunStatusName, ...] = ("succeeded", "failed", "stopped")
 # A node of a multi-node job, as node 0's hub sees it (daemon/nodes.py), and as
 # the hub's events about it say (their data's "node_state").
 NodeState = Literal["up", "unreachable", "lost", "done"]
+# Nodes a job may have, as the events about them may number them.
+MAX_NODES = 1 << 16
+
+
+class NodeNews(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What an event says of a node, in its data: the hub's events about a node,
+    and a node's own event naming its ranks. Written by `node_news`, read by the
+    fold (RunState) with one `msgspec.convert`: an event whose data is not this
+    is only shown."""
+
+    node: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NODES)]
+    node_state: NodeState
+    ranks: Annotated[str, msgspec.Meta(max_length=8 * MAX_NODES)] = ""  # "0,1,2,3"
+    host: Annotated[str, msgspec.Meta(max_length=255)] = ""
+    # Said by a node of its own ranks, for its own view: not the job's news (the
+    # hub does not take it from a forwarder).
+    local: bool = False
+
+    def rank_list(self) -> list[int]:
+        """Its ranks (the ones written in `ranks` that are numbers)."""
+        return [int(p) for p in self.ranks.split(",") if p.isdigit() and len(p) <= 6]
+
+
+def node_news(node: int, state: NodeState, ranks: list[int], host: str,
+              local: bool = False) -> dict[str, Any]:
+    """An event's data that says `NodeNews` (the one place it is written)."""
+    data: dict[str, Any] = {"node": node, "node_state": state,
+                            "ranks": ",".join(map(str, ranks)), "host": host[:255]}
+    if local:
+        data["local"] = True
+    return data
 
 
 class Collective(msgspec.Struct, frozen=True, kw_only=True):

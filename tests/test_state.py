@@ -386,3 +386,40 @@ def test_a_rank_ahead_and_stuck_is_still_named_as_the_one_waited_for() -> None:
         s.apply(beat(1, 3 + k, "forward", 45, at - 100.0, 45, 45), at + 0.3)
     assert s.rank_states(111.0) == {0: state.STALLED, 1: state.STALLED}
     assert s.hung(111.0) == ([1], "rank 0 wait in allreduce #41; rank 1 is in forward of step 46")
+
+
+def node_event(seq: int, data: dict[str, object]) -> wire.Event:
+    return wire.Event(run=RUN, rank=wire.DAEMON_RANK, seq=seq, t=100.0, type="info",
+                      message="node news", data=data)  # type: ignore[arg-type]
+
+
+def test_node_news_is_believed_only_whole_and_a_lost_nodes_ranks_are_unknown() -> None:
+    s = fold(*(hello(r) for r in range(4)),
+             node_event(0, wire.node_news(0, "up", [0, 1], "a")),
+             node_event(1, wire.node_news(1, "up", [2, 3], "b")))
+    assert s.rank_nodes == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert s.node_states == {0: "up", 1: "up"}
+    # Data that is not whole node news is shown as the event it is, and changes nothing:
+    # a state no hub says, a node number too big, a field of the wrong kind, a field
+    # no hub writes.
+    bad: list[dict[str, object]] = [
+        {"node": 1, "node_state": "gone", "ranks": "0,1"},
+        {"node": 1 << 40, "node_state": "lost", "ranks": "0"},
+        {"node": "1", "node_state": "lost"},
+        {"node": True, "node_state": "lost"},
+        {"node": 1, "node_state": "lost", "ranks": 3},
+        {"node": 1, "node_state": "lost", "extra": 1},
+    ]
+    for seq, data in enumerate(bad, start=2):
+        s.apply(node_event(seq, data), 100.0)
+    assert s.rank_nodes == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert s.node_states == {0: "up", 1: "up"}
+    assert len([e for e in s.events if e.message == "node news"]) == 2 + len(bad)
+    # The hub says node 1 lost: its ranks are no longer known to run.
+    s.apply(node_event(99, wire.node_news(1, "lost", [2, 3], "b")), 100.0)
+    assert s.node_states[1] == "lost"
+    states = s.rank_states(101.0)
+    assert states[0] != "lost" and states[2] in ("unreachable", "lost"), states
+    # A node's own news of its ranks (local) makes them the ones it shows.
+    s.apply(node_event(100, wire.node_news(0, "up", [0, 1], "a", local=True)), 100.0)
+    assert s.local_ranks == [0, 1]
