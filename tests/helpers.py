@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,10 +59,14 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
-def wait_until_gone(tag: str, timeout: float = CLEANUP_TIMEOUT_S) -> list[int]:
-    """Pids still alive with the tag after `timeout` seconds (then killed)."""
+def wait_until_gone(tag: str, timeout: float = CLEANUP_TIMEOUT_S,
+                    staying: Callable[[], Collection[int]] = frozenset) -> list[int]:
+    """Pids still alive with the tag after `timeout` seconds, or as soon as every
+    one still alive is one of `staying()` (those a test expects to stay: not
+    waited for); then killed."""
     deadline = time.monotonic() + timeout
-    while (pids := tagged_pids(tag)) and time.monotonic() < deadline:
+    while ((pids := tagged_pids(tag)) and not set(pids) <= set(staying())
+           and time.monotonic() < deadline):
         time.sleep(0.1)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -84,7 +88,8 @@ def start(cmd: list[str], cwd: Path, env_extra: dict[str, str] | None = None
     return proc, tag
 
 
-def finish(proc: subprocess.Popen[str], tag: str, timeout: float = RUN_TIMEOUT_S) -> Run:
+def finish(proc: subprocess.Popen[str], tag: str, timeout: float = RUN_TIMEOUT_S,
+           staying: Callable[[], Collection[int]] = frozenset) -> Run:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -93,7 +98,7 @@ def finish(proc: subprocess.Popen[str], tag: str, timeout: float = RUN_TIMEOUT_S
         wait_until_gone(tag, 0)
         raise AssertionError(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}"
                              ) from None
-    return Run(proc.returncode, out, err, wait_until_gone(tag))
+    return Run(proc.returncode, out, err, wait_until_gone(tag, staying=staying))
 
 
 def ddtrain(*args: str, cwd: Path, env: dict[str, str] | None = None,

@@ -234,7 +234,9 @@ def test_a_renamed_run_folder_replays_its_journal(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     shutil.copytree(FIXTURES / RUN, runs / "renamed")
     (runs / "renamed" / "run.json").unlink()  # nothing but the journal to tell
-    for args in (["--replay", "--speed", "0"], []):
+    # Without --replay, --wait 0: by default ddtop waits 10 s for the run.json a
+    # starting daemon writes (its folder comes first); this folder never gets one.
+    for args in (["--replay", "--speed", "0"], ["--wait", "0"]):
         result = subprocess.run([DDTOP, "--headless", "--format", "jsonl", "renamed", *args],
                                 cwd=tmp_path, text=True, capture_output=True, timeout=60,
                                 stdin=subprocess.DEVNULL)

@@ -9,14 +9,18 @@ exactly what its copy with the `# ddtop` lines stripped prints."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import TORCHRUN, Run, collecting, ddtrain, finish, start, torchrun
+from helpers import DDTRAIN, TORCHRUN, Run, collecting, finish, start, torchrun, wait_until_gone
 
 from ddtop.daemon import journal, wire
 
@@ -74,9 +78,30 @@ def headless(script: Path, args: list[str], cwd: Path, run_id: str,
              *extra: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`ddtrain start --foreground --headless --format jsonl -n 2 SCRIPT -- ARGS`:
     (progress lines, the final summary)."""
-    run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "-n", "2",
-                  "--run-id", run_id, *extra, str(script), "--", *args, cwd=cwd,
-                  timeout=TIMEOUT_S)
+    with headless_started(script, args, cwd, run_id, *extra) as started:
+        return headless_end(started)
+
+
+@contextlib.contextmanager
+def headless_started(script: Path, args: list[str], cwd: Path, run_id: str, *extra: str
+                     ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """The same run, started (while the test does something else); `headless_end`
+    waits for it. Killed, with all it started, if the test fails before."""
+    proc, tag = start([DDTRAIN, "start", "--foreground", "--headless", "--format", "jsonl",
+                       "-n", "2", "--run-id", run_id, *extra, str(script), "--", *args], cwd)
+    try:
+        yield proc, tag
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
+            proc.communicate()
+        wait_until_gone(tag, 0)
+
+
+def headless_end(started: tuple[subprocess.Popen[str], str]
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A run `headless_started` started, ended: (progress lines, the final summary)."""
+    run = finish(*started, TIMEOUT_S)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.leftovers == []
     lines = jsonl(run)
@@ -204,26 +229,30 @@ def test_ddp_tutorial_without_an_endpoint_prints_what_the_script_without_ddtop_p
     stripped.parent.mkdir()
     stripped.write_text(strip_ddtop(TUTORIAL.read_text()))
     (tmp_path / "with").mkdir()
-    # One rank each, so that the output has one order; both at once.
+    (tmp_path / "zero").mkdir()
+    # One rank each, so that the output has one order; both at once, and with them
+    # the stripped script under ddtrain (checked last; a folder of its own: no
+    # snapshot to resume from).
     scripts = ((TUTORIAL, tmp_path / "with"), (stripped, tmp_path / "plain"))
 
     def one_rank(script: Path, cwd: Path) -> tuple[subprocess.Popen[str], str]:
         return start([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script),
                       *TUTORIAL_ARGS], cwd)
 
-    ended = [finish(proc, tag, TIMEOUT_S) for proc, tag in (one_rank(*s) for s in scripts)]
-    for k, (script, cwd) in enumerate(scripts):
-        if torch_aborted_at_exit(ended[k], f"the tutorial {('with', 'without')[k]} ddtop"):
-            (cwd / "snapshot.pt").unlink(missing_ok=True)
-            ended[k] = finish(*one_rank(script, cwd), TIMEOUT_S)
-    with_ddtop, without = ended
-    for run in (with_ddtop, without):
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert run.leftovers == []
-    assert "Training snapshot saved at snapshot.pt" in without.stdout
-    assert with_ddtop.stdout == without.stdout
-    # Zero lines changed, 2 ranks under ddtrain: steps and comm timing for every
-    # rank still (no loss: only the script knows which tensor it is).
-    (tmp_path / "plain" / "snapshot.pt").unlink()  # or it would resume from it
-    _, summary = headless(stripped, TUTORIAL_ARGS, tmp_path / "plain", "zero")
-    assert_every_rank_trained(summary, TUTORIAL_STEPS, tmp_path / "plain/runs/zero", loss=False)
+    with headless_started(stripped, TUTORIAL_ARGS, tmp_path / "zero", "zero") as zero:
+        started = [one_rank(*s) for s in scripts]
+        ended = [finish(proc, tag, TIMEOUT_S) for proc, tag in started]
+        for k, (script, cwd) in enumerate(scripts):
+            if torch_aborted_at_exit(ended[k], f"the tutorial {('with', 'without')[k]} ddtop"):
+                (cwd / "snapshot.pt").unlink(missing_ok=True)
+                ended[k] = finish(*one_rank(script, cwd), TIMEOUT_S)
+        with_ddtop, without = ended
+        for run in (with_ddtop, without):
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.leftovers == []
+        assert "Training snapshot saved at snapshot.pt" in without.stdout
+        assert with_ddtop.stdout == without.stdout
+        # Zero lines changed, 2 ranks under ddtrain: steps and comm timing for every
+        # rank still (no loss: only the script knows which tensor it is).
+        _, summary = headless_end(zero)
+    assert_every_rank_trained(summary, TUTORIAL_STEPS, tmp_path / "zero/runs/zero", loss=False)

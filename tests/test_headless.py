@@ -88,9 +88,11 @@ def test_killed_rank_fails_the_headless_run_naming_rank_and_signal(tmp_path: Pat
 
 @pytest.mark.processes
 def test_ddtop_headless_follows_a_detached_run_to_its_end(tmp_path: Path) -> None:
-    with detached("-n", "2", "--epochs", "3", "--run-id", "bg", cwd=tmp_path) as run:
+    # 3 epochs of 128 steps: a few seconds, several lines at --interval 0.5
+    with detached("-n", "2", "--epochs", "3", "--synthetic-train-samples", "8192",
+                  "--run-id", "bg", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
-        watch = ddtop("--headless", "--interval", "1", cwd=tmp_path)  # the newest live run
+        watch = ddtop("--headless", "--interval", "0.5", cwd=tmp_path)  # the newest live run
         assert watch.returncode == 0, watch.stdout + watch.stderr
         lines = watch.stdout.splitlines()
         assert any(" running: step " in line for line in lines)  # interval lines

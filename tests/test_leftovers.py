@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ddtrain, detached
+from helpers import DDTRAIN, ddtrain, detached, finish, start
 
 from ddtop.daemon import leftovers
 from ddtop.daemon.processes import ProcessId, same_process, send_signal
@@ -64,8 +64,16 @@ def test_a_process_that_left_the_ranks_session_does_not_hold_the_run(tmp_path: P
     forkserver and resource tracker whose pipes it holds are killed after 5 s
     rather than waited for."""
     started = time.monotonic()
-    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "le", str(SCRIPT),
-                  "--", "escape", cwd=tmp_path, timeout=TIMEOUT_S)
+
+    def named() -> set[int]:  # what the ranks said they left: the escaped stay, not waited for
+        try:
+            return left_pids(tmp_path / "runs" / "le")
+        except OSError:
+            return set()
+
+    proc, tag = start([DDTRAIN, "start", "--foreground", "-n", "2", "--run-id", "le",
+                       str(SCRIPT), "--", "escape"], tmp_path)
+    run = finish(proc, tag, TIMEOUT_S, staying=named)
     assert run.returncode == 0, run.stdout + run.stderr
     assert time.monotonic() - started < TIMEOUT_S
     assert "multiprocessing's forkserver did not exit within 5 s" in run.stderr

@@ -1,14 +1,14 @@
 """A multi-node job on this machine: two `ddtrain start --nnodes 2` commands,
 two ranks each, c10d rendezvous over loopback, node 0's daemon the hub.
 
-Real processes, real ZeroMQ (CURVE), real gloo. Jobs: one stopped with
-`ddtrain stop` on node 0 (status, headless summary, a forwarder with wrong
-keys, where torch's stores listen and a forged stop step in one checked while
-it runs), one where a rank on node 1 is killed, one running
-a user's script, one whose hub is frozen for a while, one where node 1's
-daemon is killed. And the built-in trainer's stop agreement as a multi-node
-job makes it, with only rank 0 told of the stop. Run with -s, they print what
-they measure (docs/multi-node.md).
+Real processes, real ZeroMQ (CURVE), real gloo. Jobs: one shared by two tests
+(status, a forwarder with wrong keys, where torch's stores listen and a forged
+stop step in one checked while it runs; then its hub frozen for a while, and
+stopped with `ddtrain stop` on node 0, the headless summary), one where a rank
+on node 1 is killed, one running a user's script, one where node 1's daemon is
+killed. And the built-in trainer's stop agreement as a multi-node job makes
+it, with only rank 0 told of the stop. Run with -s, they print what they
+measure (docs/multi-node.md).
 """
 
 from __future__ import annotations
@@ -201,17 +201,27 @@ def job_factory(tmp_path: Path) -> Iterator[list[Job]]:
         job.close()
 
 
+@pytest.fixture(scope="module")
+def stopjob(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+    """One job of the built-in trainer, long enough to outlast the two tests that
+    share it, in file order: the first looks at it running, the second freezes
+    its hub a while and then stops it with `ddtrain stop` on node 0."""
+    job = Job(tmp_path_factory.mktemp("stopjob"), "stopjob", "--epochs", "1000")
+    try:
+        yield job
+    finally:
+        job.close()
+
+
 @pytest.mark.processes
-def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
-        tmp_path: Path, job_factory: list[Job]) -> None:
-    job = Job(tmp_path, "stopjob", "--epochs", "1000")
-    job_factory.append(job)
+def test_two_nodes_one_hub_status_and_refused_forwarder(stopjob: Job) -> None:
+    job = stopjob
     status = job.wait_running()
     # node 0's status lists every rank with its node and host
     assert sorted(r["rank"] for r in status["ranks"]) == [0, 1, 2, 3]
     assert sorted(r["node"] for r in status["ranks"]) == [0, 0, 1, 1]
     assert all(r["host"] for r in status["ranks"])
-    table = ddtrain("status", "stopjob", "--runs-dir", str(job.runs), cwd=tmp_path).stdout
+    table = ddtrain("status", "stopjob", "--runs-dir", str(job.runs), cwd=job.tmp).stdout
     assert "NODE" in table and "HOST" in table
     # the dashboard on node 0 (App.run_test, attached to the hub): all four ranks, by node
     feed = LiveFeed(RunPaths(job.runs / "stopjob"))
@@ -255,21 +265,81 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
             time.sleep(0.2)
     finally:
         ctx.destroy(linger=0)
-    check_torchs_store(job)  # a forged stop step must not stop it: the stop below still works
+    check_torchs_store(job)  # a forged stop step must not stop it: the next test's stop works
+
+
+@pytest.mark.processes
+def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
+        stopjob: Job) -> None:
+    """Node 0's daemon frozen (SIGSTOP) for 6 s while both nodes' ranks train:
+    node 1 goes on and says the hub has not answered; once it runs again the
+    hub shows node 1's ranks running and has every message node 1 folded. Then
+    `ddtrain stop` on node 0 stops both nodes, and `ddtop --headless` on node 0
+    follows the whole job to that end."""
+    job = stopjob
+    job.wait_running()
+
+    def node1_steps() -> dict[int, int]:
+        return {r["rank"]: r["global_step"] for r in job.status(1).get("ranks", [])}
+
+    def said(journal_path: Path, text: str) -> list[float]:
+        return [t for t, m in journal_messages(journal_path)
+                if isinstance(m, wire.Event) and text in m.message]
+
+    hub_daemon = job.nodes[0].pid  # node 0's daemon, started by this test's fixture
+    before = node1_steps()
+    assert len(before) == 2, before
+    frozen = time.time()
+    os.kill(hub_daemon, signal.SIGSTOP)
+    try:
+        while (not (warned := said(job.node1 / "telemetry.journal",
+                                   "the hub (node 0) has not answered"))
+               and time.time() - frozen < 12):
+            time.sleep(0.2)
+        time.sleep(max(0.0, frozen + 6.5 - time.time()))
+        during = node1_steps()  # node 1's own daemon answers for its own ranks
+    finally:
+        os.kill(hub_daemon, signal.SIGCONT)
+    thawed = time.time()
+    assert sorted(during) == sorted(before), (before, during)
+    assert all(during[r] > before[r] for r in before), (before, during)
+    # (5 s after the hub's last reply, which came a heartbeat or more before it froze)
+    assert warned and (nodes.NODE_TIMEOUT_S - 2 * nodes.HEARTBEAT_S
+                       <= warned[0] - frozen < 12), (frozen, warned)
+    # the hub catches up: node 1's ranks running again, and node 1 hears it answer
+    deadline = time.monotonic() + 20
+    while True:
+        ranks = job.status().get("ranks", [])
+        if (len(ranks) == 4 and all(r["state"] == "running" for r in ranks)
+                and all(r["global_step"] >= during.get(r["rank"], 0) for r in ranks)):
+            break
+        assert time.monotonic() < deadline, ranks
+        time.sleep(0.3)
+    caught_up = time.time()
+    deadline = time.monotonic() + 10
+    while not (again := said(job.node1 / "telemetry.journal", "the hub (node 0) answers again")):
+        assert time.monotonic() < deadline, "node 1 never said the hub answers again"
+        time.sleep(0.3)
+    print(f"\nhub frozen {thawed - frozen:.1f} s: node 1 warned {warned[0] - frozen:.1f} s in, "
+          f"its ranks went "
+          f"from step {min(before.values())} to {min(during.values())}; after SIGCONT the hub "
+          f"showed all 4 ranks running {caught_up - thawed:.1f} s later, node 1 heard it "
+          f"{again[0] - thawed:.1f} s later")
     # ddtop --headless on node 0 follows the whole job and exits with its outcome
     watcher = subprocess.Popen(
         [sys.executable, "-m", "ddtop.dashboard", "stopjob", "--headless", "--runs-dir",
-         str(job.runs), "--interval", "1"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+         str(job.runs), "--interval", "1"], cwd=job.tmp, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT)
     try:
         time.sleep(1.0)
         # ddtrain stop on node 0 stops both nodes
-        asked = time.monotonic()
-        stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), *STOP, cwd=tmp_path,
-                   timeout=STOP_WAIT_S)
+        asked_at = time.monotonic()
+        asked = time.time()
+        stop = ddtrain("stop", "stopjob", "--runs-dir", str(job.runs), *STOP, cwd=job.tmp,
+                       timeout=STOP_WAIT_S)
         assert stop.returncode == 0, stop.stderr
         (rc0, out0, err0), (rc1, _, err1) = job.wait()
-        print(f"\nddtrain stop on node 0: both nodes exited {time.monotonic() - asked:.1f} s "
+        print(f"\nddtrain stop on node 0: both nodes exited {time.monotonic() - asked_at:.1f} s "
               "after the command started")
         assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
         watched, _ = watcher.communicate(timeout=20)
@@ -283,7 +353,18 @@ def test_two_nodes_one_hub_status_stop_and_refused_forwarder(
     for k in range(4):
         assert f"rank   {k} node " in out0
     assert sum(f" node {n} " in out0 for n in (0, 1)) == 2
+    assert "warning: the hub (node 0) has not answered for 5 s" in err1, err1[-2000:]
+    # nothing dropped: every step node 1's daemon folded a second before the stop
+    # reached the hub's journal (after it, the hub may end before node 1's last arrive),
+    # and the hub has none node 1 did not fold
+    def steps_of(path: Path, until: float = float("inf")) -> set[tuple[int, int]]:
+        return {(m.rank, m.seq) for t, m in journal_messages(path)
+                if isinstance(m, wire.Step) and m.rank in before and t <= until}
 
+    on_node_1 = steps_of(job.node1 / "telemetry.journal", until=asked - 1.0)
+    on_hub = steps_of(job.runs / "stopjob" / "telemetry.journal")
+    assert on_node_1 and on_node_1 <= on_hub, sorted(on_node_1 - on_hub)[:10]
+    assert on_hub <= steps_of(job.node1 / "telemetry.journal")
 
 @pytest.mark.processes
 def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
@@ -366,82 +447,6 @@ def test_two_nodes_run_a_users_script(tmp_path: Path, job_factory: list[Job]) ->
     assert sum(line.startswith("  rank ") for line in out1.splitlines()) == 2, out1[-2000:]
     assert sum(f" node {n} " in out0 for n in (0, 1)) == 2, out0[-2000:]
     assert (tmp_path / "snapshot.pt").is_file()  # rank 0 saved, wherever it ran
-
-
-@pytest.mark.processes
-def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
-        tmp_path: Path, job_factory: list[Job]) -> None:
-    """Node 0's daemon frozen (SIGSTOP) for 6 s while both nodes' ranks train:
-    node 1 goes on and says the hub has not answered; once it runs again the
-    hub shows node 1's ranks running and has every message node 1 folded."""
-    job = Job(tmp_path, "outagejob", "--epochs", "1000")
-    job_factory.append(job)
-    job.wait_running()
-
-    def node1_steps() -> dict[int, int]:
-        return {r["rank"]: r["global_step"] for r in job.status(1).get("ranks", [])}
-
-    def said(journal_path: Path, text: str) -> list[float]:
-        return [t for t, m in journal_messages(journal_path)
-                if isinstance(m, wire.Event) and text in m.message]
-
-    hub_daemon = job.nodes[0].pid  # node 0's daemon, started by this test
-    before = node1_steps()
-    assert len(before) == 2, before
-    frozen = time.time()
-    os.kill(hub_daemon, signal.SIGSTOP)
-    try:
-        while (not (warned := said(job.node1 / "telemetry.journal",
-                                   "the hub (node 0) has not answered"))
-               and time.time() - frozen < 12):
-            time.sleep(0.2)
-        time.sleep(max(0.0, frozen + 6.5 - time.time()))
-        during = node1_steps()  # node 1's own daemon answers for its own ranks
-    finally:
-        os.kill(hub_daemon, signal.SIGCONT)
-    thawed = time.time()
-    assert sorted(during) == sorted(before), (before, during)
-    assert all(during[r] > before[r] for r in before), (before, during)
-    # (5 s after the hub's last reply, which came a heartbeat or more before it froze)
-    assert warned and (nodes.NODE_TIMEOUT_S - 2 * nodes.HEARTBEAT_S
-                       <= warned[0] - frozen < 12), (frozen, warned)
-    # the hub catches up: node 1's ranks running again, and node 1 hears it answer
-    deadline = time.monotonic() + 20
-    while True:
-        ranks = job.status().get("ranks", [])
-        if (len(ranks) == 4 and all(r["state"] == "running" for r in ranks)
-                and all(r["global_step"] >= during.get(r["rank"], 0) for r in ranks)):
-            break
-        assert time.monotonic() < deadline, ranks
-        time.sleep(0.3)
-    caught_up = time.time()
-    deadline = time.monotonic() + 10
-    while not (again := said(job.node1 / "telemetry.journal", "the hub (node 0) answers again")):
-        assert time.monotonic() < deadline, "node 1 never said the hub answers again"
-        time.sleep(0.3)
-    print(f"\nhub frozen {thawed - frozen:.1f} s: node 1 warned {warned[0] - frozen:.1f} s in, "
-          f"its ranks went "
-          f"from step {min(before.values())} to {min(during.values())}; after SIGCONT the hub "
-          f"showed all 4 ranks running {caught_up - thawed:.1f} s later, node 1 heard it "
-          f"{again[0] - thawed:.1f} s later")
-    asked = time.time()
-    stop = ddtrain("stop", "outagejob", "--runs-dir", str(job.runs), *STOP, cwd=tmp_path,
-                   timeout=STOP_WAIT_S)
-    assert stop.returncode == 0, stop.stderr
-    (rc0, _, err0), (rc1, _, err1) = job.wait()
-    assert (rc0, rc1) == (130, 130), (err0[-2000:], err1[-2000:])
-    assert "warning: the hub (node 0) has not answered for 5 s" in err1, err1[-2000:]
-    # nothing dropped: every step node 1's daemon folded a second before the stop
-    # reached the hub's journal (after it, the hub may end before node 1's last arrive),
-    # and the hub has none node 1 did not fold
-    def steps_of(path: Path, until: float = float("inf")) -> set[tuple[int, int]]:
-        return {(m.rank, m.seq) for t, m in journal_messages(path)
-                if isinstance(m, wire.Step) and m.rank in before and t <= until}
-
-    on_node_1 = steps_of(job.node1 / "telemetry.journal", until=asked - 1.0)
-    on_hub = steps_of(job.runs / "outagejob" / "telemetry.journal")
-    assert on_node_1 and on_node_1 <= on_hub, sorted(on_node_1 - on_hub)[:10]
-    assert on_hub <= steps_of(job.node1 / "telemetry.journal")
 
 
 @pytest.mark.processes

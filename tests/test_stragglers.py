@@ -253,9 +253,10 @@ SLOW_RANK, SLOW_FROM = 1, 100
 def test_a_slowed_rank_of_a_real_run_is_named_and_no_other(tmp_path: Path) -> None:
     # Rank 1 takes 8x its step time from step 100 on (it sleeps 7x its own step
     # time after each step): the few-ms steps of this run become ~25 ms, nearly all
-    # of them rank 0 waiting in the all-reduce for it.
+    # of them rank 0 waiting in the all-reduce for it. 300 steps: named within a
+    # few windows of step 100, then 100 and more steps still named.
     run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "--interval",
-                  "0.2", "-n", "2", "--epochs", "1", "--synthetic-train-samples", "12800",
+                  "0.2", "-n", "2", "--epochs", "1", "--synthetic-train-samples", "9600",
                   "--batch-size", "32", "--run-id", "slow",
                   "--inject", f"{SLOW_RANK}:slow=8x@step={SLOW_FROM}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import subprocess
 import sys
 import textwrap
@@ -108,9 +109,11 @@ def strategy_run_3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@functools.cache
 def one_process_weights(world: int = WORLD) -> dict[str, torch.Tensor]:
     """The same model, seed and batches in one process with the whole batch: the
-    samples the ranks train on (BATCH // world each, the rest of a batch unused)."""
+    samples the ranks train on (BATCH // world each, the rest of a batch unused).
+    Computed once a world size (every strategy is compared with it; only read)."""
     used = BATCH // world * world
     torch.manual_seed(SEED)
     model = build_model("mlp", SYNTHETIC_SPEC)
