@@ -64,7 +64,10 @@ def _checked(start: Callable[..., Any]) -> Callable[..., Any]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Every way a test can start a process goes through a check of its mark:
-    subprocess, multiprocessing's forkserver and spawn (spawnv_passfds), fork."""
+    subprocess, multiprocessing's forkserver and spawn (spawnv_passfds), fork.
+    torch is imported first: its first import runs `ldconfig -p` (looking for CUDA's
+    libraries), a process no test starts, whichever test happens to import it first."""
+    import torch  # noqa: F401 -- for the start-up process it runs, before the check
     subprocess.Popen._execute_child = _checked(  # type: ignore[attr-defined]
         subprocess.Popen._execute_child)  # type: ignore[attr-defined]
     multiprocessing.util.spawnv_passfds = _checked(multiprocessing.util.spawnv_passfds)
