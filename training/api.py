@@ -15,9 +15,10 @@ comm hook):
   given to `ddtop.init`).
 - Steps are counted where they happen: by `ddtop.step()`, and under
   `ddtrain start` also by a global optimizer hook (autowatch.py). The two are
-  paired so a step is never counted twice: a `step()` right after the hook
-  counted a step goes with that step (adds its loss and samples), and the hook
-  right after a `step()` that counted one goes with that one.
+  paired so a step is never counted twice (pairing.py: a state and its
+  transitions): a `step()` right after the hook counted a step goes with that
+  step (adds its loss and samples), and the hook right after a `step()` that
+  counted one goes with that one.
 - Time in phases that are not step phases (eval, checkpoint, setup: work that
   only some ranks may do) is not step time, so it shows as that phase, never
   as a slow step or a straggler.
@@ -48,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddtop.daemon import wire
 from ddtop.daemon.contract import RUN_ID_ENV, TELEMETRY_ENV
 from ddtop.training.commtimer import CommTimer, DDPStats
+from ddtop.training.pairing import StepPairing
 from ddtop.training.receiver import receiver_answers
 from ddtop.training.telemetry import LiveTelemetry
 
@@ -103,9 +105,7 @@ class LiveRank:
         self.stats: list[DDPStats] = []
         self._lr = 0.0
         self._pacer: weakref.ref[torch.optim.Optimizer] | None = None
-        self._hook_step_unclaimed = False  # the hook counted a step no step() went with yet
-        self._call_step_unclaimed = False  # step() counted a step the hook has not seen
-        self._calls_step = False  # the script calls ddtop.step (its loss follows the hook)
+        self.pairing = StepPairing()  # ddtop.step() with the optimizer hook: counted once
         self._warned: set[str] = set()
         self._exit_code = 0
         self._closed = False
@@ -207,16 +207,13 @@ class LiveRank:
     def step(self, loss: Any, samples: int | None) -> None:
         if not self.active:
             return
-        self._calls_step = True
-        if self._hook_step_unclaimed:
-            self._hook_step_unclaimed = False  # goes with the step the hook just counted
+        if self.pairing.step_called():  # goes with the step the hook just counted
             self.telemetry.add_loss(loss, samples, release=True)
         else:
             pacer = self._pacer() if self._pacer is not None else None
             if pacer is not None:
                 self._lr = _lr_of(pacer, self._lr)
             self._count(loss, samples)  # the step and its loss in one go
-            self._call_step_unclaimed = True
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """The global optimizer post-hook: one step per step of the first optimizer
@@ -230,21 +227,11 @@ class LiveRank:
             return
         self._lr = _lr_of(optimizer, self._lr)
         # The next step begins by waiting for its batch.
-        if self._call_step_unclaimed:
-            self._call_step_unclaimed = False  # ddtop.step() already counted it
+        if self.pairing.optimizer_stepped():  # ddtop.step() already counted it
             self.telemetry.phase("data")
         else:
             # A script that calls ddtop.step gives this step's loss next: wait for it.
-            self._count(hold=self._calls_step, then="data")
-            self._hook_step_unclaimed = True
-
-    def iteration_started(self) -> None:
-        """A training forward of a DDP model (zero-code): a `step()` that counted a
-        step the hook never saw (GradScaler skipped the optimizer step) is not
-        paired with the next iteration's optimizer step. (A step the hook counted
-        stays waiting for its `step()`: in a GAN the second model's forward comes
-        between the two.)"""
-        self._call_step_unclaimed = False
+            self._count(hold=self.pairing.calls_step, then="data")
 
     def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False,
                then: wire.Phase | None = None) -> None:

@@ -48,6 +48,7 @@ from torch.optim.optimizer import (
 
 from ddtop.training.api import WATCHED_ATTR, LiveRank, current, timer_of
 from ddtop.training.commtimer import DDPStats, timed_allreduce
+from ddtop.training.pairing import StepPairing
 from ddtop.training.telemetry import LiveTelemetry
 
 _installed: LiveRank | None = None
@@ -264,7 +265,7 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
                 stats.starting()
         if phases:
             if training:
-                rank.iteration_started()
+                rank.pairing.iteration_started()
             rank.telemetry.phase("forward" if training else "evaluation")
     except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
         _hook_failed("forward", e, rank)
@@ -285,6 +286,6 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
 _dynamo_skips = [_ddp_forward, DDPStats.starting, DDPStats.synced, DDPStats._read,
                  DDPStats._set_rate, DDPStats._failed, DDPStats.over,
                  DDPStats._backward_done, _hook_failed,
-                 LiveRank.iteration_started, LiveTelemetry.phase,
+                 StepPairing.iteration_started, LiveTelemetry.phase,
                  LiveTelemetry.collective_over, LiveTelemetry.ddp_reading,
                  LiveTelemetry.ddp_all_reduce, LiveTelemetry.collective_started]
