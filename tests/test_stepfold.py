@@ -10,6 +10,7 @@ import torch
 
 from ddtop.training.marks import (
     CommMark,
+    CudaLoss,
     DdpReadingMark,
     DdpSyncMark,
     ExposedMark,
@@ -206,6 +207,19 @@ def test_a_loss_changed_in_place_before_it_was_read_is_left_out_and_said_once() 
     w = only(f.ready(NOW))
     assert (w.loss_sum, w.loss_weight, w.samples, w.steps) == (6.0, 2, 6, 3)
     assert f.said == [LOSS_OVERWRITTEN]
+
+
+def test_a_gpu_loss_goes_as_its_devices_running_sum_weighted_for_the_sender_to_read() -> None:
+    """(The sender reads the latest running sum once its event has passed; here
+    the sum is a CPU tensor and nothing is read.)"""
+    f = folder()
+    first = CudaLoss(torch.tensor(8.0, dtype=torch.float64), ready=None)
+    latest = CudaLoss(torch.tensor(11.0, dtype=torch.float64), ready=None)
+    fold(f, PhaseMark("data", 0.0), step(1.0, 1, loss=first, samples=4),
+         step(2.0, 2, loss=latest))
+    w = only(f.ready(NOW))
+    assert w.loss_cuda is latest
+    assert (w.loss_weight, w.loss_sum, w.samples) == (4 + 1, 0.0, 4)
 
 
 def test_dropped_steps_are_counted_from_the_step_numbers() -> None:
