@@ -167,7 +167,7 @@ class DDPStats:
     all-reduce's path: no comm hook, so a user's own hook, built-in or not, is
     timed as it is.
 
-    The wrapped forward (autowatch.py) tells this object of every forward that
+    The wrapped forward (watched.py) tells this object of every forward that
     all-reduces in its backward, before it runs (`starting`) and after
     (`synced`). Before, it picks whether DDP times the iteration beginning: at
     most one every READ_EVERY_S, and each of the first READ_FIRST (so every
