@@ -20,12 +20,15 @@ program. docs/own-scripts.md is the manual.
 
 This module is imported by every `ddtop.*` import, so it stays tiny: it
 imports neither torch, zmq nor textual. The live implementation
-(ddtop.training.api) is imported on the first call that finds an endpoint.
+(ddtop.training.api, which owns the process's one live rank) is imported on
+the first call that finds an endpoint; from then on it tells this module of
+each rank it starts (`follow`), and every call here forwards to that rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -47,24 +50,34 @@ class TelemetryUnavailable(RuntimeError):
 
 _NULL_PHASE: AbstractContextManager[None] = contextlib.nullcontext()
 _UNRESOLVED: Any = object()
-# None: telemetry off in this process; else the live rank. Resolved once.
+_LIVE_SIDE = "ddtop.training.api"
+# The live rank as ddtop.training.api last told (None: telemetry off in this
+# process); asked for on the first call, written only here.
 _live: LiveRank | None = _UNRESOLVED
 
 
 def _resolve() -> LiveRank | None:
-    """The live rank when DDTOP_TELEMETRY names an endpoint (imported and
-    started on the first call that needs it), else None, for good."""
+    """The live rank, asked for once: when DDTOP_TELEMETRY names an endpoint
+    (imported and started on the first call that needs it), or when the live
+    side is loaded already (the built-in trainer, a test: it may start a rank
+    later); else None, for good."""
     global _live
     if _live is _UNRESOLVED:
         from ddtop.daemon.contract import telemetry_endpoint
 
-        if telemetry_endpoint() is None:
+        if telemetry_endpoint() is None and _LIVE_SIDE not in sys.modules:
             _live = None
         else:
-            from ddtop.training.api import current
+            from ddtop.training.api import follow
 
-            _live = current()
+            _live = follow(_told)
     return _live
+
+
+def _told(rank: LiveRank) -> None:
+    """ddtop.training.api started `rank`: the calls here go to it from now on."""
+    global _live
+    _live = rank
 
 
 def init(*, total_steps: int | None = None, epochs: int | None = None,

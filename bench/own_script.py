@@ -410,12 +410,12 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     import ddtop
-    from ddtop.training import api, autowatch
+    from ddtop.training import api, autowatch, watched
     from ddtop.training.commtimer import CommTimer, timed_allreduce
 
     rank_api = api.current()
     assert rank_api is not None
-    autowatch.wrap_forward()  # as ddtop.watch and install() do
+    watched.wrap_forward()  # as ddtop.watch and install() do
 
     # Models by comm hook, two more of each kind than the configurations that use
     # it, dealt out afresh every round: each step runs on a different model (no
@@ -464,8 +464,9 @@ def _pieces_rank(rank: int, port: int, endpoint: str, rounds: int, width: int, p
             # Zero-code's hooks and phases (the wrapped forward marks phases for the
             # rank install() made) for the configurations that have them.
             autowatch._installed = rank_api if optimizer_hooks or forward_hooks else None
+            watched.mark_phases(autowatch._installed)
             if forward_hooks and comm is None:  # zero-code's wrapped forward, for this model
-                autowatch.mark_forward(model, rank_api, None)
+                watched.mark_forward(model, rank_api, None)
             if comm == "watch":
                 # DDP's statistics are read at most every 10 ms (commtimer.READ_EVERY_S);
                 # here a model steps only every few rounds, so it is told when: as in a

@@ -123,8 +123,7 @@ def publish_cost() -> None:
             os.environ[TELEMETRY_ENV] = listener.endpoint
             live = api.start(run="bench", world_size=2)
         else:
-            os.environ.pop(TELEMETRY_ENV, None)
-            ddtop._live = None
+            os.environ.pop(TELEMETRY_ENV, None)  # (ddtop's first call: off, until api.start)
             live = None
         start = time.perf_counter()
         for _ in range(n):

@@ -96,6 +96,32 @@ def test_strict_with_nobody_listening_errors_and_with_a_receiver_passes(tmp_path
     assert (code, out) == (0, "True\n"), err
 
 
+@pytest.mark.processes
+def test_ddtop_forwards_to_each_rank_the_live_side_starts(tmp_path: Path) -> None:
+    """One live rank per process, owned by ddtop.training.api, which tells `ddtop`
+    of each rank it starts: also after ddtop's first call found no endpoint (the
+    live side loaded, as the built-in trainer loads it), and a second rank
+    started after the first closed."""
+    with collecting() as collector:
+        code, _, err = python("""
+            import os, ddtop
+            from ddtop.training import api
+            assert ddtop.init() is False  # no endpoint yet
+            os.environ["DDTOP_TELEMETRY"] = os.environ["LATER"]
+            for run in ("first", "second"):
+                live = api.start(run=run)
+                assert ddtop.init() is True
+                ddtop.step(loss=1.0, samples=2)
+                ddtop.step(loss=3.0, samples=2)
+                live.close(0)
+            """, tmp_path, {"LATER": collector.endpoint})
+        assert code == 0, err
+        wait_for(collector, wire.Bye, 2)
+    for run in ("first", "second"):
+        steps = [m for m in collector.of(wire.Step) if m.run == run]
+        assert (sum(s.steps for s in steps), sum(s.loss_sum for s in steps)) == (2, 8.0), run
+
+
 def wait_for(collector: Collector, kind: type, count: int = 1, timeout: float = 10.0) -> None:
     """Until `count` messages of `kind` arrived; fails after `timeout`."""
     deadline = time.monotonic() + timeout

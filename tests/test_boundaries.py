@@ -4,11 +4,12 @@ The arrows between the three parts are declared here, and every import in
 training/, daemon/ and dashboard/ (module level or inside a function) is
 checked against them: a new arrow fails this test until it is declared, with
 a reason. No arrow runs back up (the daemon imports neither training nor the
-dashboard), and no module imports itself through others: a cycle, also one
-closed by an import under TYPE_CHECKING or inside a function, fails. The heavy
-libraries stay where they belong: torch only in training, textual only in the
-dashboard's app, so `ddtrain` and `ddtop` answer instantly.
-docs/development.md draws the same picture.
+dashboard), no module imports itself through others: a cycle, also one
+closed by an import under TYPE_CHECKING or inside a function, fails; and none
+but the public API sets the public API's state. The heavy libraries stay where
+they belong: torch only in training, textual only in the dashboard's app, so
+`ddtrain` and `ddtop` answer instantly. docs/development.md draws the same
+picture.
 """
 
 from __future__ import annotations
@@ -54,14 +55,6 @@ ALLOWED = {
                   "ddtop.daemon.runs", "ddtop.daemon.scalars", "ddtop.daemon.state",
                   "ddtop.daemon.strategy_names", "ddtop.daemon.summary", "ddtop.daemon.text",
                   "ddtop.daemon.wire"},
-}
-# Import cycles known and being taken apart, each pair with its reason; any other
-# cycle fails, and so does a pair here that is no cycle any more (remove it then).
-KNOWN_CYCLES = {
-    # The live rank and the zero-code hooks reach each other (inside functions).
-    frozenset({"ddtop.training.api", "ddtop.training.autowatch"}),
-    # The live rank makes itself the public API's (`ddtop._live`), which imports it lazily.
-    frozenset({"ddtop", "ddtop.training.api"}),
 }
 # Third-party packages only some modules may import.
 HEAVY = {
@@ -186,22 +179,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {m: {n for n in targets if frozenset({m, n}) not in KNOWN_CYCLES}
-            for m, targets in graph.items()}
-
-
 def test_no_import_cycle() -> None:
-    found = cycles(without_known(import_graph()))
+    found = cycles(import_graph())
     assert found == [], "import cycles (a module below both, or a Protocol, breaks one):\n" + (
         "\n".join(" <-> ".join(c) for c in found))
-
-
-def test_every_known_cycle_is_still_one() -> None:
-    graph = import_graph()
-    for pair in KNOWN_CYCLES:
-        a, b = sorted(pair)
-        assert b in graph[a] and a in graph[b], f"{a} <-> {b} is no cycle any more: remove it"
 
 
 @pytest.mark.parametrize(("graph", "expected"), [
@@ -236,6 +217,21 @@ def test_an_import_under_type_checking_or_in_a_function_closes_a_cycle() -> None
 ])
 def test_the_check_catches_a_new_arrow(module: str, source: str) -> None:
     assert violations(module, imports(source, module)) != []
+
+
+def writes_to_the_api(source: str) -> list[str]:
+    """The attributes of the `ddtop` module that `source` sets or deletes."""
+    return [node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del)
+            and isinstance(node.value, ast.Name) and node.value.id == "ddtop"]
+
+
+def test_only_the_public_api_sets_its_own_state() -> None:
+    """`import ddtop` forwards to the live rank training/api.py owns, which tells
+    it of each new rank; nothing else reaches in to set what it holds."""
+    assert {m: writes_to_the_api(s) for m, s in our_modules().items()
+            if m != API and writes_to_the_api(s)} == {}
+    assert writes_to_the_api("import ddtop\ndef f():\n    ddtop._live = None\n") == ["_live"]
 
 
 TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.supervisor", "ddtop.daemon.config",

@@ -42,7 +42,7 @@ def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
     assert stacks.returncode == 0, stacks.stdout + stacks.stderr
     assert stacks.stdout.startswith("== rank 0 (")
     assert "Thread 0x" in stacks.stdout and "trainer.py" in stacks.stdout, stacks.stdout
-    assert "ddtop-telemetry" in stacks.stdout or "telemetry.py" in stacks.stdout  # all threads
+    assert "ddtop-telemetry" in stacks.stdout or "sender.py" in stacks.stdout  # all threads
     assert every.returncode == 0 and "== rank 1: no stacks within" in every.stdout
     assert bad.returncode == 2 and bad.stderr.startswith("ddtrain: error: --rank 7:")
     assert bad.stderr.strip().endswith("run frozen has ranks 0-1"), bad.stderr

@@ -1,11 +1,14 @@
 """The live side of `import ddtop`: one `LiveRank` per process.
 
-`ddtop` (api/__init__.py) imports this module on the first call that finds
-DDTOP_TELEMETRY set, and forwards every call to `current()`. A user's script
-and the built-in trainer (trainer.py) report through the same calls, so
-there is one way a rank is counted and timed. It is built on `LiveTelemetry`
-(a sender thread, non-blocking sends, heartbeats) and `CommTimer` (DDP's
-comm hook):
+This module owns the process's one live rank: `current()` starts it on first
+need, `start()` replaces a closed one. `ddtop` (api/__init__.py) asks for it
+on its first call that finds DDTOP_TELEMETRY set (or finds this module
+loaded), registering with `follow` to be told of each rank started after, and
+forwards every call to it. A user's script and the built-in trainer
+(trainer.py) report through the same calls, so there is one way a rank is
+counted and timed. It is built on `LiveTelemetry` (a sender thread,
+non-blocking sends, heartbeats), `CommTimer` and `DDPStats` (DDP's comm hook,
+DDP's statistics), and watched.py (what ddtop changes on DDP's class):
 
 - A script's identity comes from torchrun's RANK, LOCAL_RANK and WORLD_SIZE
   (0, 0, 1 without them) and DDTOP_RUN_ID (else TORCHELASTIC_RUN_ID, else
@@ -15,9 +18,10 @@ comm hook):
   given to `ddtop.init`).
 - Steps are counted where they happen: by `ddtop.step()`, and under
   `ddtrain start` also by a global optimizer hook (autowatch.py). The two are
-  paired so a step is never counted twice: a `step()` right after the hook
-  counted a step goes with that step (adds its loss and samples), and the hook
-  right after a `step()` that counted one goes with that one.
+  paired so a step is never counted twice (pairing.py: a state and its
+  transitions): a `step()` right after the hook counted a step goes with that
+  step (adds its loss and samples), and the hook right after a `step()` that
+  counted one goes with that one.
 - Time in phases that are not step phases (eval, checkpoint, setup: work that
   only some ranks may do) is not step time, so it shows as that phase, never
   as a slow step or a straggler.
@@ -36,6 +40,7 @@ import socket
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -48,8 +53,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddtop.daemon import wire
 from ddtop.daemon.contract import RUN_ID_ENV, telemetry_endpoint
 from ddtop.training.commtimer import CommTimer, DDPStats
+from ddtop.training.pairing import StepPairing
 from ddtop.training.receiver import receiver_answers
 from ddtop.training.telemetry import LiveTelemetry
+from ddtop.training.watched import (
+    TIMER_ATTR,
+    WATCHED_ATTR,
+    mark_forward,
+    timer_of,
+    wrap_registration,
+)
 
 FALLBACK_RUN_ID = "script"
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
@@ -103,9 +116,7 @@ class LiveRank:
         self.stats: list[DDPStats] = []
         self._lr = 0.0
         self._pacer: weakref.ref[torch.optim.Optimizer] | None = None
-        self._hook_step_unclaimed = False  # the hook counted a step no step() went with yet
-        self._call_step_unclaimed = False  # step() counted a step the hook has not seen
-        self._calls_step = False  # the script calls ddtop.step (its loss follows the hook)
+        self.pairing = StepPairing()  # ddtop.step() with the optimizer hook: counted once
         self._warned: set[str] = set()
         self._exit_code = 0
         self._closed = False
@@ -158,9 +169,7 @@ class LiveRank:
                                f"a comm hook ({hook}), which it keeps; call ddtop.watch "
                                "before register_comm_hook to have it timed")
             else:
-                from ddtop.training import autowatch  # it imports this module
-
-                autowatch.wrap_registration(self)  # a hook registered later: timed inside
+                wrap_registration(self)  # a hook registered later: timed inside
                 try:
                     self.timer_for(ddp).attach(ddp)
                 except RuntimeError as e:  # a built-in (C++) hook, which DDP does not list
@@ -170,8 +179,6 @@ class LiveRank:
 
     def stats_for(self, ddp: DDP) -> DDPStats | None:
         """Time `ddp` from DDP's own statistics (CPU), and mark its forwards."""
-        from ddtop.training import autowatch  # it imports this module
-
         stats = None
         if getattr(ddp, "_use_python_reducer", False):
             # Compiled autograd's Python reducer keeps no statistics.
@@ -183,7 +190,7 @@ class LiveRank:
                 self.stats.append(stats)
             except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
                 self.warn_once("stats", f"comm timing unavailable: {type(e).__name__}: {e}")
-        autowatch.mark_forward(ddp, self, stats)  # the phases, at least
+        mark_forward(ddp, self, stats)  # the phases, at least
         return stats
 
     def timer_for(self, ddp: DDP) -> CommTimer:
@@ -207,16 +214,13 @@ class LiveRank:
     def step(self, loss: Any, samples: int | None) -> None:
         if not self.active:
             return
-        self._calls_step = True
-        if self._hook_step_unclaimed:
-            self._hook_step_unclaimed = False  # goes with the step the hook just counted
+        if self.pairing.step_called():  # goes with the step the hook just counted
             self.telemetry.add_loss(loss, samples, release=True)
         else:
             pacer = self._pacer() if self._pacer is not None else None
             if pacer is not None:
                 self._lr = _lr_of(pacer, self._lr)
             self._count(loss, samples)  # the step and its loss in one go
-            self._call_step_unclaimed = True
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """The global optimizer post-hook: one step per step of the first optimizer
@@ -230,21 +234,11 @@ class LiveRank:
             return
         self._lr = _lr_of(optimizer, self._lr)
         # The next step begins by waiting for its batch.
-        if self._call_step_unclaimed:
-            self._call_step_unclaimed = False  # ddtop.step() already counted it
+        if self.pairing.optimizer_stepped():  # ddtop.step() already counted it
             self.telemetry.phase("data")
         else:
             # A script that calls ddtop.step gives this step's loss next: wait for it.
-            self._count(hold=self._calls_step, then="data")
-            self._hook_step_unclaimed = True
-
-    def iteration_started(self) -> None:
-        """A training forward of a DDP model (zero-code): a `step()` that counted a
-        step the hook never saw (GradScaler skipped the optimizer step) is not
-        paired with the next iteration's optimizer step. (A step the hook counted
-        stays waiting for its `step()`: in a GAN the second model's forward comes
-        between the two.)"""
-        self._call_step_unclaimed = False
+            self._count(hold=self.pairing.calls_step, then="data")
 
     def _count(self, loss: Any = None, samples: int | None = None, hold: bool = False,
                then: wire.Phase | None = None) -> None:
@@ -330,14 +324,7 @@ class LiveRank:
         self.active = False
 
 
-TIMER_ATTR = "_ddtop_comm_timer"
-WATCHED_ATTR = "_ddtop_watched"  # a DDP model whose forward marks (autowatch.Watched)
 MAX_WARNINGS = 32
-
-
-def timer_of(ddp: DDP) -> CommTimer | None:
-    timer = ddp.__dict__.get(TIMER_ATTR)
-    return timer if isinstance(timer, CommTimer) else None
 
 
 def _backend(group: Any) -> str:
@@ -359,21 +346,39 @@ def _lr_of(optimizer: torch.optim.Optimizer, default: float) -> float:
     return float(lr) if isinstance(lr, int | float) else default
 
 
+# The process's one live rank (None: none started), and who is told when it
+# changes: `ddtop` (api/__init__.py), once it has asked for it (`follow`).
 _current: LiveRank | None = None
+_follower: Callable[[LiveRank], None] | None = None
 _lock = threading.Lock()
 
 
 def current() -> LiveRank | None:
     """This process's LiveRank, started on the first call; None when
     DDTOP_TELEMETRY names no endpoint."""
-    global _current
     endpoint = telemetry_endpoint()
     if endpoint is None:
         return None
     with _lock:
         if _current is None:
-            _current = LiveRank(endpoint)
+            _become(LiveRank(endpoint))
         return _current
+
+
+def follow(told: Callable[[LiveRank], None]) -> LiveRank | None:
+    """`ddtop`'s registration (api/__init__.py): `told` is called with each
+    rank this process starts from now on. The rank now: `current()`."""
+    global _follower
+    _follower = told
+    return current()
+
+
+def _become(rank: LiveRank) -> None:
+    """`rank` is this process's live rank from now on (under _lock)."""
+    global _current
+    _current = rank
+    if _follower is not None:
+        _follower(rank)
 
 
 def running() -> LiveRank | None:
@@ -387,7 +392,6 @@ def start(**identity: Any) -> LiveRank | None:
     trainer's run id, config digest, model, dataset...) in place of what the
     environment says; None when DDTOP_TELEMETRY names no endpoint. A rank that
     has closed (a test's earlier rank in the same process) is replaced."""
-    global _current
     endpoint = telemetry_endpoint()
     if endpoint is None:
         return None
@@ -395,11 +399,9 @@ def start(**identity: Any) -> LiveRank | None:
         if _current is not None and not _current._closed:
             raise RuntimeError("ddtop: this process already reports as rank "
                                f"{_current.hello.rank} of run {_current.hello.run}")
-        _current = LiveRank(endpoint, **identity)
-    import ddtop  # the public API forwards to this rank from now on
-
-    ddtop._live = _current
-    return _current
+        rank = LiveRank(endpoint, **identity)
+        _become(rank)  # the public API forwards to it from now on
+    return rank
 
 
 def _forked_child() -> None:

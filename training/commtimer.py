@@ -167,7 +167,7 @@ class DDPStats:
     all-reduce's path: no comm hook, so a user's own hook, built-in or not, is
     timed as it is.
 
-    The wrapped forward (autowatch.py) tells this object of every forward that
+    The wrapped forward (watched.py) tells this object of every forward that
     all-reduces in its backward, before it runs (`starting`) and after
     (`synced`). Before, it picks whether DDP times the iteration beginning: at
     most one every READ_EVERY_S, and each of the first READ_FIRST (so every
@@ -177,7 +177,7 @@ class DDPStats:
     DDP computes a timed iteration's figures at the next such forward, and
     reading them costs tens of µs: `synced` reads them then. A step not read
     is given its model's recent compute, the rest of its time being the
-    all-reduce's (telemetry.py `_close_open`). Bytes and buckets are counted,
+    all-reduce's (stepfold.py, the estimate). Bytes and buckets are counted,
     and the collective a hung rank waits in is named, once that forward's
     backward has reached the model's first parameter (a post-accumulate-grad
     hook on it: its gradient is, as a rule, the last to be ready, and DDP

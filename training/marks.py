@@ -1,8 +1,12 @@
 """The marks the training thread leaves for telemetry's sender thread, and how
-much of them the sender folds per round (training/telemetry.py does the fold).
+much of them the sender folds per round (stepfold.py does the fold, sender.py
+runs it).
 
-- A mark is a tuple appended to a deque bounded at MAX_MARKS: an append never
+- A mark is a small frozen struct (`PhaseMark`, `StepMark`, ...: what happened,
+  in the training thread's words, with its time where time matters) appended
+  to a deque bounded at MAX_MARKS: an append never
   waits, and costs the training thread the same whatever the sender does.
+  (msgspec structs: as cheap to make as a tuple, and typed.)
   Beyond the bound the deque itself drops the oldest marks: nothing is counted
   on the training thread.
 - The sender folds for at most FOLD_BUDGET_S of its own CPU time per round (a
@@ -27,7 +31,12 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
+
+import msgspec
+import torch
+
+from ddtop.daemon import wire
 
 MAX_MARKS = 1 << 16  # marks not yet folded; beyond, the oldest are dropped
 FOLD_CHUNK = 64  # marks folded between two looks at the clocks (about ten steps)
@@ -36,11 +45,133 @@ FOLD_WALL_S = 0.05  # and wall time, the GIL's waits included (half the send int
 FINAL_BUDGET_S = 0.5  # the last round, at close (which waits 2 s for the sender)
 MEASURE_S = 1.0  # marks that keep the deque full are measured this long, then said
 
-# What the training thread marks (the first item of a mark).
-PHASE, STEP, LOSS, COMM, EXPOSED, SYNC = "phase", "step", "loss", "comm", "exposed", "sync"
-DDP_SYNC, DDP_READING, RESUME = "ddp sync", "ddp reading", "resume"
 
-Marks = collections.deque[tuple[Any, ...]]
+
+# What the training thread marks. Times are its perf_counter; `gc=False`: a mark
+# refers to nothing that refers back to it, so the collector need not track it.
+class PhaseMark(msgspec.Struct, frozen=True, gc=False):
+    """The rank entered phase `name` at `at`."""
+
+    name: wire.Phase
+    at: float
+
+
+class StepMark(msgspec.Struct, frozen=True, gc=False):
+    """An optimizer step counted at `at` (`count_step`'s arguments): its
+    position, and its loss (as `loss_mark` made it) and samples if given.
+    `hold`: its loss comes later (a LossMark with `release`); `then`: the phase
+    the rank is in from now."""
+
+    at: float
+    epoch: int
+    step: int
+    steps_per_epoch: int
+    global_step: int
+    lr: float
+    loss: Any
+    samples: int | None
+    hold: bool
+    then: wire.Phase | None
+
+
+class LossMark(msgspec.Struct, frozen=True, gc=False):
+    """The last step's loss and samples, given after it was counted;
+    `release`: the step held for it may go out now."""
+
+    loss: Any
+    samples: int | None
+    release: bool
+
+
+class CommMark(msgspec.Struct, frozen=True, gc=False):
+    """A collective of the step in progress took `seconds` for `nbytes`;
+    `bus_factor`: its busbw / algbw."""
+
+    seconds: float
+    nbytes: int
+    bus_factor: float
+
+
+class ExposedMark(msgspec.Struct, frozen=True, gc=False):
+    """Of the step's communication, `seconds` the rank sat waiting for it."""
+
+    seconds: float
+
+
+class SyncWaitMark(msgspec.Struct, frozen=True, gc=False):
+    """`seconds` blocked in a metric sync or checkpoint collective."""
+
+    seconds: float
+
+
+class AllReduceSource(Protocol):
+    """A DDP model timed from DDP's own statistics (commtimer.DDPStats): what
+    one of its steps all-reduces."""
+
+    grad_bytes: int  # bytes all-reduced per step
+    buckets: int  # all-reduces per step
+
+
+class DdpSyncMark(msgspec.Struct, frozen=True, gc=False):
+    """`source`'s model all-reduces its gradients in the step in progress;
+    `timed`: DDP times this one (a reading follows, at its next forward)."""
+
+    source: AllReduceSource
+    timed: bool
+
+
+class DdpReadingMark(msgspec.Struct, frozen=True, gc=False):
+    """What `source`'s last timed all-reduce took, read from DDP's statistics."""
+
+    source: AllReduceSource
+    seconds: float
+
+
+class ResumeMark(msgspec.Struct, frozen=True, gc=False):
+    """Steps go on from `global_step` (a resumed run): none was dropped."""
+
+    global_step: int
+
+
+Mark = (PhaseMark | StepMark | LossMark | CommMark | ExposedMark | SyncWaitMark | DdpSyncMark
+        | DdpReadingMark | ResumeMark)
+Marks = collections.deque[Mark]
+
+
+# A loss as a mark carries it: a number as given; a tensor not on a GPU with its
+# version counter (TensorLoss, read by the sender); a GPU loss as its device's
+# running sum (CudaLoss). See LiveTelemetry.loss_mark.
+class TensorLoss(msgspec.Struct, frozen=True, gc=False):
+    """A loss tensor and its version counter when `ddtop.step` had it: if the
+    counter moved by the time it is read, it was changed in place and its value
+    is gone."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+class CudaLoss(msgspec.Struct, frozen=True, gc=False):
+    """The running sum of a rank's losses on a GPU (each times its weight, float64)
+    up to a step, and an event that has passed once the sum is computed."""
+
+    total: torch.Tensor
+    ready: Any  # torch.cuda.Event
+
+
+def loss_value(loss: Any) -> float | torch.Tensor | None:
+    """A loss to sum: a float, or a detached one-element tensor left on its device."""
+    if isinstance(loss, torch.Tensor):
+        n = loss.numel()
+        if n == 0:
+            return None
+        if n == 1 and loss.is_cpu:
+            return float(loss.item())  # (the common case, in one call)
+        value = loss.detach()
+        value = value.float().mean() if value.numel() > 1 else value.reshape(())
+        return float(value) if value.device.type == "cpu" else value
+    if isinstance(loss, int | float) and not isinstance(loss, bool):
+        return float(loss)
+    return None
 
 
 class FoldRounds:
@@ -60,7 +191,7 @@ class FoldRounds:
         self._first: tuple[float, int] | None = None  # (time, step) of a step mark since
         self._last: tuple[float, int] | None = None
 
-    def take(self, marks: Marks, final: bool = False) -> Iterator[tuple[Any, ...]]:
+    def take(self, marks: Marks, final: bool = False) -> Iterator[Mark]:
         """The oldest marks, for at most this round's budget."""
         now = time.monotonic()
         budget = FINAL_BUDGET_S if final else FOLD_BUDGET_S
@@ -78,7 +209,7 @@ class FoldRounds:
                 if final:  # the rest is dropped, but its last step still counts them
                     rest = marks.copy()
                     marks.clear()
-                    last = next((m for m in reversed(rest) if m[0] is STEP), None)
+                    last = next((m for m in reversed(rest) if type(m) is StepMark), None)
                     if last is not None:
                         yield last
                 return
