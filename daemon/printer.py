@@ -29,7 +29,7 @@ from ddtop.daemon.contract import exit_for_status
 from ddtop.daemon.events import RunEvent
 from ddtop.daemon.scalars import line as scalars_line
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunSummary
+from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunSummary, metrics_words
 from ddtop.daemon.text import num, seconds, stamp, traceback_tail
 
 DEFAULT_INTERVAL_S = 10.0
@@ -291,12 +291,8 @@ def summary_text(final: FinalSummary, now: float) -> list[str]:
     if s.program:
         lines.append(f"  program: {s.program}")
     lines += [f"  scalar {c.line()}" for c in s.scalars]
-    m = s.metrics
-    if m is not None:
-        val = (f", val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"
-               if m.val_loss is not None and m.val_accuracy is not None else "")
-        lines.append(f"  global metrics (epoch {m.epoch + 1}, step {m.global_step}): "
-                     f"train loss {m.train_loss:.4f} acc {100 * m.train_accuracy:.2f}%{val}")
+    if s.metrics is not None:
+        lines.append(f"  global metrics {metrics_words(s.metrics)}")
     for r in s.ranks:
         how = r.signal or (f"exit {r.exit_code}" if r.exit_code is not None else "")
         if how and r.stopped_by_daemon and r.exit_code != 0:

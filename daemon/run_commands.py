@@ -19,7 +19,7 @@ from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
 from ddtop.daemon.runinfo import RunInfo, list_runs
 from ddtop.daemon.runs import RunPaths, locate_run
-from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunRecord
+from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunRecord, metrics_words
 from ddtop.daemon.text import count_of
 
 FOLLOW_POLL_S = 0.2
@@ -80,12 +80,8 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         lines.append(f"  {what}, {s.backend}; step {s.global_step}/"
                      f"{s.total_steps or '?'}{pct}; {s.samples_per_s:,.0f} samples/s")
     lines += [f"  scalar {c.line()}" for c in s.scalars]
-    m = s.metrics
-    if m is not None:
-        val = (f", val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"
-               if m.val_loss is not None and m.val_accuracy is not None else "")
-        lines.append(f"  global (epoch {m.epoch + 1}, step {m.global_step}): train "
-                     f"loss {m.train_loss:.4f} acc {100 * m.train_accuracy:.2f}%{val}")
+    if s.metrics is not None:
+        lines.append(f"  global {metrics_words(s.metrics)}")
     if s.hang:
         lines.append(f"  hang: {s.hang}")
     if s.rejected:

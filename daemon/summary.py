@@ -206,6 +206,15 @@ class RunRecord(RunSummary, kw_only=True):
         return msgspec.structs.replace(self, **fields)
 
 
+def metrics_words(m: wire.Aggregate) -> str:
+    """The newest global metrics in words: '(epoch 2, step 1024): train loss 0.1234
+    acc 97.00%, val loss ...' (ddtrain status and the headless summary)."""
+    val = (f", val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"
+           if m.val_loss is not None and m.val_accuracy is not None else "")
+    return (f"(epoch {m.epoch + 1}, step {m.global_step}): train loss {m.train_loss:.4f} "
+            f"acc {100 * m.train_accuracy:.2f}%{val}")
+
+
 def as_lost(summary: RunSummary) -> RunSummary:
     """The daemon is gone before the run ended: the run and every rank that had
     not exited are lost (they died with the daemon)."""

@@ -234,3 +234,26 @@ def test_an_unreadable_config_json_is_named_not_a_traceback(
                      "--foreground"]) == 2
     err = capsys.readouterr().err
     assert "cannot read" in err and "config.json" in err and "Traceback" not in err
+
+
+def test_the_global_metrics_are_said_the_same_by_status_and_the_headless_summary() -> None:
+    from ddtop.daemon import printer, run_commands
+    from ddtop.daemon.summary import metrics_words
+
+    s = fold(hello(0), step(0, 1, 4, steps=4), wire.Aggregate(
+        run=RUN, rank=0, seq=2, t=101.0, scope="epoch", epoch=1, global_step=4,
+        train_loss=0.5, train_accuracy=0.8125, train_samples=64))
+    m = s.aggregate
+    assert m is not None
+    words = "(epoch 2, step 4): train loss 0.5000 acc 81.25%"
+    assert metrics_words(m) == words
+    with_val = msgspec.structs.replace(m, val_loss=0.25, val_accuracy=0.5)
+    assert metrics_words(with_val) == words + ", val loss 0.2500 acc 50.00%"
+    # Validation loss without its accuracy (a metric sync): no val part, no traceback.
+    assert metrics_words(msgspec.structs.replace(m, val_loss=0.25)) == words
+    summary = s.summary(102.0)
+    assert f"  global metrics {words}" in printer.summary_text(
+        printer.final_summary(s, 102.0), 102.0)
+    record = RunRecord(run_id=RUN).with_summary(summary)
+    info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
+    assert f"  global {words}" in run_commands.status_lines(info, record)
