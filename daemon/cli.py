@@ -31,7 +31,6 @@ from ddtop.daemon.config import (
     TrainConfig,
     UsageError,
     add_runs_dir_argument,
-    default_runs_dir,
     resume_mismatch,
 )
 from ddtop.daemon.contract import (
@@ -42,12 +41,7 @@ from ddtop.daemon.contract import (
     FAULT_ENV,
     owner_only_umask,
 )
-from ddtop.daemon.flags import (
-    OneLineParser,
-    add_train_arguments,
-    explicit_overrides,
-)
-from ddtop.daemon.program import check_program, split_program_args
+from ddtop.daemon.flags import OneLineParser
 from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import (
@@ -60,6 +54,12 @@ from ddtop.daemon.runs import (
     write_json_atomic,
 )
 from ddtop.daemon.stacks import cmd_stacks
+from ddtop.daemon.startline import (
+    add_start_command,
+    parse_command_line,
+    said_from_environment,
+    start_overrides,
+)
 from ddtop.daemon.state import RunState
 from ddtop.daemon.text import count_of
 
@@ -85,38 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ddtrain {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    start = commands.add_parser(
-        "start",
-        help="launch a run: one process per rank, DDP over gloo or nccl",
-        description="Launch one process per rank and train with DistributedDataParallel, "
-        "supervised by a daemon that relays the ranks' telemetry. Writes runs/<run-id>/ "
-        "(config, run.json, per-rank logs, telemetry journal, metrics, checkpoints). "
-        "Without --foreground the daemon detaches and this command returns once the "
-        "ranks are up.",
-        epilog=EXIT_CODES,
-    )
-    start.add_argument("--foreground", action="store_true",
-                       help="run the daemon in this terminal, printing the ranks' output; "
-                       "exit with the run's outcome")
-    start.add_argument("--headless", action="store_true",
-                       help="with --foreground: print progress lines from the run's telemetry "
-                       "(or --format jsonl) instead of the ranks' output; for CI")
-    start.add_argument("program", nargs="?", default=argparse.SUPPRESS, metavar="PROGRAM",
-                       help="your training script, run as every rank with torchrun's "
-                       "environment instead of the built-in trainer; its own arguments "
-                       "follow -- (e.g. ddtrain start -n 8 train.py -- --lr 3e-4)")
-    from ddtop.daemon.printer import add_output_arguments
-
-    add_output_arguments(start)
-    add_train_arguments(start)
-    drills = start.add_argument_group("fault drills")
-    drills.add_argument(
-        "--inject", action="append", default=[], metavar="SPEC",
-        help="make a rank fail on purpose, to see how the failure is named (repeatable): "
-        "RANK:ACTION[@step=N|@epoch=E] with ACTION kill, stop, hang, raise, segfault, "
-        "exit=CODE, slow=FACTORx or stall-data=SECONDSs; e.g. 1:kill@step=50, "
-        "2:hang@step=80, 1:slow=1.5x, 0:stall-data=2s@step=30 (first attempt only; "
-        "docs/cli.md#failure-drills)")
+    add_start_command(commands, EXIT_CODES)
 
     def with_run(p: argparse.ArgumentParser) -> None:
         p.add_argument("run", nargs="?", metavar="RUN",
@@ -163,23 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 # -- start --------------------------------------------------------------------------
 def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
     """The run's config and directory: a new run, or the run being resumed."""
-    overrides = explicit_overrides(args)
-    runs_dir = overrides.get("runs_dir") or default_runs_dir()
-    overrides["runs_dir"] = runs_dir
-    if args.program_args:
-        if "program" not in overrides and "module" not in overrides:
-            raise UsageError(f"arguments after -- ({' '.join(args.program_args)}) are for a "
-                             "script: give it before --, e.g. ddtrain start train.py -- ARGS")
-        overrides["program_args"] = args.program_args
-    if "program" in overrides or "module" in overrides:
-        overrides["workdir"] = str(Path.cwd())
-        check_program(overrides.get("program"), overrides.get("module"), overrides["workdir"])
-    if overrides.get("nnodes", 1) > 1:
-        if overrides.get("resume"):
-            raise UsageError("--resume is not supported for a multi-node job yet: start a "
-                             "new one with another --run-id")
-        overrides.setdefault("world_size", overrides["nnodes"] * overrides.get("nproc_per_node", 1))
-        overrides["launcher"] = "torchrun"  # torchrun's agent does the c10d rendezvous
+    overrides = start_overrides(args)
+    runs_dir = overrides["runs_dir"]
     if not overrides.get("resume"):
         config = TrainConfig(**overrides).validate()
         run_id = config.run_id or new_run_id()
@@ -227,7 +181,10 @@ def of(config: TrainConfig) -> str:
 
 def cmd_start(args: argparse.Namespace) -> int:
     owner_only_umask()  # the run directory and all in it: the owner's alone
-    config, paths = resolve_start(args)
+    try:
+        config, paths = resolve_start(args)
+    except UsageError as e:  # a value from torchrun's environment is said to be one
+        raise said_from_environment(e, args) from None
     try:
         return _start(args, config, paths)
     except UsageError:
@@ -409,13 +366,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # -- main -------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    own, program_args = split_program_args(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(own)
-    args.program_args = program_args
     commands = {"start": cmd_start, "serve": cmd_serve, "status": cmd_status,
                 "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs,
                 "stacks": cmd_stacks}
     try:
+        args = parse_command_line(parser, sys.argv[1:] if argv is None else argv, os.environ)
         return commands[args.command](args)
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr)

@@ -72,6 +72,11 @@ RESUME_FIXED = (
 )
 
 
+# The --help section of the built-in trainer's flags: given with a script, one is
+# bad input (the script takes its own flags after its name).
+BUILT_IN = "built-in trainer (without a script)"
+
+
 class UsageError(Exception):
     """Bad input: reported as one line, exit code 2, never a traceback."""
 
@@ -83,17 +88,19 @@ class Flag:
 
     metavar: str | None = None  # N, DIR...; argparse's own is the upper-cased name
     short: str | None = None  # an alias such as -n
-    group: str = "training"  # its section of --help
+    group: str = BUILT_IN  # its section of --help; BUILT_IN: refused with a script
     default_text: str | None = None  # shown as "(default: TEXT)" instead of the default
     enabled: bool = True  # False: the field has no flag
+    torchrun: bool = False  # torchrun's option too: its --under_score spelling, PET_<NAME>
 
 
 def flag(default: T, *, metavar: str | None = None, short: str | None = None,
-         group: str = "training", default_text: str | None = None,
+         group: str = BUILT_IN, default_text: str | None = None, torchrun: bool = False,
          low: int | None = None, high: int | None = None, why: str = "") -> T:
     """A dataclass field's default, with the Flag that the field's type cannot tell
     and, for an integer, the Range of values it takes (`low` to `high`, `why`)."""
-    metadata: dict[str, Any] = {"flag": Flag(metavar, short, group, default_text)}
+    metadata: dict[str, Any] = {"flag": Flag(metavar, short, group, default_text,
+                                             torchrun=torchrun)}
     if low is not None and high is not None:
         metadata["range"] = Range(low, high, why)
     elif low is not None or high is not None:
@@ -106,7 +113,7 @@ class TrainConfig:
     """Everything a run needs. Each field but `extra` is a `ddtrain start` flag, and
     the string under a field is both its documentation and its flag's help."""
 
-    world_size: int = flag(1, short="-n", metavar="N", low=1, high=MAX_WORLD_SIZE,
+    world_size: int = flag(1, short="-n", metavar="N", group="ranks", low=1, high=MAX_WORLD_SIZE,
                            why="every rank runs on this machine, and gloo connects each "
                            "rank to every other")
     """number of ranks (processes) to launch"""
@@ -146,7 +153,7 @@ class TrainConfig:
     keep_checkpoints: int = flag(3, metavar="K", low=0, high=MAX_KEEP_CHECKPOINTS,
                                  why="0 keeps all")
     """checkpoints kept, newest first; 0 keeps all"""
-    resume: bool = False
+    resume: bool = flag(False, group="run")
     """continue --run-id (default: the newest run) from its newest valid checkpoint"""
     runs_dir: str = flag("runs", metavar="DIR", group="run",
                          default_text=f"${RUNS_DIR_ENV} or ./runs")
@@ -157,7 +164,7 @@ class TrainConfig:
     workers: int = flag(0, metavar="W", low=0, high=MAX_WORKERS,
                         why="each is a process on this machine")
     """data-loader worker processes in total, split across ranks"""
-    threads_per_rank: int = flag(1, metavar="T", low=1, high=MAX_THREADS_PER_RANK)
+    threads_per_rank: int = flag(1, metavar="T", group="ranks", low=1, high=MAX_THREADS_PER_RANK)
     """intra-op threads per rank, like torchrun's OMP_NUM_THREADS=1"""
     synthetic_train_samples: int = flag(32768, metavar="N", low=1, high=MAX_SYNTHETIC_SAMPLES,
                                         why="every rank holds the whole set in memory")
@@ -165,16 +172,17 @@ class TrainConfig:
     synthetic_val_samples: int = flag(2048, metavar="N", low=1, high=MAX_SYNTHETIC_SAMPLES,
                                       why="every rank holds the whole set in memory")
     """size of the synthetic validation set"""
-    master_addr: str = flag("127.0.0.1", metavar="ADDR", group="run")
+    master_addr: str = flag("127.0.0.1", metavar="ADDR", group="run", torchrun=True)
     """address of rank 0's rendezvous store"""
-    master_port: int = flag(0, metavar="PORT", group="run", default_text="a free one",
-                            low=0, high=MAX_PORT)
+    master_port: int = flag(0, metavar="PORT", group="run", torchrun=True,
+                            default_text="a free one", low=0, high=MAX_PORT)
     """port of rank 0's rendezvous store"""
     bind: str = flag("", metavar="ADDR", group="run", default_text="local sockets only")
     """serve the daemon's sockets on TCP at ADDR (free ports), authenticated and
     encrypted with the run's CURVE keys (runs/<id>/keys), for dashboards on other
     machines; without it, unix sockets only the run's owner can reach"""
-    start_method: Literal["forkserver", "spawn", "fork"] = flag("forkserver", group="run")
+    start_method: Literal["forkserver", "spawn", "fork"] = flag("forkserver", group="run",
+                                                                torchrun=True)
     """how the local launcher starts ranks: forkserver imports torch once and forks
     every rank from it"""
     progress_every: float = flag(2.0, metavar="SEC")
@@ -182,22 +190,27 @@ class TrainConfig:
     launcher: Literal["local", "torchrun"] = flag("local", group="run")
     """local: ranks forked from one process that imported torch; torchrun: the daemon
     runs torchrun --standalone"""
-    max_restarts: int = flag(0, metavar="K", group="run", low=0, high=MAX_RESTARTS,
-                             why="each restarts every rank")
+    max_restarts: int = flag(0, metavar="K", group="run", torchrun=True, low=0,
+                             high=MAX_RESTARTS, why="each restarts every rank")
     """after a rank fails, restart every rank from the newest checkpoint, up to K times"""
     hang_timeout: float | None = flag(None, metavar="S", group="run", default_text="off")
     """fail the run when it has hung (ranks stalled in a collective) for S seconds,
     naming the rank the others wait for; with --max-restarts it restarts"""
-    nnodes: int = flag(1, metavar="N", group="multi-node", low=1, high=MAX_NNODES)
+    nnodes: int = flag(1, metavar="N", group="multi-node", torchrun=True, low=1,
+                       high=MAX_NNODES)
     """machines (nodes) of the job, one `ddtrain start` on each; more than 1 runs the
     ranks through torchrun's c10d rendezvous at --rdzv-endpoint (docs/multi-node.md)"""
-    node_rank: int = flag(0, metavar="K", group="multi-node", low=0, high=MAX_NNODES - 1)
+    node_rank: int = flag(0, metavar="K", group="multi-node", torchrun=True, low=0,
+                          high=MAX_NNODES - 1)
     """this node's number, 0 to --nnodes - 1; node 0's daemon is the job's hub"""
-    nproc_per_node: int = flag(1, metavar="P", group="multi-node", low=1, high=MAX_WORLD_SIZE)
-    """ranks on each node of a multi-node job: the world size is --nnodes x P"""
-    rdzv_endpoint: str = flag("", metavar="HOST:PORT", group="multi-node", default_text="none")
+    nproc_per_node: int = flag(1, metavar="P", group="ranks", torchrun=True, low=1,
+                               high=MAX_WORLD_SIZE)
+    """ranks on this machine (torchrun's meaning): on one machine the world size, as
+    -n; in a multi-node job the world size is --nnodes x P"""
+    rdzv_endpoint: str = flag("", metavar="HOST:PORT", group="multi-node", torchrun=True,
+                              default_text="none")
     """the job's rendezvous (torchrun --rdzv-endpoint): node 0's host and a free port"""
-    local_addr: str = flag("", metavar="ADDR", group="multi-node",
+    local_addr: str = flag("", metavar="ADDR", group="multi-node", torchrun=True,
                            default_text="this machine's host name")
     """this node's address as the other nodes reach it (torchrun --local-addr): where
     the ranks' store is found when this node has group rank 0"""

@@ -1,10 +1,10 @@
 """The user's own program on `ddtrain start`'s command line, checked before any
 rank starts:
 
-    ddtrain start [options] train.py [-- script args]
-    ddtrain start [options] -m package.module [-- module args]
+    ddtrain start [options] train.py [script args]
+    ddtrain start [options] -m package.module [module args]
 
-What follows the first `--` belongs to the program, untouched. A program that
+What follows the program belongs to it, untouched (daemon/startline.py). A program that
 cannot run (a missing file, a syntax error, a module that is not there) is bad
 input: one line, exit 2, nothing started. Nothing here imports the user's code
 or torch.
@@ -17,14 +17,6 @@ import sys
 from pathlib import Path
 
 from ddtop.daemon.config import UsageError
-
-
-def split_program_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(ddtrain's own arguments, the program's): split at the first `--`."""
-    if "--" not in argv:
-        return argv, []
-    at = argv.index("--")
-    return argv[:at], argv[at + 1:]
 
 
 def check_program(program: str | None, module: str | None, workdir: str) -> None:
