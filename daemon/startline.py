@@ -139,21 +139,17 @@ def split_command_line(argv: list[str],
 
 def _program_args(after: list[str], script: str | None,
                   options: Mapping[str, argparse.Action]) -> list[str]:
-    """What follows the program, for the program: a `--` right after it is dropped
-    (ddtrain's earlier spelling, `train.py -- ARGS`). Two spellings that would now
-    silently mean something else are refused: `train.py -m X` (a script and a
-    module) and ddtrain's own options between the script and a `--` (`train.py
+    """What follows the program, for the program (a `-m` too, as torchrun passes
+    it): a `--` right after it is dropped (ddtrain's earlier spelling, `train.py --
+    ARGS`). The one spelling that would now silently mean something else is
+    refused: ddtrain's own options between the script and a `--` (`train.py
     --inject 1:kill -- --lr 3e-4`, as ddtrain once read it)."""
     if after[:1] == ["--"]:
         return after[1:]
-    if script is not None:
-        head = after[:after.index("--")] if "--" in after else after
-        for token in head:
+    if script is not None and "--" in after:
+        for token in after[:after.index("--")]:
             action = options.get(token.partition("=")[0])
-            if action is not None and action.dest == "module":
-                raise UsageError(f"give a script ({script}) or -m MODULE, not both (for "
-                                 f"the script's own {token}: {script} -- {' '.join(after)})")
-            if "--" in after and action is not None and _group(action.dest) != BUILT_IN:
+            if action is not None and _group(action.dest) not in (BUILT_IN, "program"):
                 raise UsageError(f"{token} follows {script}: what follows a script is its "
                                  f"own arguments; put ddtrain's options before the script "
                                  f"(or give {script} -- ARGS to pass them all to it)")
