@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ddtop needs Python 3.11 or newer; run make with PYTHON=python3.11")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing ddtop with torch and torchvision into $(VENV) (several GB, a minute or two)..."
-	$(BIN)/python -m pip install --progress-bar off -e '.[test]'
+	$(BIN)/python -m pip install --progress-bar off -e '.[train,test]'
 	touch $(STAMP)
 
 install: $(STAMP)

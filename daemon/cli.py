@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -180,6 +181,7 @@ def of(config: TrainConfig) -> str:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    check_torch()
     owner_only_umask()  # the run directory and all in it: the owner's alone
     try:
         config, paths = resolve_start(args)
@@ -192,6 +194,15 @@ def cmd_start(args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):
                 paths.root.rmdir()  # only if still empty
         raise
+
+
+def check_torch() -> None:
+    """Ranks import torch; ddtrain itself never does. Where it is not installed
+    (ddtop installed without its `train` extra, to watch), say so before anything
+    starts, not as every rank's traceback."""
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError("ddtrain start runs ranks, which need torch, not installed here: "
+                         "pip install 'ddtop[train]' (ddtop alone only watches)")
 
 
 def arm_drills(specs: list[str], world_size: int, epochs: int | None = None) -> None:
