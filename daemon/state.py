@@ -44,7 +44,16 @@ from ddtop.daemon.rankview import (
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
 from ddtop.daemon.rankview import SILENT as SILENT
 from ddtop.daemon.scalars import keep_newest, summaries
-from ddtop.daemon.summary import LOST, Failure, RankSummary, RunSummary, ScalarSummary, Status
+from ddtop.daemon.summary import (
+    LOST,
+    Failure,
+    RankSummary,
+    RunSummary,
+    ScalarSummary,
+    Status,
+    ended,
+    user_epochs,
+)
 
 MAX_RANKS = 1 << 16
 # A rank that has spoken sends its next message with the next sequence number, or
@@ -191,11 +200,13 @@ class RunState(msgspec.Struct, kw_only=True):
         stragglers.add_steps(self.straggler_rounds, view.evidence, m.steps, m.step_s, m.comm_s,
                              received, self.world_size, self._stepping, m.compute_trim_s)
         steps = m.steps
-        rate = m.samples / m.step_s if m.step_s > 0 else None
+        span = m.step_s
         if view.last_step_t is not None and m.t > view.last_step_t:
             # Wall clock, so syncs count; never less than the steps took (a message sent
             # right after the previous one, at an epoch end, would otherwise spike).
-            rate = m.samples / max(m.t - view.last_step_t, m.step_s)
+            span = max(m.t - view.last_step_t, m.step_s)
+        rate = m.samples / span if span > 0 else None
+        view.stepping_s += span
         view.last_step_t = m.t
         view.epoch, view.step, view.steps_per_epoch = m.epoch, m.step, m.steps_per_epoch
         view.global_step = max(view.global_step, m.global_step)
@@ -383,7 +394,10 @@ class RunState(msgspec.Struct, kw_only=True):
         return lost / total if total else 0.0
 
     def throughput(self, now: float) -> float:
-        """Samples per second, all ranks that are running or stalled."""
+        """Samples per second, all ranks that are running or stalled; once the run has
+        ended, its average: each rank's samples over the time its steps took, summed."""
+        if ended(self.status):
+            return sum(v.samples / v.stepping_s for v in self.ranks.values() if v.stepping_s)
         states = self.rank_states(now)
         return sum(v.samples_per_s or 0.0 for r, v in self.ranks.items()
                    if states.get(r) in (RUNNING, STALLED))
@@ -398,7 +412,7 @@ class RunState(msgspec.Struct, kw_only=True):
         """Seconds left at the current global rate (steps of the slowest rank); None
         when the total is not known (a script that gave none): no made-up ETA."""
         done, total = self.progress()
-        if not total or done >= total:
+        if not total or done >= total or ended(self.status):
             return None
         if not self.global_batch:  # a script: its ranks' time per step instead
             times = [v.step_time_s for v in self.ranks.values() if v.step_time_s]
@@ -431,7 +445,7 @@ class RunState(msgspec.Struct, kw_only=True):
             samples_per_s=self.throughput(now), telemetry_loss=self.telemetry_loss(),
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
             journal_dropped=self.journal_dropped, hang=self.hang(now), ranks=ranks,
-            started=self.started, updated=self.updated, metrics=self.aggregate,
+            started=self.started, updated=self.updated, metrics=user_epochs(self.aggregate),
             program=self.program, scalars=self.scalar_summaries())
 
 
