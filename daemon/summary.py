@@ -261,7 +261,7 @@ def decode_record(data: bytes) -> RunRecord:
         record = _decode_record(data)
     except RecursionError:
         raise ValueError("nested too deeply to be a run.json") from None
-    if msgspec.json.decode(data, type=_Layout).schema >= RECORD_SCHEMA:
+    if record_layout(data) >= RECORD_SCHEMA:
         return record
     ranks = [msgspec.structs.replace(r, epoch=r.epoch + 1) for r in record.ranks]
     return msgspec.structs.replace(record, schema=RECORD_SCHEMA, ranks=ranks,
@@ -279,6 +279,11 @@ def _decode_record(data: bytes) -> RunRecord:
             return msgspec.convert(_restore_nan(raw, _record_type()), RunRecord)
         except msgspec.ValidationError:
             raise error from None
+
+
+def record_layout(data: bytes) -> int:
+    """The layout a run.json that decode_record read says it has (1: it names none)."""
+    return msgspec.json.decode(data, type=_Layout).schema
 
 
 def encode_record(record: RunRecord) -> bytes:

@@ -288,6 +288,14 @@ def test_a_run_json_of_layout_2_counted_epochs_from_0_and_is_read_counting_from_
     assert record.metrics is not None and record.metrics.epoch == 1
     del old["schema"]  # a layout that named none counted from 0 as well
     assert [r.epoch for r in decode_record(json.dumps(old).encode()).ranks] == [2, 2]
+    # It wrote 0 samples/s for an ended run: its journal tells the run's average.
+    info = RunInfo.load(RunPaths(FIXTURES / "recorded-ok"))
+    assert info.layout == 2 and json.loads(info.paths.status.read_bytes())["samples_per_s"] == 0
+    summary = info.summary()
+    assert summary.samples_per_s > 1000 and [r.epoch for r in summary.ranks] == [2, 2]
+    assert summary.metrics is not None and summary.metrics.epoch == 2
+    from ddtop.daemon import run_commands
+    assert " samples/s on average" in run_commands.status_lines(info, summary)[1]
 
 
 def test_telemetry_messages_lost_are_not_called_a_loss() -> None:
