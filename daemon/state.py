@@ -25,6 +25,7 @@ from __future__ import annotations
 import msgspec
 
 from ddtop.daemon import hangs, stragglers, wire
+from ddtop.daemon import summary as told
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
 from ddtop.daemon.rankview import (
@@ -44,16 +45,7 @@ from ddtop.daemon.rankview import (
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
 from ddtop.daemon.rankview import SILENT as SILENT
 from ddtop.daemon.scalars import keep_newest, summaries
-from ddtop.daemon.summary import (
-    LOST,
-    Failure,
-    RankSummary,
-    RunSummary,
-    ScalarSummary,
-    Status,
-    ended,
-    user_epochs,
-)
+from ddtop.daemon.summary import LOST, Failure, RankSummary, RunSummary, ScalarSummary, Status
 
 MAX_RANKS = 1 << 16
 # A rank that has spoken sends its next message with the next sequence number, or
@@ -396,7 +388,7 @@ class RunState(msgspec.Struct, kw_only=True):
     def throughput(self, now: float) -> float:
         """Samples per second, all ranks that are running or stalled; once the run has
         ended, its average: each rank's samples over the time its steps took, summed."""
-        if ended(self.status):
+        if told.ended(self.status):
             return sum(v.samples / v.stepping_s for v in self.ranks.values() if v.stepping_s)
         states = self.rank_states(now)
         return sum(v.samples_per_s or 0.0 for r, v in self.ranks.items()
@@ -412,7 +404,7 @@ class RunState(msgspec.Struct, kw_only=True):
         """Seconds left at the current global rate (steps of the slowest rank); None
         when the total is not known (a script that gave none): no made-up ETA."""
         done, total = self.progress()
-        if not total or done >= total or ended(self.status):
+        if not total or done >= total or told.ended(self.status):
             return None
         if not self.global_batch:  # a script: its ranks' time per step instead
             times = [v.step_time_s for v in self.ranks.values() if v.step_time_s]
@@ -445,7 +437,7 @@ class RunState(msgspec.Struct, kw_only=True):
             samples_per_s=self.throughput(now), telemetry_loss=self.telemetry_loss(),
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
             journal_dropped=self.journal_dropped, hang=self.hang(now), ranks=ranks,
-            started=self.started, updated=self.updated, metrics=user_epochs(self.aggregate),
+            started=self.started, updated=self.updated, metrics=told.user_epochs(self.aggregate),
             program=self.program, scalars=self.scalar_summaries())
 
 
