@@ -7,7 +7,8 @@ ending with the run's RunSummary and the run's exit code. `ddtrain start
     --format text    a timestamped line per event and per --interval; on a
                      terminal, a progress bar with the events printed above it
     --format jsonl   {"kind": "event", ...} per event, {"kind": "progress", ...}
-                     per interval, and last {"kind": "summary", "status": ...}
+                     per interval, and last {"kind": "summary", "status": ...}; each
+                     with "schema": JSONL_SCHEMA (as the --summary-json file)
 
 Exit codes: 0 the run succeeded, 1 it failed (or was lost: its daemon was killed),
 130 it was stopped, 2 bad input or no run reachable within --wait.
@@ -29,13 +30,22 @@ from ddtop.daemon.contract import exit_for_status
 from ddtop.daemon.events import RunEvent
 from ddtop.daemon.scalars import line as scalars_line
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunSummary, metrics_words
-from ddtop.daemon.text import num, seconds, stamp, traceback_tail
+from ddtop.daemon.summary import (
+    LOST,
+    TRACEBACK_TAIL_LINES,
+    RunSummary,
+    metrics_words,
+    rate_words,
+)
+from ddtop.daemon.text import lost_words, num, seconds, stamp, traceback_tail
 
 DEFAULT_INTERVAL_S = 10.0
 SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 # How a run ended, as the headless summary reports it (its exit code follows).
 Outcome = Literal["succeeded", "failed", "stopped", "lost"]
+# The layout of the JSON lines and of --summary-json, in each record's "schema"
+# (docs/cli.md lists the fields); a field added keeps it, a field changed bumps it.
+JSONL_SCHEMA = 1
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +131,7 @@ class Printer:
 
     def _event(self, event: RunEvent) -> None:
         if self.format == "jsonl":
-            self._json({"kind": "event", **msgspec.to_builtins(event)})
+            self._json(event_record(event))
             return
         text = f"{stamp(event.t)} [{event.source()}] {event.type}: {event.message}"
         tail = traceback_tail(event.traceback, TRACEBACK_TAIL_LINES)
@@ -192,6 +202,10 @@ def new_events(state: RunState, seen: int) -> tuple[list[RunEvent], int]:
 
 
 # -- while the run goes on -----------------------------------------------------------
+def event_record(event: RunEvent) -> dict[str, Any]:
+    return {"kind": "event", "schema": JSONL_SCHEMA, **msgspec.to_builtins(event)}
+
+
 def progress_text(state: RunState, now: float, short: bool = False) -> str:
     done, total = state.progress()
     pct = f" ({100 * done / total:.1f}%)" if total and not short else ""
@@ -200,7 +214,7 @@ def progress_text(state: RunState, now: float, short: bool = False) -> str:
     for s in states.values():
         counts[s] = counts.get(s, 0) + 1
     agg = state.aggregate
-    parts = [f"step {done}/{total or '?'}{pct}", f"{state.throughput(now):,.0f} samples/s"]
+    parts = [f"step {done}/{total or '?'}{pct}", rate_words(state.throughput(now), state.status)]
     if agg is not None:
         parts.append(f"loss {agg.train_loss:.4f} acc {100 * agg.train_accuracy:.1f}%")
     if not short:
@@ -225,10 +239,11 @@ def progress_record(state: RunState, now: float) -> dict[str, Any]:
     _, skew, slow = state.stragglers()
     summary = state.summary(now)
     return {
-        "kind": "progress", "t": now, "run_id": state.run, "status": state.status,
+        "kind": "progress", "schema": JSONL_SCHEMA, "t": now, "run_id": state.run,
+        "status": state.status,
         "global_step": done, "total_steps": total, "samples_per_s": state.throughput(now),
         "eta_s": state.eta(now), "stragglers": slow, "skew_s": skew,
-        "hang": state.hang(now), "telemetry_loss": state.telemetry_loss(),
+        "hang": state.hang(now), "telemetry_loss": state.telemetry_loss(),  # messages lost
         "ranks": [{"rank": r.rank, "state": r.state, "epoch": r.epoch, "step": r.step,
                    "global_step": r.global_step, "loss": r.loss,
                    "samples_per_s": r.samples_per_s, "comm_share": r.comm_share}
@@ -278,7 +293,8 @@ def summary_record(final: FinalSummary) -> dict[str, Any]:
                                                    TRACEBACK_TAIL_LINES)
     elif final.lost is not None:
         failure = {"message": final.lost}
-    return {"kind": "summary", **msgspec.to_builtins(final.run), "status": final.outcome,
+    return {"kind": "summary", "schema": JSONL_SCHEMA, **msgspec.to_builtins(final.run),
+            "status": final.outcome,
             "run_status": final.run.status, "failure": failure, "elapsed_s": final.elapsed_s,
             "exit_code": final.exit_code}
 
@@ -286,8 +302,8 @@ def summary_record(final: FinalSummary) -> dict[str, Any]:
 def summary_text(final: FinalSummary, now: float) -> list[str]:
     s = final.run
     lines = [f"{stamp(now)} run {s.run_id} {s.status} after {seconds(final.elapsed_s)}: "
-             f"step {s.global_step}/{s.total_steps}, {s.restarts} restarts, telemetry loss "
-             f"{100 * s.telemetry_loss:.2f}%"]
+             f"step {s.global_step}/{s.total_steps}, {s.restarts} restarts, "
+             f"{lost_words(s.telemetry_loss)}"]
     if s.program:
         lines.append(f"  program: {s.program}")
     lines += [f"  scalar {c.line()}" for c in s.scalars]

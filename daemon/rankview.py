@@ -71,6 +71,7 @@ class RankView(msgspec.Struct, kw_only=True):
     steps_per_epoch: int = 0
     global_step: int = 0
     samples: int = 0
+    stepping_s: float = 0.0  # the time its samples took: the spans its step messages covered
     loss: float | None = None
     step_time_s: float | None = None  # per step
     samples_per_s: float | None = None

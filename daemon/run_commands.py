@@ -19,7 +19,13 @@ from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
 from ddtop.daemon.runinfo import RunInfo, list_runs
 from ddtop.daemon.runs import RunPaths, locate_run
-from ddtop.daemon.summary import LOST, TRACEBACK_TAIL_LINES, RunRecord, metrics_words
+from ddtop.daemon.summary import (
+    LOST,
+    TRACEBACK_TAIL_LINES,
+    RunRecord,
+    metrics_words,
+    rate_words,
+)
 from ddtop.daemon.text import count_of
 
 FOLLOW_POLL_S = 0.2
@@ -78,7 +84,7 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         pct = f" ({100 * s.global_step / s.total_steps:.1f}%)" if s.total_steps else ""
         what = s.program or f"{s.model} on {s.dataset}"
         lines.append(f"  {what}, {s.backend}; step {s.global_step}/"
-                     f"{s.total_steps or '?'}{pct}; {s.samples_per_s:,.0f} samples/s")
+                     f"{s.total_steps or '?'}{pct}; {rate_words(s.samples_per_s, info.status)}")
     lines += [f"  scalar {c.line()}" for c in s.scalars]
     if s.metrics is not None:
         lines.append(f"  global {metrics_words(s.metrics)}")
@@ -103,7 +109,7 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         if r.stopped_by_daemon and exit_ not in ("-", "0"):
             exit_ += " (stopped)"
         where = f"{_fmt(r.node):>4}  {r.host[:16]:<16}  " if nodes else ""
-        lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<{w}} {r.epoch + 1:>5}  "
+        lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<{w}} {r.epoch:>5}  "
                      f"{r.global_step:>7}  {_fmt(r.loss, '.4f'):>8}  "
                      f"{_fmt(r.samples_per_s, ',.0f'):>9}  {exit_}")
     f = s.failure

@@ -25,6 +25,7 @@ from __future__ import annotations
 import msgspec
 
 from ddtop.daemon import hangs, stragglers, wire
+from ddtop.daemon import summary as told
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
 from ddtop.daemon.rankview import (
@@ -191,11 +192,13 @@ class RunState(msgspec.Struct, kw_only=True):
         stragglers.add_steps(self.straggler_rounds, view.evidence, m.steps, m.step_s, m.comm_s,
                              received, self.world_size, self._stepping, m.compute_trim_s)
         steps = m.steps
-        rate = m.samples / m.step_s if m.step_s > 0 else None
+        span = m.step_s
         if view.last_step_t is not None and m.t > view.last_step_t:
             # Wall clock, so syncs count; never less than the steps took (a message sent
             # right after the previous one, at an epoch end, would otherwise spike).
-            rate = m.samples / max(m.t - view.last_step_t, m.step_s)
+            span = max(m.t - view.last_step_t, m.step_s)
+        rate = m.samples / span if span > 0 else None
+        view.stepping_s += span
         view.last_step_t = m.t
         view.epoch, view.step, view.steps_per_epoch = m.epoch, m.step, m.steps_per_epoch
         view.global_step = max(view.global_step, m.global_step)
@@ -383,7 +386,10 @@ class RunState(msgspec.Struct, kw_only=True):
         return lost / total if total else 0.0
 
     def throughput(self, now: float) -> float:
-        """Samples per second, all ranks that are running or stalled."""
+        """Samples per second, all ranks that are running or stalled; once the run has
+        ended, its average: each rank's samples over the time its steps took, summed."""
+        if told.ended(self.status):
+            return sum(v.samples / v.stepping_s for v in self.ranks.values() if v.stepping_s)
         states = self.rank_states(now)
         return sum(v.samples_per_s or 0.0 for r, v in self.ranks.items()
                    if states.get(r) in (RUNNING, STALLED))
@@ -398,7 +404,7 @@ class RunState(msgspec.Struct, kw_only=True):
         """Seconds left at the current global rate (steps of the slowest rank); None
         when the total is not known (a script that gave none): no made-up ETA."""
         done, total = self.progress()
-        if not total or done >= total:
+        if not total or done >= total or told.ended(self.status):
             return None
         if not self.global_batch:  # a script: its ranks' time per step instead
             times = [v.step_time_s for v in self.ranks.values() if v.step_time_s]
@@ -431,7 +437,7 @@ class RunState(msgspec.Struct, kw_only=True):
             samples_per_s=self.throughput(now), telemetry_loss=self.telemetry_loss(),
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
             journal_dropped=self.journal_dropped, hang=self.hang(now), ranks=ranks,
-            started=self.started, updated=self.updated, metrics=self.aggregate,
+            started=self.started, updated=self.updated, metrics=told.user_epochs(self.aggregate),
             program=self.program, scalars=self.scalar_summaries())
 
 

@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 # A run whose daemon is gone although it never reached a final status: it was killed.
 LOST: Literal["lost"] = "lost"
 Status = wire.RunStatusName | Literal["lost"]
-# run.json's layout version.
-RECORD_SCHEMA = 2
+# run.json's layout version. 3: epochs count from 1 (each rank's `epoch`,
+# `metrics.epoch`), as `ddtrain status --json` and the training log count them;
+# a file of layout 2 (or none named) counted them from 0 and is read as 3.
+RECORD_SCHEMA = 3
 # Lines of a failed rank's traceback that status, the headless summary and the
 # daemon's final report show.
 TRACEBACK_TAIL_LINES = 8
@@ -83,7 +85,9 @@ class RankSummary(msgspec.Struct, kw_only=True):
     host: str = ""
     node: int | None = None  # a multi-node job: the node it runs on (daemon/nodes.py)
     pid: int | None = None
-    epoch: int = 0
+    # The epoch it is in, counted from 1 as the training log prints it (the wire
+    # and RunState count from 0: the summary is where a user reads it).
+    epoch: int = 1
     step: int = 0
     global_step: int = 0
     loss: float | None = None
@@ -100,7 +104,7 @@ class RankSummary(msgspec.Struct, kw_only=True):
     def of(cls, v: RankView, state: RankState, node: int | None, now: float) -> RankSummary:
         """Rank `v` in `state` at `now` (on `node` of a multi-node job)."""
         return cls(
-            rank=v.rank, state=state, host=v.host, node=node, pid=v.pid, epoch=v.epoch,
+            rank=v.rank, state=state, host=v.host, node=node, pid=v.pid, epoch=v.epoch + 1,
             step=v.step, global_step=v.global_step, loss=v.loss, samples_per_s=v.samples_per_s,
             comm_share=v.comm_share, exit_code=v.exit_code, signal=v.signal, phase=v.phase,
             stopped_by_daemon=v.stopped_by_daemon,
@@ -146,15 +150,17 @@ class RunSummary(msgspec.Struct, kw_only=True):
     failure: Failure | None = None
     global_step: int = 0  # done by the slowest rank
     total_steps: int = 0
-    samples_per_s: float = 0.0
-    telemetry_loss: float = 0.0
+    samples_per_s: float = 0.0  # running: the ranks' rates summed; ended: the run's average
+    telemetry_loss: float = 0.0  # the fraction of telemetry messages lost (0..1), not a loss
     rejected: dict[str, int] = {}
     journal_dropped: int = 0  # records the daemon could not write to its journal (a full disk)
     slowest_rank: int | None = None
     skew_s: float = 0.0
     stragglers: list[int] = []
     hang: str | None = None
-    metrics: wire.Aggregate | None = None  # the newest global metrics, as the ranks sent them
+    # The newest global metrics, as the ranks sent them but for `epoch`, counted
+    # from 1 (user_epochs), as metrics.jsonl and the ranks' own lines count it.
+    metrics: wire.Aggregate | None = None
     program: str = ""  # a user's own script, else ""
     scalars: list[ScalarSummary] = []  # ddtop.log keys, aggregated across ranks
     ranks: list[RankSummary] = []
@@ -206,12 +212,29 @@ class RunRecord(RunSummary, kw_only=True):
         return msgspec.structs.replace(self, **fields)
 
 
+def ended(status: str) -> bool:
+    """The run is over: a final status, or lost with its daemon."""
+    return status in (*wire.FINAL_STATUSES, LOST)
+
+
+def rate_words(samples_per_s: float, status: str) -> str:
+    """'2,345 samples/s' while the run goes on; once it has ended, its average
+    (RunState.throughput): '2,345 samples/s on average'."""
+    return f"{samples_per_s:,.0f} samples/s" + (" on average" if ended(status) else "")
+
+
+def user_epochs(m: wire.Aggregate | None) -> wire.Aggregate | None:
+    """Global metrics as a summary holds them: the epoch counted from 1 (the
+    wire's counts from 0)."""
+    return None if m is None else msgspec.structs.replace(m, epoch=m.epoch + 1)
+
+
 def metrics_words(m: wire.Aggregate) -> str:
-    """The newest global metrics in words: '(epoch 2, step 1024): train loss 0.1234
+    """A summary's global metrics in words: '(epoch 2, step 1024): train loss 0.1234
     acc 97.00%, val loss ...' (ddtrain status and the headless summary)."""
     val = (f", val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"
            if m.val_loss is not None and m.val_accuracy is not None else "")
-    return (f"(epoch {m.epoch + 1}, step {m.global_step}): train loss {m.train_loss:.4f} "
+    return (f"(epoch {m.epoch}, step {m.global_step}): train loss {m.train_loss:.4f} "
             f"acc {100 * m.train_accuracy:.2f}%{val}")
 
 
@@ -227,12 +250,22 @@ def as_lost(summary: RunSummary) -> RunSummary:
 _record_decoder = msgspec.json.Decoder(RunRecord)
 
 
+class _Layout(msgspec.Struct):
+    schema: int = 1  # the first layouts may not name theirs
+
+
 def decode_record(data: bytes) -> RunRecord:
-    """run.json as this version writes it; raises ValueError when it is not."""
+    """run.json as this version writes it, or of layout 2 (its epochs counted from 0)
+    read as this one; raises ValueError when it is neither."""
     try:
-        return _decode_record(data)
+        record = _decode_record(data)
     except RecursionError:
         raise ValueError("nested too deeply to be a run.json") from None
+    if record_layout(data) >= RECORD_SCHEMA:
+        return record
+    ranks = [msgspec.structs.replace(r, epoch=r.epoch + 1) for r in record.ranks]
+    return msgspec.structs.replace(record, schema=RECORD_SCHEMA, ranks=ranks,
+                                   metrics=user_epochs(record.metrics))
 
 
 def _decode_record(data: bytes) -> RunRecord:
@@ -246,6 +279,11 @@ def _decode_record(data: bytes) -> RunRecord:
             return msgspec.convert(_restore_nan(raw, _record_type()), RunRecord)
         except msgspec.ValidationError:
             raise error from None
+
+
+def record_layout(data: bytes) -> int:
+    """The layout a run.json that decode_record read says it has (1: it names none)."""
+    return msgspec.json.decode(data, type=_Layout).schema
 
 
 def encode_record(record: RunRecord) -> bytes:

@@ -29,6 +29,12 @@ def seconds(s: float | None) -> str:
     return f"{h}h{m:02d}m"
 
 
+def lost_words(fraction: float) -> str:
+    """'messages lost 0.00%': the share of telemetry messages that never arrived,
+    worded so that beside a training loss it does not read as one."""
+    return f"messages lost {100 * fraction:.2f}%"
+
+
 def stamp(t: float) -> str:
     """The date and time of a line of a log: '2026-11-26 14:03:07'."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))

@@ -39,14 +39,37 @@ MAX_FPS = 30.0  # more is not seen on a terminal, and each frame costs CPU the r
 FIND_POLL_S = 0.2
 
 
+# Every key the dashboard binds, as `ddtop --help` lists them: Textual's key names
+# (as in a Binding), what they do. tests/test_app.py checks that they are exactly
+# the keys of the app's, the ranks table's and the rank detail's BINDINGS.
+KEYS = (("q", "quit (the run goes on)"), ("question_mark", "help"),
+        ("s,S", "sort by the next column / reverse"), ("slash", "filter ranks"),
+        ("escape", "clear the filter"), ("f", "problems only"), ("p", "pause"),
+        ("x", "stop the run (asks first)"),
+        ("plus,equals_sign,minus", "replay faster / slower (--replay)"),
+        ("up,down,k,j,pageup,pagedown,home,end", "move"), ("enter", "the rank's detail"))
+DETAIL_KEYS = (("t", "its Python stacks"), ("l", "its log"),
+               ("escape,enter,backspace", "back"), ("q", "quit"))
+_SHOWN = {"question_mark": "?", "slash": "/", "escape": "Esc", "plus": "+", "equals_sign": "=",
+          "minus": "-", "up": "Up", "down": "Down", "pageup": "PgUp", "pagedown": "PgDn",
+          "home": "Home", "end": "End", "enter": "Enter", "backspace": "Backspace"}
+
+
+def keys_line() -> str:
+    """KEYS and DETAIL_KEYS in a sentence."""
+    def said(keys: tuple[tuple[str, str], ...]) -> str:
+        return ", ".join(f"{'/'.join(_SHOWN.get(k, k) for k in names.split(','))} {what}"
+                         for names, what in keys)
+    return f"{said(KEYS)}; in a rank's detail: {said(DETAIL_KEYS)}."
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ddtop.daemon.printer import add_output_arguments
 
     parser = OneLineParser(
         prog="ddtop",
         description="Live dashboard of a ddtrain run: every rank's progress, loss, throughput "
-        "and communication time, with stragglers, hangs and crashes named. Keys: q quit "
-        "(the run goes on), ? help, s sort, / filter, p pause, Enter rank detail, x stop the run.",
+        f"and communication time, with stragglers, hangs and crashes named. Keys: {keys_line()}",
         epilog=EXIT_CODES,
     )
     parser.add_argument("run", nargs="?", metavar="RUN",

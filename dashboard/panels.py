@@ -26,8 +26,8 @@ from ddtop.daemon.scalars import SCALAR_WIDTH, compact
 from ddtop.daemon.scalars import line as scalars_line
 from ddtop.daemon.state import RunState
 from ddtop.daemon.strategy_names import comm_ops
-from ddtop.daemon.summary import LOST
-from ddtop.daemon.text import count_of, num, seconds, traceback_tail
+from ddtop.daemon.summary import LOST, rate_words
+from ddtop.daemon.text import count_of, lost_words, num, seconds, traceback_tail
 from ddtop.dashboard import format as fmt
 
 STATE_STYLE: dict[RankState, str] = {
@@ -59,14 +59,14 @@ def header(state: RunState, now: float, note: str = "") -> Text:
         what += f" · strategy {state.strategy}"
     text.append(f"\n{what} · {state.backend or '?'} · "
                 f"{count_of(world, 'rank')} on {count_of(n_nodes, 'node')} · "
-                f"restarts {state.restarts} · telemetry loss {100 * state.telemetry_loss():.2f}%")
+                f"restarts {state.restarts} · {lost_words(state.telemetry_loss())}")
     text.append("\n")
     text.append(fmt.bar(fraction, BAR_WIDTH), "green")
     epochs = f" · epoch {max((v.epoch for v in state.ranks.values()), default=0) + 1}/" \
              f"{state.epochs}" if state.epochs else ""
     eta = state.eta(now)
     text.append(f" step {done}/{total or '?'} ({100 * fraction:.1f}%){epochs} · "
-                f"{state.throughput(now):,.0f} samples/s · elapsed "
+                f"{rate_words(state.throughput(now), state.status)} · elapsed "
                 f"{seconds(state.elapsed(now))}"
                 f"{' · ETA ' + seconds(eta) if eta is not None else ''}")
     agg = state.aggregate

@@ -602,3 +602,23 @@ def test_a_live_feed_of_a_few_ranks_is_folded_a_period_at_a_time_and_nothing_is_
     # As many wakeups with news as periods it took (and the first), not one per message.
     assert len(folds) <= (last - first) / period_s + 2, (folds, last - first)
     assert max(folds) > 1, folds
+
+
+def test_ddtop_help_lists_every_key_the_app_binds() -> None:
+    from textual.binding import Binding
+
+    from ddtop.dashboard import cli
+
+    def bound(*owners: type) -> set[str]:
+        return {key.strip() for owner in owners for b in owner.BINDINGS  # type: ignore[attr-defined]
+                if isinstance(b, Binding) for key in b.key.split(",")}
+
+    def listed(keys: tuple[tuple[str, str], ...]) -> set[str]:
+        return {key for names, _ in keys for key in names.split(",")}
+
+    assert listed(cli.KEYS) == bound(DashboardApp, RankTable)
+    assert listed(cli.DETAIL_KEYS) == bound(RankDetail)
+    help_text = " ".join(cli.build_parser().format_help().split())
+    for key in ("q quit", "? help", "f problems only", "t its Python stacks", "l its log",
+                "Enter the rank's detail", "x stop the run"):
+        assert key in help_text

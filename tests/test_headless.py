@@ -54,7 +54,10 @@ def test_foreground_headless_jsonl_ends_with_a_summary_and_exit_0(tmp_path: Path
     assert summary["status"] == "succeeded" and summary["exit_code"] == 0
     assert summary["global_step"] == summary["total_steps"] == 512
     assert [r["state"] for r in summary["ranks"]] == ["finished", "finished"]
-    assert summary["metrics"]["epoch"] == 0 and 0 < summary["metrics"]["train_loss"] < 3
+    # The first epoch, counted from 1 as metrics.jsonl and the ranks' lines count it.
+    assert summary["metrics"]["epoch"] == 1 and 0 < summary["metrics"]["train_loss"] < 3
+    assert [r["epoch"] for r in summary["ranks"]] == [1, 1]
+    assert all(line["schema"] == 1 for line in lines)
     progress = next(line for line in lines if line["kind"] == "progress")
     assert {r["rank"] for r in progress["ranks"]} == {0, 1}
     assert set(progress["ranks"][0]) >= {"rank", "state", "epoch", "step", "loss",

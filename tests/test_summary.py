@@ -5,6 +5,7 @@ Pure code and files; no processes but a finished one's pid."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -243,8 +244,8 @@ def test_the_global_metrics_are_said_the_same_by_status_and_the_headless_summary
     s = fold(hello(0), step(0, 1, 4, steps=4), wire.Aggregate(
         run=RUN, rank=0, seq=2, t=101.0, scope="epoch", epoch=1, global_step=4,
         train_loss=0.5, train_accuracy=0.8125, train_samples=64))
-    m = s.aggregate
-    assert m is not None
+    m = s.summary(102.0).metrics  # the wire's epoch 1, counted from 1 in a summary
+    assert m is not None and m.epoch == 2 and s.aggregate is not None and s.aggregate.epoch == 1
     words = "(epoch 2, step 4): train loss 0.5000 acc 81.25%"
     assert metrics_words(m) == words
     with_val = msgspec.structs.replace(m, val_loss=0.25, val_accuracy=0.5)
@@ -257,3 +258,92 @@ def test_the_global_metrics_are_said_the_same_by_status_and_the_headless_summary
     record = RunRecord(run_id=RUN).with_summary(summary)
     info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
     assert f"  global {words}" in run_commands.status_lines(info, record)
+
+
+def test_epochs_count_from_one_where_a_user_reads_them() -> None:
+    from ddtop.daemon import printer, run_commands
+
+    s = fold(hello(0), hello(1), step(0, 1, 20), step(1, 1, 20))  # the wire's epoch 0
+    assert [v.epoch for v in s.ranks.values()] == [0, 0]  # the fold keeps the wire's count
+    summary = s.summary(102.0)
+    assert [r.epoch for r in summary.ranks] == [1, 1]
+    assert [r["epoch"] for r in printer.progress_record(s, 102.0)["ranks"]] == [1, 1]
+    assert [r["epoch"] for r in printer.summary_record(
+        printer.final_summary(s, 102.0))["ranks"]] == [1, 1]
+    record = RunRecord(run_id=RUN).with_summary(summary)
+    assert decode_record(encode_record(record)) == record  # run.json keeps them from 1
+    info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
+    header, row = run_commands.status_lines(info, record)[-3:-1]
+    assert row.split()[header.split().index("EPOCH")] == "1"
+
+
+def test_a_run_json_of_layout_2_counted_epochs_from_0_and_is_read_counting_from_1() -> None:
+    data = (FIXTURES / "recorded-failed" / "run.json").read_bytes()
+    old = json.loads(data)
+    assert old["schema"] == 2 and [r["epoch"] for r in old["ranks"]] == [1, 1]
+    assert old["metrics"]["epoch"] == 0
+    record = decode_record(data)
+    assert record.schema == RECORD_SCHEMA == 3
+    assert [r.epoch for r in record.ranks] == [2, 2]
+    assert record.metrics is not None and record.metrics.epoch == 1
+    del old["schema"]  # a layout that named none counted from 0 as well
+    assert [r.epoch for r in decode_record(json.dumps(old).encode()).ranks] == [2, 2]
+    # It wrote 0 samples/s for an ended run: its journal tells the run's average.
+    info = RunInfo.load(RunPaths(FIXTURES / "recorded-ok"))
+    assert info.layout == 2 and json.loads(info.paths.status.read_bytes())["samples_per_s"] == 0
+    summary = info.summary()
+    assert summary.samples_per_s > 1000 and [r.epoch for r in summary.ranks] == [2, 2]
+    assert summary.metrics is not None and summary.metrics.epoch == 2
+    from ddtop.daemon import run_commands
+    assert " samples/s on average" in run_commands.status_lines(info, summary)[1]
+
+
+def test_telemetry_messages_lost_are_not_called_a_loss() -> None:
+    from ddtop.daemon import printer
+    from ddtop.dashboard import panels
+
+    s = fold(hello(0), hello(1), step(0, 1, 20), step(0, 4, 30), step(1, 1, 20))  # 2 lost
+    first = printer.summary_text(printer.final_summary(s, 102.0), 102.0)[0]
+    assert "messages lost 28.57%" in first and "telemetry loss" not in first
+    header = panels.header(s, 102.0).plain
+    assert "messages lost 28.57%" in header and "telemetry loss" not in header
+    # The JSON field keeps its name: the fraction of messages lost.
+    assert printer.progress_record(s, 102.0)["telemetry_loss"] == pytest.approx(2 / 7)
+
+
+def test_an_ended_run_shows_its_average_rate_not_zero() -> None:
+    from ddtop.daemon import printer, run_commands
+    from ddtop.dashboard import panels
+
+    s = fold(hello(0), hello(1), step(0, 1, 10, t=101.0), step(1, 1, 10, t=101.0),
+             step(0, 2, 20, t=103.0), step(1, 2, 20, t=103.0))
+    # Running: the ranks' newest rates (320 samples over 2 s each), summed.
+    assert s.throughput(103.0) == pytest.approx(2 * 320 / 2.0)
+    assert "320 samples/s;" in printer.progress_text(s, 103.0)
+    s.apply(daemon(wire.RunStatus, 0, status="succeeded", world_size=2, exit_code=0), 104.0)
+    # Ended: each rank's 640 samples over the 1 s of its first message and the 2 s to
+    # its second, summed; before, no rank was running and this was 0.
+    assert s.throughput(200.0) == pytest.approx(2 * 640 / 3.0)
+    assert s.eta(200.0) is None
+    summary = s.summary(200.0)
+    assert summary.samples_per_s == pytest.approx(2 * 640 / 3.0)
+    record = RunRecord(run_id=RUN).with_summary(summary)
+    info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
+    assert "; 427 samples/s on average" in run_commands.status_lines(info, record)[1]
+    assert "427 samples/s on average" in panels.header(s, 200.0).plain
+    assert "427 samples/s on average" in printer.progress_text(s, 200.0)
+
+
+def test_every_json_record_names_its_layout() -> None:
+    from ddtop.daemon import printer
+
+    s = failed_run()
+    records = [printer.progress_record(s, 102.0),
+               printer.summary_record(printer.final_summary(s, 102.0)),
+               *(printer.event_record(e) for e in s.events)]
+    assert len(records) > 2
+    assert all(r["schema"] == printer.JSONL_SCHEMA == 1 for r in records)
+    out = io.StringIO()
+    printer.Printer("jsonl", out=out).finish(s, 102.0)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines and all(line["schema"] == 1 for line in lines)
