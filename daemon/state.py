@@ -308,20 +308,16 @@ class RunState(msgspec.Struct, kw_only=True):
             self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
     def _apply_node(self, data: EventData) -> None:
-        if "node" not in data:
-            return  # an event about no node
-        try:
-            news = msgspec.convert(data, wire.NodeNews)
-        except msgspec.ValidationError:
-            return  # shown as an event, not believed
+        news = wire.read_node_news(data)
+        if news is None:
+            return  # an event about no node, or node news not whole: only shown
         if len(self.node_states) < MAX_RANKS or news.node in self.node_states:
             self.node_states[news.node] = news.node_state
-        if news.ranks:
-            for rank in news.rank_list()[:MAX_RANKS]:
-                if rank < MAX_RANKS:
-                    self.rank_nodes[rank] = news.node
-            if news.local:
-                self.local_ranks = sorted(r for r, k in self.rank_nodes.items() if k == news.node)
+        for rank in news.rank_list()[:MAX_RANKS]:
+            if rank < MAX_RANKS:
+                self.rank_nodes[rank] = news.node
+        if news.local and news.ranks:
+            self.local_ranks = sorted(r for r, k in self.rank_nodes.items() if k == news.node)
 
     def _event(self, t: float, rank: int, type: EventKind, message: str,
                data: EventData | None = None, traceback: str | None = None) -> None:

@@ -79,6 +79,17 @@ class NodeNews(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return [int(p) for p in self.ranks.split(",") if p.isdigit() and len(p) <= 6]
 
 
+def read_node_news(data: dict[str, Any]) -> NodeNews | None:
+    """An event's data as node news; None when it says nothing of a node, or is
+    not whole node news (then the event is only shown)."""
+    if "node" not in data:
+        return None
+    try:
+        return msgspec.convert(data, NodeNews)
+    except msgspec.ValidationError:
+        return None
+
+
 def node_news(node: int, state: NodeState, ranks: list[int], host: str,
               local: bool = False) -> dict[str, Any]:
     """An event's data that says `NodeNews` (the one place it is written)."""
