@@ -2,6 +2,7 @@
 
     ddtrain start --world-size 8          a detached daemon runs the job; returns at once
     ddtrain start --foreground -n 2       the same daemon, in this terminal
+    ddtrain watch -- torchrun ...         watch ranks any launcher starts
     ddtrain status [RUN] [--json]         ranks, progress, exit codes
     ddtrain list                          every run under ./runs
     ddtrain logs [RUN] [--rank K] [-f]    the ranks' output
@@ -23,7 +24,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -47,9 +47,8 @@ from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import (
     RunPaths,
-    claim_new_run,
     find_run,
-    new_run_id,
+    new_run,
     read_json,
     remove_unstarted,
     write_json_atomic,
@@ -61,11 +60,13 @@ from ddtop.daemon.startline import (
     said_from_environment,
     start_overrides,
 )
-from ddtop.daemon.state import RunState
 from ddtop.daemon.text import count_of
+from ddtop.daemon.watchcmd import add_watch_command, cmd_watch
 
 EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
               "130 stopped (Ctrl-C or ddtrain stop).")
+WATCH_EXIT_CODES = ("Exit codes: the command's (128+N when a signal N ended it); without a "
+                    "command 0 when every rank ended well, 1 otherwise; 2 bad input.")
 # A detached start waits this long for every rank to say hello (or the run to fail).
 START_WATCH_S = 20.0
 DAEMON_READY_S = 30.0
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddtrain {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_start_command(commands, EXIT_CODES)
+    add_watch_command(commands, WATCH_EXIT_CODES)
 
     def with_run(p: argparse.ArgumentParser) -> None:
         p.add_argument("run", nargs="?", metavar="RUN",
@@ -137,18 +139,8 @@ def resolve_start(args: argparse.Namespace) -> tuple[TrainConfig, RunPaths]:
     runs_dir = overrides["runs_dir"]
     if not overrides.get("resume"):
         config = TrainConfig(**overrides).validate()
-        run_id = config.run_id or new_run_id()
-        # Node K > 0 of a multi-node job keeps its own files in runs/<id>/nodes/<K>/.
-        paths = RunPaths(Path(runs_dir) / run_id).node(config.node_rank)
-        if paths.config.exists():
-            raise UsageError(f"run {run_id} already exists in {runs_dir}/: add --resume to "
-                             "continue it, or pick another --run-id")
-        try:
-            claim_new_run(paths)  # atomic: two starts with one --run-id cannot both win
-        except OSError as e:
-            raise UsageError(f"cannot write the run directory {paths.root}: {e.strerror}; "
-                             "pick another --runs-dir") from None
-        return TrainConfig(**{**config.to_dict(), "run_id": run_id}), paths
+        paths = new_run(runs_dir, config.run_id, config.node_rank)
+        return TrainConfig(**{**config.to_dict(), "run_id": paths.run_id}), paths
     paths = find_run(runs_dir, overrides.get("run_id"))
     info = RunInfo.load(paths)
     if info.live:
@@ -230,47 +222,18 @@ def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> in
     verb = "resuming" if config.resume else "starting"
     arm_drills(args.inject, config.world_size,
                None if config.runs_user_code else config.epochs)
-    if args.headless:
-        return start_headless(args, config, paths)
-    if args.foreground:
-        from ddtop.daemon.supervisor import Supervisor
-
-        print(f"ddtrain: {verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}"
-              f"{of(config)} in {paths.root} (Ctrl-C stops it)", flush=True)
-        with _removed_if_refused(paths):
-            return Supervisor(config, paths).run()
-    return start_detached(config, paths)
-
-
-def start_headless(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:
-    """--foreground --headless: the daemon in this process, and the headless printer
-    reading its RunState after every poll; ranks' output stays in their log files,
-    ddtrain's own lines go to stderr, stdout has only the printer's lines."""
-    from ddtop.daemon.printer import Printer, check_output_arguments
-    from ddtop.daemon.supervisor import Supervisor
-
-    if not args.foreground:
+    if args.headless and not args.foreground:
         raise UsageError("--headless prints a run in this terminal: add --foreground (a "
                          "detached run is watched with: ddtop --headless)")
-    problem = check_output_arguments(args)
-    if problem is not None:
-        raise UsageError(problem)
-    printer = Printer(args.format, args.interval, summary_json=args.summary_json)
-    printed: list[RunState] = []  # the daemon's state, once it has polled
+    if args.foreground:
+        from ddtop.daemon.foreground import supervise
 
-    def tick(state: RunState) -> None:
-        printed[:] = [state]
-        printer.tick(state, time.time())
-
-    verb = "resuming" if config.resume else "starting"
-    print(f"ddtrain: {verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}"
-          f"{of(config)} in {paths.root} (Ctrl-C stops it; rank output in {paths.logs})",
-          file=sys.stderr, flush=True)
-    with _removed_if_refused(paths):
-        code = Supervisor(config, paths, out=sys.stderr, echo=False, on_tick=tick).run()
-    for state in printed:  # over: the time of its last message, not of the clock
-        printer.finish(state, state.updated or time.time())
-    return code
+        what = f"{verb} run {paths.run_id} with {count_of(config.world_size, 'rank')}{of(config)}"
+        banner = (f"ddtrain: {what} in {paths.root} (Ctrl-C stops it; rank output in "
+                  f"{paths.logs})" if args.headless
+                  else f"ddtrain: {what} in {paths.root} (Ctrl-C stops it)")
+        return supervise(args, config, paths, banner)[0]
+    return start_detached(config, paths)
 
 
 def start_detached(config: TrainConfig, paths: RunPaths) -> int:
@@ -328,17 +291,6 @@ def _wait_for_ranks(daemon: subprocess.Popen[bytes], info: RunInfo, expected: in
     return False
 
 
-@contextlib.contextmanager
-def _removed_if_refused(paths: RunPaths) -> Iterator[None]:
-    """A start refused before it began (a UsageError from the daemon's set-up)
-    leaves no run folder behind (runs.remove_unstarted)."""
-    try:
-        yield
-    except UsageError:
-        remove_unstarted(paths)
-        raise
-
-
 def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
     if daemon.poll() is None:
         daemon.kill()
@@ -379,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     commands = {"start": cmd_start, "serve": cmd_serve, "status": cmd_status,
                 "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs,
-                "stacks": cmd_stacks}
+                "stacks": cmd_stacks, "watch": cmd_watch}
     try:
         args = parse_command_line(parser, sys.argv[1:] if argv is None else argv, os.environ)
         return commands[args.command](args)

@@ -230,6 +230,12 @@ class TrainConfig:
     program_args: list[str] = field(default_factory=list,
                                     metadata={"flag": Flag(enabled=False)})
     """the script's own arguments: what follows `--`"""
+    watch: list[str] | None = field(default=None, metadata={"flag": Flag(enabled=False)})
+    """`ddtrain watch`: the command it runs (empty: ranks started elsewhere); None
+    for `ddtrain start`"""
+    idle: float = field(default=0.0, metadata={"flag": Flag(enabled=False)})
+    """`ddtrain watch` without a command: seconds without any rank's message after
+    which it ends (0: never)"""
     workdir: str | None = field(default=None, metadata={"flag": Flag(enabled=False)})
     """the directory the script runs in: where `ddtrain start` was typed"""
     extra: dict[str, Any] = field(default_factory=dict, metadata={"flag": Flag(enabled=False)})
@@ -239,11 +245,13 @@ class TrainConfig:
     @property
     def runs_user_code(self) -> bool:
         """True when the ranks run the user's script or module, not the built-in trainer."""
-        return self.program is not None or self.module is not None
+        return self.program is not None or self.module is not None or self.watch is not None
 
     @property
     def program_label(self) -> str:
         """The user's program as typed: 'train.py --lr 3e-4' or '-m pkg.train'."""
+        if self.watch is not None:
+            return shlex.join(self.watch) if self.watch else "ranks started elsewhere"
         head = [self.program] if self.program is not None else ["-m", str(self.module)]
         return shlex.join([*head, *self.program_args])
 

@@ -18,7 +18,7 @@ from ddtop.daemon.contract import EXIT_FAILED, EXIT_USAGE, ErrorReport, signal_n
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome
 from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.starters import Rank, RankStarter
+from ddtop.daemon.starters import COMMAND, WATCH, Rank, RankStarter, process_name
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.
@@ -59,8 +59,11 @@ class Exits:
             if r.process.exitcode is not None:
                 r.exitcode, r.ended = r.process.exitcode, time.time()
                 r.others_running = any(o is not r for o in others)
-                if stopping and r.exitcode in (-self.stop_signal, 128 + self.stop_signal):
-                    r.stopped_by_us = True  # it ended as a stop asked it to (a user's program)
+                if stopping and (r.exitcode in (-self.stop_signal, 128 + self.stop_signal)
+                                 or r.rank in (COMMAND, WATCH)):
+                    # It ended as a stop asked it to (a user's program), or it is the
+                    # command of a watch, whose ranks the stop ended.
+                    r.stopped_by_us = True
                 if r.exitcode == 0 or r.stopped_by_us:
                     self.note(None, [r])
                 else:
@@ -102,7 +105,7 @@ class Exits:
         for r in ranks:
             view = state.ranks.get(r.rank)
             if r.rank < 0:
-                parts.append("torchrun's agent (and its ranks)")
+                parts.append(f"{process_name(r.rank)} (and its ranks)")
             elif view is None:
                 parts.append(f"rank {r.rank} (never heard from)")
             else:
@@ -175,5 +178,8 @@ class Exits:
 
 
 def left_early(rank: Rank) -> str | None:
-    """How a rank that left early ended, in words (None: it did not)."""
+    """How a rank ended, in words, where its exit code does not say it: it left
+    early, or (a watched rank) it ended without a goodbye. None: the code says it."""
+    if rank.reason is not None:
+        return rank.reason
     return None if rank.left_early_at is None else blame.left_early_words(rank.left_early_at)

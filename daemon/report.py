@@ -28,7 +28,7 @@ from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.contract import EXIT_USAGE, ErrorReport, describe_exit
 from ddtop.daemon.processes import ProcessId
 from ddtop.daemon.runs import RunPaths, atomic_file
-from ddtop.daemon.starters import AGENT, Rank
+from ddtop.daemon.starters import AGENT, Rank, process_name
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord, RunRecord, encode_record
 
@@ -158,7 +158,7 @@ class RunReport:
 
     @staticmethod
     def _who(rank: Rank) -> str:
-        return "torchrun's agent" if rank.rank == AGENT else f"rank {rank.rank}"
+        return process_name(rank.rank)
 
     @staticmethod
     def _how(outcome: Outcome) -> str:
@@ -175,6 +175,11 @@ class RunReport:
     def resume_hint(self) -> str:
         if self.config.multi_node:
             return "a multi-node job cannot be resumed yet (docs/multi-node.md)"
+        if self.config.watch is not None:
+            if not self.config.watch:
+                return "to go on, start the ranks again (your program resumes from its own)"
+            return (f"to go on, run ddtrain watch -- {self.config.program_label} again (your "
+                    "program resumes from its own checkpoints)")
         if self.config.runs_user_code:
             return ("start it again with: ddtrain start --resume --run-id "
                     f"{self.paths.run_id} (your program resumes from its own checkpoints)")
@@ -190,7 +195,10 @@ class RunReport:
     def _print_outcome(self, outcome: Outcome, out: TextIO, err: TextIO) -> None:
         rid, seconds = self.paths.run_id, self.elapsed()
         if outcome.status == "succeeded":
-            where = (f"rank logs in {self.paths.logs}" if self.config.runs_user_code
+            where = (f"the command's output in {self.paths.logs / 'command.log'}"
+                     if self.config.watch else "the ranks' output is their launcher's"
+                     if self.config.watch is not None else f"rank logs in {self.paths.logs}"
+                     if self.config.runs_user_code
                      else f"checkpoints in {self.paths.checkpoints}")
             print(f"ddtrain: run {rid} succeeded in {seconds:.1f} s; {where}", file=out,
                   flush=True)
@@ -206,11 +214,15 @@ class RunReport:
             return
         cause = f": {report.message}" if report is not None and report.message else ""
         who = outcome.who or self._who(rank)
-        lines = [f"ddtrain: run {rid} failed: {who} (pid {rank.process.pid}) "
-                 f"{self._how(outcome)}{cause}"]
+        pid = f" (pid {rank.process.pid})" if rank.process.pid is not None else ""
+        lines = [f"ddtrain: run {rid} failed: {who}{pid} {self._how(outcome)}{cause}"]
         tb = report.traceback.rstrip().splitlines() if report is not None else []
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
-        log = self.paths.logs / "torchrun.log" if rank.rank == AGENT else (
-            self.paths.rank_log(rank.rank))
-        lines.append(f"  log: {outcome.log or log}; {self.resume_hint()}")
+        log = (self.paths.logs / "torchrun.log" if rank.rank == AGENT else
+               self.paths.logs / "command.log" if self.config.watch else
+               self.paths.rank_log(rank.rank))
+        if self.config.watch == [] and outcome.log is None:  # the ranks' output is elsewhere
+            lines.append(f"  {self.resume_hint()}")
+        else:
+            lines.append(f"  log: {outcome.log or log}; {self.resume_hint()}")
         print("\n".join(lines), file=err, flush=True)

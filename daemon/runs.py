@@ -298,6 +298,23 @@ def remove_unstarted(paths: RunPaths) -> bool:
     return True
 
 
+def new_run(runs_dir: str, run_id: str | None, node_rank: int = 0) -> RunPaths:
+    """A new run's directory, claimed (`run_id` None: a new, timestamped one);
+    UsageError if the run exists or the folder cannot be written."""
+    run_id = run_id or new_run_id()
+    # Node K > 0 of a multi-node job keeps its own files in runs/<id>/nodes/<K>/.
+    paths = RunPaths(Path(runs_dir) / run_id).node(node_rank)
+    if paths.config.exists():
+        raise UsageError(f"run {run_id} already exists in {runs_dir}/: add --resume to "
+                         "continue it, or pick another --run-id")
+    try:
+        claim_new_run(paths)  # atomic: two starts with one --run-id cannot both win
+    except OSError as e:
+        raise UsageError(f"cannot write the run directory {paths.root}: {e.strerror}; "
+                         "pick another --runs-dir") from None
+    return paths
+
+
 def claim_new_run(paths: RunPaths) -> None:
     """Make a new run's directory, atomically: of two starts with one run id, one wins."""
     paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import socket
 from dataclasses import dataclass
 from typing import Protocol
 
+from ddtop.daemon import wire
 from ddtop.daemon.blame import RankEnd
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.leftovers import Leftover
@@ -31,6 +32,13 @@ from ddtop.daemon.processes import LogTail, Process, ProcessId
 from ddtop.daemon.state import RunState
 
 AGENT = -1  # the `rank` of a process that is not a rank itself (torchrun's agent)
+COMMAND = wire.COMMAND_RANK  # ... of the command `ddtrain watch` runs
+WATCH = wire.WATCH_RANK  # ... and of a watch without a command, waiting for its ranks
+
+
+def process_name(rank: int) -> str:
+    """'rank 3', "torchrun's agent" or 'the command'."""
+    return f"rank {rank}" if rank >= 0 else wire.launcher_name(rank)
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class Rank:
     ended: float | None = None  # wall clock when the daemon saw it exit
     others_running: bool = False  # other ranks of the attempt still ran when it exited
     left_early_at: int | None = None  # exited 0 before its work was done, at this step
+    reason: str | None = None  # how it ended, where its exit code cannot say (watched ranks)
 
     def end(self) -> RankEnd:
         """Its exit as the blame policy takes it."""

@@ -75,7 +75,7 @@ class Failure(msgspec.Struct, kw_only=True):
     def who(self) -> str:
         """'rank 3', or in a multi-node job 'rank 3 on node 1', or 'node 1' itself."""
         if self.rank < 0:
-            return f"node {self.node}" if self.node is not None else "torchrun's agent"
+            return f"node {self.node}" if self.node is not None else wire.launcher_name(self.rank)
         return f"rank {self.rank}" + (f" on node {self.node}" if self.node is not None else "")
 
 

@@ -48,18 +48,23 @@ from ddtop.daemon.contract import (
 )
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
-from ddtop.daemon.local import LocalRanks
+from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
 from ddtop.daemon.processes import send_signal
 from ddtop.daemon.rankview import STALLED
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
-from ddtop.daemon.starters import Rank, RankStarter, choose_port, rank_program
+from ddtop.daemon.starters import (
+    Rank,
+    RankStarter,
+    choose_port,
+    process_name,
+    rank_program,
+)
 from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import ProcessRecord
 from ddtop.daemon.text import count_of
-from ddtop.daemon.torchrun import TorchrunRanks
 
 # Seconds between looks at the sockets and the ranks' logs while they run.
 POLL_S = 0.1
@@ -69,9 +74,6 @@ INTERRUPT_STOP_TIMEOUT_S = 30.0
 STACKS_GRACE_S = 0.3
 
 
-# How ranks are started, by --launcher.
-STARTERS: dict[str, Callable[[RunPaths, int, float], RankStarter]] = {
-    "local": LocalRanks, "torchrun": TorchrunRanks}
 
 
 class Stopped(Exception):
@@ -120,7 +122,7 @@ class Supervisor:
             bind = nodes.hub_bind_address(self.config) if hub else self.config.bind
             keys = RunKeys.create(self.paths.keys) if bind else None
             self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
-                               world_size=self.config.world_size,
+                               world_size=None if self.watching else self.config.world_size,
                                bind=bind or None, keys=keys, nodes=hub)
             self.role = NodeRole(self.config, self.paths, self.relay, self.err, self._local_ranks)
             if hub:
@@ -130,12 +132,12 @@ class Supervisor:
             if not self.config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(self.config.master_addr, 0)
-            self.starter = STARTERS[self.config.launcher](self.paths, port, self.report.started)
+            self.starter = make_starter(self.config, self.paths, port, self.report.started,
+                                        self.relay.state)
             self.relay.rank_pid = self.starter.is_rank  # a hello from any other pid: dropped
             self.exits = Exits(self.paths, self.relay, self.starter,
                                rank_program(self.config).stop_signal)
-            self._status("starting", f"run {self.paths.run_id} starting "
-                         f"{count_of(self.config.world_size, 'rank')}")
+            self._status("starting", f"run {self.paths.run_id} starting {self._what()}")
             if self.config.multi_node and not self.config.is_hub:
                 self.stop_secret = self.role.join_hub().stop_secret()
         except (OSError, UsageError) as e:
@@ -179,8 +181,7 @@ class Supervisor:
         self._echo_logs(final=True)
         headline = self.report.headline(outcome)
         if self.late:  # the ranks a stop had to kill: named, not blamed
-            names = ", ".join("torchrun's agent" if r.rank < 0 else f"rank {r.rank}"
-                              for r in self.late)
+            names = ", ".join(process_name(r.rank) for r in self.late)
             headline += f" ({names} did not stop in time and was killed with SIGKILL)"
             print(f"ddtrain: {names} did not stop in time and was killed with SIGKILL",
                   file=self.err, flush=True)
@@ -228,13 +229,24 @@ class Supervisor:
         self.hung_since = None
 
     # -- start -----------------------------------------------------------------
+    @property
+    def watching(self) -> bool:
+        """`ddtrain watch`: ranks this daemon did not start."""
+        return self.config.watch is not None
+
+    def _what(self) -> str:
+        if self.watching:
+            return f"watching {self.config.program_label}"
+        return count_of(self.config.world_size, "rank")
+
     def _start_ranks(self) -> None:
         # Set before the forkserver starts, so that it and every rank inherit
         # them: one intra-op thread per rank unless told otherwise (as torchrun
         # does), and where to send telemetry (this daemon, unless the user said).
-        os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
+        if not self.watching:  # a watched command's threads are its own business
+            os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
         assert self.relay is not None and self.starter is not None and self.exits is not None
-        if not os.environ.get(TELEMETRY_ENV):
+        if not os.environ.get(TELEMETRY_ENV) or self.watching:
             os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
             if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
                 os.environ[KEYS_ENV] = str(self.paths.keys)
@@ -248,7 +260,8 @@ class Supervisor:
             print(f"ddtrain: {message}", file=self.err, flush=True)
             self.relay.emit(wire.Event, type="info", message=message)
         self.starter.start(self.config, self.restarts, self.exits.begin())
-        self._status("running", f"{count_of(self.config.world_size, 'rank')} started")
+        self._status("running", f"watching {self.config.program_label}" if self.watching
+                     else f"{count_of(self.config.world_size, 'rank')} started")
 
     # -- supervise -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -418,7 +431,9 @@ class Supervisor:
         """Announce the run's status (state, journal, dashboards), then record it in
         run.json from the state it is now in."""
         assert self.relay is not None and self.starter is not None
-        self.relay.emit(wire.RunStatus, status=status, world_size=self.config.world_size,
+        # A watched run's world size is what its ranks say (0: not known here).
+        world = 0 if self.watching else self.config.world_size
+        self.relay.emit(wire.RunStatus, status=status, world_size=world,
                         restarts=self.restarts, message=message, exit_code=exit_code)
         if write:
             self.report.write(self.relay.state, self.relay.endpoints, self.starter.port,
@@ -431,5 +446,5 @@ class Supervisor:
             return
         for prefix, tail in self.starter.tails:
             for line in tail.lines(final):
-                print(f"{prefix} {line}", file=self.out, flush=True)
+                print(f"{prefix} {line}" if prefix else line, file=self.out, flush=True)
 

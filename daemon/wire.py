@@ -281,6 +281,15 @@ class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):
 
 # The `rank` the daemon uses for what it says itself (RankExit, Restarting, RunStatus, Event).
 DAEMON_RANK = -1
+# A RankExit's `exited` for the command `ddtrain watch` ran (not a rank itself),
+# and for a watch without a command, waiting for ranks started elsewhere.
+COMMAND_RANK = -2
+WATCH_RANK = -3
+
+
+def launcher_name(rank: int) -> str:
+    """What a RankExit below 0 names without a node: what ran (or awaited) the ranks."""
+    return {COMMAND_RANK: "the command", WATCH_RANK: "the watch"}.get(rank, "torchrun's agent")
 
 Message = (Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye | RankExit | Restarting
            | RunStatus)

@@ -54,7 +54,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--local-addr": (str, ""),
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
-NO_FLAG = {"extra", "program", "program_args", "workdir"}
+NO_FLAG = {"extra", "program", "program_args", "workdir", "watch", "idle"}  # watch: ddtrain watch
 
 
 def train_parser() -> argparse.ArgumentParser:

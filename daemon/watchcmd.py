@@ -1,0 +1,129 @@
+"""`ddtrain watch`: watch ranks that ddtrain does not start.
+
+    ddtrain watch -- torchrun --standalone --nproc-per-node 8 train.py --lr 3e-4
+    ddtrain watch -- srun python train.py
+    ddtrain watch --bind 0.0.0.0 --run-id job7      (ranks started elsewhere)
+
+With a command, the daemon runs it with the watch environment and supervises
+it in this terminal: its output is echoed (and kept in logs/command.log), every
+process below it that initialises a process group reports as a rank (the
+package's start-up hook), and `ddtrain watch` exits with the command's exit
+code. Without one, it prints what to export where the ranks start, and waits
+for them (daemon/watching.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ddtop.daemon.config import TrainConfig, UsageError, default_runs_dir
+from ddtop.daemon.contract import (
+    EXIT_USAGE,
+    owner_only_umask,
+)
+from ddtop.daemon.runs import new_run
+
+WATCH_USAGE = "ddtrain watch [options] -- COMMAND [ARGS ...]\n       ddtrain watch [options]"
+WATCH_DESCRIPTION = """\
+Watch ranks that ddtrain does not start: those of any launcher (torchrun, srun,
+accelerate launch, a script that spawns its own ranks, a company's wrapper).
+
+With a COMMAND (after --), run it with the watch environment: every process it
+starts that initialises a torch.distributed process group reports as a rank, with
+no line of the script changed (zero-code, as under ddtrain start). The command's
+output is echoed here and kept in the run's logs/command.log; ddtop, ddtrain
+status/logs/stacks/stop work on the run as on any other. Exits with the command's
+exit code.
+
+Without a COMMAND, start nothing: print the variables to export where the ranks
+are started (a pod spec, an sbatch file), then wait for them; end when every rank
+has said goodbye, or after --idle seconds without a message.
+
+examples:
+  ddtrain watch -- torchrun --standalone --nproc-per-node 8 train.py --lr 3e-4
+  ddtrain watch --headless -- accelerate launch train.py
+  ddtrain watch -- python lightning_train.py
+  ddtrain watch --bind 0.0.0.0 --run-id job7 --idle 600
+"""
+
+
+def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser:
+    from ddtop.daemon.printer import add_output_arguments
+
+    watch: argparse.ArgumentParser = commands.add_parser(
+        "watch", help="watch ranks started by any launcher: ddtrain watch -- COMMAND",
+        usage=WATCH_USAGE, description=WATCH_DESCRIPTION, epilog=exit_codes,
+        allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    watch.add_argument("stray", nargs="*", help=argparse.SUPPRESS)
+    watch.add_argument("--run-id", metavar="ID", default=None,
+                       help="the run's id (default: new, timestamped)")
+    watch.add_argument("--runs-dir", metavar="DIR", default=None,
+                       help="folder of run directories (default $DDTOP_RUNS_DIR or ./runs)")
+    watch.add_argument("--bind", metavar="ADDR", default="",
+                       help="receive the ranks' telemetry on TCP at ADDR (free ports), with "
+                       "the run's CURVE keys: for ranks on other machines; default: unix "
+                       "sockets only this user can reach")
+    watch.add_argument("--idle", type=float, default=0.0, metavar="S",
+                       help="without a command: end after S seconds without any rank's "
+                       "message (default: wait until every rank has said goodbye)")
+    watch.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                       help="fail the run (SIGTERM to its ranks) when it has hung for S "
+                       "seconds, naming the rank the others wait for (default: off)")
+    watch.add_argument("--headless", action="store_true",
+                       help="print progress lines from the ranks' telemetry (or --format "
+                       "jsonl) instead of the command's output; for CI")
+    add_output_arguments(watch)
+    return watch
+
+
+def watch_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's settings from the command line; UsageError naming the flag."""
+    if args.stray:
+        raise UsageError(f"put the command after --: ddtrain watch -- {shlex.join(args.stray)}")
+    command: list[str] = list(args.program_args)
+    if command:
+        _check_command(command[0])
+        if args.idle:
+            raise UsageError("--idle is for a watch without a command (this one ends with "
+                             "its command): leave it out")
+    elif not (args.idle >= 0 and args.idle < float("inf")):
+        raise UsageError(f"--idle must be a number of seconds >= 0 (got {args.idle:g})")
+    return TrainConfig(run_id=args.run_id, runs_dir=args.runs_dir or default_runs_dir(),
+                       bind=args.bind, hang_timeout=args.hang_timeout, watch=command,
+                       idle=args.idle, workdir=str(Path.cwd())).validate()
+
+
+def _check_command(name: str) -> None:
+    if "/" in name:
+        path = Path(name)
+        if not path.is_file() or not os.access(path, os.X_OK):
+            why = "not executable" if path.is_file() else "no such file"
+            raise UsageError(f"cannot run {name!r}: {why}; check the command after --")
+    elif shutil.which(name) is None:
+        raise UsageError(f"cannot run {name!r}: not found on PATH; check the command after --")
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from ddtop.daemon.foreground import supervise
+
+    owner_only_umask()
+    config = watch_config(args)
+    paths = new_run(config.runs_dir, config.run_id)
+    config = TrainConfig(**{**config.to_dict(), "run_id": paths.run_id})
+    where = f"{paths.root} (Ctrl-C stops the ranks)"
+    banner = (f"ddtrain: watching run {paths.run_id}: {config.program_label} in {where}"
+              if config.watch else f"ddtrain: run {paths.run_id} waits for its ranks in {where}")
+    code, supervisor = supervise(args, config, paths, banner)
+    from ddtop.daemon.watching import WatchedCommand
+
+    starter = supervisor.starter
+    starter_code = starter.exit_code if isinstance(starter, WatchedCommand) else None
+    if code == EXIT_USAGE or starter_code is None or not config.watch:
+        return code
+    return starter_code if starter_code >= 0 else 128 - starter_code
+

@@ -1,0 +1,285 @@
+"""Ranks the daemon did not start: `ddtrain watch -- COMMAND` and `ddtrain watch`.
+
+With a command, the daemon runs it (torchrun, srun, accelerate launch,
+`python train.py` that spawns its own ranks, a company's wrapper) with the
+watch environment (DDTOP_TELEMETRY, DDTOP_RUN_ID, DDTOP_DAEMON_PID, and the
+run's keys over TCP), and supervises it as it supervises torchrun's agent. The
+package's start-up hook turns every process below it that initialises a
+process group into a watched rank (training/starthook.py). A rank is believed
+when its hello comes from a process below the command whose starting
+environment carries this daemon's pid: those processes, and only those, are
+what `ddtrain stop` signals. Once the command exits, how each rank ended is
+read from its goodbye, else from torchrun's failure summary in the command's
+output, else it ended without a word.
+
+Without a command, nothing is started: the ranks were given the environment by
+other means (a pod spec, an sbatch file). They are judged by what they send;
+the run ends when every rank has said goodbye, or after `--idle` seconds
+without a message (ranks that went quiet are lost).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.daemon.contract import DAEMON_PID_ENV, RUN_ID_ENV, TELEMETRY_ENV
+from ddtop.daemon.keys import KEYS_ENV
+from ddtop.daemon.leftovers import Leftover, with_environment
+from ddtop.daemon.processes import (
+    AgentProcess,
+    ExitedProcess,
+    LogTail,
+    ProcessId,
+    boot_id,
+    environ_value,
+    lineage,
+    read_stat,
+    same_process,
+)
+from ddtop.daemon.runs import RunPaths
+from ddtop.daemon.starters import COMMAND, WATCH, Rank
+from ddtop.daemon.state import RunState
+from ddtop.daemon.torchrun import FAILURE_SUMMARY, REFUSED_MAX
+
+COMMAND_LOG = "command.log"
+NO_GOODBYE = "ended without saying goodbye (its launcher has its exit status)"
+
+
+def watch_environment(paths: RunPaths) -> dict[str, str]:
+    """What the watched command's processes are given besides DDTOP_TELEMETRY
+    (and the keys over TCP): the run's id and this daemon's pid, by which its
+    ranks are recognised in /proc."""
+    return {RUN_ID_ENV: paths.run_id, DAEMON_PID_ENV: str(os.getpid())}
+
+
+class _Ranks:
+    """What both ways of watching know of the ranks: the processes verified as
+    ranks, by rank number, and how each ended once the run is over."""
+
+    agent_name = "the command"
+
+    def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
+        self.paths, self.port = paths, port
+        self.log = paths.logs / COMMAND_LOG
+        self.tails: list[tuple[str, LogTail]] = []
+        self.seen: dict[int, ProcessId] = {}  # rank -> its process, verified
+        self.refused: dict[tuple[int, int], int] = {}  # (rank, pid) -> start ticks
+        self.exit_code: int | None = None  # the command's, once it exited
+
+    def rank_processes(self) -> list[ProcessId]:
+        return [p for p in self.seen.values() if same_process(p)]
+
+    def numbered(self) -> dict[int, ProcessId]:
+        return {rank: p for rank, p in self.seen.items() if same_process(p)}
+
+    def _ends(self, state: RunState, launcher_code: int, summary: dict[int, tuple[int, int]],
+              quiet_is_lost: bool) -> list[Rank]:
+        """Each rank heard from (or named in a failure summary): its goodbye's code,
+        else the summary's, else it ended without a word."""
+        ranks = []
+        for k in sorted(set(state.ranks) | set(self.seen) | set(summary)):
+            view = state.ranks.get(k)
+            seen = self.seen.get(k)
+            pid = seen.pid if seen is not None else view.pid if view is not None else None
+            reason = None
+            stopped = False
+            if k in summary:  # SIGTERM: the launcher stopped it when another failed
+                code, pid = summary[k]
+                stopped = code == -signal.SIGTERM
+            elif view is not None and view.bye_code is not None:
+                code = view.bye_code
+            elif launcher_code == 0 and not quiet_is_lost:
+                code = 0
+            elif summary:  # the launcher stopped it when another rank failed
+                code, stopped = -signal.SIGTERM, True
+            else:
+                code, reason = launcher_code or 1, NO_GOODBYE
+            ranks.append(Rank(k, ExitedProcess(pid, code), exitcode=code,
+                              stopped_by_us=stopped, noted=True, reason=reason))
+        return ranks
+
+
+class WatchedCommand(_Ranks):
+    """`ddtrain watch -- COMMAND`: the command is the supervised process."""
+
+    def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
+        super().__init__(paths, port, launch_time)
+        self.agent: ProcessId | None = None
+        self.log_start = 0
+
+    def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
+        assert config.watch
+        env = {**os.environ, **watch_environment(self.paths)}
+        try:
+            with self.log.open("ab") as log:
+                popen = subprocess.Popen(config.watch, env=env, cwd=config.workdir,
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        except OSError as e:
+            raise UsageError(f"cannot run {config.watch[0]!r}: {e.strerror}; check the "
+                             "command after --") from None
+        tail = LogTail(self.log, from_end=True)
+        self.log_start = tail.offset
+        self.tails = [("", tail)]
+        agent = AgentProcess(popen)
+        self.agent, self.seen, self.refused = agent.identity, {}, {}
+        started.append(Rank(COMMAND, agent))
+
+    def is_rank(self, rank: int, pid: int) -> bool:
+        """A process below the command (or the command itself) whose starting
+        environment holds this daemon's pid."""
+        seen = self.seen.get(rank)
+        if seen is not None and seen.pid == pid:
+            return True
+        stat = read_stat(pid)
+        if self.agent is None or stat is None or self.refused.get((rank, pid)) == stat.start:
+            return False
+        below = pid == self.agent.pid or lineage(pid, self.agent) is not None
+        if below and environ_value(pid, DAEMON_PID_ENV) == str(os.getpid()):
+            self.seen[rank] = ProcessId(pid, stat.start, boot_id())
+            return True
+        if len(self.refused) >= REFUSED_MAX:
+            self.refused.clear()
+        self.refused[(rank, pid)] = stat.start
+        return False
+
+    def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
+        assert exited.exitcode is not None
+        self.exit_code = exited.exitcode
+        with self.log.open("rb") as f:
+            f.seek(self.log_start)
+            log = f.read().decode(errors="replace")
+        summary = {int(m[1]): (int(m[2]), int(m[3])) for m in FAILURE_SUMMARY.finditer(log)}
+        ranks = self._ends(state, exited.exitcode, summary, quiet_is_lost=False)
+        if (exited.exitcode and not exited.stopped_by_us
+                and not any(r.exitcode and not r.stopped_by_us for r in ranks)):
+            # No rank failed, yet the command did: the command is the culprit.
+            ranks.append(Rank(COMMAND, ExitedProcess(exited.process.pid, exited.exitcode),
+                              exitcode=exited.exitcode, noted=True))
+        return ranks
+
+    def left_behind(self) -> list[Leftover]:
+        if self.agent is None or same_process(self.agent):
+            return []
+        return with_environment(DAEMON_PID_ENV, str(os.getpid()), self.agent)
+
+    def close(self) -> None:
+        """Nothing of its own: the command has exited."""
+
+
+@dataclass
+class Waiting:
+    """The process a commandless watch supervises: none, standing for the ranks.
+    It 'exits' when they have all said goodbye, or have been quiet for `idle` s."""
+
+    state: RunState
+    idle: float
+    since: float
+    code: int | None = None
+    pid: int | None = None
+    identity: ProcessId | None = None
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        self._read, self._write = os.pipe()  # never written: a sentinel that never fires
+        self.sentinel = self._read
+
+    @property
+    def exitcode(self) -> int | None:
+        if self.code is None:
+            self.code = self._over(time.time())
+        return self.code
+
+    def _over(self, now: float) -> int | None:
+        ranks = self.state.ranks
+        world = self.state.world_size
+        said = [v.bye_code for v in ranks.values() if v.bye_code is not None]
+        if world and len(ranks) >= world and len(said) == len(ranks):
+            self.why = "every rank said goodbye"
+            return next((c for c in said if c), 0)
+        last = max([self.since, *(v.last_seen for v in ranks.values() if v.last_seen)])
+        if self.idle and now - last > self.idle:
+            self.why = (f"heard from no rank within {self.idle:g} s (--idle)" if not ranks
+                        else f"no message for {self.idle:g} s (--idle)")
+            return 1
+        return None
+
+    def terminate(self) -> None:
+        if self.code is None:
+            self.code, self.why = -signal.SIGTERM, "stopped"
+
+    def kill(self) -> None:
+        self.terminate()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Nothing to wait for."""
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            os.close(fd)
+
+
+class WatchedRanks(_Ranks):
+    """`ddtrain watch` without a command: ranks started by other means."""
+
+    def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
+        super().__init__(paths, port, launch_time)
+        self.waiting: Waiting | None = None
+        self.idle = 0.0
+        self.state: RunState | None = None  # given by the supervisor
+
+    def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
+        assert self.state is not None, "the supervisor gives a commandless watch its state"
+        self.waiting = Waiting(self.state, config.idle, time.time())
+        lines = [f"export {TELEMETRY_ENV}={shlex.quote(os.environ[TELEMETRY_ENV])}",
+                 f"export {RUN_ID_ENV}={shlex.quote(self.paths.run_id)}"]
+        if os.environ.get(KEYS_ENV):
+            lines.append(f"export {KEYS_ENV}={shlex.quote(os.environ[KEYS_ENV])}"
+                         "   # a copy of this folder where each rank runs")
+        ends = (f"or after {config.idle:g} s without a message" if config.idle
+                else "(Ctrl-C ends the watch)")
+        print("ddtrain: waiting for ranks; start them (ddtop installed where they run) "
+              "with:\n" + "\n".join(f"  {line}" for line in lines) +
+              f"\nddtrain: the watch ends when every rank has said goodbye {ends}",
+              file=sys.stderr, flush=True)
+        started.append(Rank(WATCH, self.waiting))
+
+    def is_rank(self, rank: int, pid: int) -> bool:
+        """Judged by what they send (the socket lets only the owner, or holders of
+        the run's keys, in). A local process carrying the run's id in its starting
+        environment is remembered, so that `ddtrain stop` can signal it."""
+        stat = read_stat(pid)
+        if stat is not None and environ_value(pid, RUN_ID_ENV) == self.paths.run_id:
+            self.seen[rank] = ProcessId(pid, stat.start, boot_id())
+        return True
+
+    def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
+        assert exited.exitcode is not None
+        self.exit_code = exited.exitcode
+        stopped = exited.exitcode == -signal.SIGTERM
+        ranks = self._ends(state, 0 if stopped else exited.exitcode, {},
+                           quiet_is_lost=not stopped)
+        if stopped:
+            for r in ranks:
+                r.stopped_by_us = r.stopped_by_us or r.reason is not None
+        elif not ranks and self.waiting is not None and exited.exitcode:
+            ranks.append(Rank(WATCH, ExitedProcess(None, exited.exitcode),
+                              exitcode=exited.exitcode, noted=True, reason=self.waiting.why))
+        elif self.waiting is not None and self.waiting.why:
+            for r in ranks:  # quiet for --idle seconds: lost
+                if r.reason == NO_GOODBYE:
+                    r.reason = f"went quiet without a goodbye: {self.waiting.why}"
+        return ranks
+
+    def left_behind(self) -> list[Leftover]:
+        return []
+
+    def close(self) -> None:
+        if self.waiting is not None:
+            self.waiting.close()
