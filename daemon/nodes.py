@@ -66,6 +66,14 @@ def hub_bind_address(config: TrainConfig) -> str:
         return "0.0.0.0"
 
 
+def reachable(endpoint: str) -> str:
+    """An endpoint as ranks on other machines reach it: a wildcard address
+    (tcp://0.0.0.0:PORT) becomes this machine's host name."""
+    if endpoint.startswith(("tcp://0.0.0.0:", "tcp://[::]:", "tcp://*:")):
+        return public(endpoint, socket.gethostname())
+    return endpoint
+
+
 def public(endpoint: str, host: str) -> str:
     """tcp://0.0.0.0:PORT as other nodes reach it: tcp://HOST:PORT."""
     port = endpoint.rpartition(":")[2]

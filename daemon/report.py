@@ -178,8 +178,8 @@ class RunReport:
         if self.config.watch is not None:
             if not self.config.watch:
                 return "to go on, start the ranks again (your program resumes from its own)"
-            return (f"to go on, run ddtrain watch -- {self.config.program_label} again (your "
-                    "program resumes from its own checkpoints)")
+            return ("to go on, run the same ddtrain watch again (your program resumes from "
+                    "its own checkpoints)")
         if self.config.runs_user_code:
             return ("start it again with: ddtrain start --resume --run-id "
                     f"{self.paths.run_id} (your program resumes from its own checkpoints)")

@@ -247,7 +247,8 @@ class Supervisor:
             os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
         assert self.relay is not None and self.starter is not None and self.exits is not None
         if not os.environ.get(TELEMETRY_ENV) or self.watching:
-            os.environ[TELEMETRY_ENV] = self.relay.endpoints["telemetry"]
+            endpoint = self.relay.endpoints["telemetry"]  # a watch's ranks may be elsewhere
+            os.environ[TELEMETRY_ENV] = nodes.reachable(endpoint) if self.watching else endpoint
             if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
                 os.environ[KEYS_ENV] = str(self.paths.keys)
         if self.config.runs_user_code:  # only the built-in trainer reads it

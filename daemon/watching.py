@@ -113,9 +113,11 @@ class WatchedCommand(_Ranks):
         super().__init__(paths, port, launch_time)
         self.agent: ProcessId | None = None
         self.log_start = 0
+        self.over_tcp = False  # --bind: ranks on other machines may report
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         assert config.watch
+        self.over_tcp = bool(config.bind)
         env = {**os.environ, **watch_environment(self.paths)}
         try:
             with self.log.open("ab") as log:
@@ -133,13 +135,18 @@ class WatchedCommand(_Ranks):
 
     def is_rank(self, rank: int, pid: int) -> bool:
         """A process below the command (or the command itself) whose starting
-        environment holds this daemon's pid."""
+        environment holds this daemon's pid. Over TCP (--bind), ranks on other
+        machines (srun across nodes) are let in by the run's CURVE keys: their
+        claims are believed, but only processes verified here are signalled."""
         seen = self.seen.get(rank)
         if seen is not None and seen.pid == pid:
             return True
         stat = read_stat(pid)
-        if self.agent is None or stat is None or self.refused.get((rank, pid)) == stat.start:
+        if self.agent is None or (stat is not None
+                                  and self.refused.get((rank, pid)) == stat.start):
             return False
+        if stat is None:
+            return self.over_tcp  # not a process of this machine
         below = pid == self.agent.pid or lineage(pid, self.agent) is not None
         if below and environ_value(pid, DAEMON_PID_ENV) == str(os.getpid()):
             self.seen[rank] = ProcessId(pid, stat.start, boot_id())

@@ -1,0 +1,26 @@
+"""A training script with no ddtop line: gloo DDP on a linear model.
+
+STEPS optimizer steps (default 20), SLEEP seconds after each; DIE_RANK and
+DIE_STEP: that rank kills itself with SIGKILL after that step (a crash)."""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DistributedDataParallel(torch.nn.Linear(16, 16))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+die_rank, die_step = int(os.environ.get("DIE_RANK", "-1")), int(os.environ.get("DIE_STEP", "0"))
+for step in range(1, int(os.environ.get("STEPS", "20")) + 1):
+    optimizer.zero_grad()
+    model(torch.randn(8, 16)).square().mean().backward()
+    optimizer.step()
+    if rank == die_rank and step == die_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("SLEEP", "0")))
+dist.destroy_process_group()

@@ -1,0 +1,160 @@
+"""`ddtrain watch`: ranks that any launcher starts, watched with no line changed.
+
+Real processes throughout: ddtrain watch runs torchrun (or a plain command), the
+ranks are an unchanged gloo DDP script (tests/scripts/plain_ddp.py) made ranks
+by the package's start-up hook; a watch without a command is fed by a torchrun
+started separately with the variables it printed."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddtop.daemon import cli
+from tests.helpers import DDTRAIN, TORCHRUN, ddtrain, finish, start, tagged_env
+
+SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
+TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
+
+
+def status(cwd: Path, run: str) -> dict:  # type: ignore[type-arg]
+    done = subprocess.run([DDTRAIN, "status", run, "--json"], cwd=cwd, capture_output=True,
+                          text=True, timeout=30, env=tagged_env("status"))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+# -- bad input: one line, exit 2, nothing started ----------------------------------------
+@pytest.mark.parametrize(("argv", "said"), [
+    (["watch", "torchrun", "train.py"], "put the command after --: ddtrain watch -- torchrun"),
+    (["watch", "--", "no-such-launcher-here"], "cannot run 'no-such-launcher-here': not found"),
+    (["watch", "--", "./missing.sh"], "cannot run './missing.sh': no such file"),
+    (["watch", "--idle", "5", "--", "true"], "--idle is for a watch without a command"),
+    (["watch", "--idle", "-1"], "--idle must be a number of seconds >= 0"),
+    (["watch", "--run-id", "a/b", "--", "true"], "--run-id 'a/b' may hold only"),
+])
+def test_bad_watch_lines_are_one_line_and_exit_2(argv: list[str], said: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_watch_help_leads_with_the_command() -> None:
+    text = cli.build_parser()._subparsers._group_actions[0].choices["watch"].format_help()  # type: ignore[union-attr]
+    assert "ddtrain watch [options] -- COMMAND" in text
+    for flag in ("--run-id", "--runs-dir", "--bind", "--idle", "--headless"):
+        assert flag in text
+
+
+# -- the command's exit code, and who is blamed --------------------------------------------
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_the_command_exit_code_is_returned_and_the_command_named(tmp_path: Path) -> None:
+    run = ddtrain("watch", "--run-id", "code3", "--", sys.executable, "-c",
+                  "import sys; print('hello from the command'); sys.exit(3)", cwd=tmp_path)
+    assert run.returncode == 3, run.stderr
+    assert "hello from the command" in run.stdout  # its output, echoed
+    assert re.search(r"run code3 failed: the command \(pid \d+\) exited with code 3\n",
+                     run.stderr), run.stderr
+    assert "hello from the command" in (tmp_path / "runs/code3/logs/command.log").read_text()
+    assert status(tmp_path, "code3")["status"] == "failed"
+    assert not run.leftovers
+
+
+# -- torchrun of an unchanged script -------------------------------------------------------
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_watch_torchrun_of_an_unchanged_script_counts_every_rank(tmp_path: Path) -> None:
+    run = ddtrain("watch", "--run-id", "ok", "--", *TWO_RANKS, str(SCRIPT), cwd=tmp_path,
+                  env={"STEPS": "12"})
+    assert run.returncode == 0, run.stderr
+    got = status(tmp_path, "ok")
+    assert got["status"] == "succeeded"
+    assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
+        (0, "finished", 12), (1, "finished", 12)]
+    assert all(r["comm_share"] is not None for r in got["ranks"]), got["ranks"]
+    assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(tmp_path: Path) -> None:
+    run = ddtrain("watch", "--run-id", "crash", "--", *TWO_RANKS, str(SCRIPT), cwd=tmp_path,
+                  env={"STEPS": "400", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "5"})
+    assert run.returncode == 1, run.stderr  # torchrun's own exit code
+    assert re.search(r"run crash failed: rank 1 \(pid \d+\) was killed by SIGKILL", run.stderr)
+    got = status(tmp_path, "crash")
+    assert got["failure"]["rank"] == 1 and got["failure"]["signal"] == "SIGKILL"
+    assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_ddtrain_stop_stops_a_watched_command(tmp_path: Path) -> None:
+    proc, tag = start([DDTRAIN, "watch", "--run-id", "long", "--", *TWO_RANKS, str(SCRIPT)],
+                      tmp_path, {"STEPS": "100000", "SLEEP": "0.01"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if (tmp_path / "runs/long/run.json").exists():
+                got = status(tmp_path, "long")
+                if len(got["ranks"]) == 2 and all(r["global_step"] > 3 for r in got["ranks"]):
+                    break
+            time.sleep(0.3)
+        else:
+            raise AssertionError("the ranks never stepped")
+        stop = subprocess.run([DDTRAIN, "stop", "long"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env=tagged_env(tag))
+        assert stop.returncode == 0, stop.stderr
+    finally:
+        run = finish(proc, tag)
+    assert run.returncode != 0  # torchrun's, after its workers were terminated
+    got = status(tmp_path, "long")
+    assert got["status"] == "stopped", got
+    assert {r["signal"] for r in got["ranks"]} == {"SIGTERM"}
+    assert not run.leftovers
+
+
+# -- without a command ---------------------------------------------------------------------
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_watch_without_a_command_is_fed_by_a_separate_torchrun(tmp_path: Path) -> None:
+    proc, tag = start([DDTRAIN, "watch", "--run-id", "apart", "--idle", "60"], tmp_path)
+    assert proc.stderr is not None
+    try:
+        exports: dict[str, str] = {}
+        while "DDTOP_RUN_ID" not in exports:
+            line = proc.stderr.readline()
+            assert line, "ddtrain watch printed no exports"
+            if m := re.match(r"\s+export (\w+)=(\S+)", line):
+                exports[m[1]] = m[2]
+        ranks = subprocess.run([*TWO_RANKS, str(SCRIPT)], cwd=tmp_path, timeout=90,
+                               env=tagged_env(tag, {**exports, "STEPS": "7"}),
+                               capture_output=True, text=True)
+        assert ranks.returncode == 0, ranks.stderr
+    finally:
+        run = finish(proc, tag)
+    assert run.returncode == 0, run.stderr
+    got = status(tmp_path, "apart")
+    assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
+        (0, "finished", 7), (1, "finished", 7)]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_watch_without_a_command_ends_after_idle_seconds_without_ranks(tmp_path: Path) -> None:
+    run = ddtrain("watch", "--run-id", "nobody", "--idle", "1", cwd=tmp_path)
+    assert run.returncode == 1
+    assert "the watch heard from no rank within 1 s (--idle)" in run.stderr
+    assert "export DDTOP_TELEMETRY=ipc://" in run.stderr
+
