@@ -6,9 +6,11 @@ watch environment (DDTOP_TELEMETRY, DDTOP_RUN_ID, DDTOP_DAEMON_PID, and the
 run's keys over TCP), and supervises it as it supervises torchrun's agent. The
 package's start-up hook turns every process below it that initialises a
 process group into a watched rank (training/starthook.py). A rank is believed
-when its hello comes from a process below the command whose starting
-environment carries this daemon's pid: those processes, and only those, are
-what `ddtrain stop` signals. Once the command exits, how each rank ended is
+when its hello comes from a process of this machine, started after the command,
+whose starting environment carries this daemon's pid (below the command, or
+wherever its launcher started it with the command's environment); over TCP,
+ranks on other machines are let in by the run's keys. The processes verified
+here, and only those, are what `ddtrain stop` signals. Once the command exits, how each rank ended is
 read from its goodbye, else from torchrun's failure summary in the command's
 output, else it ended without a word.
 
@@ -39,7 +41,6 @@ from ddtop.daemon.processes import (
     ProcessId,
     boot_id,
     environ_value,
-    lineage,
     read_stat,
     same_process,
 )
@@ -134,10 +135,12 @@ class WatchedCommand(_Ranks):
         started.append(Rank(COMMAND, agent))
 
     def is_rank(self, rank: int, pid: int) -> bool:
-        """A process below the command (or the command itself) whose starting
-        environment holds this daemon's pid. Over TCP (--bind), ranks on other
-        machines (srun across nodes) are let in by the run's CURVE keys: their
-        claims are believed, but only processes verified here are signalled."""
+        """A process of this machine whose starting environment holds this
+        daemon's pid: the command itself, a process below it, or one its launcher
+        started elsewhere in the process tree with its environment (srun's tasks
+        are slurmstepd's children). Over TCP (--bind), ranks on other machines
+        are let in by the run's CURVE keys: their claims are believed, but only
+        processes verified here are signalled."""
         seen = self.seen.get(rank)
         if seen is not None and seen.pid == pid:
             return True
@@ -147,8 +150,8 @@ class WatchedCommand(_Ranks):
             return False
         if stat is None:
             return self.over_tcp  # not a process of this machine
-        below = pid == self.agent.pid or lineage(pid, self.agent) is not None
-        if below and environ_value(pid, DAEMON_PID_ENV) == str(os.getpid()):
+        if environ_value(pid, DAEMON_PID_ENV) == str(os.getpid()) and stat.start >= (
+                self.agent.start or 0):  # started with the command's environment
             self.seen[rank] = ProcessId(pid, stat.start, boot_id())
             return True
         if len(self.refused) >= REFUSED_MAX:
@@ -188,6 +191,7 @@ class Waiting:
     state: RunState
     idle: float
     since: float
+    seen: dict[int, ProcessId]  # the ranks verified as processes of this machine
     code: int | None = None
     pid: int | None = None
     identity: ProcessId | None = None
@@ -207,9 +211,11 @@ class Waiting:
         ranks = self.state.ranks
         world = self.state.world_size
         said = [v.bye_code for v in ranks.values() if v.bye_code is not None]
-        if world and len(ranks) >= world and len(said) == len(ranks):
-            self.why = "every rank said goodbye"
-            return next((c for c in said if c), 0)
+        gone = [k for k, v in ranks.items() if v.bye_code is None and k in self.seen
+                and not same_process(self.seen[k])]  # ended here without a goodbye
+        if world and len(ranks) >= world and len(said) + len(gone) == len(ranks):
+            self.why = "every rank has ended"
+            return next((c for c in said if c), 1 if gone else 0)
         last = max([self.since, *(v.last_seen for v in ranks.values() if v.last_seen)])
         if self.idle and now - last > self.idle:
             self.why = (f"heard from no rank within {self.idle:g} s (--idle)" if not ranks
@@ -243,7 +249,7 @@ class WatchedRanks(_Ranks):
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         assert self.state is not None, "the supervisor gives a commandless watch its state"
-        self.waiting = Waiting(self.state, config.idle, time.time())
+        self.waiting = Waiting(self.state, config.idle, time.time(), self.seen)
         lines = [f"export {TELEMETRY_ENV}={shlex.quote(os.environ[TELEMETRY_ENV])}",
                  f"export {RUN_ID_ENV}={shlex.quote(self.paths.run_id)}"]
         if os.environ.get(KEYS_ENV):
@@ -269,16 +275,17 @@ class WatchedRanks(_Ranks):
     def rank_exits(self, exited: Rank, state: RunState) -> list[Rank]:
         assert exited.exitcode is not None
         self.exit_code = exited.exitcode
-        stopped = exited.exitcode == -signal.SIGTERM
-        ranks = self._ends(state, 0 if stopped else exited.exitcode, {},
-                           quiet_is_lost=not stopped)
+        stopped = exited.stopped_by_us or exited.exitcode == -signal.SIGTERM
+        ranks = self._ends(state, -signal.SIGTERM if stopped else exited.exitcode, {},
+                           quiet_is_lost=True)
         if stopped:
-            for r in ranks:
-                r.stopped_by_us = r.stopped_by_us or r.reason is not None
+            for r in ranks:  # no goodbye: the stop ended it
+                if r.reason is not None:
+                    r.stopped_by_us, r.reason = True, None
         elif not ranks and self.waiting is not None and exited.exitcode:
             ranks.append(Rank(WATCH, ExitedProcess(None, exited.exitcode),
                               exitcode=exited.exitcode, noted=True, reason=self.waiting.why))
-        elif self.waiting is not None and self.waiting.why:
+        elif self.waiting is not None and "--idle" in self.waiting.why:
             for r in ranks:  # quiet for --idle seconds: lost
                 if r.reason == NO_GOODBYE:
                     r.reason = f"went quiet without a goodbye: {self.waiting.why}"
