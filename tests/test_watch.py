@@ -20,6 +20,7 @@ from ddtop.daemon import cli
 from tests.helpers import DDTRAIN, TORCHRUN, ddtrain, finish, start, tagged_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
+LIGHTNING = Path(__file__).parent / "scripts" / "lightning_ddp.py"
 TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
 
 
@@ -122,6 +123,21 @@ def test_ddtrain_stop_stops_a_watched_command(tmp_path: Path) -> None:
     got = status(tmp_path, "long")
     assert got["status"] == "stopped", got
     assert {r["signal"] for r in got["ranks"]} == {"SIGTERM"}
+    assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_a_lightning_script_that_spawns_its_own_ranks_is_watched(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")  # in the test extra: installed by make test
+    run = ddtrain("watch", "--run-id", "pl", "--", sys.executable, str(LIGHTNING),
+                  cwd=tmp_path, env={"STEPS": "5"}, timeout=150)
+    assert run.returncode == 0, run.stderr
+    got = status(tmp_path, "pl")
+    # Rank 0 is the command itself (no RANK at its start), rank 1 its child.
+    assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
+        (0, "finished", 5), (1, "finished", 5)]
+    assert all(r["comm_share"] is not None for r in got["ranks"]), got["ranks"]
     assert not run.leftovers
 
 
