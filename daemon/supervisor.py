@@ -250,7 +250,7 @@ class Supervisor:
             endpoint = self.relay.endpoints["telemetry"]  # a watch's ranks may be elsewhere
             os.environ[TELEMETRY_ENV] = nodes.reachable(endpoint) if self.watching else endpoint
             if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
-                os.environ[KEYS_ENV] = str(self.paths.keys)
+                os.environ[KEYS_ENV] = str(self.paths.keys.resolve())
         if self.config.runs_user_code:  # only the built-in trainer reads it
             os.environ.pop(STOP_SECRET_ENV, None)
         else:
