@@ -21,6 +21,7 @@ from tests.helpers import DDTRAIN, TORCHRUN, ddtrain, finish, start, tagged_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
 LIGHTNING = Path(__file__).parent / "scripts" / "lightning_ddp.py"
+SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "watch.sbatch"
 TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
 
 
@@ -138,6 +139,40 @@ def test_a_lightning_script_that_spawns_its_own_ranks_is_watched(tmp_path: Path)
     assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
         (0, "finished", 5), (1, "finished", 5)]
     assert all(r["comm_share"] is not None for r in got["ranks"]), got["ranks"]
+    assert not run.leftovers
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun's part here: SLURM_NTASKS tasks of "$@", each with its SLURM_PROCID.
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!); done
+code=0
+for pid in "${pids[@]}"; do wait "$pid" || code=$?; done
+exit $code
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_the_slurm_watch_example_runs_with_a_stand_in_srun(tmp_path: Path) -> None:
+    """examples/slurm/watch.sbatch as sbatch would run it, with `srun` and
+    `scontrol` standing in for SLURM's: the tasks report over TCP with the keys."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+           "SLURM_NTASKS": "2", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "vm",
+           "RUNS": str(tmp_path / "runs"), "STEPS": "5"}
+    proc, tag = start(["bash", str(SBATCH), str(SCRIPT)], tmp_path, env)
+    run = finish(proc, tag)
+    assert run.returncode == 0, run.stderr
+    got = status(tmp_path, str(tmp_path / "runs" / "slurm-42"))
+    assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
+        (0, "finished", 5), (1, "finished", 5)]
     assert not run.leftovers
 
 
