@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,10 @@ def resolve_ranks(overrides: dict[str, Any], standalone: bool) -> None:
     if standalone and nnodes > 1:
         raise UsageError(f"--standalone is one machine but --nnodes is {nnodes}: leave out "
                          "one of them")
+    if nnodes == 1 and "nnodes" in overrides and overrides.pop("rdzv_endpoint", None):
+        # torchrun's single-node c10d habit: one machine needs no endpoint, as --standalone.
+        print("ddtrain: note: --rdzv-endpoint is not needed on one machine (--nnodes 1): "
+              "the ranks rendezvous here, as with --standalone", file=sys.stderr, flush=True)
     if nnodes == 1 and "nproc_per_node" in overrides:
         nproc = overrides["nproc_per_node"]
         if overrides.setdefault("world_size", nproc) != nproc:

@@ -266,3 +266,20 @@ def test_help_leads_with_a_script_and_groups_the_built_in_trainers_flags() -> No
     assert "--model" in built_in and "--epochs" in built_in and "--lr" in built_in
     assert "\n  --world-size" not in built_in and "\n  --nproc-per-node" not in built_in
     assert text.index("--nproc-per-node") < text.index("--model")
+
+
+@pytest.mark.usefixtures("project")
+def test_one_node_with_a_rendezvous_endpoint_is_one_machine(capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    """torchrun's single-node c10d habit (`--nnodes 1 --rdzv-endpoint`, or a
+    PyTorchJob's PET_NNODES=1 with PET_RDZV_ENDPOINT): accepted, with a note."""
+    got = settings("--nnodes", "1", "--rdzv-endpoint", "localhost:29400",
+                   "--nproc-per-node", "2", "train.py")
+    assert (got["nnodes"], got["world_size"], "rdzv_endpoint" in got) == (1, 2, False)
+    assert "--rdzv-endpoint is not needed on one machine" in capsys.readouterr().err
+    got = settings("train.py", env={"PET_NNODES": "1", "PET_RDZV_ENDPOINT": "h:1",
+                                    "PET_NPROC_PER_NODE": "3"})
+    assert (got["world_size"], "rdzv_endpoint" in got) == (3, False)
+    # without --nnodes 1 it is still refused: a lone endpoint is a mistake
+    with pytest.raises(UsageError, match="--rdzv-endpoint is for a multi-node job"):
+        TrainConfig(**settings("--rdzv-endpoint", "h:1", "train.py")).validate()
