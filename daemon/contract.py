@@ -24,6 +24,8 @@ TELEMETRY_ENV = "DDTOP_TELEMETRY"
 CONFIG_ENV = "DDTOP_CONFIG"
 # The daemon's pid: ranks watch it and exit at once when it is gone.
 DAEMON_PID_ENV = "DDTOP_DAEMON_PID"
+# `ddtrain watch`: where a rank it did not start writes its stacks (logs/rank-K.stacks).
+STACKS_DIR_ENV = "DDTOP_STACKS_DIR"
 # Restarts so far (0: the first start); set by the daemon for every rank.
 ATTEMPT_ENV = "DDTOP_ATTEMPT"
 # The run id telemetry must carry (the daemon drops other runs' messages); set by

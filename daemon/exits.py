@@ -174,7 +174,14 @@ class Exits:
     def error_report(self, rank: int) -> ErrorReport | None:
         if rank in self.verdicts:
             return self.verdicts[rank]
-        return blame.read_error_report(self.paths.rank_error(rank), self.started)
+        found = blame.read_error_report(self.paths.rank_error(rank), self.started)
+        if found is None and getattr(self.starter, "reports_in_telemetry", False):
+            # A rank ddtrain did not start writes no report file: its error event says it.
+            view = self.relay.state.ranks.get(rank)
+            if view is not None and view.error:
+                found = ErrorReport(message=view.error, traceback=view.traceback or "",
+                                    time=view.last_seen or self.started, rank=rank)
+        return found
 
 
 def left_early(rank: Rank) -> str | None:

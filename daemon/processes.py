@@ -251,6 +251,18 @@ def environ_value(pid: int, name: str) -> str | None:
     return None
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc/PID/status SigCgt): a
+    signal whose default would end it is sent only to a process that catches it."""
+    try:
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def file_size(path: Path) -> int:
     try:
         return path.stat().st_size

@@ -222,17 +222,24 @@ def cmd_logs(args: argparse.Namespace) -> int:
     paths = run_of(args)
     info = RunInfo.load(paths)
     world = info.world_size or len(list(paths.logs.glob("rank-*.log")))
-    if args.rank is not None and not 0 <= args.rank < world:
-        raise UsageError(f"--rank {args.rank} is not a rank of run {paths.run_id} "
-                         f"(ranks 0..{world - 1})")
-    ranks = [args.rank] if args.rank is not None else list(range(world))
-    tails = {k: LogTail(paths.rank_log(k)) for k in ranks}
     host = f" {info.record.host}" if info.record.host else ""  # unknown: run.json unreadable
+    command = paths.logs / "command.log"  # `ddtrain watch`: the ranks' output is the command's
+    if command.exists():
+        if args.rank is not None:
+            raise UsageError(f"run {paths.run_id} was watched: its ranks' output is its "
+                             f"command's, in one log: ddtrain logs {paths.run_id} (no --rank)")
+        tails = {f"command{host}": LogTail(command)}
+    else:
+        if args.rank is not None and not 0 <= args.rank < world:
+            raise UsageError(f"--rank {args.rank} is not a rank of run {paths.run_id} "
+                             f"(ranks 0..{world - 1})")
+        ranks = [args.rank] if args.rank is not None else list(range(world))
+        tails = {f"rank {k}{host}": LogTail(paths.rank_log(k)) for k in ranks}
 
     def pump(final: bool) -> None:
-        for k, tail in tails.items():
+        for name, tail in tails.items():
             for line in tail.lines(final):
-                sys.stdout.write(f"[rank {k}{host}] {line}\n")
+                sys.stdout.write(f"[{name}] {line}\n")
         sys.stdout.flush()
 
     try:

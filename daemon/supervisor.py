@@ -50,7 +50,7 @@ from ddtop.daemon.exits import Exits
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
-from ddtop.daemon.processes import send_signal
+from ddtop.daemon.processes import catches, send_signal
 from ddtop.daemon.rankview import STALLED
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
@@ -380,7 +380,8 @@ class Supervisor:
         self.exits.verdicts[blamed] = verdict
         numbered = self.starter.numbered()
         for process in numbered.values():  # where each rank hangs, kept
-            send_signal(process, STACKS_SIGNAL)
+            if catches(process.pid, STACKS_SIGNAL):
+                send_signal(process, STACKS_SIGNAL)
         time.sleep(STACKS_GRACE_S)
         for r in self.ranks:
             if r.process.exitcode is None:
@@ -406,7 +407,8 @@ class Supervisor:
         asked, self.relay.stacks_requests = self.relay.stacks_requests, []
         numbered = self.starter.numbered()
         for rank, process in numbered.items():
-            if None in asked or rank in asked:
+            # A rank that does not catch it (one ddtop does not instrument) would die of it.
+            if (None in asked or rank in asked) and catches(process.pid, STACKS_SIGNAL):
                 send_signal(process, STACKS_SIGNAL)
 
     # -- the end of an attempt ---------------------------------------------------

@@ -10,9 +10,9 @@ when its hello comes from a process of this machine, started after the command,
 whose starting environment carries this daemon's pid (below the command, or
 wherever its launcher started it with the command's environment); over TCP,
 ranks on other machines are let in by the run's keys. The processes verified
-here, and only those, are what `ddtrain stop` signals. Once the command exits, how each rank ended is
-read from its goodbye, else from torchrun's failure summary in the command's
-output, else it ended without a word.
+here, and only those, are what `ddtrain stop` signals. Once the command exits,
+how each rank ended is read from its goodbye, else from torchrun's failure
+summary in the command's output, else it ended without a word.
 
 Without a command, nothing is started: the ranks were given the environment by
 other means (a pod spec, an sbatch file). They are judged by what they send;
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import DAEMON_PID_ENV, RUN_ID_ENV, TELEMETRY_ENV
+from ddtop.daemon.contract import DAEMON_PID_ENV, RUN_ID_ENV, STACKS_DIR_ENV, TELEMETRY_ENV
 from ddtop.daemon.keys import KEYS_ENV
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.processes import (
@@ -57,14 +57,16 @@ def watch_environment(paths: RunPaths) -> dict[str, str]:
     """What the watched command's processes are given besides DDTOP_TELEMETRY
     (and the keys over TCP): the run's id and this daemon's pid, by which its
     ranks are recognised in /proc."""
-    return {RUN_ID_ENV: paths.run_id, DAEMON_PID_ENV: str(os.getpid())}
+    return {RUN_ID_ENV: paths.run_id, DAEMON_PID_ENV: str(os.getpid()),
+            STACKS_DIR_ENV: str(paths.logs.resolve())}
 
 
 class _Ranks:
     """What both ways of watching know of the ranks: the processes verified as
     ranks, by rank number, and how each ended once the run is over."""
 
-    agent_name = "the command"
+    # Its ranks write no error report file: what they said in telemetry stands for it.
+    reports_in_telemetry = True
 
     def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
         self.paths, self.port = paths, port

@@ -102,6 +102,19 @@ def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(tmp_path: Path) -
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
+def test_a_rank_that_raises_is_named_with_its_error(tmp_path: Path) -> None:
+    run = ddtrain("watch", "--run-id", "raise", "--", *TWO_RANKS, str(SCRIPT), cwd=tmp_path,
+                  env={"STEPS": "400", "SLEEP": "0.02", "RAISE_RANK": "1", "RAISE_STEP": "4"})
+    assert run.returncode == 1, run.stderr
+    assert re.search(r"run raise failed: rank 1 \(pid \d+\) exited with code 1: "
+                     r"RuntimeError: bad batch at step 4", run.stderr), run.stderr
+    got = status(tmp_path, "raise")
+    assert got["failure"]["rank"] == 1 and "bad batch at step 4" in got["failure"]["message"]
+    assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
 def test_ddtrain_stop_stops_a_watched_command(tmp_path: Path) -> None:
     proc, tag = start([DDTRAIN, "watch", "--run-id", "long", "--", *TWO_RANKS, str(SCRIPT)],
                       tmp_path, {"STEPS": "100000", "SLEEP": "0.01"})

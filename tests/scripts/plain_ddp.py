@@ -1,7 +1,8 @@
 """A training script with no ddtop line: gloo DDP on a linear model.
 
 STEPS optimizer steps (default 20), SLEEP seconds after each; DIE_RANK and
-DIE_STEP: that rank kills itself with SIGKILL after that step (a crash)."""
+DIE_STEP: that rank kills itself with SIGKILL after that step (a crash);
+RAISE_RANK and RAISE_STEP: that rank raises a RuntimeError there instead."""
 
 import os
 import signal
@@ -22,5 +23,7 @@ for step in range(1, int(os.environ.get("STEPS", "20")) + 1):
     optimizer.step()
     if rank == die_rank and step == die_step:
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == int(os.environ.get("RAISE_RANK", "-1")) and step == int(os.environ["RAISE_STEP"]):
+        raise RuntimeError(f"bad batch at step {step}")
     time.sleep(float(os.environ.get("SLEEP", "0")))
 dist.destroy_process_group()
