@@ -16,10 +16,22 @@ import time
 
 from ddtop.daemon import control, protocol
 from ddtop.daemon.config import UsageError, default_runs_dir
-from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
+from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK, STACKS_SIGNAL
 from ddtop.daemon.hangs import rank_list
+from ddtop.daemon.processes import ProcessId, catches, send_signal
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import locate_run
+
+
+def signal_stacks(numbered: dict[int, ProcessId], asked: list[int | None]) -> None:
+    """The daemon's part: the stacks signal to the ranks `asked` for (None: all),
+    among the processes it started (or verified: `numbered`, checked by start
+    time), and only to one that catches it: a rank ddtop does not instrument
+    (one a watched command started that reports by itself) would die of it."""
+    for rank, process in numbered.items():
+        if (None in asked or rank in asked) and catches(process.pid, STACKS_SIGNAL):
+            send_signal(process, STACKS_SIGNAL)
+
 
 WAIT_S = 5.0  # for every asked rank's dump to appear
 SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long

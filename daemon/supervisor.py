@@ -39,7 +39,6 @@ from ddtop.daemon.contract import (
     EXIT_OK,
     EXIT_USAGE,
     FAULT_ENV,
-    STACKS_SIGNAL,
     STOP_SECRET_ENV,
     TELEMETRY_ENV,
     ErrorReport,
@@ -50,11 +49,12 @@ from ddtop.daemon.exits import Exits
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
-from ddtop.daemon.processes import catches, send_signal
+from ddtop.daemon.processes import send_signal
 from ddtop.daemon.rankview import STALLED
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
+from ddtop.daemon.stacks import signal_stacks
 from ddtop.daemon.starters import (
     Rank,
     RankStarter,
@@ -379,9 +379,7 @@ class Supervisor:
         verdict = ErrorReport(rank=blamed, message=f"{reason}: {text}")
         self.exits.verdicts[blamed] = verdict
         numbered = self.starter.numbered()
-        for process in numbered.values():  # where each rank hangs, kept
-            if catches(process.pid, STACKS_SIGNAL):
-                send_signal(process, STACKS_SIGNAL)
+        signal_stacks(numbered, [None])  # where each rank hangs, kept
         time.sleep(STACKS_GRACE_S)
         for r in self.ranks:
             if r.process.exitcode is None:
@@ -399,17 +397,10 @@ class Supervisor:
                        reason=f"{reason} and was stopped")
 
     def _serve_stacks(self) -> None:
-        """`ddtrain stacks`: the stacks signal to the ranks asked for, among the
-        processes this daemon started (checked by start time)."""
         assert self.relay is not None and self.starter is not None
-        if not self.relay.stacks_requests:
-            return
-        asked, self.relay.stacks_requests = self.relay.stacks_requests, []
-        numbered = self.starter.numbered()
-        for rank, process in numbered.items():
-            # A rank that does not catch it (one ddtop does not instrument) would die of it.
-            if (None in asked or rank in asked) and catches(process.pid, STACKS_SIGNAL):
-                send_signal(process, STACKS_SIGNAL)
+        if self.relay.stacks_requests:
+            asked, self.relay.stacks_requests = self.relay.stacks_requests, []
+            signal_stacks(self.starter.numbered(), asked)
 
     # -- the end of an attempt ---------------------------------------------------
     def _end_ranks(self, culprit: int | None = None, tell: bool = True) -> None:
