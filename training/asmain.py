@@ -1,7 +1,6 @@
 """A program run as `python` runs it: a script as a fresh `__main__` module, a
-module through runpy. Used by the ranks ddtrain starts (training/script.py);
-it imports nothing heavy, so that a process that has not imported torch can
-use it too.
+module through runpy. Shared by the ranks ddtrain starts (training/script.py)
+and by `python -m ddtop.run` (api/run.py), so it imports nothing heavy.
 """
 
 from __future__ import annotations
