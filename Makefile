@@ -14,10 +14,10 @@ help:
 	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
 	@echo "make test-fast  ruff, mypy and the in-process tests only (under a minute): while editing"
 	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
-	@echo "make bench      benchmarks: start-up, telemetry, dashboard, own scripts, comm timing, sockets, strategies, faults (bench/)"
+	@echo "make bench      benchmarks: start-up, start-up hook, telemetry, dashboard, own scripts, comm timing, sockets, strategies, faults (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ddtop needs Python 3.11 or newer; run make with PYTHON=python3.11")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing ddtop with torch and torchvision into $(VENV) (several GB, a minute or two)..."
@@ -48,7 +48,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	rm -rf .typecheck && mkdir -p .typecheck/ddtop
 	for part in training daemon dashboard; do ln -s ../../$$part .typecheck/ddtop/$$part; done
-	ln -s ../../api/__init__.py .typecheck/ddtop/__init__.py
+	for module in api/*.py; do ln -s ../../$$module .typecheck/ddtop/$${module#api/}; done
 	cd .typecheck && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p ddtop
 
 pytest: $(STAMP)
@@ -67,6 +67,7 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/startup.py
+	$(BIN)/python bench/starthook.py
 	$(BIN)/python bench/telemetry.py
 	$(BIN)/python bench/dashboard.py
 	$(BIN)/python bench/own_script.py

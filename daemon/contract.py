@@ -19,6 +19,9 @@ import msgspec
 # they publish nothing (telemetry_endpoint). The daemon sets it for its ranks unless
 # the user did.
 TELEMETRY_ENV = "DDTOP_TELEMETRY"
+# "off": in a process ddtrain did not start, the start-up hook instruments nothing
+# (training/starthook.py); `import ddtop` calls still report.
+ZERO_CODE_ENV = "DDTOP_ZERO_CODE"
 # The run's config.json, for ranks the daemon starts through torchrun
 # (`python -m ddtop.training` reads its settings from there).
 CONFIG_ENV = "DDTOP_CONFIG"

@@ -24,7 +24,8 @@ from helpers import DDTRAIN
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("training", "daemon", "dashboard")
-# The fourth part, api/, is the `ddtop` package itself (the public API).
+# The fourth part, api/, is the `ddtop` package itself (the public API), with its
+# modules beside it (`ddtop.run`).
 API = "ddtop"
 
 # What each part may import from the other parts (its own modules are free).
@@ -43,7 +44,10 @@ ALLOWED = {
     "daemon": set(),
     # `import ddtop` asks the contract whether telemetry is on (lazily, on its first call), and
     # imports the live implementation (torch, zmq) only when an endpoint is set.
-    "api": {"ddtop.daemon.contract", "ddtop.training.api"},
+    # `python -m ddtop.run` checks the program as `ddtrain start` does (config's UsageError),
+    # arms the start-up hook and runs the program as a rank does (both light: no torch).
+    "api": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.program",
+            "ddtop.training.api", "ddtop.training.asmain", "ddtop.training.starthook"},
     # The dashboard folds the same wire into the same state, finds runs and asks their
     # daemons (control, protocol) as ddtrain does; it says what each --strategy's
     # collectives are, from the table that declares them; `ddtop --headless` prints with
@@ -84,15 +88,21 @@ def imports(source: str, module: str) -> set[str]:
     return found
 
 
+def part_of(module: str) -> str:
+    """`api` for `ddtop` and its own modules (ddtop.run), else the folder's name."""
+    name = module.split(".")
+    return name[1] if len(name) > 1 and name[1] in PARTS else "api"
+
+
 def violations(module: str, imported: set[str]) -> list[str]:
-    part = "api" if module == API else module.split(".")[1]
+    part = part_of(module)
     bad = []
     for name in sorted(imported):
         top = name.split(".")[0]
         if top in HEAVY and not HEAVY[top](module):
             bad.append(f"{module} imports {name}")
-        if name == API and part != "api":  # the public API is a part of its own
-            if name not in ALLOWED[part]:
+        if top == API and part_of(name) == "api":  # the public API is a part of its own
+            if part != "api" and name not in ALLOWED[part]:
                 bad.append(f"{module} -> {name}")
             continue
         if not name.startswith("ddtop."):
@@ -108,7 +118,9 @@ def violations(module: str, imported: set[str]) -> list[str]:
 def our_modules() -> dict[str, str]:
     modules = {f"ddtop.{path.parent.name}.{path.stem}": path.read_text()
                for part in PARTS for path in sorted((ROOT / part).glob("*.py"))}
-    return {**modules, API: (ROOT / "api" / "__init__.py").read_text()}
+    api = {API if path.stem == "__init__" else f"{API}.{path.stem}": path.read_text()
+           for path in sorted((ROOT / "api").glob("*.py"))}
+    return {**modules, **api}
 
 
 def test_every_import_follows_the_declared_arrows() -> None:
@@ -123,8 +135,7 @@ def test_every_declared_arrow_is_used() -> None:
     edges = {(m, name) for m, source in our_modules().items() for name in imports(source, m)}
     for part, allowed in ALLOWED.items():
         for name in allowed:
-            assert any((m == API if part == "api" else m.startswith(f"ddtop.{part}."))
-                       and n == name for m, n in edges), (
+            assert any(part_of(m) == part and n == name for m, n in edges), (
                 f"{part} -> {name} is declared but not used")
 
 
@@ -211,6 +222,9 @@ def test_an_import_under_type_checking_or_in_a_function_closes_a_cycle() -> None
     ("ddtop.daemon.cli", "from ddtop.dashboard.app import DashboardApp"),
     ("ddtop.daemon.cli", "def f():\n    from ddtop.dashboard.headless import watch\n"),
     ("ddtop", "import torch"),
+    ("ddtop.run", "import torch"),
+    ("ddtop.run", "from ddtop.training import trainer"),
+    ("ddtop.training.trainer", "from ddtop.run import main"),
     ("ddtop", "from ddtop.training.trainer import train"),
     ("ddtop.daemon.state", "import ddtop"),
     ("ddtop.dashboard.app", "def f():\n    import ddtop\n"),
@@ -261,6 +275,12 @@ def test_module_does_not_import_torch(module: str) -> None:
 def test_import_ddtop_loads_no_torch_zmq_or_textual() -> None:
     """A user's script imports ddtop, and so does every ddtop.* import: it stays tiny."""
     assert loaded("ddtop", ("torch", "torchvision", "zmq", "textual", "msgspec")) == []
+
+
+@pytest.mark.processes
+def test_ddtop_run_loads_no_torch_zmq_or_textual() -> None:
+    """`python -m ddtop.run` starts every rank of a launcher: torch comes with the program."""
+    assert loaded("ddtop.run", ("torch", "torchvision", "zmq", "textual")) == []
 
 
 @pytest.mark.parametrize("module", ["ddtop.daemon.cli", "ddtop.dashboard.cli",

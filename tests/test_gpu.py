@@ -101,7 +101,8 @@ def test_auto_picks_nccl_when_every_rank_has_a_gpu(tmp_path: Path) -> None:
 def test_watch_on_a_gpu_model_with_a_hook_already_says_so_once(tmp_path: Path) -> None:
     """On a GPU ddtop times DDP with its comm hook (CUDA events), which cannot join
     a hook registered before watch: it says so once, and never raises. (On CPU
-    the same model is timed: tests/test_api.py.)"""
+    the same model is timed: tests/test_api.py.) The API alone (DDTOP_ZERO_CODE=off):
+    zero-code mode attaches the timer as the model is built, before any hook."""
     import socket
     import sys
     import time
@@ -130,7 +131,8 @@ def test_watch_on_a_gpu_model_with_a_hook_already_says_so_once(tmp_path: Path) -
         "dist.destroy_process_group()\n")
     with collecting() as collector:
         proc, tag = start([sys.executable, str(script)], tmp_path,
-                          {"DDTOP_TELEMETRY": collector.endpoint, "PORT": str(port)})
+                          {"DDTOP_TELEMETRY": collector.endpoint, "PORT": str(port),
+                           "DDTOP_ZERO_CODE": "off"})
         run = finish(proc, tag, 120)
         assert run.returncode == 0, run.stderr
         deadline = time.monotonic() + 10

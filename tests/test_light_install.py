@@ -115,3 +115,22 @@ def test_ddtrain_start_without_torch_is_one_line_and_starts_nothing(
         "ddtrain: error: ddtrain start runs ranks, which need torch, not installed here: "
         "pip install 'ddtop[train]' (ddtop alone only watches)"]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_the_start_up_hook_is_installed_and_needs_no_torch(light: Path, tmp_path: Path) -> None:
+    """The wheel puts ddtop-starthook.pth at the top of site-packages; in the watch
+    environment it arms there without torch (a watching machine's own tools, a
+    launcher's agent), and `python -m ddtop.run` runs a script as python does."""
+    (site,) = (light.parent / "lib").glob("python3.*/site-packages")
+    assert (site / "ddtop-starthook.pth").read_text() == (
+        REPO / "training" / "ddtop-starthook.pth").read_text()
+    assert not (site / "ddtop" / "training" / "ddtop-starthook.pth").exists()
+    loaded = "import sys; print(sorted(m for m in sys.modules if m.startswith('ddtop')))"
+    armed = subprocess.run([light / "python", "-c", loaded], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=TIMEOUT_S,
+                           env=tagged_env("light-install", {"DDTOP_TELEMETRY": "tcp://127.0.0.1:9"}))
+    assert (armed.returncode, armed.stderr) == (0, "")
+    assert armed.stdout == "['ddtop', 'ddtop.training', 'ddtop.training.starthook']\n"
+    (tmp_path / "train.py").write_text("import sys\nprint(sys.argv)\nsys.exit(3)\n")
+    ran = run(light / "python", "-m", "ddtop.run", "train.py", "--lr", "3", cwd=tmp_path)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (3, "['train.py', '--lr', '3']\n", "")

@@ -311,6 +311,11 @@ class LiveRank:
             self.telemetry.error(exc)
         self._excepthook(kind, exc, tb)
 
+    def exits_with(self, code: int) -> None:
+        """The program leaves through SystemExit(code) (starthook.py tells): the
+        bye at exit says `code`."""
+        self._exit_code = code
+
     def close(self, exit_code: int | None = None) -> None:
         """Say bye (1 after an uncaught exception, else 0 or `exit_code`) and stop."""
         if self._closed or not self.active:

@@ -20,14 +20,11 @@ of the built-in trainer: its traceback in the log and in the error report.
 from __future__ import annotations
 
 import atexit
-import builtins
 import logging
 import multiprocessing.util
 import os
-import runpy
 import sys
 import threading
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +42,8 @@ from ddtop.daemon.contract import (
 )
 from ddtop.daemon.runs import RunPaths, read_json
 from ddtop.training import api, autowatch, drills, worker
+from ddtop.training.asmain import ours as asmain_frame
+from ddtop.training.asmain import run_as_main, run_module
 from ddtop.training.rendezvous import install as install_loopback
 from ddtop.training.worker import (
     enter_rank,
@@ -70,18 +69,7 @@ def program_runner(config: TrainConfig) -> Callable[[], object]:
     assert module is not None, "a program or a module"
     sys.argv = [module, *config.program_args]  # runpy puts the module's file in argv[0]
     sys.path.insert(0, workdir)
-    return lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)
-
-
-def run_as_main(path: Path) -> None:
-    """Run a script as `python script.py` does: a fresh `__main__` module whose
-    `__file__` is the absolute path (sys.argv[0] stays as typed)."""
-    main = types.ModuleType("__main__")
-    main.__dict__.update({"__file__": str(path), "__builtins__": builtins, "__spec__": None,
-                          "__loader__": None, "__package__": None, "__cached__": None})
-    sys.modules["__main__"] = main  # pickling what the script defines finds it here
-    # The user's own script, run as python itself would run it.
-    exec(compile(path.read_bytes(), str(path), "exec"), main.__dict__)
+    return lambda: run_module(module)
 
 
 def run_program(config: TrainConfig, rank: int, error_report: Path | None,
@@ -106,7 +94,7 @@ def run_program(config: TrainConfig, rank: int, error_report: Path | None,
 
 def _ours(filename: str) -> bool:
     """Frames of ddtop and runpy, in front of the program's own in a traceback."""
-    return filename in (__file__, _WORKER_FILE, runpy.__file__, "<frozen runpy>")
+    return filename in (__file__, _WORKER_FILE) or asmain_frame(filename)
 
 
 def launched_script(rank: int, world_size: int, config_dict: dict[str, Any], run_dir: str,

@@ -29,7 +29,7 @@ import ddtop
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_USAGE
 from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
-from ddtop.training import api, checkpoint, data, strategies
+from ddtop.training import api, checkpoint, data, starthook, strategies
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
 from ddtop.training.drills import Drills
@@ -70,6 +70,7 @@ def run_paths(config: TrainConfig) -> RunPaths:
 
 
 def train(config: TrainConfig, env: RankEnv, launch_time: float | None = None) -> None:
+    starthook.stand_aside()  # this rank reports with what it knows (start_reporting)
     device = resolve_device(config, env)
     backend = resolve_backend(config, device)
     torch.set_num_threads(config.threads_per_rank)

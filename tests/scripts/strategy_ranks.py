@@ -24,7 +24,7 @@ from torch import nn
 
 import ddtop
 from ddtop.daemon.strategy_names import STRATEGIES
-from ddtop.training import api
+from ddtop.training import api, starthook
 from ddtop.training.data import SYNTHETIC_SPEC
 from ddtop.training.models import build_model
 from ddtop.training.strategies import Strategy, build
@@ -69,6 +69,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     names = sys.argv[2:] or list(STRATEGIES)
     torch.set_num_threads(1)
+    starthook.stand_aside()  # a rank of its own per strategy (api.start), as the trainer's
     dist.init_process_group("gloo")
     for name in names:
         run_strategy(name, out)
