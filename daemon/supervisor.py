@@ -104,6 +104,7 @@ class Supervisor:
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
         self.hung_since: float | None = None  # wall clock: since when the run hangs
+        self.world_told = 0  # `ddtrain watch`: the world size run.json has
         # This daemon's part in a multi-node job (node 0's hub, node K's forwarder, or
         # none): daemon/noderole.py.
         self.role: NodeRole | None = None
@@ -310,8 +311,12 @@ class Supervisor:
         return sorted(seen) if isinstance(seen, dict) else []
 
     def _tick(self) -> None:
+        assert self.relay is not None
+        world = self.relay.state.world_size
+        if self.watching and world != self.world_told and self.stopping is None:
+            self.world_told = world  # run.json says the ranks' world size once they do
+            self._status("running", f"watching {count_of(world, 'rank')}")
         if self.on_tick is not None:
-            assert self.relay is not None
             self.on_tick(self.relay.state)
 
     def _check_stop(self) -> None:

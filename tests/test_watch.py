@@ -115,9 +115,10 @@ def test_a_rank_that_raises_is_named_with_its_error(tmp_path: Path) -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
-def test_ddtrain_stop_stops_a_watched_command(tmp_path: Path) -> None:
+def test_ddtrain_stacks_and_stop_of_a_watched_command(tmp_path: Path) -> None:
     proc, tag = start([DDTRAIN, "watch", "--run-id", "long", "--", *TWO_RANKS, str(SCRIPT)],
                       tmp_path, {"STEPS": "100000", "SLEEP": "0.01"})
+    stop = None
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -128,10 +129,17 @@ def test_ddtrain_stop_stops_a_watched_command(tmp_path: Path) -> None:
             time.sleep(0.3)
         else:
             raise AssertionError("the ranks never stepped")
+        stacks = subprocess.run([DDTRAIN, "stacks", "long"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=60, env=tagged_env(tag))
+        assert stacks.returncode == 0, stacks.stderr  # written by the hook's faulthandler
+        assert "== rank 0" in stacks.stdout and "== rank 1" in stacks.stdout
+        assert stacks.stdout.count("plain_ddp.py") >= 2, stacks.stdout
         stop = subprocess.run([DDTRAIN, "stop", "long"], cwd=tmp_path, capture_output=True,
                               text=True, timeout=60, env=tagged_env(tag))
         assert stop.returncode == 0, stop.stderr
     finally:
+        if proc.poll() is None and stop is None:  # failed before the stop: end it now
+            proc.terminate()
         run = finish(proc, tag)
     assert run.returncode != 0  # torchrun's, after its workers were terminated
     got = status(tmp_path, "long")
@@ -174,9 +182,9 @@ def test_the_slurm_watch_example_runs_with_a_stand_in_srun(tmp_path: Path) -> No
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
-    for tool in ("srun", "scontrol"):
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    for tool in ("srun", "scontrol", "python"):
         (bin_dir / tool).chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
     env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
            "SLURM_NTASKS": "2", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "vm",
            "RUNS": str(tmp_path / "runs"), "STEPS": "5"}

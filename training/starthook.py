@@ -173,10 +173,35 @@ def _became_rank() -> None:
             rank = dist.get_rank()
             api.start(rank=rank, local_rank=_local_rank(rank),
                       world_size=dist.get_world_size())
+            _dump_stacks_on_signal(rank)
         if autowatch.install():
             _watch_exit()
     except Exception as e:  # noqa: BLE001 - the program must run on, unwatched
         _say(f"this rank is not watched: {type(e).__name__}: {e}")
+
+
+_stacks_file: Any = None  # open for the life of the rank: faulthandler writes to its fd
+
+
+def _dump_stacks_on_signal(rank: int) -> None:
+    """`ddtrain stacks` of a watched run: every thread's stack, from faulthandler's
+    C handler, to logs/rank-K.stacks in the folder `ddtrain watch` names (where
+    it can be written: a rank on another machine may not see it)."""
+    global _stacks_file
+    import faulthandler
+    from pathlib import Path
+
+    from ddtop.daemon.contract import STACKS_DIR_ENV, STACKS_SIGNAL
+
+    folder = os.environ.get(STACKS_DIR_ENV)
+    if not folder or not Path(folder).is_dir():
+        return
+    try:
+        _stacks_file = (Path(folder) / f"rank-{rank}.stacks").open("a")
+    except OSError as e:
+        _say(f"stacks will not be available for this rank: {e}")
+        return
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
 
 
 def _local_rank(rank: int) -> int:
