@@ -324,6 +324,9 @@ class TrainConfig:
         if self.node_rank >= self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} must be below --nnodes "
                              f"{self.nnodes} (nodes are numbered from 0)")
+        if self.watch is not None:  # `ddtrain watch`: the ranks' rendezvous is theirs
+            self._check_hub()
+            return
         if not self.rdzv_endpoint:
             raise UsageError("a multi-node job needs --rdzv-endpoint HOST:PORT (node 0's host "
                              "and a free port, the same on every node)")
@@ -336,6 +339,10 @@ class TrainConfig:
             raise UsageError(f"--world-size {self.world_size} must be --nnodes x "
                              f"--nproc-per-node = {self.nnodes * self.nproc_per_node}: leave "
                              "--world-size out of a multi-node job")
+        self._check_hub()
+
+    def _check_hub(self) -> None:
+        """The flags by which the nodes of a job find their hub (node 0)."""
         if self.run_id is None:
             raise UsageError("a multi-node job needs --run-id ID, the same on every node")
         if self.hub and (self.is_hub or not re.fullmatch(r"tcp://[^\s/]+:\d+", self.hub)):

@@ -56,7 +56,9 @@ class NodeRole:
         """Node 0: serve the node daemons, and tell them where (hub.json)."""
         self.hub = nodes.Hub(self.config, self.relay)
         self.relay.hub = self.hub
-        host = self.config.rdzv_host if bind in ("0.0.0.0", "::") else bind
+        # On every interface: as the rendezvous names this host (a watch has none: its name).
+        host = (self.config.rdzv_host or socket.gethostname()) if bind in ("0.0.0.0", "::") \
+            else bind
         endpoints = self.relay.endpoints
         self.hub.nodes_endpoint = nodes.public(endpoints["nodes"], host)
         control = nodes.public(endpoints["control"], host)

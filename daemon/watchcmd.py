@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ddtop.daemon.bounds import MAX_WORLD_SIZE
 from ddtop.daemon.config import TrainConfig, UsageError, default_runs_dir
 from ddtop.daemon.contract import (
     EXIT_USAGE,
@@ -77,6 +78,18 @@ def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser
     watch.add_argument("--headless", action="store_true",
                        help="print progress lines from the ranks' telemetry (or --format "
                        "jsonl) instead of the command's output; for CI")
+    nodes = watch.add_argument_group(
+        "multi-node", "one ddtrain watch per node, each running that node's part of the job; "
+        "node 0's is the job's hub (docs/multi-node.md)")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="machines (nodes) of the job, one ddtrain watch on each")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="K",
+                       help="this node's number, 0 to N-1; node 0's watch is the hub")
+    nodes.add_argument("--hub", default="", metavar="tcp://HOST:PORT",
+                       help="node 1 and up, without a shared runs directory: the hub's "
+                       "control endpoint (its hub.json)")
+    nodes.add_argument("--hub-keys", default="", metavar="DIR",
+                       help="with --hub: a copy of the job's keys folder")
     add_output_arguments(watch)
     return watch
 
@@ -93,9 +106,17 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
                              "its command): leave it out")
     elif not (args.idle >= 0 and args.idle < float("inf")):
         raise UsageError(f"--idle must be a number of seconds >= 0 (got {args.idle:g})")
+    nodes: dict[str, Any] = {}
+    if args.nnodes != 1 or args.node_rank or args.hub or args.hub_keys:
+        # A job's hub bounds the ranks it takes by the world size: here only the ranks
+        # know it. Node 0 serves the other nodes: on every interface unless --bind.
+        nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "hub": args.hub,
+                 "hub_keys": args.hub_keys, "world_size": MAX_WORLD_SIZE}
+        if args.node_rank == 0 and not args.bind:
+            args.bind = "0.0.0.0"
     return TrainConfig(run_id=args.run_id, runs_dir=args.runs_dir or default_runs_dir(),
                        bind=args.bind, hang_timeout=args.hang_timeout, watch=command,
-                       idle=args.idle, workdir=str(Path.cwd())).validate()
+                       idle=args.idle, workdir=str(Path.cwd()), **nodes).validate()
 
 
 def _check_command(name: str) -> None:
@@ -113,7 +134,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     owner_only_umask()
     config = watch_config(args)
-    paths = new_run(config.runs_dir, config.run_id)
+    paths = new_run(config.runs_dir, config.run_id, config.node_rank)
     config = TrainConfig(**{**config.to_dict(), "run_id": paths.run_id})
     where = f"{paths.root} (Ctrl-C stops the ranks)"
     banner = (f"ddtrain: watching run {paths.run_id}: {config.program_label} in {where}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from tests.helpers import DDTRAIN, TORCHRUN, ddtrain, finish, start, tagged_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
 LIGHTNING = Path(__file__).parent / "scripts" / "lightning_ddp.py"
-SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "watch.sbatch"
+SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "watch-srun.sbatch"
 TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
 
 
@@ -176,7 +177,7 @@ exit $code
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_the_slurm_watch_example_runs_with_a_stand_in_srun(tmp_path: Path) -> None:
-    """examples/slurm/watch.sbatch as sbatch would run it, with `srun` and
+    """examples/slurm/watch-srun.sbatch as sbatch would run it, with `srun` and
     `scontrol` standing in for SLURM's: the tasks report over TCP with the keys."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -195,6 +196,46 @@ def test_the_slurm_watch_example_runs_with_a_stand_in_srun(tmp_path: Path) -> No
     assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
         (0, "finished", 5), (1, "finished", 5)]
     assert not run.leftovers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(150)
+def test_one_watch_per_node_node_0_the_hub_names_a_rank_killed_on_node_1(tmp_path: Path
+                                                                          ) -> None:
+    """Two nodes on one machine, as `ddtrain start` tests them: each node's watch runs
+    its torchrun (static rendezvous at node 0), node 1's forwards to node 0's hub."""
+    port = str(free_port())
+    procs = []
+    for node in (0, 1):
+        torchrun = [TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                    "1", "--master-addr", "127.0.0.1", "--master-port", port, str(SCRIPT)]
+        procs.append(start([DDTRAIN, "watch", "--nnodes", "2", "--node-rank", str(node),
+                            "--run-id", "mn", "--", *torchrun], tmp_path,
+                           {"STEPS": "400", "SLEEP": "0.02", "DIE_RANK": "1",
+                            "DIE_STEP": "6"}))
+    runs = [finish(proc, tag) for proc, tag in procs]
+    assert [r.returncode for r in runs] == [1, 1], [r.stderr for r in runs]
+    assert "node 0 is the hub of 2 nodes" in runs[0].stderr
+    assert "node 1 forwards to the hub" in runs[1].stderr
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL", runs[1].stderr)
+    hub = status(tmp_path, "mn")
+    assert hub["failure"]["rank"] == 1 and hub["failure"]["signal"] == "SIGKILL", hub
+    assert hub["failure"]["node"] == 1
+    assert [(r["rank"], r["node"]) for r in hub["ranks"]] == [(0, 0), (1, 1)]
+    assert not any(r.leftovers for r in runs)
+
+
+@pytest.mark.processes
+def test_the_slurm_watch_example_of_one_watch_per_node_is_valid_bash() -> None:
+    done = subprocess.run(["bash", "-n", str(SBATCH.parent / "watch.sbatch")],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
 
 
 # -- without a command ---------------------------------------------------------------------
