@@ -302,7 +302,7 @@ def summary_record(final: FinalSummary) -> dict[str, Any]:
 def summary_text(final: FinalSummary, now: float) -> list[str]:
     s = final.run
     lines = [f"{stamp(now)} run {s.run_id} {s.status} after {seconds(final.elapsed_s)}: "
-             f"step {s.global_step}/{s.total_steps}, {s.restarts} restarts, "
+             f"step {s.global_step}/{s.total_steps or '?'}, {s.restarts} restarts, "
              f"{lost_words(s.telemetry_loss)}"]
     if s.program:
         lines.append(f"  program: {s.program}")
@@ -336,7 +336,7 @@ def summary_markdown(final: FinalSummary) -> str:
         "| | |", "|---|---|",
         f"| model / dataset | {s.model} / {s.dataset} |",
         f"| ranks | {s.world_size} ({s.backend}) |",
-        f"| steps | {s.global_step}/{s.total_steps} |",
+        f"| steps | {s.global_step}/{s.total_steps or '?'} |",
         f"| time | {seconds(final.elapsed_s)} |",
         f"| restarts | {s.restarts} |",
     ]
