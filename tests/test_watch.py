@@ -242,7 +242,8 @@ def test_the_slurm_watch_example_of_one_watch_per_node_is_valid_bash() -> None:
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_watch_without_a_command_is_fed_by_a_separate_torchrun(tmp_path: Path) -> None:
-    proc, tag = start([DDTRAIN, "watch", "--run-id", "apart", "--idle", "60"], tmp_path)
+    proc, tag = start([DDTRAIN, "watch", "--run-id", "apart", "--idle", "60", "--headless",
+                       "--format", "jsonl"], tmp_path)
     assert proc.stderr is not None
     try:
         exports: dict[str, str] = {}
@@ -258,6 +259,8 @@ def test_a_watch_without_a_command_is_fed_by_a_separate_torchrun(tmp_path: Path)
     finally:
         run = finish(proc, tag)
     assert run.returncode == 0, run.stderr
+    last = json.loads(run.stdout.splitlines()[-1])  # --headless: the summary, as JSON
+    assert last["status"] == "succeeded" and last["global_step"] == 7, last
     got = status(tmp_path, "apart")
     assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
         (0, "finished", 7), (1, "finished", 7)]
