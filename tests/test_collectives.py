@@ -12,9 +12,11 @@
   Trainer's all-gather of the items in the batch) and rank 1 is blamed;
 - a plain DDP loop that all-reduces a flag before every batch, as Lightning
   does, with rank 1 slowed after each optimizer step (`--inject 1:slow=3x`):
-  rank 1 is the straggler.
+  rank 1 is the straggler;
+- two ranks that never initialise a process group: one warning, in the events,
+  `ddtrain status` and the headless summary.
 
-The four runs start together (a module fixture), so that the seconds the
+The five runs start together (a module fixture), so that the seconds the
 hangs take to be declared overlap; each test waits for its own.
 """
 
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from helpers import DDTRAIN, Collector, Run, collecting, finish, start, tagged_env
 from test_api import wait_for
 
-from ddtop.daemon import wire
+from ddtop.daemon import alone, wire
 from ddtop.training import collectives
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -74,16 +76,17 @@ def test_the_wrapped_collectives_are_torchs_own_to_a_program_until_a_rank_is_wat
     assert all(getattr(dist, name) is original for name, original in originals.items())
 
 
-# -- ddtrain start: the frameworks, a straggler ------------------------------------------------
+# -- ddtrain start: the frameworks, a straggler, ranks alone -----------------------------------
 RUNS: dict[str, tuple[str, ...]] = {
     "lightning": (*JSONL, "-n", "2", *HANG, str(SCRIPTS / "fw_lightning.py")),
     "hf": (*JSONL, "-n", "2", *HANG, str(SCRIPTS / "fw_hf_trainer.py")),
     # 300 steps of a few ms; rank 1 at three times its step time from the start.
     "slow": (*JSONL, "-n", "2", "--inject", "1:slow=3x", str(SCRIPTS / "flag_loop.py"),
              "--steps", "300"),
+    "alone": ("--foreground", "--headless", "-n", "2", str(SCRIPTS / "train_alone.py")),
 }
 NEEDS = {"lightning": "lightning", "hf": "transformers"}  # in the test extra (make test)
-ENV = {"lightning": {"STEPS": "8"}, "hf": {"STEPS": "8"}}
+ENV = {"lightning": {"STEPS": "8"}, "hf": {"STEPS": "8"}}  # train_alone.py: 30 steps
 
 
 class Started:
@@ -224,4 +227,23 @@ def test_a_rank_slow_before_the_next_batchs_collective_is_the_straggler(runs: St
     assert named and all(line["stragglers"] == [1] for line in named), [
         (p["global_step"], p["stragglers"]) for p in progress]
     assert all(line["hang"] is None for line in progress)
+    assert run.leftovers == []
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_ranks_that_never_communicate_are_told_once(runs: Started) -> None:
+    run = runs.result("alone")
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = (f"ranks 0-1 never communicated in {alone.ALONE_AFTER_STEPS} steps each: are they "
+            "training independently?")
+    events = [line for line in run.stdout.splitlines() if said in line]
+    assert len(events) == 2, run.stdout  # the event, and the summary's line
+    assert "[daemon] warning: " + said in events[0] and events[1].startswith("  warning: ")
+    got = runs.status("alone")
+    assert got["status"] == "succeeded" and said in got["alone"]
+    shown = subprocess.run([DDTRAIN, "status", "alone"], cwd=runs.root / "alone",
+                           capture_output=True, text=True, timeout=30, env=tagged_env("status"))
+    assert f"  warning: {said}" in shown.stdout, shown.stdout
+    assert [(r["rank"], r["global_step"]) for r in got["ranks"]] == [(0, 30), (1, 30)]
     assert run.leftovers == []
