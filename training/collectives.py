@@ -204,7 +204,7 @@ def ddp_hook(hook: Any) -> Any:
     @functools.wraps(hook)
     def comm_hook(*args: Any) -> Any:
         thread = _thread
-        if thread.inside:
+        if _compiling() or thread.inside:  # (compiled autograd traces it: as it is)
             return hook(*args)
         thread.inside = True
         try:
@@ -236,9 +236,11 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
         rank = _rank
-        thread = _thread
         # (Under torch.compile it is traced as torch's own, which dynamo knows.)
-        if rank is None or thread.inside or not rank.active or _compiling():
+        if rank is None or _compiling():
+            return original(*args, **kwargs)
+        thread = _thread
+        if thread.inside or not rank.active:
             return original(*args, **kwargs)
         try:
             telemetry = rank.telemetry
