@@ -319,6 +319,8 @@ def summary_text(final: FinalSummary, now: float) -> list[str]:
     if s.rejected:
         lines.append("  rejected by the daemon: " + ", ".join(
             f"{n} {reason}" for reason, n in sorted(s.rejected.items())))
+    if s.alone:
+        lines.append(f"  warning: {s.alone}")
     failure = final.failure_line()
     if failure is not None:
         lines.append(f"  failure: {failure}")

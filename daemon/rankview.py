@@ -65,6 +65,8 @@ class RankView(msgspec.Struct, kw_only=True):
     local_rank: int | None = None
     device: str = ""
     backend: str = ""
+    collectives: bool = False  # every collective it enters is seen (zero-code: its hello)
+    communicated: bool = False  # one was: a step's communication, a heartbeat's collective
     # Progress, from step messages (the newest one; totals over all).
     epoch: int = 0
     step: int = 0

@@ -90,6 +90,8 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         lines.append(f"  global {metrics_words(s.metrics)}")
     if s.hang:
         lines.append(f"  hang: {s.hang}")
+    if s.alone:
+        lines.append(f"  warning: {s.alone}")
     if s.rejected:
         lines.append("  rejected by the daemon: " + ", ".join(
             f"{n} {reason}" for reason, n in sorted(s.rejected.items())))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ddtop.daemon import hangs, stragglers, wire
+from ddtop.daemon import alone, hangs, stragglers, wire
 from ddtop.daemon import summary as told
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
@@ -95,6 +95,7 @@ class RunState(msgspec.Struct, kw_only=True):
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
+    alone: str | None = None  # ranks that never communicated, in words (daemon/alone.py)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
     # A multi-node job (daemon/nodes.py): each rank's node, and each node's state
     # (up, unreachable, lost, done), from the hub's node events.
@@ -147,8 +148,7 @@ class RunState(msgspec.Struct, kw_only=True):
             if not late:
                 self.scalars_dropped += keep_newest(self.scalars, message.rank, message.values)
         elif isinstance(message, wire.Bye):
-            view.bye_code = message.exit_code
-            view.phase = "done"
+            view.bye_code, view.phase = message.exit_code, "done"
         return True
 
     def _apply_hello(self, view: RankView, m: wire.Hello) -> None:
@@ -156,7 +156,7 @@ class RunState(msgspec.Struct, kw_only=True):
         # backend, totals): the same process updates what it said, no second join.
         again = bool(view.host) and view.pid == m.pid
         view.host, view.pid, view.local_rank = m.host, m.pid, m.local_rank
-        view.device, view.backend = m.device, m.backend
+        view.device, view.backend, view.collectives = m.device, m.backend, m.collectives is True
         self.world_size = self.world_size or m.world_size
         self.model, self.dataset, self.epochs = m.model, m.dataset, m.epochs
         self.global_batch, self.backend = m.global_batch, m.backend
@@ -191,8 +191,7 @@ class RunState(msgspec.Struct, kw_only=True):
                 view.coll_completed = view.coll_started
         stragglers.add_steps(self.straggler_rounds, view.evidence, m.steps, m.step_s, m.comm_s,
                              received, self.world_size, self._stepping, m.compute_trim_s)
-        steps = m.steps
-        span = m.step_s
+        steps, span = m.steps, m.step_s
         if view.last_step_t is not None and m.t > view.last_step_t:
             # Wall clock, so syncs count; never less than the steps took (a message sent
             # right after the previous one, at an epoch end, would otherwise spike).
@@ -202,6 +201,10 @@ class RunState(msgspec.Struct, kw_only=True):
         view.last_step_t = m.t
         view.epoch, view.step, view.steps_per_epoch = m.epoch, m.step, m.steps_per_epoch
         view.global_step = max(view.global_step, m.global_step)
+        view.communicated = view.communicated or m.comm_ops > 0
+        if self.alone is None and (said := alone.never_communicated(self.ranks, self.world_size)):
+            self.alone = said
+            self._event(m.t, wire.DAEMON_RANK, "warning", said)
         weight = m.samples if isinstance(m.loss_weight, msgspec.UnsetType) else m.loss_weight
         view.loss = m.loss_sum / weight if weight else None
         view.step_time_s = m.step_s / steps
@@ -216,8 +219,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.phase_split = {"data": m.data_s / steps, "forward": m.forward_s / steps,
                             "backward": m.backward_s / steps, "optimizer": m.optimizer_s / steps}
         view.lr = m.lr
-        view.cuda_allocated, view.cuda_reserved, view.rss = (
-            m.cuda_allocated, m.cuda_reserved, m.rss)
+        view.cuda_allocated, view.cuda_reserved, view.rss = m.cuda_allocated, m.cuda_reserved, m.rss
         view.history.append(Point(m.t, m.global_step, view.loss or 0.0, rate or 0.0,
                                   view.comm_share or 0.0))
         if len(view.history) > HISTORY_POINTS:
@@ -233,6 +235,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.phase, view.phase_s, view.phase_at = m.phase, m.phase_s, received
         view.phase_step = m.global_step
         view.coll_started, view.coll_completed = m.coll_started, m.coll_completed
+        view.communicated = view.communicated or m.coll_started is not None
         view.epoch = max(view.epoch, m.epoch)
         view.global_step = max(view.global_step, m.global_step)
 
@@ -434,7 +437,7 @@ class RunState(msgspec.Struct, kw_only=True):
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
             journal_dropped=self.journal_dropped, hang=self.hang(now), ranks=ranks,
             started=self.started, updated=self.updated, metrics=told.user_epochs(self.aggregate),
-            program=self.program, scalars=self.scalar_summaries())
+            program=self.program, scalars=self.scalar_summaries(), alone=self.alone)
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()

@@ -138,6 +138,10 @@ class Hello(_Header, tag="hello", tag_field="kind", kw_only=True):
     # How the built-in trainer synchronises gradients (--strategy: ddp, allreduce,
     # hooks, hooks-async, ring, fsdp); absent from a user's script.
     strategy: StrategyName | UnsetType = UNSET
+    # True: every collective of torch.distributed this rank enters is seen
+    # (zero-code), so a rank that reports none has not communicated. Absent:
+    # not known (the built-in trainer, the API alone, an earlier sender).
+    collectives: bool | UnsetType = UNSET
 
 
 class Step(_Header, tag="step", tag_field="kind", kw_only=True):

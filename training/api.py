@@ -210,6 +210,10 @@ class LiveRank:
         self._update_hello(model=self.hello.model or type(ddp.module).__name__,
                            device=str(device), backend=_backend(ddp.process_group))
 
+    def sees_collectives(self) -> None:
+        """Hello again: every collective this rank enters is seen (zero-code)."""
+        self._update_hello(collectives=True)
+
     # -- ddtop.step and the optimizer hook ------------------------------------------------
     def step(self, loss: Any, samples: int | None) -> None:
         if not self.active:

@@ -16,7 +16,12 @@
   (watched.py: DDP takes one comm hook, once);
 - infers the phase for heartbeats: forward and backward at a DDP forward
   (watched.py), optimizer in `optimizer.step()`, data after it. A model built
-  before install() is passed straight through.
+  before install() is passed straight through;
+- sees every collective of torch.distributed the rank enters (collectives.py:
+  Lightning's, Accelerate's and the Trainer's own, barriers, object
+  collectives), named while the rank is in it and timed as communication; its
+  hello says so (`collectives`), so that ranks that never communicate can be
+  told from ranks whose collectives are not seen.
 
 Nothing here raises into the user's program: where timing is impossible it says
 so once, as a warning event.
@@ -33,7 +38,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ddtop.training import watched
+from ddtop.training import collectives, watched
 from ddtop.training.api import LiveRank, current
 from ddtop.training.watched import WATCHED_ATTR, hook_failed, mark_forward, timer_of
 
@@ -56,6 +61,9 @@ def install() -> bool:
         watched.mark_phases(rank)
         watched.wrap_forward()
         watched.wrap_registration(rank)
+        collectives.wrap()
+        collectives.watch(rank)
+        rank.sees_collectives()
     return True
 
 

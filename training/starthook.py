@@ -12,13 +12,15 @@ for the process's own `import torch` (a meta path finder that finds nothing
 itself; at once if torch is imported already) and then wraps
 `torch.distributed.init_process_group` where a program reaches it
 (torch.distributed, distributed_c10d, and device_mesh, which holds it by
-name). Once this process has a default process group it is a rank: its
-LiveRank starts with the rank and world size the group reports (local rank
-from LOCAL_RANK, else the rank) and autowatch.install() instruments it as
+name), and the collective functions (collectives.py: they call through until
+the process is a rank), before the program can take any of them by name.
+Once this process has a default process group it is a rank: its LiveRank
+starts with the rank and world size the group reports (local rank from
+LOCAL_RANK, else the rank) and autowatch.install() instruments it as
 `ddtrain start train.py` does: optimizer steps, DDP watched as it is built,
-phases. So Lightning's first rank, the user's own `python train.py` with no
-RANK at start, is watched too. A process that never initialises a group
-(torchrun's agent, a data loader worker) sends nothing.
+phases, every collective it enters. So Lightning's first rank, the user's own
+`python train.py` with no RANK at start, is watched too. A process that never
+initialises a group (torchrun's agent, a data loader worker) sends nothing.
 
 A process that reports already (a script's `ddtop.init()` first, a user's
 script under `ddtrain start`) keeps its rank and gets the instrumentation; the
@@ -143,6 +145,13 @@ def _torch_imported() -> None:
             module = sys.modules.get(name)
             if module is not None and getattr(module, "init_process_group", None) is original:
                 setattr(module, "init_process_group", wrapped)  # noqa: B010 - the point of the hook
+        from ddtop.daemon.contract import ZERO_CODE_ENV
+
+        if os.environ.get(ZERO_CODE_ENV) != "off":
+            # Before the program takes any of them by name: marked once it is a rank.
+            from ddtop.training import collectives
+
+            collectives.wrap()
     except Exception as e:  # noqa: BLE001 - the program must run on, unwatched
         _say(f"zero-code watching is off in this process: {type(e).__name__}: {e}")
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddtop.training.collectives import ddp_hook
 from ddtop.training.commtimer import CommTimer, DDPStats, timed_allreduce
 from ddtop.training.pairing import StepPairing
 from ddtop.training.telemetry import LiveTelemetry
@@ -212,11 +213,14 @@ def _ddp_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
 
 
 def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
+    # Whichever hook DDP is given, what it calls is DDP's all-reduce: not another
+    # collective (collectives.py). A hook that becomes the timer's inner one runs
+    # inside timed_allreduce, which is given to DDP so too.
     rank = _wrapping
     timer = timer_of(self)
     if rank is None or hook is timed_allreduce or (timer is not None and timer.inner) \
             or getattr(self, "device_type", "cpu") != "cuda":  # on CPU: DDP's statistics time it
-        _original_register(self, state, hook)  # ours, or a second one: as without ddtop
+        _original_register(self, state, ddp_hook(hook))  # ours, or a second one: as without ddtop
         return
     # A malformed hook fails as it would without ddtop (torch leaves this unannotated).
     self._check_comm_hook(hook)  # type: ignore[no-untyped-call]
@@ -224,7 +228,7 @@ def _register_comm_hook(self: DDP, state: object, hook: Any) -> None:
         self.logger._set_comm_hook_name(hook.__qualname__)
     if timer is None:
         if id(self) not in _constructing:
-            _original_register(self, state, hook)  # built before install(): not ours
+            _original_register(self, state, ddp_hook(hook))  # built before install(): not ours
             return
         # DDP's own hook (mixed precision), registered from inside its constructor.
         timer = rank.timer_for(self)

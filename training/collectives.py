@@ -1,0 +1,295 @@
+"""Every collective of torch.distributed a rank enters, seen (zero-code mode).
+
+Frameworks run collectives of their own besides DDP's gradient all-reduce:
+Lightning broadcasts its SIGTERM flag before every batch, Hugging Face's
+Trainer all-gathers the number of items in each batch (through Accelerate),
+and `all_gather_object`, barriers and the like come before and after. A rank
+waiting in one of them waits for the others: without seeing it, a hang after
+an optimizer step has nobody "in a collective" (the lowest stalled rank was
+blamed), and a rank slowed between its optimizer step and the next such
+collective makes the others' wait look like their own work.
+
+`wrap()` replaces the public collective functions (OPS) where programs reach
+them, `torch.distributed` and `torch.distributed.distributed_c10d` (the way
+starthook.py wraps init_process_group); they call through at once unless
+`watch(rank)` has named a rank (autowatch.install). For the rank, each call:
+
+- takes the next collective number and is named as the collective the rank
+  is in (`LiveTelemetry.collective_started`: what heartbeats say, and what the
+  daemon's hang rule reads), with its payload in bytes where the tensors tell
+  it at no cost (0 for barriers and the object collectives);
+- when it returns (a blocking call) it is over, and its time is communication
+  of the step in progress (`comm_done`: comm_s, bytes, ops of the Step, as a
+  DDP all-reduce's), so the time a rank waits in it is never its compute;
+- with `async_op=True` it is over when its work's future completes (seen
+  from the backend's thread), and its time runs from the call to then; where
+  a backend gives no future, it is over as the call returns.
+
+A collective called from inside another (an object collective's own
+`all_gather` and `broadcast`) is part of it, not another, on the same thread.
+DDP's gradient all-reduce is not one of them: its reducer calls the process
+group from C++, and a comm hook in Python (torch's `allreduce_hook`, PowerSGD,
+a user's own, ddtop's timer on a GPU) that calls `dist.all_reduce` runs as
+`ddp_hook` makes it, so what it calls is DDP's all-reduce, timed as such
+(DDPStats, CommTimer), not seen again here. Nor are the ProcessGroup's methods called
+directly (`pg.allreduce(...)`), point-to-point sends and receives, torch's
+functional collectives (`torch.distributed._functional_collectives`, DTensor)
+and `all_gather_single` / `reduce_scatter_single` (FSDP2's own). Code that
+holds a collective function it took before `wrap()` (`from torch.distributed
+import all_reduce` before the rank was instrumented) calls the original: under
+`ddtrain start` wrap() runs before the script, and the start-up hook runs it
+as soon as torch is imported.
+
+Nothing here raises into the program: a failure of its own is one warning
+event, and the collective runs as it would have. This module imports only
+torch (and the standard library): the start-up hook loads it as torch is
+imported, in processes that may never become ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ddtop.training.telemetry import LiveTelemetry
+
+# Where programs reach the collective functions: each that holds torch's is wrapped.
+HOLDERS = ("torch.distributed", "torch.distributed.distributed_c10d")
+
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+Size = Callable[[Args, Kwargs], int]
+
+
+def _arg(args: Args, kwargs: Kwargs, at: int, name: str) -> Any:
+    return args[at] if len(args) > at else kwargs.get(name)
+
+
+def _bytes(t: Any) -> int:
+    return t.nbytes if isinstance(t, torch.Tensor) else 0
+
+
+def _count(items: Any) -> int:
+    return len(items) if isinstance(items, list | tuple) else 0
+
+
+def _tensor(at: int, name: str) -> Size:
+    """The bytes of one tensor argument."""
+    def size(args: Args, kwargs: Kwargs) -> int:  # (every call: _arg and _bytes inline)
+        t = args[at] if len(args) > at else kwargs.get(name)
+        return t.nbytes if isinstance(t, torch.Tensor) else 0
+    return size
+
+
+def _times_list(at: int, name: str, list_at: int, list_name: str) -> Size:
+    """One tensor's bytes, as many times as a list argument has tensors."""
+    return lambda args, kwargs: (_bytes(_arg(args, kwargs, at, name))
+                                 * _count(_arg(args, kwargs, list_at, list_name)))
+
+
+def _list(at: int, name: str) -> Size:
+    def size(args: Args, kwargs: Kwargs) -> int:
+        items = _arg(args, kwargs, at, name)
+        return sum(map(_bytes, items)) if isinstance(items, list | tuple) else 0
+    return size
+
+
+def _nothing(args: Args, kwargs: Kwargs) -> int:
+    return 0
+
+
+# Bus-bandwidth families (nccl-tests' busbw / algbw): set for the world size in watch().
+ALL_REDUCE, GATHER, ONE = "all_reduce", "gather", "one"
+# name -> (its payload in bytes, as nccl-tests sizes the op; its bus family).
+OPS: dict[str, tuple[Size, str]] = {
+    "all_reduce": (_tensor(0, "tensor"), ALL_REDUCE),
+    "broadcast": (_tensor(0, "tensor"), ONE),
+    "reduce": (_tensor(0, "tensor"), ONE),
+    "all_gather": (_times_list(1, "tensor", 0, "tensor_list"), GATHER),
+    "all_gather_into_tensor": (_tensor(0, "output_tensor"), GATHER),
+    "reduce_scatter": (_times_list(0, "output", 1, "input_list"), GATHER),
+    "reduce_scatter_tensor": (_tensor(1, "input"), GATHER),
+    "gather": (_tensor(0, "tensor"), ONE),
+    "scatter": (_tensor(0, "tensor"), ONE),
+    "all_to_all": (_list(1, "input_tensor_list"), GATHER),
+    "all_to_all_single": (_tensor(1, "input"), GATHER),
+    "barrier": (_nothing, ONE),
+    "monitored_barrier": (_nothing, ONE),
+    "all_gather_object": (_nothing, ONE),
+    "broadcast_object_list": (_nothing, ONE),
+    "gather_object": (_nothing, ONE),
+    "scatter_object_list": (_nothing, ONE),
+}
+
+
+class Rank(Protocol):
+    """What a wrapped collective asks of the rank it reports to (api.py's LiveRank)."""
+
+    active: bool  # False in a forked child: nothing is marked
+    telemetry: LiveTelemetry
+
+    def warn_once(self, key: str, message: str) -> None: ...
+
+
+class _Thread(threading.local):
+    """What this thread is in: a wrapped collective (one called from it is part of
+    it), or a DDP comm hook (what it calls is DDP's all-reduce)."""
+
+    inside = False
+
+
+_rank: Rank | None = None  # the rank the collectives are marked for
+_thread = _Thread()
+_factors = {ALL_REDUCE: 1.0, GATHER: 1.0, ONE: 1.0}
+_wrapped: dict[str, Callable[..., Any]] = {}  # name -> torch's own function
+_compiling = torch.compiler.is_compiling
+
+
+def wrap() -> None:
+    """Replace the collective functions where programs reach them (idempotent;
+    those torch does not have are left out)."""
+    if _wrapped:
+        return
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None:  # torch.distributed not available in this build
+        return
+    for name, (size, family) in OPS.items():
+        original = getattr(c10d, name, None)
+        if not callable(original):
+            continue
+        _wrapped[name] = original
+        wrapper = _wrap(name, original, size, family)
+        for holder in HOLDERS:
+            module = sys.modules.get(holder)
+            if module is not None and getattr(module, name, None) is original:
+                setattr(module, name, wrapper)
+
+
+def unwrap() -> None:
+    """torch's own functions back where they were (for tests and benchmarks)."""
+    for name, original in _wrapped.items():
+        for holder in HOLDERS:
+            module = sys.modules.get(holder)
+            current = getattr(module, name, None) if module is not None else None
+            if getattr(current, "__wrapped__", None) is original:
+                setattr(module, name, original)
+    _wrapped.clear()
+
+
+def watch(rank: Rank | None) -> None:
+    """Mark the collectives of `rank` from now on (None: nobody's)."""
+    global _rank
+    if rank is not None:
+        n = max(1, rank.telemetry.world_size)
+        _factors[ALL_REDUCE], _factors[GATHER] = 2 * (n - 1) / n, (n - 1) / n
+    _rank = rank
+
+
+def ddp_hook(hook: Any) -> Any:
+    """`hook`, a DDP comm hook, as DDP is given it: the collectives it calls are
+    DDP's gradient all-reduce (timed by DDPStats or the CommTimer), not seen here.
+    It runs as it would (its signature, name and result are its own); what is not
+    callable is left as it is, for DDP to refuse as it would."""
+    if not callable(hook):
+        return hook
+
+    @functools.wraps(hook)
+    def comm_hook(*args: Any) -> Any:
+        thread = _thread
+        if _compiling() or thread.inside:  # (compiled autograd traces it: as it is)
+            return hook(*args)
+        thread.inside = True
+        try:
+            return hook(*args)
+        finally:
+            thread.inside = False
+
+    return comm_hook
+
+
+def _async_at(original: Callable[..., Any]) -> int:
+    """The position of `async_op` among the positional parameters of torch's
+    function (under its decorators), or -1 without one."""
+    inner = original
+    while hasattr(inner, "__wrapped__"):  # (inspect.unwrap, without importing inspect)
+        inner = inner.__wrapped__
+    code = getattr(inner, "__code__", None)
+    if code is None:
+        return -1
+    params = code.co_varnames[: code.co_argcount]
+    return params.index("async_op") if "async_op" in params else -1
+
+
+def _wrap(name: str, original: Callable[..., Any], size: Size, family: str
+          ) -> Callable[..., Any]:
+    async_at = _async_at(original)
+    perf_counter = time.perf_counter
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        rank = _rank
+        # (Under torch.compile it is traced as torch's own, which dynamo knows.)
+        if rank is None or _compiling():
+            return original(*args, **kwargs)
+        thread = _thread
+        if thread.inside or not rank.active:
+            return original(*args, **kwargs)
+        try:
+            telemetry = rank.telemetry
+            nbytes = size(args, kwargs)
+            later = async_at >= 0 and bool(args[async_at] if len(args) > async_at
+                                           else kwargs.get("async_op", False))
+            coll = telemetry.collective_started(name, nbytes)
+        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+            _failed(rank, e)
+            return original(*args, **kwargs)
+        thread.inside = True
+        start = perf_counter()
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            thread.inside = False
+            telemetry.collective_over(coll)  # (the program's own error goes on as it was)
+            raise
+        thread.inside = False
+        try:
+            if later and result is not None:
+                _when_done(result, telemetry, coll, start, nbytes, _factors[family])
+            else:
+                telemetry.comm_done(perf_counter() - start, nbytes, _factors[family])
+                telemetry.collective_over(coll)
+        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+            _failed(rank, e)
+        return result
+
+    return collective
+
+
+def _when_done(work: Any, telemetry: LiveTelemetry, coll: Any, start: float, nbytes: int,
+               factor: float) -> None:
+    """An asynchronous collective is over when its work's future completes."""
+    try:
+        future = work.get_future()
+    except Exception:  # noqa: BLE001 - a backend without futures: over as it was launched
+        telemetry.collective_over(coll)
+        return
+
+    def done(_: Any) -> None:  # on the backend's thread
+        with contextlib.suppress(Exception):  # (nothing to tell it to there)
+            telemetry.comm_done(time.perf_counter() - start, nbytes, factor)
+            telemetry.collective_over(coll)
+
+    future.add_done_callback(done)
+
+
+def _failed(rank: Rank, e: Exception) -> None:
+    rank.warn_once("hook-collective", "ddtop's collective hook failed and was skipped: "
+                   f"{type(e).__name__}: {e}")
