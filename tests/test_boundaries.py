@@ -66,6 +66,9 @@ HEAVY = {
     "torchvision": lambda module: module.startswith("ddtop.training."),
     "textual": lambda module: module in {"ddtop.dashboard.app", "ddtop.dashboard.widgets",
                                          "ddtop.dashboard.screens"},
+    # The framework callbacks, each in its own module, imported only by a script that uses it.
+    "lightning": lambda module: module == "ddtop.lightning",
+    "transformers": lambda module: module == "ddtop.transformers",
 }
 
 
@@ -223,6 +226,9 @@ def test_an_import_under_type_checking_or_in_a_function_closes_a_cycle() -> None
     ("ddtop.daemon.cli", "def f():\n    from ddtop.dashboard.headless import watch\n"),
     ("ddtop", "import torch"),
     ("ddtop.run", "import torch"),
+    ("ddtop", "import lightning"),
+    ("ddtop.callbacks", "from transformers import TrainerCallback"),
+    ("ddtop.training.api", "import lightning.pytorch"),
     ("ddtop.run", "from ddtop.training import trainer"),
     ("ddtop.training.trainer", "from ddtop.run import main"),
     ("ddtop", "from ddtop.training.trainer import train"),
