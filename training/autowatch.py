@@ -14,9 +14,13 @@
   is kept as it is and timed too). On a GPU with the timing comm hook, which
   takes in a hook the user (or DDP itself, for mixed precision) registers
   (watched.py: DDP takes one comm hook, once);
+- times every FSDP2 (`fully_shard`) model's all-gathers and reduce-scatters,
+  from FSDP2's own call sites (shardwatch.py), once the script imports
+  torch.distributed.fsdp (`after_import`: the start-up hook's import watch);
 - infers the phase for heartbeats: forward and backward at a DDP forward
-  (watched.py), optimizer in `optimizer.step()`, data after it. A model built
-  before install() is passed straight through.
+  (watched.py) or an FSDP2 root's (shardwatch.py), optimizer in
+  `optimizer.step()`, data after it. A DDP model built before install() is
+  passed straight through.
 
 Nothing here raises into the user's program: where timing is impossible it says
 so once, as a warning event.
@@ -24,6 +28,7 @@ so once, as a warning event.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +38,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ddtop.training import watched
+from ddtop.training import shardwatch, watched
 from ddtop.training.api import LiveRank, current
 from ddtop.training.watched import WATCHED_ATTR, hook_failed, mark_forward, timer_of
 
@@ -41,9 +46,14 @@ _installed: LiveRank | None = None
 _original_init = DDP.__init__
 
 
-def install() -> bool:
+ImportWatch = Callable[[str, Callable[[], None]], None]  # (module name, then)
+
+
+def install(after_import: ImportWatch | None = None) -> bool:
     """Instrument this process for the user's script; False (and nothing done)
-    without DDTOP_TELEMETRY. Idempotent."""
+    without DDTOP_TELEMETRY. `after_import(name, then)`: calls `then()` once
+    module `name` is imported (starthook.after_import), for FSDP2, which a
+    script may import after this. Idempotent."""
     global _installed
     rank = current()
     if rank is None:
@@ -56,6 +66,9 @@ def install() -> bool:
         watched.mark_phases(rank)
         watched.wrap_forward()
         watched.wrap_registration(rank)
+        shardwatch.install(rank)
+        if after_import is not None:
+            after_import(shardwatch.FSDP_MODULE, shardwatch.loaded)
     return True
 
 
@@ -65,6 +78,7 @@ def _optimizer_starts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     if _installed is not None:
         try:
             _installed.optimizer_starts()
+            shardwatch.harvest()
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             hook_failed("_optimizer_starts", e, _installed)
 
