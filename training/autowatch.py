@@ -20,7 +20,10 @@
 - infers the phase for heartbeats: forward and backward at a DDP forward
   (watched.py) or an FSDP2 root's (shardwatch.py), optimizer in
   `optimizer.step()`, data after it. A DDP model built before install() is
-  passed straight through.
+  passed straight through. An optimizer step given a closure (Lightning's
+  `optimizer.step(closure)`: forward and backward inside the step) is split as
+  it runs: forward from the closure's start, backward after the model's
+  forward, optimizer once the closure returns (the update itself).
 
 Nothing here raises into the user's program: where timing is impossible it says
 so once, as a warning event.
@@ -74,13 +77,19 @@ def install(after_import: ImportWatch | None = None) -> bool:
 
 # The optimizer hooks run on every step: a failure of their own is reported once,
 # as a warning, instead of raising into the user's program.
-def _optimizer_starts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _installed is not None:
+def _optimizer_starts(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The pre-hook; a step given a closure gets it back marked (what torch
+    calls the step with)."""
+    rank = _installed
+    if rank is not None:
         try:
-            _installed.optimizer_starts()
+            rank.optimizer_starts()
             shardwatch.harvest()
+            return _closure_marked(args, kwargs, rank)
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
-            hook_failed("_optimizer_starts", e, _installed)
+            hook_failed("_optimizer_starts", e, rank)
+    return None
 
 
 def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -89,6 +98,43 @@ def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
             _installed.optimizer_stepped(optimizer)
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             hook_failed("_optimizer_done", e, _installed)
+
+
+def _closure_marked(args: tuple[Any, ...], kwargs: dict[str, Any], rank: LiveRank
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """`optimizer.step(closure)`'s arguments (args[0]: the optimizer) with the
+    closure marked; None (unchanged) when it has none."""
+    closure = kwargs.get("closure")
+    if callable(closure):
+        return args, {**kwargs, "closure": _marked(closure, rank)}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], _marked(args[1], rank), *args[2:]), kwargs
+    return None
+
+
+def _marked(closure: Callable[..., Any], rank: LiveRank) -> Callable[..., Any]:
+    """`closure` as the step calls it: forward from its start (backward from
+    the model's forward's end, watched.py), the update once it returns."""
+
+    def closure_in_step(*args: Any, **kwargs: Any) -> Any:
+        _closure_mark(rank, returned=False)
+        out = closure(*args, **kwargs)
+        _closure_mark(rank, returned=True)
+        return out
+
+    return closure_in_step
+
+
+def _closure_mark(rank: LiveRank, returned: bool) -> None:
+    """A closure starts (forward: it computes the loss) or has returned (the
+    update begins, the step's all-reduces are over)."""
+    try:
+        if returned:
+            rank.optimizer_starts()
+        elif rank.active:
+            rank.telemetry.phase("forward")
+    except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+        hook_failed("closure", e, rank)
 
 
 def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:
