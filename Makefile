@@ -14,7 +14,7 @@ help:
 	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
 	@echo "make test-fast  ruff, mypy and the in-process tests only (under a minute): while editing"
 	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
-	@echo "make bench      benchmarks: start-up, start-up hook, telemetry, dashboard, own scripts, collectives, framework callbacks, comm timing, sockets, strategies, faults (bench/)"
+	@echo "make bench      benchmarks: start-up, start-up hook, telemetry, dashboard, own scripts, collectives, framework callbacks, FSDP2 scripts, comm timing, sockets, strategies, faults (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
 $(STAMP): pyproject.toml setup.py
@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/own_script.py
 	$(BIN)/python bench/collectives.py
 	$(BIN)/python bench/frameworks.py
+	$(BIN)/python bench/fsdp2.py
 	$(BIN)/python bench/comm_timing.py
 	$(BIN)/python bench/sockets.py
 	$(BIN)/python bench/strategies.py

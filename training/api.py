@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.daemon import wire
 from ddtop.daemon.contract import RUN_ID_ENV, telemetry_endpoint
+from ddtop.training import shardwatch
 from ddtop.training.commtimer import CommTimer, DDPStats
 from ddtop.training.pairing import StepPairing
 from ddtop.training.receiver import receiver_answers
@@ -145,8 +146,9 @@ class LiveRank:
         return None
 
     def watch(self, model: Any) -> None:
-        """Time `model`'s comm hook if it is a DDP model (also under torch.compile);
-        an optimizer is the one whose steps are counted and whose lr is shown."""
+        """Time `model`'s comm hook if it is a DDP model (also under torch.compile),
+        its collectives if it is an FSDP2 (`fully_shard`) model; an optimizer is
+        the one whose steps are counted and whose lr is shown."""
         if not self.active:
             return
         if isinstance(model, torch.optim.Optimizer):
@@ -154,6 +156,9 @@ class LiveRank:
             self._lr = _lr_of(model, self._lr)
             return
         ddp = getattr(model, "_orig_mod", model)
+        if shardwatch.is_fsdp2(ddp):
+            shardwatch.install(self)  # its collectives, timed from FSDP2's own call sites
+            return
         if not isinstance(ddp, DDP):
             self.warn_once("not-ddp", f"ddtop.watch: {type(model).__name__} is not "
                            "DistributedDataParallel: no communication to time")
@@ -203,12 +208,17 @@ class LiveRank:
 
     def learn_model(self, ddp: DDP) -> None:
         """Hello again with what the model tells: its class, device and backend."""
-        param = next(ddp.module.parameters(), None)
+        self.learn(type(ddp.module).__name__, ddp.module, ddp.process_group)
+
+    def learn(self, name: str, module: torch.nn.Module, group: Any) -> None:
+        """Hello again with a model's class `name`, the device of `module`'s
+        parameters and the backend of `group` (None: the default group)."""
+        param = next(module.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
         if device.type == "cuda":
             self.telemetry.memory_device = device
-        self._update_hello(model=self.hello.model or type(ddp.module).__name__,
-                           device=str(device), backend=_backend(ddp.process_group))
+        self._update_hello(model=self.hello.model or name, device=str(device),
+                           backend=_backend(group))
 
     def sees_collectives(self) -> None:
         """Hello again: every collective this rank enters is seen (zero-code)."""

@@ -14,9 +14,16 @@
   is kept as it is and timed too). On a GPU with the timing comm hook, which
   takes in a hook the user (or DDP itself, for mixed precision) registers
   (watched.py: DDP takes one comm hook, once);
+- times every FSDP2 (`fully_shard`) model's all-gathers and reduce-scatters,
+  from FSDP2's own call sites (shardwatch.py), once the script imports
+  torch.distributed.fsdp (`after_import`: the start-up hook's import watch);
 - infers the phase for heartbeats: forward and backward at a DDP forward
-  (watched.py), optimizer in `optimizer.step()`, data after it. A model built
-  before install() is passed straight through;
+  (watched.py) or an FSDP2 root's (shardwatch.py), optimizer in
+  `optimizer.step()`, data after it. A DDP model built before install() is
+  passed straight through. An optimizer step given a closure (Lightning's
+  `optimizer.step(closure)`: forward and backward inside the step) is split as
+  it runs: forward from the closure's start, backward after the model's
+  forward, optimizer once the closure returns (the update itself);
 - sees every collective of torch.distributed the rank enters (collectives.py:
   Lightning's, Accelerate's and the Trainer's own, barriers, object
   collectives), named while the rank is in it and timed as communication; its
@@ -29,6 +36,7 @@ so once, as a warning event.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +46,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ddtop.training import collectives, watched
+from ddtop.training import collectives, shardwatch, watched
 from ddtop.training.api import LiveRank, current
 from ddtop.training.watched import WATCHED_ATTR, hook_failed, mark_forward, timer_of
 
@@ -46,9 +54,14 @@ _installed: LiveRank | None = None
 _original_init = DDP.__init__
 
 
-def install() -> bool:
+ImportWatch = Callable[[str, Callable[[], None]], None]  # (module name, then)
+
+
+def install(after_import: ImportWatch | None = None) -> bool:
     """Instrument this process for the user's script; False (and nothing done)
-    without DDTOP_TELEMETRY. Idempotent."""
+    without DDTOP_TELEMETRY. `after_import(name, then)`: calls `then()` once
+    module `name` is imported (starthook.after_import), for FSDP2, which a
+    script may import after this. Idempotent."""
     global _installed
     rank = current()
     if rank is None:
@@ -64,17 +77,27 @@ def install() -> bool:
         collectives.wrap()
         collectives.watch(rank)
         rank.sees_collectives()
+        shardwatch.install(rank)
+        if after_import is not None:
+            after_import(shardwatch.FSDP_MODULE, shardwatch.loaded)
     return True
 
 
 # The optimizer hooks run on every step: a failure of their own is reported once,
 # as a warning, instead of raising into the user's program.
-def _optimizer_starts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _installed is not None:
+def _optimizer_starts(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The pre-hook; a step given a closure gets it back marked (what torch
+    calls the step with)."""
+    rank = _installed
+    if rank is not None:
         try:
-            _installed.optimizer_starts()
+            rank.optimizer_starts()
+            shardwatch.harvest()
+            return _closure_marked(args, kwargs, rank)
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
-            hook_failed("_optimizer_starts", e, _installed)
+            hook_failed("_optimizer_starts", e, rank)
+    return None
 
 
 def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -83,6 +106,43 @@ def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
             _installed.optimizer_stepped(optimizer)
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             hook_failed("_optimizer_done", e, _installed)
+
+
+def _closure_marked(args: tuple[Any, ...], kwargs: dict[str, Any], rank: LiveRank
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """`optimizer.step(closure)`'s arguments (args[0]: the optimizer) with the
+    closure marked; None (unchanged) when it has none."""
+    closure = kwargs.get("closure")
+    if callable(closure):
+        return args, {**kwargs, "closure": _marked(closure, rank)}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], _marked(args[1], rank), *args[2:]), kwargs
+    return None
+
+
+def _marked(closure: Callable[..., Any], rank: LiveRank) -> Callable[..., Any]:
+    """`closure` as the step calls it: forward from its start (backward from
+    the model's forward's end, watched.py), the update once it returns."""
+
+    def closure_in_step(*args: Any, **kwargs: Any) -> Any:
+        _closure_mark(rank, returned=False)
+        out = closure(*args, **kwargs)
+        _closure_mark(rank, returned=True)
+        return out
+
+    return closure_in_step
+
+
+def _closure_mark(rank: LiveRank, returned: bool) -> None:
+    """A closure starts (forward: it computes the loss) or has returned (the
+    update begins, the step's all-reduces are over)."""
+    try:
+        if returned:
+            rank.optimizer_starts()
+        elif rank.active:
+            rank.telemetry.phase("forward")
+    except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+        hook_failed("closure", e, rank)
 
 
 def _ddp_init(self: DDP, *args: Any, **kwargs: Any) -> None:

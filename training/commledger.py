@@ -100,6 +100,33 @@ class CommLedger:
         if not self.cuda:
             self.telemetry.comm_exposed(time.perf_counter() - start)
 
+    def timed(self, op: str, nbytes: int, bus_factor: float, async_op: bool,
+              call: Callable[[], dist.Work | None]) -> dist.Work | None:
+        """`call()`, a collective that returns its work when `async_op` (whoever
+        called it waits on that work: only its duration is known, from its
+        future) and blocks otherwise; accounted for either way."""
+        if async_op:
+            work = call()
+            if work is not None:
+                self.launch(op, nbytes, bus_factor, lambda: work)
+            return work
+        if self.cuda:
+            with self.blocking(op, nbytes, bus_factor):
+                return call()
+        # `blocking` on CPU, spelled out: a collective of FSDP2's costs the rank
+        # this, several times a step (a generator-based context costs as much again).
+        telemetry = self.telemetry
+        coll = telemetry.collective_started(op, nbytes)
+        start = time.perf_counter()
+        result = call()
+        end = time.perf_counter()
+        with self._lock:
+            self._last_end = end
+        telemetry.comm_done(end - start, nbytes, bus_factor)
+        telemetry.comm_exposed(end - start)
+        telemetry.collective_completed(coll)
+        return result
+
     def harvest(self) -> None:
         """CUDA: account for the collectives whose end event has passed (never waits)."""
         if not self._pending:

@@ -41,7 +41,7 @@ from ddtop.daemon.contract import (
     restore_user_umask,
 )
 from ddtop.daemon.runs import RunPaths, read_json
-from ddtop.training import api, autowatch, drills, worker
+from ddtop.training import api, autowatch, drills, starthook, worker
 from ddtop.training.asmain import ours as asmain_frame
 from ddtop.training.asmain import run_as_main, run_module
 from ddtop.training.rendezvous import install as install_loopback
@@ -79,7 +79,7 @@ def run_program(config: TrainConfig, rank: int, error_report: Path | None,
     its exit code, which the rank's last telemetry message carries."""
     runner = program_runner(config)
     restore_user_umask()  # the files the program writes are as the user would have them
-    autowatch.install()
+    autowatch.install(starthook.after_import)  # (FSDP2: once the program imports it)
     def body() -> None:
         prepare()
         drills.install_in_script()  # --inject: after each optimizer step (after autowatch's)

@@ -121,6 +121,16 @@ def arm() -> None:
         sys.meta_path.insert(0, AfterImport(WATCHED, _torch_imported))
 
 
+def after_import(name: str, then: Callable[[], None]) -> None:
+    """`then()` once module `name` has been imported: at once if it is, else
+    right after its import (autowatch: FSDP2, which costs a script that never
+    imports it nothing)."""
+    if name in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, AfterImport(name, then))
+
+
 def stand_aside() -> None:
     """This process starts its LiveRank itself, after its process group (the
     built-in trainer): the hook starts none and installs nothing."""
@@ -183,7 +193,7 @@ def _became_rank() -> None:
             api.start(rank=rank, local_rank=_local_rank(rank),
                       world_size=dist.get_world_size())
             _dump_stacks_on_signal(rank)
-        if autowatch.install():
+        if autowatch.install(after_import):
             _watch_exit()
     except Exception as e:  # noqa: BLE001 - the program must run on, unwatched
         _say(f"this rank is not watched: {type(e).__name__}: {e}")

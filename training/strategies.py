@@ -20,9 +20,9 @@ overlapped with the rank's own work), so ddtop shows them side by side (docs/str
 
 Whatever the strategy, the averaged gradient is where the optimizer finds it
 when `backward` returns, so the training loop is the same for all. The
-collectives a strategy issues itself are timed by commledger.py's `CommLedger`.
-The names are declared once, in daemon/strategy_names.py; `BUILDERS` maps each
-to its implementation here.
+collectives a strategy issues itself are timed by commledger.py's `CommLedger`
+(FSDP2's through the comm objects of shardcomm.py). The names are declared once,
+in daemon/strategy_names.py; `BUILDERS` maps each to its implementation here.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddtop
 from ddtop.daemon.config import UsageError
 from ddtop.daemon.strategy_names import STRATEGIES, SyncStrategy
-from ddtop.training.commledger import CommLedger, allreduce_factor, gather_factor
+from ddtop.training.commledger import CommLedger, allreduce_factor
+from ddtop.training.shardcomm import timed_comm_types
 from ddtop.training.telemetry import Telemetry
 
 # FSDP2's public fully_shard and its custom all-gather / reduce-scatter hooks
@@ -219,62 +220,6 @@ class PerParameterHooks(Strategy):
             self._in_flight.clear()
 
 
-def _timed_comm_types() -> tuple[type, type]:
-    """FSDP2's own all-gather and reduce-scatter, timed (for FSDPModule's
-    set_custom_all_gather / set_custom_reduce_scatter). Imported here, not at the
-    top: the private module that holds FSDP2's defaults exists only in recent
-    torch releases, and only `fsdp` needs it (ImportError on an older torch)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
-    )
-
-    class TimedAllGather(DefaultAllGather):
-        def __init__(self, ledger: CommLedger) -> None:
-            self.ledger = ledger
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                     group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-            if self.ledger.paused:
-                return super().__call__(output_tensor, input_tensor, group, async_op=async_op)
-            nbytes, factor = output_tensor.nbytes, gather_factor(group.size())
-            if async_op:  # not on CPU: FSDP2 unshards synchronously unless told otherwise
-                return _accounted(self.ledger, "all_gather", nbytes, factor, super().__call__(
-                    output_tensor, input_tensor, group, async_op=True))
-            with self.ledger.blocking("all_gather", nbytes, factor):
-                return super().__call__(output_tensor, input_tensor, group, async_op=False)
-
-    class TimedReduceScatter(DefaultReduceScatter):
-        def __init__(self, ledger: CommLedger) -> None:
-            self.ledger = ledger
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                     group: dist.ProcessGroup, op: Any,
-                     async_op: bool = False) -> dist.Work | None:
-            if self.ledger.paused:
-                return super().__call__(output_tensor, input_tensor, group, op,
-                                        async_op=async_op)
-            nbytes, factor = input_tensor.nbytes, gather_factor(group.size())
-            if async_op:
-                return _accounted(self.ledger, "reduce_scatter", nbytes, factor,
-                                  super().__call__(output_tensor, input_tensor, group, op,
-                                                   async_op=True))
-            with self.ledger.blocking("reduce_scatter", nbytes, factor):
-                return super().__call__(output_tensor, input_tensor, group, op,
-                                        async_op=False)
-
-    return TimedAllGather, TimedReduceScatter
-
-
-def _accounted(ledger: CommLedger, op: str, nbytes: int, factor: float,
-               work: dist.Work | None) -> dist.Work | None:
-    """An asynchronous FSDP collective: FSDP waits on the work itself, so only its
-    duration is known (from its future), not how long the rank waited."""
-    if work is not None:
-        ledger.launch(op, nbytes, factor, lambda: _work(work))
-    return work
-
-
 def _work(work: dist.Work | None) -> dist.Work:
     """What an async_op=True collective returns (typed as optional)."""
     assert work is not None
@@ -287,7 +232,7 @@ class FullyShard(Strategy):
     def __init__(self, module: nn.Module, ledger: CommLedger, device: torch.device) -> None:
         try:  # FSDP2 and its collectives: only this strategy needs them (a recent torch)
             from torch.distributed.fsdp import FSDPModule, fully_shard
-            all_gather, reduce_scatter = _timed_comm_types()
+            all_gather, reduce_scatter = timed_comm_types()
             for hook in ("set_custom_all_gather", "set_custom_reduce_scatter"):
                 if not hasattr(FSDPModule, hook):  # an FSDP2 without custom collectives
                     raise ImportError(f"FSDPModule has no {hook}")

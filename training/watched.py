@@ -102,6 +102,11 @@ def mark_phases(rank: Rank | None) -> None:
     _phases_of = rank
 
 
+def phases_of() -> Rank | None:
+    """The rank whose phases watched models' forwards mark (None: no rank's)."""
+    return _phases_of
+
+
 def wrap_forward() -> None:
     """DDP's forward, wrapped (once, for the class): a watched model's forwards
     are marked, any other model's pass straight through. Idempotent."""
