@@ -24,8 +24,8 @@ however the script imported `fully_shard` and whenever it sharded its model:
   model's class, device and backend go in the hello; a forward hook on the
   root (public API, added then) says backward when it returns. Phases only for
   zero-code's rank, as for DDP (watched.mark_phases).
-- FSDP1 (`FullyShardedDataParallel`) has no such hook points: its constructor
-  says once, as a warning, that it is not timed.
+- FSDP1 (`FullyShardedDataParallel`) has no such hook points; it calls the
+  public collective functions, which collectives.py times as every collective.
 
 Nothing here raises into the user's program: a torch whose FSDP2 lacks these
 points (a private module of FSDP2's) says so once, as a warning, and the model
@@ -85,8 +85,8 @@ def install(rank: Rank) -> None:
 
 
 def loaded() -> None:
-    """torch.distributed.fsdp is imported: FSDP2 timed, FSDP1 flagged (once
-    installed; idempotent). Never raises (it runs inside the script's import)."""
+    """torch.distributed.fsdp is imported: FSDP2 timed (once installed;
+    idempotent). Never raises (it runs inside the script's import)."""
     global _patched
     rank = _rank
     if _patched or rank is None:
@@ -97,10 +97,6 @@ def loaded() -> None:
     except Exception as e:  # noqa: BLE001 - a private interface of torch's
         rank.warn_once("fsdp2", f"FSDP2 (fully_shard) communication cannot be timed on "
                        f"torch {torch.__version__}: {type(e).__name__}: {e}")
-    try:
-        _flag_fsdp1()
-    except Exception as e:  # noqa: BLE001 - the warning is all it would have done
-        hook_failed("fsdp1", e, rank)
 
 
 def harvest() -> None:
@@ -208,23 +204,6 @@ def _plain_class(module: nn.Module) -> str:
         if not issubclass(cls, FSDPModule):
             return cls.__name__
     return type(module).__name__
-
-
-def _flag_fsdp1() -> None:
-    """FSDP1's constructor says once that the model is not timed."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    original = FullyShardedDataParallel.__init__
-
-    @functools.wraps(original)
-    def init(self: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        rank = _rank
-        if rank is not None and rank.active:
-            rank.warn_once("fsdp1", "comm timing unavailable: FullyShardedDataParallel "
-                           "(FSDP1) is not timed; fully_shard (FSDP2) is")
-
-    FullyShardedDataParallel.__init__ = init  # type: ignore[method-assign]
 
 
 def is_fsdp2(model: object) -> bool:
