@@ -1,12 +1,11 @@
 """RunState: everything known about a run, folded from its telemetry messages.
 
-This is the one fold. The daemon applies every message it accepts (and its own
-RankExit / Restarting / RunStatus / Event messages) to a RunState, answers `status` and
-`snapshot` requests from it, and journals the same messages; a dashboard
-starts from a snapshot and applies the live messages newer than it; a replay
-applies the journal. No torch, no sockets, no clock: the caller passes the
-time a message was received, and the time "now" when it asks what a rank's
-state is, so the fold is tested on recorded sequences without waiting.
+This is the one fold. The daemon applies every message it accepts (and its own RankExit /
+Restarting / RunStatus / Event messages) to a RunState, answers `status` and `snapshot`
+requests from it, and journals the same messages; a dashboard starts from a snapshot and
+applies the live messages newer than it; a replay applies the journal. No torch, no sockets,
+no clock: the caller passes the time a message was received, and the time "now" when it asks
+what a rank's state is, so the fold is tested on recorded sequences without waiting.
 
 Per rank, messages are ordered by their sequence number `seq`:
 - a jump forward counts the skipped numbers as lost (they may still arrive);
@@ -16,8 +15,7 @@ Per rank, messages are ordered by their sequence number `seq`:
 - a `hello` with a new pid (a restarted rank) starts a new sequence
   (RankView.sequence and new_incarnation, daemon/rankview.py).
 
-What it records for people to follow are typed events (daemon/events.py); the
-summary it gives (`summary`) is a RunSummary (daemon/summary.py).
+It records typed events for people (daemon/events.py); `summary` is a RunSummary (summary.py).
 """
 
 from __future__ import annotations

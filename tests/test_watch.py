@@ -21,7 +21,7 @@ from ddtop.daemon import cli
 from tests.helpers import DDTRAIN, TORCHRUN, ddtrain, finish, start, tagged_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
-LIGHTNING = Path(__file__).parent / "scripts" / "lightning_ddp.py"
+LIGHTNING = Path(__file__).parent / "scripts" / "fw_lightning.py"  # spawns its rank 1
 SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "watch-srun.sbatch"
 TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
 
