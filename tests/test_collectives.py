@@ -5,19 +5,26 @@
   enters each collective once, asynchronous ones, one taken by name before its
   process group existed, and a barrier one rank comes to late: counted,
   sized, the waiting rank named in it and its wait counted as communication;
-- Lightning (`Trainer(accelerator="cpu", devices=2, strategy="ddp")`) and
-  Hugging Face's Trainer (`use_cpu=True`) under `ddtrain start -n 2`, rank 1
-  hung just after an optimizer step (`--inject 1:hang@step=3`): rank 0 waits
-  in the framework's own collective (Lightning's SIGTERM-flag broadcast, the
-  Trainer's all-gather of the items in the batch) and rank 1 is blamed;
-- a plain DDP loop that all-reduces a flag before every batch, as Lightning
-  does, with rank 1 slowed after each optimizer step (`--inject 1:slow=3x`):
-  rank 1 is the straggler;
+- Lightning (`Trainer(accelerator="cpu", devices=2, strategy="ddp")`),
+  Hugging Face's Trainer (`use_cpu=True`), Accelerate (`Accelerator(cpu=True,
+  gradient_accumulation_steps=2)`) and an FSDP2 script (`fully_shard` on gloo)
+  under `ddtrain start -n 2`, rank 1 hung just after an optimizer step
+  (`--inject 1:hang@step=3`): rank 0 waits in the collective it comes to next
+  (Lightning's SIGTERM-flag broadcast, the Trainer's all-gather of the items in
+  the batch, DDP's all-reduce of the second batch, FSDP2's all-gather of the
+  forward) and rank 1 is blamed;
+- rank 1 slowed after each optimizer step (`--inject 1:slow=3x`: the drill
+  sleeps in a global optimizer step hook, after the step, so before the next
+  batch's collective) in a plain DDP loop that all-reduces a flag before every
+  batch as Lightning does, under Lightning and under the Trainer: rank 1 is
+  the straggler, and no other rank ever;
 - two ranks that never initialise a process group: one warning, in the events,
   `ddtrain status` and the headless summary.
 
-The five runs start together (a module fixture), so that the seconds the
-hangs take to be declared overlap; each test waits for its own.
+The runs start together (a module fixture), so that the seconds the hangs take
+to be declared overlap; each test waits for its own. The Trainer's output folder
+is made in its run's folder, so a rank stopped by a drill leaves it there, not in
+/tmp.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ WAIT_S = 3.0  # every_collective.py: how late rank 1 comes to its barrier
 JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
 # --hang-timeout 3: a rank descheduled for a second on these shared cores is not failed.
 HANG = ("--inject", "1:hang@step=3", "--hang-timeout", "3")
+SLOW = ("--inject", "1:slow=3x")
 
 
 # -- in process -------------------------------------------------------------------------------
@@ -80,13 +88,21 @@ def test_the_wrapped_collectives_are_torchs_own_to_a_program_until_a_rank_is_wat
 RUNS: dict[str, tuple[str, ...]] = {
     "lightning": (*JSONL, "-n", "2", *HANG, str(SCRIPTS / "fw_lightning.py")),
     "hf": (*JSONL, "-n", "2", *HANG, str(SCRIPTS / "fw_hf_trainer.py")),
+    "accelerate": (*JSONL, "-n", "2", *HANG, str(SCRIPTS / "fw_accelerate.py")),
+    "fsdp2": (*JSONL, "-n", "2", *HANG, str(SCRIPTS / "fsdp2_plain.py"), "--steps", "6"),
     # 300 steps of a few ms; rank 1 at three times its step time from the start.
-    "slow": (*JSONL, "-n", "2", "--inject", "1:slow=3x", str(SCRIPTS / "flag_loop.py"),
-             "--steps", "300"),
+    "slow": (*JSONL, "-n", "2", *SLOW, str(SCRIPTS / "flag_loop.py"), "--steps", "300"),
+    # 40 steps each (STEPS): rank 1 is named after 16 to 20 steps of evidence.
+    "lightning_slow": (*JSONL, "-n", "2", *SLOW, str(SCRIPTS / "fw_lightning.py")),
+    "hf_slow": (*JSONL, "-n", "2", *SLOW, str(SCRIPTS / "fw_hf_trainer.py")),
     "alone": ("--foreground", "--headless", "-n", "2", str(SCRIPTS / "train_alone.py")),
 }
-NEEDS = {"lightning": "lightning", "hf": "transformers"}  # in the test extra (make test)
-ENV = {"lightning": {"STEPS": "8"}, "hf": {"STEPS": "8"}}  # train_alone.py: 30 steps
+# In the test extra (make test).
+NEEDS = {"lightning": "lightning", "hf": "transformers", "accelerate": "accelerate",
+         "lightning_slow": "lightning", "hf_slow": "transformers"}
+# The hangs: 8 optimizer steps at most (6: 12 batches of Accelerate's); train_alone.py: 30.
+ENV = {"lightning": {"STEPS": "8"}, "hf": {"STEPS": "8"}, "accelerate": {"STEPS": "6"},
+       "lightning_slow": {"STEPS": "40"}, "hf_slow": {"STEPS": "40"}}
 
 
 class Started:
@@ -194,7 +210,9 @@ def test_every_collective_a_rank_enters_is_named_counted_and_its_wait_is_communi
 
 
 @pytest.mark.parametrize(("name", "collective"), [("lightning", "broadcast"),
-                                                  ("hf", "all_gather")])
+                                                  ("hf", "all_gather"),
+                                                  ("accelerate", "allreduce"),
+                                                  ("fsdp2", "all_gather")])
 @pytest.mark.processes
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_a_rank_hung_after_its_optimizer_step_is_blamed_under_a_framework(
@@ -202,28 +220,33 @@ def test_a_rank_hung_after_its_optimizer_step_is_blamed_under_a_framework(
     run = runs.result(name)
     assert run.returncode == 1, run.stderr[-3000:]
     hangs = [line["hang"] for line in jsonl(run) if line["kind"] == "progress" and line["hang"]]
-    # Rank 0 waits in the framework's own collective before its 4th batch; rank 1,
-    # hung after step 3, never came to it.
+    # Rank 0 waits in the collective it comes to next (the framework's own before
+    # its 4th batch; DDP's, FSDP2's in its 4th step); rank 1, hung after step 3,
+    # never came to it.
     assert hangs and f"rank 0 wait in {collective} #" in hangs[-1], hangs
     assert "rank 1 is in data of step 4" in hangs[-1], hangs
     assert f"rank 1 hung for 3 s (--hang-timeout 3): rank 0 wait in {collective} #" in run.stderr
     got = runs.status(name)
     assert got["failure"]["rank"] == 1, got["failure"]
-    # The framework saw torchrun's environment and started no rank of its own.
+    # The framework saw torchrun's environment and started no rank of its own
+    # (Accelerate: 3 optimizer steps of 2 batches each).
     assert [(r["rank"], r["global_step"]) for r in got["ranks"]] == [(0, 3), (1, 3)]
     assert got["rejected"] == {}
     assert run.leftovers == []
 
 
+@pytest.mark.parametrize("name", ["slow", "lightning_slow", "hf_slow"])
 @pytest.mark.processes
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
-def test_a_rank_slow_before_the_next_batchs_collective_is_the_straggler(runs: Started) -> None:
-    run = runs.result("slow")
+def test_a_rank_slow_before_the_next_batchs_collective_is_the_straggler(runs: Started,
+                                                                        name: str) -> None:
+    run = runs.result(name)
     assert run.returncode == 0, run.stderr[-2000:]
     progress = [line for line in jsonl(run) if line["kind"] == "progress"]
     named = [line for line in progress if line["stragglers"]]
     # Named while it ran, and no other rank ever: rank 0's wait for it in the flag's
-    # all-reduce is communication, not compute.
+    # all-reduce (Lightning's broadcast, the Trainer's all-gather) is communication,
+    # not compute.
     assert named and all(line["stragglers"] == [1] for line in named), [
         (p["global_step"], p["stragglers"]) for p in progress]
     assert all(line["hang"] is None for line in progress)

@@ -57,7 +57,7 @@ def main() -> None:
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB,
                                        n_positions=SEQ, bos_token_id=0, eos_token_id=0))
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory(dir=".") as out:  # where the run is: none left in /tmp
         training = TrainingArguments(
             output_dir=out, use_cpu=True, report_to=[], save_strategy="no", seed=0,
             num_train_epochs=1, learning_rate=LR, lr_scheduler_type="constant",

@@ -32,7 +32,8 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                         bos_token_id=0, eos_token_id=0)
-    with tempfile.TemporaryDirectory(prefix="fw_hf_trainer-") as out:
+    # In the working directory: a rank killed (a drill's hang) leaves it where the run is.
+    with tempfile.TemporaryDirectory(prefix="fw_hf_trainer-", dir=".") as out:
         args = TrainingArguments(output_dir=out, use_cpu=True, max_steps=steps,
                                  per_device_train_batch_size=4, report_to=[],
                                  save_strategy="no", logging_strategy="no",
