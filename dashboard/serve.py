@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import hmac
 import ipaddress
 import socket
 import sys
@@ -109,12 +108,6 @@ def listen(address: Address) -> tuple[socket.socket, Address]:
         raise UsageError(f"--serve {where}: cannot listen: {reason}") from None
     sock.setblocking(False)
     return sock, Address(address.host, int(sock.getsockname()[1]))
-
-
-def token_matches(path: str, token: str) -> bool:
-    """`path` starts with /TOKEN/ (compared in constant time)."""
-    first = path.split("/", 2)[1] if path.startswith("/") else ""
-    return hmac.compare_digest(first.encode(), token.encode())
 
 
 def session_command(args: argparse.Namespace, paths: RunPaths | None) -> list[str]:

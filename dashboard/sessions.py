@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import re
 import signal
@@ -28,8 +29,6 @@ from aiohttp.typedefs import Handler
 from textual_serve.app_service import AppService
 from textual_serve.server import Server
 
-from ddtop.dashboard.serve import token_matches
-
 SESSION_QUIT_S = 3.0  # a session told to quit has this long to exit before SIGTERM
 SESSION_TERM_S = 2.0  # ... and this long after SIGTERM before SIGKILL
 SHUTDOWN_S = 2.0  # aiohttp's wait for the handlers still running when it stops
@@ -39,6 +38,12 @@ FORBIDDEN = ("ddtop: 403: this server answers only the link with its token, "
              "as printed when it started\n")
 
 log = logging.getLogger("ddtop.serve")
+
+
+def token_matches(path: str, token: str) -> bool:
+    """`path` starts with /TOKEN/ (compared in constant time)."""
+    first = path.split("/", 2)[1] if path.startswith("/") else ""
+    return hmac.compare_digest(first.encode(), token.encode())
 
 
 class Session(AppService):

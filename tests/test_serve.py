@@ -40,7 +40,7 @@ from helpers import BIN, Detached, running, tagged_env, tagged_pids, wait_until_
 
 from ddtop.daemon.config import UsageError
 from ddtop.dashboard import cli
-from ddtop.dashboard.serve import Address, parse_address, session_command, token_matches
+from ddtop.dashboard.serve import Address, parse_address, session_command
 
 DDTOP = str(BIN / "ddtop")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -89,6 +89,9 @@ def test_addresses() -> None:
 
 
 def test_token_is_the_first_segment_of_the_path() -> None:
+    pytest.importorskip("textual_serve", reason="textual-serve is not installed: the serve extra")
+    from ddtop.dashboard.sessions import token_matches
+
     token = "abc_DEF-123"
     assert token_matches(f"/{token}/", token)
     assert token_matches(f"/{token}/static/js/textual.js", token)
