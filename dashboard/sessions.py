@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import re
 import signal
 import socket
 from asyncio.subprocess import Process
 
-from aiohttp import web
+from aiohttp import WSMsgType, web
 from aiohttp.typedefs import Handler
 from textual_serve.app_service import AppService
 from textual_serve.server import Server
@@ -32,6 +33,8 @@ from textual_serve.server import Server
 SESSION_QUIT_S = 3.0  # a session told to quit has this long to exit before SIGTERM
 SESSION_TERM_S = 2.0  # ... and this long after SIGTERM before SIGKILL
 SHUTDOWN_S = 2.0  # aiohttp's wait for the handlers still running when it stops
+MAX_SESSIONS = 16  # browser tabs at once: each is a ddtop process
+MAX_CELLS = 1000  # the most columns or lines a tab may ask for
 # A Host header the page may use for its websocket's address (a name or address, a port).
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")
 FORBIDDEN = ("ddtop: 403: this server answers only the link with its token, "
@@ -117,6 +120,9 @@ class DashboardServer(Server):
 
     async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
         """textual-serve's, with a Session kept by the server until it ends."""
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise web.HTTPServiceUnavailable(
+                text=f"ddtop: {MAX_SESSIONS} pages are open already: close one\n")
         websocket = web.WebSocketResponse(heartbeat=15)
         width = _size(request.query.get("width"), 80)
         height = _size(request.query.get("height"), 24)
@@ -132,7 +138,7 @@ class DashboardServer(Server):
             await self._process_messages(websocket, session)
         except asyncio.CancelledError:
             await websocket.close()
-        except (OSError, ValueError, RuntimeError) as e:  # a tab gone mid-message, bad JSON
+        except (OSError, RuntimeError) as e:  # a tab gone mid-message
             log.warning("ddtop: a browser session ended: %s", e)
         finally:
             self.sockets.discard(websocket)
@@ -141,6 +147,29 @@ class DashboardServer(Server):
                 await session.stop()
                 self.sessions.discard(session)
         return websocket
+
+    async def _process_messages(self, websocket: web.WebSocketResponse,
+                                app_service: AppService) -> None:
+        """What the page sends, checked (textual-serve's asserts and indexes it): keys,
+        a new size, a ping, focus. Anything else is dropped."""
+        async for message in websocket:
+            if message.type != WSMsgType.TEXT:
+                continue
+            try:
+                envelope = json.loads(message.data)
+            except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
+                continue
+            match envelope:
+                case ["stdin", str(keys)]:
+                    await app_service.send_bytes(keys.encode("utf-8", "replace"))
+                case ["resize", {"width": int(width), "height": int(height)}]:
+                    await app_service.set_terminal_size(_size(width, 80), _size(height, 24))
+                case ["ping", str(data)]:
+                    await websocket.send_json(["pong", data])
+                case ["blur"]:
+                    await app_service.blur()
+                case ["focus"]:
+                    await app_service.focus()
 
     def run(self, sock: socket.socket) -> None:
         """Serve on `sock` until SIGINT or SIGTERM; then every session ends."""
@@ -164,9 +193,9 @@ class DashboardServer(Server):
             await runner.cleanup()
 
 
-def _size(text: str | None, default: int) -> int:
+def _size(given: str | int | None, default: int) -> int:
     """A terminal size the browser sent, within reason."""
     try:
-        return max(1, min(1000, int(text or default)))
+        return max(1, min(MAX_CELLS, int(given or default)))
     except ValueError:
         return default

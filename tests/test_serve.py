@@ -17,7 +17,9 @@ built (a setter for the `_core` it assigns, installed before the page loads).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import queue
 import re
@@ -318,6 +320,38 @@ def test_without_the_token_nothing_is_served(browser: Any, replayed: Server) -> 
         assert "403" in page.content() and "xterm" not in page.content()
     finally:
         page.close()
+
+
+async def _talk(url: str, frames: list[str]) -> list[Any]:
+    """Open the page's websocket as a client, send `frames`, then a ping: what comes
+    back as text (the pong, if the session survived what came before)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as client, client.ws_connect(url) as ws:
+        for frame in frames:
+            await ws.send_str(frame)
+        await ws.send_str('["ping", "after"]')
+        async with asyncio.timeout(PAGE_TIMEOUT_S):
+            async for message in ws:
+                if message.type == aiohttp.WSMsgType.TEXT:
+                    return [json.loads(message.data)]
+        return []
+
+
+@pytest.mark.processes
+def test_what_a_page_sends_is_checked(replayed: Server) -> None:
+    """A token holder's client that sends nonsense on the websocket: dropped, one by
+    one; the session goes on (the ping after it is answered)."""
+    url = replayed.url.replace("http://", "ws://") + "ws?width=80&height=24"
+    nonsense = ["not json", "{}", "[]", '"stdin"', '["stdin", 5]', '["resize", {"width": "x"}]',
+                '["resize", {"width": 1e9, "height": -1}]', '["resize", [1, 2]]', '["ping"]',
+                '["resize", {"width": 100000000, "height": 100000000}]', "[" * 10_000]
+    answers: list[Any] = []
+    # A thread of its own: Playwright's sync API keeps an event loop in this one.
+    talker = threading.Thread(target=lambda: answers.extend(asyncio.run(_talk(url, nonsense))))
+    talker.start()
+    talker.join(PAGE_TIMEOUT_S + 10)
+    assert answers == [["pong", "after"]]
 
 
 @pytest.fixture(scope="module")
