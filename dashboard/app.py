@@ -94,9 +94,10 @@ class DashboardApp(App[None]):
         Binding("escape", "clear_filter", show=False),
     ]
 
-    def __init__(self, feed: FeedBase, fps: float = 5.0) -> None:
+    def __init__(self, feed: FeedBase, fps: float = 5.0, can_stop: bool = True) -> None:
         super().__init__()
         self.feed, self.fps = feed, fps
+        self.can_stop = can_stop  # off: --no-stop (a page of ddtop --serve)
         self.pump_s = min(PUMP_MAX_S, max(PUMP_S, 0.5 / fps))
         self.replay = feed.replay_controls
         self.exit_code = 0
@@ -398,6 +399,10 @@ class DashboardApp(App[None]):
         self.push_screen(RankDetail(self.feed, message.rank, log, self.fps))
 
     def action_stop_run(self) -> None:
+        if not self.can_stop:
+            self.notify("stopping is off in this dashboard (ddtop --serve: --allow-stop)",
+                        severity="warning")
+            return
         if self.feed.stop_endpoint is None:
             self._nothing_to_stop()
             return

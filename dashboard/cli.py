@@ -5,6 +5,7 @@
     ddtop --connect ENDPOINT       a daemon's control endpoint (run.json: endpoints.control)
     ddtop --replay RUN [--speed X] a run's journal played back (0: at once)
     ddtop --headless [RUN]         log lines (or --format jsonl) and the run's exit code
+    ddtop --serve [HOST:]PORT [RUN] the dashboard in a browser (dashboard/serve.py)
 
 Quitting (q) leaves the run going; `x` stops it, after asking.
 Exit codes: 0 the run succeeded (or the dashboard was quit), 1 the run failed,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -88,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print progress lines instead of the dashboard (also when "
                         "there is no terminal)")
     add_output_arguments(parser)
+    parser.add_argument("--serve", default=None, metavar="[HOST:]PORT",
+                        help="serve the dashboard to a browser (textual-serve), on 127.0.0.1 "
+                        "unless HOST is given; the link to open, with its token, is printed")
+    parser.add_argument("--allow-stop", action="store_true",
+                        help="with --serve: the page may stop the run (x); off by default")
+    parser.add_argument("--no-stop", action="store_true",
+                        help="x does not stop the run (what --serve's pages run)")
     parser.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="S",
                         help="seconds to wait for a run to appear and its daemon to answer "
                         f"(default {DEFAULT_WAIT_S:g})")
@@ -151,6 +160,14 @@ def _find(runs_dir: Path, run: str | None, late: bool) -> RunPaths:
     raise NoSuchRun(f"no runs under {runs_dir}/: start one first, or pass --runs-dir")
 
 
+def _resolve_run(args: argparse.Namespace) -> RunPaths:
+    try:
+        return resolve(args)
+    except OSError as e:  # a RUN or --runs-dir the file system refuses
+        raise UsageError(f"cannot look for runs there: {e.strerror or e}; "
+                         "give a run id or a run directory") from None
+
+
 def check(args: argparse.Namespace) -> None:
     from ddtop.daemon.printer import check_output_arguments
 
@@ -169,6 +186,10 @@ def check(args: argparse.Namespace) -> None:
                 args.connect.startswith("tcp://") and ":" in args.connect[6:])):
             problem = (f"--connect {args.connect!r}: expected tcp://HOST:PORT or ipc://PATH "
                        "(run.json's endpoints.control)")
+    if problem is None and args.serve is not None and args.headless:
+        problem = "--serve shows the dashboard in a browser: drop --headless"
+    if problem is None and args.allow_stop and args.serve is None:
+        problem = "--allow-stop is for --serve's pages (a terminal's dashboard may stop its run)"
     if problem is not None:
         raise UsageError(problem)
 
@@ -179,15 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         check(args)
         from ddtop.dashboard.live import open_feed
 
-        headless = args.headless or not (sys.stdout.isatty() and sys.stdin.isatty())
-        if args.connect is not None:
+        # textual-serve's sessions (--serve) have pipes, and Textual's web driver to draw on.
+        headless = args.headless or not ((sys.stdout.isatty() and sys.stdin.isatty())
+                                         or os.environ.get("TEXTUAL_DRIVER"))
+        paths = None if args.connect is not None else _resolve_run(args)
+        if args.serve is not None:
+            from ddtop.dashboard.serve import serve
+
+            return serve(args, paths)
+        if paths is None:
             feed = open_feed(args.connect)
         else:
-            try:
-                paths = resolve(args)
-            except OSError as e:  # a RUN or --runs-dir the file system refuses
-                raise UsageError(f"cannot look for runs there: {e.strerror or e}; "
-                                 "give a run id or a run directory") from None
             speed = args.speed if args.speed is not None else (0.0 if headless else 1.0)
             feed = open_feed(paths, replay=args.replay, speed=speed)
     except UsageError as e:
@@ -206,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             return watch(feed, printer, args.wait)
         from ddtop.dashboard.app import DashboardApp
 
-        app = DashboardApp(feed, fps=args.fps)
+        app = DashboardApp(feed, fps=args.fps, can_stop=not args.no_stop)
         app.run()
         return app.exit_code
     finally:

@@ -66,6 +66,9 @@ HEAVY = {
     "torchvision": lambda module: module.startswith("ddtop.training."),
     "textual": lambda module: module in {"ddtop.dashboard.app", "ddtop.dashboard.widgets",
                                          "ddtop.dashboard.screens"},
+    # ddtop --serve's web server: loaded only when serving (dashboard/serve.py imports it late).
+    "textual_serve": lambda module: module == "ddtop.dashboard.sessions",
+    "aiohttp": lambda module: module == "ddtop.dashboard.sessions",
     # The framework callbacks, each in its own module, imported only by a script that uses it.
     "lightning": lambda module: module == "ddtop.lightning",
     "transformers": lambda module: module == "ddtop.transformers",
