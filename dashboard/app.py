@@ -120,6 +120,7 @@ class DashboardApp(App[None]):
         self.panels_key: tuple[int, int | None, int] | None = None
         self.panels_at = 0.0
         self.charts: dict[str, series.ChartData] = {}
+        self.chart_turn = 0  # the chart first in line for new data (see _hand_charts)
         self.comm_text = Text()
 
     def compose(self) -> ComposeResult:
@@ -256,8 +257,7 @@ class DashboardApp(App[None]):
             self._show("#banner", banner, layout=True)  # its height follows its lines
         table.set_rows(rows)
         self._fit_table(table, len(rows), banner_widget.outer_size.height if banner else 0)
-        for name, data in charts.items():
-            self.query_one(f"#{name}", Chart).set_data(data)
+        self._hand_charts(charts)
         self._show("#comm", comm)
         self._show("#events", events)
         self.frames += 1
@@ -278,6 +278,16 @@ class DashboardApp(App[None]):
                 widget.set_text(content)  # redraws the lines that changed
             else:
                 cast(Static, widget).update(content, layout=layout)
+
+    def _hand_charts(self, charts: dict[str, series.ChartData]) -> None:
+        """New data to one chart a frame, taking turns (all of them once the run is
+        over): plotext takes 5 to 20 ms a plot, and four at once would hold up a frame."""
+        names = list(charts)
+        for i in range(len(names)):
+            name = names[(self.chart_turn + i) % len(names)]
+            if self.query_one(f"#{name}", Chart).set_data(charts[name]) and not self.feed.finished:
+                self.chart_turn = (self.chart_turn + i + 1) % len(names)
+                return
 
     def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
         """The ranks table takes the lines its rows need (and its title), up to what

@@ -7,7 +7,9 @@ terminal), it draws what the dashboard drew before: the title and a one-row
 sparkline.
 
 plotext builds a plot in 5 to 20 milliseconds (in Python, a cell at a time), so
-a Chart draws again only when its data or size changed, and keeps what it drew; the app hands it new data at most once a second (app.PANELS_EVERY_S).
+a Chart draws again only when its data or size changed, and keeps what it drew;
+the app builds the data at most once a second (app.PANELS_EVERY_S) and hands it
+to one chart a frame (app.DashboardApp._hand_charts).
 A series has at most two points per cell of width (a braille cell is two dots
 wide): more would cost time and show nothing.
 """
@@ -99,11 +101,13 @@ class Chart(PlotextPlot):
         self.builds = 0  # plots drawn by plotext, for tests and benchmarks
         self._drawn: tuple[object, Text] | None = None  # (what it was drawn for, the text)
 
-    def set_data(self, data: ChartData) -> None:
-        """Hand the chart its data; it draws again only if the data differ."""
-        if data != self.data:
-            self.data = data
-            self.refresh()
+    def set_data(self, data: ChartData) -> bool:
+        """Hand the chart its data; it draws again only if the data differ (True)."""
+        if data == self.data:
+            return False
+        self.data = data
+        self.refresh()
+        return True
 
     @property
     def is_plot(self) -> bool:

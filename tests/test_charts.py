@@ -2,11 +2,11 @@
 axes, ticks and title drawn from known values, and the main screen with 8 and 64
 ranks at 120x40 and 200x60 compared with tests/snapshots/charts-*.txt.
 
-A run of N ranks is folded by hand: each rank reports 10 steps a message, one
-message a second, from step 10 to step 200, loss 2 - step/200 (+0.01 per rank),
-comm 20% of the step (+1% per rank), 32 samples a step (320 samples/s a rank;
-400 in a rank's first message, which has no previous one to time from); the
-global loss at steps 50, 100, 150 and 200 is 2 - step/200 (1.0 at the end).
+A run of N ranks is folded by hand: each rank reports 10 steps (320 samples) a
+message, from step 10 to step 200, one message a second (320 samples/s a rank)
+but every fifth 1.25 s (256 samples/s: the last one too), loss 2 - step/200
+(+0.01 per rank), comm 20% of the step (+1% per rank); the global loss at steps
+50, 100, 150 and 200 is 2 - step/200 (1.0 at the end).
 
 Snapshots are rewritten with DDTOP_UPDATE_SNAPSHOTS=1 (review the diff); with
 DDTOP_SCREENSHOTS=1 the same screens are saved as SVG under docs/images/ (the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,14 +27,17 @@ import pytest
 from test_app import screen_text
 
 from ddtop.daemon import wire
+from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import series
 from ddtop.dashboard.app import DashboardApp
 from ddtop.dashboard.charts import LEGEND_MIN_HEIGHT, Chart, nice_ticks, sparkline, thin
-from ddtop.dashboard.feed import StateFeed
+from ddtop.dashboard.feed import Feed, StateFeed
+from ddtop.dashboard.live import open_feed
 
 RUN = "charts"
 SNAPSHOTS = Path(__file__).parent / "snapshots"
+FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 SCREENSHOTS = Path(__file__).parent.parent / "docs" / "images"
 UPDATE = os.environ.get("DDTOP_UPDATE_SNAPSHOTS") == "1"
 SAVE_SCREENSHOTS = os.environ.get("DDTOP_SCREENSHOTS") == "1"
@@ -62,22 +66,27 @@ def run_of(ranks: int, finished: bool = True) -> RunState:
                                backend="gloo", world_size=ranks, config_digest="d",
                                model="mlp", dataset="synthetic", epochs=1,
                                global_batch=32 * ranks), 100.0)
+    seqs = [0] * ranks  # each rank's messages numbered 1, 2, ...: none lost
+    t = 100.0
     for k, step in enumerate(range(10, LAST_STEP + 1, 10), start=1):
-        t = 100.0 + k
+        took = 1.25 if k % 5 == 0 else 1.0
+        t += took
         for rank in range(ranks):
+            seqs[rank] += 1
             state.apply(wire.Step(
-                run=RUN, rank=rank, seq=2 * k, t=t, epoch=0, step=step, steps_per_epoch=LAST_STEP,
-                global_step=step, steps=10, samples=320,
-                loss_sum=(2.0 - step / 200 + 0.01 * rank) * 320, lr=0.1, step_s=0.8,
-                data_s=0.1, forward_s=0.2, backward_s=0.3, optimizer_s=0.2,
-                comm_s=0.16 + 0.008 * rank, comm_bytes=10_000_000, comm_ops=10,
+                run=RUN, rank=rank, seq=seqs[rank], t=t, epoch=0, step=step,
+                steps_per_epoch=LAST_STEP, global_step=step, steps=10, samples=320,
+                loss_sum=(2.0 - step / 200 + 0.01 * rank) * 320, lr=0.1, step_s=took,
+                data_s=0.1, forward_s=0.2, backward_s=0.3, optimizer_s=took - 0.6,
+                comm_s=(0.2 + 0.01 * rank) * took, comm_bytes=10_000_000, comm_ops=10,
                 algbw_gbps=1.0, busbw_gbps=1.0, sync_wait_s=0.0, rss=10**8), t)
         if step % 50 == 0:
-            state.apply(wire.Aggregate(run=RUN, rank=0, seq=2 * k + 1, t=t, scope="sync",
+            seqs[0] += 1
+            state.apply(wire.Aggregate(run=RUN, rank=0, seq=seqs[0], t=t, scope="sync",
                                        epoch=0, global_step=step, train_loss=2.0 - step / 200,
                                        train_accuracy=0.5, train_samples=32 * step), t)
     if finished:
-        t = 100.0 + LAST_STEP // 10 + 1
+        t += 1.0
         state.apply(wire.RunStatus(run=RUN, rank=wire.DAEMON_RANK, t=t, status="succeeded",
                                    world_size=ranks), t)
     return state
@@ -93,8 +102,9 @@ def test_the_series_say_the_latest_values_at_the_newest_step() -> None:
     mine = series.rank_loss(state, 1)
     assert mine.title == "loss: rank 1 1.0100 at step 200" and len(mine.lines[0].xs) == 20
     rate = series.throughput(state, 120)
-    assert rate.title == "samples/s 640 at step 200" and rate.unit == "samples/s"
-    assert rate.lines[0].ys[0] == 800 and set(rate.lines[0].ys[1:]) == {640}
+    assert rate.title == "samples/s 512 at step 200" and rate.unit == "samples/s"
+    assert rate.lines[0].ys[:5] == (640, 640, 640, 640, 512) and set(rate.lines[0].ys) == {
+        640, 512}
     comm = series.comm_share(state, 120)
     assert comm.title == "comm % r0 20 r1 21 at step 200" and comm.unit == "% of step"
     assert [line.label for line in comm.lines] == ["rank 0", "rank 1"]
@@ -138,17 +148,19 @@ class Shown:
     height: int
 
 
-def shown(ranks: int, size: tuple[int, int], state: RunState | None = None,
+def shown(ranks: int, size: tuple[int, int], feed: Feed | None = None,
           screenshot: str | None = None) -> tuple[str, dict[str, Shown]]:
-    """The main screen of a finished run of `ranks` ranks, and each chart as shown."""
-    app = DashboardApp(StateFeed(state or run_of(ranks)), fps=10)
+    """The main screen of a finished run of `ranks` ranks (or of `feed`), and each
+    chart as shown."""
+    app = DashboardApp(feed or StateFeed(run_of(ranks)), fps=10)
     charts: dict[str, Shown] = {}
     screens: list[str] = []
 
     async def main() -> None:
         async with app.run_test(size=size) as pilot:
             deadline = time.monotonic() + 30
-            while app.frames < 3 or app.query_one("#rate", Chart).data.empty:
+            while (not app.feed.finished or app.frames < 3
+                   or app.query_one("#rate", Chart).data.empty):
                 assert time.monotonic() < deadline, "no frame drew the charts"
                 await pilot.pause(0.05)
             await pilot.pause(0.2)
@@ -159,7 +171,10 @@ def shown(ranks: int, size: tuple[int, int], state: RunState | None = None,
                 SCREENSHOTS.mkdir(parents=True, exist_ok=True)
                 app.save_screenshot(f"{screenshot}.svg", str(SCREENSHOTS))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        app.feed.close()
     assert len(charts) == 4
     return screens[0], charts
 
@@ -185,9 +200,9 @@ def test_the_charts_show_axes_ticks_and_the_latest_value_of_the_data_fed() -> No
     assert len(xs) >= 2 and min(xs) >= 50 and max(xs) == 200  # steps 50 to 200
     assert "loss" in loss.splitlines()[-1] and "step" in loss.splitlines()[-1]  # the units
     rate = charts["rate"]
-    assert rate.splitlines()[0] == "samples/s 640 at step 200"
+    assert rate.splitlines()[0] == "samples/s 512 at step 200"
     ys, xs = axes(rate)
-    assert min(ys) >= 640 and max(ys) <= 800 and max(xs) <= 200
+    assert min(ys) >= 512 and max(ys) <= 640 and max(xs) <= 200
     assert "samples/s" in rate.splitlines()[-1]
     comm = charts["comm-share"]
     assert comm.splitlines()[0] == "comm % r0 20 r1 21 at step 200"
@@ -197,13 +212,30 @@ def test_the_charts_show_axes_ticks_and_the_latest_value_of_the_data_fed() -> No
     assert charts["loss-rank"].splitlines()[0] == "loss: rank 0 1.0000 at step 200"
 
 
+def test_the_charts_of_a_recorded_run_say_what_its_table_and_header_say(
+        tmp_path: Path) -> None:
+    shutil.copytree(FIXTURES, tmp_path / "runs")
+    screen, charts = shown(2, (120, 40), open_feed(RunPaths(tmp_path / "runs" / "recorded-ok")),
+                           screenshot="charts-recorded-2-ranks-120x40")
+    assert "global: loss 0.5989" in screen and "(step 1024)" in screen  # the header
+    assert charts["loss-global"].chart.startswith("loss: global 0.5989 at step 1024\n")
+    assert charts["loss-rank"].chart.startswith("loss: rank 0 0.5505 at step 1024\n")
+    rows = [line.split() for line in screen.splitlines() if line.split()[:2] in (["0", "vm"],
+                                                                               ["1", "vm"])]
+    shares = [row[10] for row in rows]  # COMM%: 50 and 56
+    assert charts["comm-share"].chart.startswith(
+        f"comm % r0 {shares[0]} r1 {shares[1]} at step 1024\n")
+    ys, xs = axes(charts["loss-global"].chart)  # two metric syncs: steps 512 and 1024
+    assert min(xs) >= 512 and max(xs) <= 1024 and min(ys) >= 0.5989 and max(ys) <= 1.8886
+
+
 def test_a_narrow_screen_keeps_sparklines() -> None:
     _, shown_charts = shown(2, (80, 24))
     assert not any(c.plot for c in shown_charts.values())
     charts = {name: c.chart for name, c in shown_charts.items()}
     falling = "".join(sorted(sparkline(tuple(float(i) for i in range(20)), 24), reverse=True))
     assert charts["loss-rank"].splitlines() == ["loss: rank 0 1.0000", falling]  # 20 steps
-    assert charts["rate"].splitlines()[0] == "samples/s 640"
+    assert charts["rate"].splitlines()[0] == "samples/s 512"
 
 
 def test_charts_draw_only_when_their_data_change() -> None:
