@@ -6,9 +6,10 @@ connection changes, the first ranks come, or an event or a new status does
 (drawn at once). The app redraws on a timer at a fixed frame rate (never once
 per message), when the state's fold count moved, else once a second: under the
 feed's lock it builds the header, the rows and the panels from the RunState
-(the charts' data, series.py, and the comm panel once a second), then hands them
-to the widgets, which draw again only the lines that changed (a redraw costs
-Textual far more than building the text; a chart draws only when its data did).
+(the comm panel once a second, the charts' data, series.py, every other second),
+then hands them to the widgets, which draw again only the lines that changed (a
+redraw costs Textual far more than building the text; a chart draws only when
+its data did).
 Requests to the daemon (`x`: stop the run) go out from a thread worker too, so
 that a daemon that does not answer never freezes the screen; the answer comes
 back as a `StopAnswered` message.
@@ -44,7 +45,8 @@ from ddtop.dashboard.widgets import RankTable, TextPanel
 # A live feed of a few ranks is folded once per half frame, within these bounds (see pump).
 PUMP_S, PUMP_MAX_S = 0.05, 0.25
 CHART_POINTS = 120  # global steps a run-wide chart shows
-PANELS_EVERY_S = 1.0  # the charts and the comm panel are built again this often
+PANELS_EVERY_S = 1.0  # the comm panel is built again this often
+CHARTS_EVERY_S = 2.0  # ... and the charts' data (a plot costs plotext 5 to 20 ms)
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S = 1.0
 URGENT_GAP_S = 0.1  # an event is drawn at once unless a frame was drawn this recently
@@ -118,7 +120,7 @@ class DashboardApp(App[None]):
         self.events_text = Text()
         # The charts and the comm panel: what they were built for, when, and what.
         self.panels_key: tuple[int, int | None, int] | None = None
-        self.panels_at = 0.0
+        self.panels_at = self.charts_at = 0.0
         self.charts: dict[str, series.ChartData] = {}
         self.chart_turn = 0  # the chart first in line for new data (see _hand_charts)
         self.comm_text = Text()
@@ -233,14 +235,13 @@ class DashboardApp(App[None]):
             if (key != self.panels_key or self.feed.finished
                     or time.monotonic() - self.panels_at >= PANELS_EVERY_S):
                 # Built again once a second (or for another rank, size or state), not
-                # every frame: each costs Textual a redraw of the whole chart or panel,
-                # and a chart costs plotext tens of ms (only those whose data changed).
+                # every frame: each costs Textual a redraw of the whole panel; the
+                # charts every other second: plotext takes 5 to 20 ms a plot.
+                if (key != self.panels_key or self.feed.finished
+                        or time.monotonic() - self.charts_at >= CHARTS_EVERY_S):
+                    self.charts_at = time.monotonic()
+                    self.charts = series.charts(state, selected, CHART_POINTS)
                 self.panels_key, self.panels_at = key, time.monotonic()
-                self.charts = {
-                    "loss-global": series.global_loss(state),
-                    "loss-rank": series.rank_loss(state, selected),
-                    "rate": series.throughput(state, CHART_POINTS),
-                    "comm-share": series.comm_share(state, CHART_POINTS)}
                 self.comm_text = panels.comm(state, now, selected, key[2])
             charts, comm = self.charts, self.comm_text
             lines = max(3, self._height("#events") - 1)

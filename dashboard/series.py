@@ -126,3 +126,9 @@ def comm_share(state: RunState, points: int) -> ChartData:
     low, mid, high = (line.ys[-1] for line in reversed(spread))
     return ChartData("comm %", "% of step", spread,
                      f"min {low:.0f} med {mid:.0f} max {high:.0f}", xs[-1])
+
+
+def charts(state: RunState, selected: int | None, points: int) -> dict[str, ChartData]:
+    """The main view's four charts, by widget id (app.CHARTS)."""
+    return {"loss-global": global_loss(state), "loss-rank": rank_loss(state, selected),
+            "rate": throughput(state, points), "comm-share": comm_share(state, points)}
