@@ -31,7 +31,14 @@ from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import series
 from ddtop.dashboard.app import DashboardApp
-from ddtop.dashboard.charts import LEGEND_MIN_HEIGHT, Chart, nice_ticks, sparkline, thin
+from ddtop.dashboard.charts import (
+    LEGEND_MIN_HEIGHT,
+    Chart,
+    finite,
+    nice_ticks,
+    sparkline,
+    thin,
+)
 from ddtop.dashboard.feed import Feed, StateFeed
 from ddtop.dashboard.live import open_feed
 
@@ -138,6 +145,9 @@ def test_ticks_thinning_and_sparklines() -> None:
     assert sparkline((1.0, 2.0, 3.0, float("nan"), 8.0), 10) == "▁▂▃█"
     assert sparkline(tuple(float(i) for i in range(100)), 8) == "▁▂▃▄▅▆▇█"
     assert sparkline((), 8) == ""
+    nan, inf = float("nan"), float("inf")
+    diverged = series.Line("loss", (10, 20, 30, 40), (2.0, nan, inf, 1.0))
+    assert finite(diverged) == series.Line("loss", (10, 40), (2.0, 1.0))  # plotted: the rest
 
 
 # -- drawn in the app -----------------------------------------------------------------------
