@@ -1,6 +1,7 @@
 """Does ddtop keep up with hundreds of ranks? Synthetic telemetry at 10 Hz per rank.
 
     .venv/bin/python bench/dashboard.py [--ranks 256 1024] [--seconds 10] [--fps 5]
+                                        [--size 120x40] [--baseline GIT-REF [--rounds 2]]
 
 For each world size N, every rank sends 10 Step messages and 1 Heartbeat per
 second (11 N messages/s offered), and the script measures:
@@ -21,7 +22,15 @@ second (11 N messages/s offered), and the script measures:
   relay (relay sequence number minus the dashboard's, sampled every 0.5 s: the
   largest and the last), snapshots re-requested after a gap (resyncs), frames
   drawn per second against --fps, and a verdict: it keeps up when the last lag
-  is under one second of messages and it drew at least 80% of its frames.
+  is under one second of messages and it drew at least 80% of its frames;
+  and the dashboard process's CPU time over the window (its drawing thread,
+  the feed's worker and the rest), in % of one core and per frame drawn.
+
+--baseline REF measures the dashboard package as it was at a git commit too
+(bench/tui_cpu.py's tree: `dashboard/` from `git archive`, this tree's daemon):
+each world size, each round, the baseline then this tree, each in a fresh
+process of its own, so that both see the same load; a table of render ms, fps
+and CPU, every round and the medians.
 
 Numbers in docs/performance.md.
 """
@@ -33,6 +42,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,10 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from stats import percentile  # bench/stats.py, beside this script
+from tui_cpu import baseline_tree  # bench/tui_cpu.py, beside this script
 
 STEP_HZ = 10
 PING_EVERY_S = 0.5
 FEEDER_FLAG = "--feeder"
+MEASURE_FLAG = "--measure"  # one world size's render and live measures, as a JSON line
 
 
 # -- synthetic telemetry --------------------------------------------------------------
@@ -131,31 +143,28 @@ def measure_fold(world: int) -> tuple[float, Any]:
 
 def frame_work(state: Any, now: float) -> None:
     from ddtop.dashboard import format as fmt
-    from ddtop.dashboard import panels
+    from ddtop.dashboard import panels, series
 
     rows = fmt.sort_rows(fmt.filter_rows(fmt.rank_rows(state, now), "", False), "step_ms")
     panels.header(state, now)
     panels.banner(state, now, "live", "")
     panels.comm(state, now, rows[0].rank, 9)
     panels.events(state, 8)
-    panels.run_series(state, 120)
+    series.global_loss(state)
+    series.rank_loss(state, rows[0].rank)
+    series.throughput(state, 120)
+    series.comm_share(state, 120)
 
 
-def measure_frames(state: Any, repeat: int = 30) -> tuple[float, float, float, float]:
-    """(median ms, p95 ms) of the frame's work, then of render_view() in the app."""
+def measure_renders(state: Any, size: tuple[int, int], repeat: int = 30) -> tuple[float, float]:
+    """(median ms, p95 ms) of render_view() in the real app."""
     from ddtop.dashboard.app import DashboardApp
 
-    now = time.time()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        frame_work(state, now)
-        times.append(1000 * (time.perf_counter() - start))
     app = DashboardApp(quiet_feed(state), fps=1.0)
     renders: list[float] = []
 
     async def drive() -> None:
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=size) as pilot:
             await pilot.pause(0.2)
             for _ in range(repeat):
                 start = time.perf_counter()
@@ -164,7 +173,19 @@ def measure_frames(state: Any, repeat: int = 30) -> tuple[float, float, float, f
                 await pilot.pause(0.01)
 
     asyncio.run(drive())
-    return (*percentiles(times), *percentiles(renders))
+    return percentiles(renders)
+
+
+def measure_frames(state: Any, size: tuple[int, int],
+                   repeat: int = 30) -> tuple[float, float, float, float]:
+    """(median ms, p95 ms) of the frame's work, then of render_view() in the app."""
+    now = time.time()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        frame_work(state, now)
+        times.append(1000 * (time.perf_counter() - start))
+    return (*percentiles(times), *measure_renders(state, size, repeat))
 
 
 # -- live, end to end ---------------------------------------------------------------------
@@ -209,7 +230,8 @@ def feeder(world: int, seconds: float, endpoint_file: str) -> int:
     return 0
 
 
-def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
+def measure_live(world: int, seconds: float, fps: float,
+                 size: tuple[int, int] = (120, 40)) -> dict[str, Any]:
     from ddtop.daemon import control, protocol
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.live import LiveFeed
@@ -230,12 +252,12 @@ def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
             result: dict[str, Any] = {}
 
             async def drive() -> None:
-                async with app.run_test(size=(120, 40)) as pilot:
+                async with app.run_test(size=size) as pilot:
                     while feed.connection != "live":
                         await pilot.pause(0.05)
                     lags: list[int] = []
                     first: tuple[int, int] | None = None  # (relay seq, dashboard seq)
-                    frames0, start = app.frames, time.monotonic()
+                    frames0, start, cpu0 = app.frames, time.monotonic(), time.process_time()
                     while time.monotonic() - start < seconds:
                         await pilot.pause(PING_EVERY_S)
                         relay_seq = control.request(control_endpoint, protocol.Ping(), 5.0).seq
@@ -243,13 +265,15 @@ def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
                         first = (relay_seq, shown_seq) if first is None else first
                         lags.append(relay_seq - shown_seq)
                     elapsed = time.monotonic() - start
+                    cpu = time.process_time() - cpu0
                     assert first is not None
                     window = elapsed - PING_EVERY_S  # from the first sample to the last
                     result.update(rate=(relay_seq - first[0]) / window,
                                   folded=(shown_seq - first[1]) / window,
                                   lag_max=max(lags), lag_end=lags[-1],
                                   fps=(app.frames - frames0) / elapsed,
-                                  resyncs=feed.resyncs)
+                                  resyncs=feed.resyncs, cpu=100 * cpu / elapsed,
+                                  cpu_frame=1000 * cpu / max(1, app.frames - frames0))
 
             try:
                 asyncio.run(drive())
@@ -265,34 +289,102 @@ def measure_live(world: int, seconds: float, fps: float) -> dict[str, Any]:
                 proc.wait()
 
 
+# -- this tree against a baseline ---------------------------------------------------------
+def measure_one(world: int, seconds: float, fps: float, size: tuple[int, int]) -> int:
+    """In a process of its own (MEASURE_FLAG): one world size's render and live figures."""
+    _, state = measure_fold(world)
+    render, render_p95 = measure_renders(state, size)
+    live = measure_live(world, seconds, fps, size)
+    print(json.dumps({"render": render, "render_p95": render_p95, **live}), flush=True)
+    return 0
+
+
+def measure_in_child(world: int, seconds: float, fps: float, size: tuple[int, int],
+                     pythonpath: str | None) -> dict[str, Any]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    done = subprocess.run([sys.executable, __file__, MEASURE_FLAG, str(world), str(seconds),
+                           str(fps), f"{size[0]}x{size[1]}"], env=env, capture_output=True,
+                          text=True, timeout=300 + 2 * seconds, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring {world} ranks failed: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def paired(options: argparse.Namespace, size: tuple[int, int]) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="ddtop-bench-dashboard-"))
+    variants = [(options.baseline, str(baseline_tree(options.baseline, tmp / "base"))),
+                ("this tree", None)]
+    print(f"{'ranks':>6} {'dashboard':<12} {'round':>5} {'render ms':>10} {'p95':>6} "
+          f"{'fps':>5} {'CPU %':>6} {'CPU ms/frame':>13} {'lag end':>8}  keeps up", flush=True)
+    try:
+        for world in options.ranks:
+            offered = world * (STEP_HZ + 1)
+            results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+            for round_ in range(options.rounds):
+                for name, pythonpath in variants:
+                    r = measure_in_child(world, options.seconds, options.fps, size, pythonpath)
+                    results[name].append(r)
+                    keeps_up = r["lag_end"] < offered and r["fps"] >= 0.8 * options.fps
+                    print(f"{world:>6} {name[:12]:<12} {round_ + 1:>5} {r['render']:>10.1f} "
+                          f"{r['render_p95']:>6.1f} {r['fps']:>5.1f} {r['cpu']:>6.1f} "
+                          f"{r['cpu_frame']:>13.1f} {r['lag_end']:>8,}  "
+                          f"{'yes' if keeps_up else 'NO'}", flush=True)
+            for name, _ in variants:
+                med = {k: statistics.median(r[k] for r in results[name])
+                       for k in ("render", "render_p95", "fps", "cpu", "cpu_frame")}
+                print(f"{world:>6} {name[:12]:<12} {'med':>5} {med['render']:>10.1f} "
+                      f"{med['render_p95']:>6.1f} {med['fps']:>5.1f} {med['cpu']:>6.1f} "
+                      f"{med['cpu_frame']:>13.1f}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
 # -- main ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == FEEDER_FLAG:
         return feeder(int(args[1]), float(args[2]), args[3])
+    if args and args[0] == MEASURE_FLAG:
+        width, height = map(int, args[4].split("x"))
+        return measure_one(int(args[1]), float(args[2]), float(args[3]), (width, height))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--seconds", type=float, default=10.0,
                         help="live measuring window per world size (default 10)")
     parser.add_argument("--fps", type=float, default=5.0, help="dashboard frame rate (default 5)")
+    parser.add_argument("--size", default="120x40", help="the terminal, WxH (default 120x40)")
+    parser.add_argument("--baseline", metavar="GIT-REF",
+                        help="also measure the dashboard as it was at this commit, alternating")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --baseline: measures of each, alternating (default 2)")
     options = parser.parse_args(args)
+    width, height = map(int, options.size.split("x"))
     print(f"ddtop dashboard benchmark: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"{STEP_HZ} steps/s + 1 heartbeat/s per rank, --fps {options.fps:g}", flush=True)
+          f"{STEP_HZ} steps/s + 1 heartbeat/s per rank, --fps {options.fps:g}, "
+          f"{width}x{height}", flush=True)
+    if options.baseline:
+        return paired(options, (width, height))
     header = (f"{'ranks':>6} {'offered/s':>10} {'fold/s':>9} {'x need':>7} {'frame ms':>9} "
               f"{'p95':>6} {'render ms':>10} {'p95':>6} {'relay/s':>8} {'dash/s':>8} "
-              f"{'lag max':>8} {'lag end':>8} {'resync':>6} {'fps':>5}  keeps up")
+              f"{'lag max':>8} {'lag end':>8} {'resync':>6} {'fps':>5} {'CPU %':>6} "
+              f"{'ms/frame':>8}  keeps up")
     print(header)
     for world in options.ranks:
         offered = world * (STEP_HZ + 1)
         fold_rate, state = measure_fold(world)
-        frame_med, frame_p95, render_med, render_p95 = measure_frames(state)
-        live = measure_live(world, options.seconds, options.fps)
+        frame_med, frame_p95, render_med, render_p95 = measure_frames(state, (width, height))
+        live = measure_live(world, options.seconds, options.fps, (width, height))
         keeps_up = live["lag_end"] < offered and live["fps"] >= 0.8 * options.fps
         print(f"{world:>6} {offered:>10,} {fold_rate:>9,.0f} {fold_rate / offered:>7.1f} "
               f"{frame_med:>9.1f} {frame_p95:>6.1f} {render_med:>10.1f} {render_p95:>6.1f} "
               f"{live['rate']:>8,.0f} {live['folded']:>8,.0f} "
               f"{live['lag_max']:>8,} {live['lag_end']:>8,} {live['resyncs']:>6} "
-              f"{live['fps']:>5.1f}  {'yes' if keeps_up else 'NO'}", flush=True)
+              f"{live['fps']:>5.1f} {live['cpu']:>6.1f} {live['cpu_frame']:>8.1f}  "
+              f"{'yes' if keeps_up else 'NO'}", flush=True)
     return 0
 
 

@@ -6,9 +6,10 @@ connection changes, the first ranks come, or an event or a new status does
 (drawn at once). The app redraws on a timer at a fixed frame rate (never once
 per message), when the state's fold count moved, else once a second: under the
 feed's lock it builds the header, the rows and the panels from the RunState
-(the loss charts and the comm panel once a second), then hands them to the
-widgets, which draw again only the lines that changed (a redraw costs Textual
-far more than building the text).
+(the comm panel once a second, the charts' data, series.py, every other second),
+then hands them to the widgets, which draw again only the lines that changed (a
+redraw costs Textual far more than building the text; a chart draws only when
+its data did).
 Requests to the daemon (`x`: stop the run) go out from a thread worker too, so
 that a daemon that does not answer never freezes the screen; the answer comes
 back as a `StopAnswered` message.
@@ -23,34 +24,39 @@ from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Container, Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.message import Message
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Input, Sparkline, Static
+from textual.widgets import Footer, Input, Static
 from textual.worker import get_current_worker
 
 from ddtop.daemon import control, protocol
 from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
-from ddtop.dashboard import panels
+from ddtop.dashboard import panels, series
+from ddtop.dashboard.charts import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH, Chart
 from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.feed import Pacer
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
-from ddtop.dashboard.widgets import RankTable, TextPanel, set_chart
+from ddtop.dashboard.widgets import RankTable, TextPanel
 
 # A live feed of a few ranks is folded once per half frame, within these bounds (see pump).
 PUMP_S, PUMP_MAX_S = 0.05, 0.25
-CHART_POINTS = 120
-SERIES_EVERY_S = 1.0  # run-wide charts are rebuilt from the ranks' histories this often
-PANELS_EVERY_S = 1.0  # the loss charts and the comm panel are built again this often
+CHART_POINTS = 120  # global steps a run-wide chart shows
+PANELS_EVERY_S = 1.0  # the comm panel is built again this often
+CHARTS_EVERY_S = 2.0  # ... and the charts' data (a plot costs plotext 5 to 20 ms)
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S = 1.0
 URGENT_GAP_S = 0.1  # an event is drawn at once unless a frame was drawn this recently
 # Lines of the fixed parts around the ranks table (see ddtop.tcss): the header,
 # the footer, the least the panels below keep, the least the table keeps.
 HEADER_LINES, FOOTER_LINES, LOWER_MIN_LINES, TABLE_MIN_LINES = 4, 1, 10, 3
+NARROW_WIDTH = 100  # narrower: the charts are one column of sparklines (ddtop.tcss: .narrow)
+CHARTS_SHARE, CHARTS_MARGIN = 0.6, 8  # their width: #charts 3fr of 5, padding and gutters
+CHARTS = (("loss-global", "loss: global", "loss"), ("loss-rank", "loss: selected rank", "loss"),
+          ("rate", "samples/s", "samples/s"), ("comm-share", "comm %", "% of step"))
 
 
 class FeedChanged(Message):
@@ -109,16 +115,15 @@ class DashboardApp(App[None]):
         self.sort_key = fmt.SORT_KEYS[0]  # ... and a click on a title may pick a scalar's
         self.filter_text, self.problems_only = "", False
         self.frames = 0
-        self.series: tuple[list[float], list[float]] = ([], [])  # run-wide rate, comm share
-        self.series_at, self.series_folded = 0.0, -1
         self.shown: dict[str, object] = {}  # panel -> what it shows (see _show)
         self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
         self.events_key: tuple[int, int, int] | None = None  # what events_text was built from
         self.events_text = Text()
-        # The loss charts and the comm panel: what they were built for, when, and what.
+        # The charts and the comm panel: what they were built for, when, and what.
         self.panels_key: tuple[int, int | None, int] | None = None
-        self.panels_at = 0.0
-        self.loss_charts: tuple[list[float], list[float]] = ([], [])  # global, selected rank
+        self.panels_at = self.charts_at = 0.0
+        self.charts: dict[str, series.ChartData] = {}
+        self.chart_turn = 0  # the chart first in line for new data (see _hand_charts)
         self.comm_text = Text()
 
     def compose(self) -> ComposeResult:
@@ -126,17 +131,12 @@ class DashboardApp(App[None]):
         yield Static(id="banner")
         yield RankTable(id="ranks")
         with Horizontal(id="lower"):
-            with Vertical(id="charts"):
-                yield Static("loss: global", id="loss-title", classes="chart-title")
-                yield Sparkline([], id="loss-global")
-                yield Static("loss: selected rank", id="rank-loss-title", classes="chart-title")
-                yield Sparkline([], id="loss-rank")
-                yield Static("samples/s", id="rate-title", classes="chart-title")
-                yield Sparkline([], id="rate")
-                yield Static("comm share", id="comm-title", classes="chart-title")
-                yield Sparkline([], id="comm-share")
-            yield TextPanel(id="comm")
-            yield TextPanel(id="events")
+            with Container(id="charts"):
+                for name, title, unit in CHARTS:
+                    yield Chart(title, unit, id=name)
+            with Vertical(id="side"):
+                yield TextPanel(id="comm")
+                yield TextPanel(id="events")
         yield Input(placeholder="filter: rank, host, state or 'straggler'; Enter applies, "
                     "empty clears", id="filter")
         yield Footer()
@@ -220,10 +220,6 @@ class DashboardApp(App[None]):
         with self.feed.lock:
             state, now = self.feed.state, self.feed.now()
             self.shown_folded = self._folded()
-            if state.folded != self.series_folded and (
-                    self.feed.finished or time.monotonic() - self.series_at >= SERIES_EVERY_S):
-                self.series = panels.run_series(state, CHART_POINTS)
-                self.series_at, self.series_folded = time.monotonic(), state.folded
             note = self._note()
             header = panels.header(state, now, note)
             banner = panels.banner(state, now, self.feed.connection, self.feed.detail)
@@ -240,14 +236,15 @@ class DashboardApp(App[None]):
             if (key != self.panels_key or self.feed.finished
                     or time.monotonic() - self.panels_at >= PANELS_EVERY_S):
                 # Built again once a second (or for another rank, size or state), not
-                # every frame: each costs Textual a redraw of the whole chart or panel.
+                # every frame: each costs Textual a redraw of the whole panel; the
+                # charts every other second: plotext takes 5 to 20 ms a plot.
+                if (key != self.panels_key or self.feed.finished
+                        or time.monotonic() - self.charts_at >= CHARTS_EVERY_S):
+                    self.charts_at = time.monotonic()
+                    self.charts = series.charts(state, selected, CHART_POINTS)
                 self.panels_key, self.panels_at = key, time.monotonic()
-                view = state.ranks.get(selected) if selected is not None else None
-                self.loss_charts = ([p.train_loss for p in state.global_history],
-                                    [p.loss for p in view.history] if view is not None else [])
                 self.comm_text = panels.comm(state, now, selected, key[2])
-            global_loss, rank_loss = self.loss_charts
-            comm = self.comm_text
+            charts, comm = self.charts, self.comm_text
             lines = max(3, self._height("#events") - 1)
             if self.events_key != (state.event_count, id(state), lines):
                 # The events change seldom: the panel is built again when one comes.
@@ -262,12 +259,7 @@ class DashboardApp(App[None]):
             self._show("#banner", banner, layout=True)  # its height follows its lines
         table.set_rows(rows)
         self._fit_table(table, len(rows), banner_widget.outer_size.height if banner else 0)
-        self._chart("#loss-global", global_loss)
-        self._chart("#loss-rank", rank_loss)
-        self._show("#rank-loss-title",
-                   f"loss: rank {selected}" if selected is not None else "loss: selected rank")
-        self._chart("#rate", self.series[0])
-        self._chart("#comm-share", self.series[1])
+        self._hand_charts(charts)
         self._show("#comm", comm)
         self._show("#events", events)
         self.frames += 1
@@ -289,16 +281,35 @@ class DashboardApp(App[None]):
             else:
                 cast(Static, widget).update(content, layout=layout)
 
-    def _chart(self, selector: str, data: list[float]) -> None:
-        set_chart(self.query_one(selector, Sparkline), data)
+    def _hand_charts(self, charts: dict[str, series.ChartData]) -> None:
+        """New data to one chart a frame, taking turns (all of them once the run is
+        over): plotext takes 5 to 20 ms a plot, and four at once would hold up a frame."""
+        names = list(charts)
+        for i in range(len(names)):
+            name = names[(self.chart_turn + i) % len(names)]
+            if self.query_one(f"#{name}", Chart).set_data(charts[name]) and not self.feed.finished:
+                self.chart_turn = (self.chart_turn + i + 1) % len(names)
+                return
 
     def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
         """The ranks table takes the lines its rows need (and its title), up to what
-        leaves the panels below LOWER_MIN_LINES; the panels get the rest."""
+        leaves the panels below LOWER_MIN_LINES; the panels get the rest. The charts
+        are a 2x2 grid, the comm panel above the events; where two rows of charts would
+        be too short for axes (many ranks), comm and events side by side, and the
+        charts in one row of four if four columns are wide enough; on a narrow screen,
+        one column of sparklines (ddtop.tcss)."""
         room = self.size.height - HEADER_LINES - FOOTER_LINES - banner - LOWER_MIN_LINES
         lines = max(TABLE_MIN_LINES, min(rows + 1, room))
         if table.styles.height is None or table.styles.height.value != lines:
             table.styles.height = lines
+        lower = self.query_one("#lower")
+        below = self.size.height - HEADER_LINES - FOOTER_LINES - banner - lines - 1
+        narrow = self.size.width < NARROW_WIDTH
+        low = not narrow and below < 2 * MIN_PLOT_HEIGHT
+        row = low and (CHARTS_SHARE * self.size.width - CHARTS_MARGIN) / 4 >= MIN_PLOT_WIDTH
+        for name, on in (("narrow", narrow), ("low", low), ("row", row)):
+            if lower.has_class(name) != on:
+                lower.set_class(on, name)
 
     def _height(self, selector: str) -> int:
         return self.query_one(selector).size.height

@@ -257,18 +257,3 @@ def rank_scalars(state: RunState, rank: int, width: int) -> list[str]:
         lines.append("  ".join(parts).rstrip())
     return lines
 
-
-def run_series(state: RunState, points: int) -> tuple[list[float], list[float]]:
-    """Run-wide throughput (sum over ranks) and comm share (mean) over the ranks'
-    recent step readings, aligned from the newest: each rank's i-th newest reading
-    is taken together with the others'."""
-    histories = [v.history for v in state.ranks.values() if v.history]
-    if not histories:
-        return [], []
-    n = min(points, max(len(h) for h in histories))
-    rate, share = [], []
-    for i in range(n, 0, -1):
-        readings = [h[-i] for h in histories if len(h) >= i]
-        rate.append(sum(p.samples_per_s for p in readings) * len(histories) / len(readings))
-        share.append(sum(p.comm_share for p in readings) / len(readings))
-    return rate, share

@@ -65,7 +65,10 @@ HEAVY = {
     "torch": lambda module: module.startswith("ddtop.training."),
     "torchvision": lambda module: module.startswith("ddtop.training."),
     "textual": lambda module: module in {"ddtop.dashboard.app", "ddtop.dashboard.widgets",
-                                         "ddtop.dashboard.screens"},
+                                         "ddtop.dashboard.screens", "ddtop.dashboard.charts"},
+    # The charts are drawn by plotext through textual-plotext, in their own module.
+    "textual_plotext": lambda module: module == "ddtop.dashboard.charts",
+    "plotext": lambda module: False,
     # ddtop --serve's web server: loaded only when serving (dashboard/serve.py imports it late).
     "textual_serve": lambda module: module == "ddtop.dashboard.sessions",
     "aiohttp": lambda module: module == "ddtop.dashboard.sessions",

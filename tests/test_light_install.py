@@ -5,8 +5,9 @@ A fresh virtual environment gets ddtop's own wheel (built from this tree) and,
 for its dependencies, the very packages this environment has (pyzmq, textual,
 rich, msgspec and what they require, linked, not downloaded): exactly what
 `pip install ddtop` brings, and no torch. There `ddtop --help`, a headless
-replay of a recorded run and `ddtrain status` work, `import torch` fails, and
-`ddtrain start` says in one line what to install."""
+replay of a recorded run and `ddtrain status` work, the dashboard's app and
+charts import, `import torch` fails, and `ddtrain start` says in one line what
+to install."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import importlib.metadata as metadata
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.processes
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
-WATCHING = ["pyzmq", "textual", "rich", "msgspec"]  # pyproject's dependencies
+WATCHING = ["pyzmq", "textual", "rich", "msgspec", "textual-plotext"]  # pyproject's dependencies
 TIMEOUT_S = 180
 
 
@@ -96,6 +98,11 @@ def test_the_light_install_has_no_torch_and_asks_for_it_only_as_an_extra(light: 
     assert len(torch) == 2 and all('extra == "train"' in line for line in torch), lines
 
 
+def test_the_light_install_gets_exactly_pyprojects_dependencies() -> None:
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(Requirement(d).name for d in declared) == sorted(WATCHING)
+
+
 def test_watching_works_without_torch(light: Path, tmp_path: Path) -> None:
     shutil.copytree(FIXTURES, tmp_path / "runs")
     helped = run(light / "ddtop", "--help", cwd=tmp_path)
@@ -105,6 +112,9 @@ def test_watching_works_without_torch(light: Path, tmp_path: Path) -> None:
     assert "succeeded" in replayed.stdout
     status = run(light / "ddtrain", "status", "recorded-failed", cwd=tmp_path)
     assert "failure: rank 1 killed by SIGKILL" in status.stdout, status.stdout + status.stderr
+    app = run(light / "python", "-c", "import ddtop.dashboard.app, ddtop.dashboard.charts",
+              cwd=tmp_path)
+    assert (app.returncode, app.stderr) == (0, ""), app.stderr
 
 
 def test_ddtrain_start_without_torch_is_one_line_and_starts_nothing(
