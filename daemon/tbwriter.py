@@ -11,7 +11,7 @@ that one writes from a thread of its own, raises a failed write there (a
 traceback on the daemon's stderr) and blocks its caller when its queue is full.
 Here a write the file system refuses (a full disk, no permission) is an OSError
 in the caller: the tap says it once, as a warning, and writes no more; the run
-goes on. Records are buffered and flushed every FLUSH_S and at the end.
+goes on. Records are held in memory and written every FLUSH_S and at the end.
 
 tensorboard is imported only here, and only when a writer is made (`pip install
 'ddtop[tensorboard]'`; config.require_tensorboard checks it first). tensorboardX
@@ -22,17 +22,19 @@ the daemon never does.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ddtop.daemon import tbpoints, wire
 from ddtop.daemon.state import RunState
 
 FLUSH_S = 5.0  # the live writer flushes its files at most this often (and at the end)
+HELD_BYTES = 1 << 20  # records held in memory before they are written all the same
 
 
 def event_file_name() -> str:
@@ -41,8 +43,11 @@ def event_file_name() -> str:
 
 
 class EventFiles:
-    """DIR/<run id>/<folder>/events.out.tfevents.*, one open file per folder.
-    Every method may raise OSError (the caller decides what a refused write is)."""
+    """DIR/<run id>/<folder>/events.out.tfevents.*: records held in memory per folder,
+    appended to its file (opened and closed again) at each flush, so that a run of
+    1,024 ranks holds no 1,025 files open; they are flushed by themselves once they
+    hold HELD_BYTES. Every method may raise OSError (the caller decides what a
+    refused write is)."""
 
     def __init__(self, root: Path) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -54,19 +59,19 @@ class EventFiles:
         self._tensor = _tensor_protos()
         self._text_metadata = text_metadata.create_summary_metadata("", "")
         self._record_writer = RecordWriter
-        self._files: dict[str, tuple[IO[bytes], Any]] = {}
+        self._held: dict[str, tuple[io.BytesIO, Any]] = {}  # folder -> its records, writer
+        self._made: set[str] = set()  # folders made
         self.name = event_file_name()
         root.mkdir(parents=True, exist_ok=True)
 
     def _writer(self, folder: str) -> Any:
-        found = self._files.get(folder)
+        found = self._held.get(folder)
         if found is None:
-            path = self.root / folder
-            path.mkdir(exist_ok=True)
-            file = (path / self.name).open("ab")
-            found = self._files[folder] = (file, self._record_writer(file))
-            found[1].write(self._event(wall_time=time.time(),
-                                       file_version="brain.Event:2").SerializeToString())
+            buffer = io.BytesIO()
+            found = self._held[folder] = (buffer, self._record_writer(buffer))
+            if folder not in self._made:  # a new file begins with its version
+                found[1].write(self._event(wall_time=time.time(),
+                                           file_version="brain.Event:2").SerializeToString())
         return found[1]
 
     def write(self, items: Iterable[tbpoints.Item]) -> None:
@@ -82,23 +87,23 @@ class EventFiles:
             event = self._event(wall_time=item.wall, step=item.step,
                                 summary=self._summary(value=values))
             self._writer(item.folder).write(event.SerializeToString())
+        if sum(buffer.tell() for buffer, _ in self._held.values()) >= HELD_BYTES:
+            self.flush()
 
     def flush(self) -> None:
-        for file, _ in self._files.values():
-            file.flush()
+        """Append what each folder holds to its file."""
+        while self._held:
+            folder, (buffer, _) = next(iter(self._held.items()))
+            path = self.root / folder
+            if folder not in self._made:
+                path.mkdir(exist_ok=True)
+                self._made.add(folder)
+            with (path / self.name).open("ab") as file:
+                file.write(buffer.getbuffer())
+            del self._held[folder]
 
     def close(self) -> None:
-        """Flush and close every file (each closed even when one fails; the first
-        failure is raised)."""
-        failed: OSError | None = None
-        for file, _ in self._files.values():
-            try:
-                file.close()
-            except OSError as e:
-                failed = failed or e
-        self._files.clear()
-        if failed is not None:
-            raise failed
+        self.flush()
 
 
 def _tensor_protos() -> tuple[Any, Any]:

@@ -94,8 +94,8 @@ def export(paths: RunPaths, into: Path) -> Exported:
             except wire.WireError:
                 done.undecoded += 1
                 continue
-            state.apply(message, record.received)
-            files.write(translator.items(message, state, record.received))
+            if state.apply(message, record.received):  # as the daemon takes it: or not at all
+                files.write(translator.items(message, state, record.received))
             done.records += 1
     finally:
         files.close()

@@ -19,9 +19,11 @@ import msgspec
 import pytest
 from helpers import ddtrain
 
-from ddtop.daemon import journal, tbpoints, wire
+from ddtop.daemon import cli, journal, tbpoints, wire
+from ddtop.daemon.startline import parse_command_line
 from ddtop.daemon.state import RunState
-from ddtop.daemon.tbwriter import TensorBoardTap
+from ddtop.daemon.tbwriter import EventFiles, TensorBoardTap
+from ddtop.daemon.watchcmd import watch_config
 from ddtop.dashboard import export
 from ddtop.dashboard.cli import main as ddtop_main
 
@@ -268,6 +270,30 @@ def test_a_disk_that_fills_up_is_one_warning_and_nothing_more(tmp_path: Path) ->
                         "TensorBoard files are written for this run (the run goes on)"]
     assert said.index(warnings[0]) == 5  # the first flush, FLUSH_S after the start
     assert tap.close() is None
+
+
+def test_a_thousand_ranks_hold_no_file_open(tmp_path: Path) -> None:
+    """Records wait in memory and each file is opened only to append them: a
+    1,100-rank run's writer stays under a process's usual 1,024 open files."""
+    fds = Path("/proc/self/fd")
+    before = len(list(fds.iterdir()))
+    files = EventFiles(tmp_path / "big")
+    for step in (1, 2):
+        files.write([tbpoints.Scalars(f"rank{r}", step, 1.0, (("step/seconds", 0.1),))
+                     for r in range(1100)])
+        assert len(list(fds.iterdir())) == before
+        files.flush()
+    files.close()
+    assert len(list(fds.iterdir())) == before
+    assert len(list((tmp_path / "big").glob("rank*/events.out.tfevents.*"))) == 1100
+    assert [p.step for p in read_back(tmp_path / "big" / "rank1099").Scalars("step/seconds")
+            ] == [1, 2]
+
+
+def test_ddtrain_watch_takes_the_flag_too() -> None:
+    args = parse_command_line(cli.build_parser(), ["watch", "--tensorboard", "tb", "--", "true"],
+                              {})
+    assert watch_config(args).tensorboard == "tb"
 
 
 @pytest.mark.processes
