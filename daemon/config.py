@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import ipaddress
 import json
 import math
@@ -181,6 +182,9 @@ class TrainConfig:
     """serve the daemon's sockets on TCP at ADDR (free ports), authenticated and
     encrypted with the run's CURVE keys (runs/<id>/keys), for dashboards on other
     machines; without it, unix sockets only the run's owner can reach"""
+    tensorboard: str = flag("", metavar="DIR", group="run", default_text="off")
+    """also write the run's telemetry, live, as TensorBoard event files in DIR/<run id>/:
+    a folder per rank and one for the run (needs the tensorboard extra)"""
     start_method: Literal["forkserver", "spawn", "fork"] = flag("forkserver", group="run",
                                                                 torchrun=True)
     """how the local launcher starts ranks: forkserver imports torch once and forks
@@ -278,6 +282,9 @@ class TrainConfig:
                 f"--run-id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'"
             )
         _check_path("--runs-dir", self.runs_dir)
+        if self.tensorboard:
+            _check_path("--tensorboard", self.tensorboard)
+            require_tensorboard("--tensorboard")
         self.check_nodes()
         if self.hang_timeout is not None and not (
                 math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
@@ -415,6 +422,13 @@ def _check_path(flag: str, path: str) -> None:
     if any(len(part.encode(errors="surrogateescape")) > NAME_MAX for part in Path(path).parts):
         raise UsageError(f"{flag}: a folder name in it is longer than {NAME_MAX} bytes, "
                          "more than file systems take")
+
+
+def require_tensorboard(flag: str) -> None:
+    """UsageError in one line when tensorboard (daemon/tbwriter.py) is not installed."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UsageError(f"{flag} writes TensorBoard files, which needs the tensorboard "
+                         "package, not installed here: pip install 'ddtop[tensorboard]'")
 
 
 def _is_safe_name(name: str) -> bool:

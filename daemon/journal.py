@@ -193,22 +193,42 @@ def _bytes(n: int) -> str:
 
 def read(path: Path) -> Iterator[Record]:
     """Every complete record; stops quietly at a torn or damaged tail."""
-    with path.open("rb") as f:
-        while True:
-            head = f.read(LENGTH.size)
-            if len(head) < LENGTH.size:
-                return
-            (size,) = LENGTH.unpack(head)
-            if size > MAX_RECORD_BYTES:
-                return
-            data = f.read(size)
-            if len(data) < size:
-                return
-            try:
-                record = _decoder.decode(data)
-            except wire.UNTRUSTED_ERRORS:
-                return
-            yield record
+    return iter(Reading(path))
+
+
+class Reading:
+    """The records of a journal, as read() gives them; once they are read, `unread`
+    is the bytes after the last one that could not be read (a torn or damaged
+    tail), for a reader that says what it skipped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0  # where the last whole record read ends
+        self.size = 0  # the file's size when its end was reached
+
+    @property
+    def unread(self) -> int:
+        return max(0, self.size - self.offset)
+
+    def __iter__(self) -> Iterator[Record]:
+        with self.path.open("rb") as f:
+            while True:
+                head = f.read(LENGTH.size)
+                if len(head) < LENGTH.size:
+                    break
+                (size,) = LENGTH.unpack(head)
+                if size > MAX_RECORD_BYTES:
+                    break
+                data = f.read(size)
+                if len(data) < size:
+                    break
+                try:
+                    record = _decoder.decode(data)
+                except wire.UNTRUSTED_ERRORS:
+                    break
+                self.offset += LENGTH.size + size
+                yield record
+            self.size = os.fstat(f.fileno()).st_size
 
 
 def replay(path: Path, run: str, upto: int | None = None) -> tuple[RunState, int]:

@@ -4,38 +4,34 @@
     PUB    bound, every accepted message re-published with its relay sequence number
     ROUTER bound, requests (daemon/protocol.py): status, snapshot, stop, stacks, ping
 
-All three are ZeroMQ ipc sockets (unix domain sockets) in a folder only the
-run's owner can enter: the run directory's `sock/`, or, where that path is too
-long for a unix socket, a private folder made for the daemon (mkdtemp, 0700)
-and removed when it closes. Another user cannot connect, so cannot send,
-subscribe or ask anything (docs/security.md).
+All three are ZeroMQ ipc sockets (unix domain sockets) in a folder only the run's owner
+can enter: the run directory's `sock/`, or, where that path is too long for a unix socket,
+a private folder made for the daemon (mkdtemp, 0700) and removed when it closes. Another
+user cannot connect, so cannot send, subscribe or ask anything (docs/security.md).
 
-With `--bind ADDR` they listen on TCP at ADDR instead, each a CURVE server
-with the run's keys (daemon/keys.py); the relay's gate (daemon/gate.py) answers
-ZeroMQ's ZAP requests, admitting only the run's client key, and counts every
-refused handshake: `rejected.unauthenticated` (a CURVE peer with a key not of
-this run), `rejected.handshake_failed` (no CURVE, or not this daemon's server
-key).
+With `--bind ADDR` they listen on TCP at ADDR instead, each a CURVE server with the run's
+keys (daemon/keys.py); the relay's gate (daemon/gate.py) answers ZeroMQ's ZAP requests,
+admitting only the run's client key, and counts every refused handshake:
+`rejected.unauthenticated` (a CURVE peer with a key not of this run),
+`rejected.handshake_failed` (no CURVE, or not this daemon's server key).
 
-Every accepted message is folded into the RunState, appended to the journal
-and re-published, in that order, under one relay sequence number. A journal
-the disk cannot take (full) drops and counts records instead of stopping the
-daemon (daemon/journal.py, which also decides what to say of it: an outage
-begun, an outage ended with its count, the total at the end); the relay says
-it, as events and lines on stderr, and keeps the count in
-`RunState.journal_dropped` (status, run.json). A dashboard
-subscribes first, then asks for a snapshot (the state and the relay sequence
-number it includes) and applies only the live messages newer than that.
+Every accepted message is folded into the RunState, appended to the journal and
+re-published, in that order, under one relay sequence number (and, with --tensorboard,
+written as TensorBoard files: daemon/tbwriter.py). A journal the disk cannot take (full)
+drops and counts records instead of stopping the daemon (daemon/journal.py, which also
+decides what to say of it: an outage begun, an outage ended with its count, the total at
+the end); the relay says it, as events and lines on stderr, and keeps the count in
+`RunState.journal_dropped` (status, run.json). A dashboard subscribes first, then asks for
+a snapshot (the state and the relay sequence number it includes) and applies only the
+live messages newer than that.
 
-Nothing a socket receives can stop the daemon: undecodable, oversized,
-wrong-version and wrong-run frames are counted in `RunState.rejected` and
-dropped; so are messages for a rank outside the world size the daemon
-launched (so what senders claim cannot grow its memory), hellos whose pid
-is not the process the daemon started as that rank (`rank_pid`) and, over
-ipc, any message sent by a process that is not that rank's (the kernel says
-which process sent each frame). A flood is read in bounded batches so
-requests are still answered.
-All three sockets belong to the thread that calls `serve` (the daemon's main
+Nothing a socket receives can stop the daemon: undecodable, oversized, wrong-version and
+wrong-run frames are counted in `RunState.rejected` and dropped; so are messages for a
+rank outside the world size the daemon launched (so what senders claim cannot grow its
+memory), hellos whose pid is not the process the daemon started as that rank (`rank_pid`)
+and, over ipc, any message sent by a process that is not that rank's (the kernel says
+which process sent each frame). A flood is read in bounded batches so requests are still
+answered. All three sockets belong to the thread that calls `serve` (the daemon's main
 thread); ZeroMQ sockets are not thread-safe.
 """
 
@@ -59,6 +55,7 @@ from ddtop.daemon.gate import Gate
 from ddtop.daemon.journal import JournalWriter
 from ddtop.daemon.keys import RunKeys
 from ddtop.daemon.state import RunState
+from ddtop.daemon.tbwriter import TensorBoardTap
 
 # Room for an ipc socket's path: a unix socket address holds 107 bytes and a NUL.
 IPC_PATH_MAX = 100
@@ -92,17 +89,17 @@ DaemonSays = (type[wire.RankExit] | type[wire.Restarting] | type[wire.RunStatus]
 
 class Relay:
     def __init__(self, run: str, journal: Path, sockets: Path | None = None,
-                 world_size: int | None = None,
-                 rank_pid: Callable[[int, int], bool] | None = None,
+                 world_size: int | None = None, rank_pid: Callable[[int, int], bool] | None = None,
                  bind: str | None = None, keys: RunKeys | None = None,
-                 nodes: bool = False) -> None:
+                 nodes: bool = False, tensorboard: str = "") -> None:
         """`sockets`: the owner-only folder for the ipc sockets (None, or a path too
         long for a unix socket: a private folder of the daemon's own). `world_size`:
         the ranks there are (None: any, up to the state's bound). `rank_pid(rank,
         pid)`: whether a pid is that rank's process, asked of a hello's pid and,
         over ipc, of the process that sent each message (None: not checked).
         `bind`: listen on TCP at this address instead, CURVE with `keys`. `nodes`: a
-        multi-node job's hub: a fourth socket (PULL, TCP) for node daemons' forwards."""
+        multi-node job's hub: a fourth socket (PULL, TCP) for node daemons' forwards.
+        `tensorboard`: a folder to write TensorBoard files in (daemon/tbwriter.py)."""
         assert bind is None or keys is not None, "TCP only with the run's keys"
         self.run = run
         self.world_size = world_size
@@ -165,6 +162,7 @@ class Relay:
             self.gate.watch([self.pull, self.pub, self.router,
                              *([self.nodes] if self.nodes else [])], self.poller)
         self.journal = JournalWriter(journal)
+        self.tensorboard = TensorBoardTap(Path(tensorboard) / run) if tensorboard else None
         self._errors_said: dict[str, float] = {}  # handler -> monotonic time it was last said
 
     def _bind_all(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], zmq.Socket[bytes]]:
@@ -369,6 +367,9 @@ class Relay:
         self.pub.send_multipart(wire.relay_frames(self.seq, frame), zmq.NOBLOCK)
         if self.forward is not None:
             self.forward(frame)
+        if self.tensorboard and (said := self.tensorboard.take(message, self.state, received)):
+            self._emit(wire.Event, type="warning", message=said)  # once: it writes no more
+            _say("warning", said)
 
     def emit(self, kind: DaemonSays, **fields: Any) -> None:
         """Fold, journal and publish a message of the daemon's own: it speaks as
@@ -415,6 +416,8 @@ class Relay:
 
     def close(self) -> None:
         self.journal.close()
+        if self.tensorboard and (said := self.tensorboard.close()):
+            _say("warning", said)
         if (line := self.journal.final_line()) is not None:
             _say("warning", line)  # the count once nothing more can be dropped
         if self.gate is not None:

@@ -124,7 +124,8 @@ class Supervisor:
             keys = RunKeys.create(self.paths.keys) if bind else None
             self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
                                world_size=None if self.watching else self.config.world_size,
-                               bind=bind or None, keys=keys, nodes=hub)
+                               bind=bind or None, keys=keys, nodes=hub,
+                               tensorboard=self.config.tensorboard)
             self.role = NodeRole(self.config, self.paths, self.relay, self.err, self._local_ranks)
             if hub:
                 assert keys is not None

@@ -75,6 +75,9 @@ def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser
     watch.add_argument("--hang-timeout", type=float, default=None, metavar="S",
                        help="fail the run (SIGTERM to its ranks) when it has hung for S "
                        "seconds, naming the rank the others wait for (default: off)")
+    watch.add_argument("--tensorboard", default="", metavar="DIR",
+                       help="also write the ranks' telemetry, live, as TensorBoard event "
+                       "files in DIR/<run id>/ (needs the tensorboard extra)")
     watch.add_argument("--headless", action="store_true",
                        help="print progress lines from the ranks' telemetry (or --format "
                        "jsonl) instead of the command's output; for CI")
@@ -116,6 +119,7 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
             args.bind = "0.0.0.0"
     return TrainConfig(run_id=args.run_id, runs_dir=args.runs_dir or default_runs_dir(),
                        bind=args.bind, hang_timeout=args.hang_timeout, watch=command,
+                       tensorboard=args.tensorboard,
                        idle=args.idle, workdir=str(Path.cwd()), **nodes).validate()
 
 

@@ -6,6 +6,7 @@
     ddtop --replay RUN [--speed X] a run's journal played back (0: at once)
     ddtop --headless [RUN]         log lines (or --format jsonl) and the run's exit code
     ddtop --serve [HOST:]PORT [RUN] the dashboard in a browser (dashboard/serve.py)
+    ddtop export RUN --tensorboard DIR   the run as TensorBoard files (dashboard/export.py)
 
 Quitting (q) leaves the run going; `x` stops it, after asking.
 Exit codes: 0 the run succeeded (or the dashboard was quit), 1 the run failed,
@@ -34,7 +35,9 @@ from ddtop.daemon.runinfo import list_runs
 from ddtop.daemon.runs import NoSuchRun, RunPaths, find_run, locate_run
 
 EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it failed, "
-              "130 it was stopped, 2 bad input or no run reachable within --wait.")
+              "130 it was stopped, 2 bad input or no run reachable within --wait. "
+              "ddtop export RUN --tensorboard DIR writes a run as TensorBoard files "
+              "(ddtop export --help).")
 DEFAULT_WAIT_S = 10.0
 DEFAULT_FPS = 2.0  # redraws a second (nvitop: one every 2 s); each costs CPU (docs/performance.md)
 MAX_FPS = 30.0  # more is not seen on a terminal, and each frame costs CPU the ranks could use
@@ -195,6 +198,11 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:  # a command of its own (a run named export: give its folder)
+        from ddtop.dashboard.export import main as export
+
+        return export(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         check(args)

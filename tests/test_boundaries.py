@@ -51,13 +51,15 @@ ALLOWED = {
     # The dashboard folds the same wire into the same state, finds runs and asks their
     # daemons (control, protocol) as ddtrain does; it says what each --strategy's
     # collectives are, from the table that declares them; `ddtop --headless` prints with
-    # the printer `ddtrain start --foreground --headless` uses.
+    # the printer `ddtrain start --foreground --headless` uses; `ddtop export` writes a
+    # journal as TensorBoard files as the daemon writes them live.
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
                   "ddtop.daemon.events", "ddtop.daemon.flags",
                   "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.printer",
                   "ddtop.daemon.protocol", "ddtop.daemon.rankview", "ddtop.daemon.runinfo",
                   "ddtop.daemon.runs", "ddtop.daemon.scalars", "ddtop.daemon.state",
-                  "ddtop.daemon.strategy_names", "ddtop.daemon.summary", "ddtop.daemon.text",
+                  "ddtop.daemon.strategy_names", "ddtop.daemon.summary",
+                  "ddtop.daemon.tbpoints", "ddtop.daemon.tbwriter", "ddtop.daemon.text",
                   "ddtop.daemon.wire"},
 }
 # Third-party packages only some modules may import.
@@ -75,6 +77,9 @@ HEAVY = {
     # The framework callbacks, each in its own module, imported only by a script that uses it.
     "lightning": lambda module: module == "ddtop.lightning",
     "transformers": lambda module: module == "ddtop.transformers",
+    # TensorBoard's writer (an optional extra), imported when a writer is made.
+    "tensorboard": lambda module: module == "ddtop.daemon.tbwriter",
+    "tensorboardX": lambda module: False,  # it imports torch where torch is installed
 }
 
 

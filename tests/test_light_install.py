@@ -6,8 +6,8 @@ for its dependencies, the very packages this environment has (pyzmq, textual,
 rich, msgspec and what they require, linked, not downloaded): exactly what
 `pip install ddtop` brings, and no torch. There `ddtop --help`, a headless
 replay of a recorded run and `ddtrain status` work, the dashboard's app and
-charts import, `import torch` fails, and `ddtrain start` says in one line what
-to install."""
+charts import, `import torch` fails, and `ddtrain start` and `ddtop export
+--tensorboard` (without the tensorboard extra) say in one line what to install."""
 
 from __future__ import annotations
 
@@ -115,6 +115,17 @@ def test_watching_works_without_torch(light: Path, tmp_path: Path) -> None:
     app = run(light / "python", "-c", "import ddtop.dashboard.app, ddtop.dashboard.charts",
               cwd=tmp_path)
     assert (app.returncode, app.stderr) == (0, ""), app.stderr
+
+
+def test_export_without_tensorboard_says_what_to_install_in_one_line(
+        light: Path, tmp_path: Path) -> None:
+    shutil.copytree(FIXTURES, tmp_path / "runs")
+    exported = run(light / "ddtop", "export", "recorded-ok", "--tensorboard", "tb", cwd=tmp_path)
+    assert (exported.returncode, exported.stdout) == (2, "")
+    assert exported.stderr.splitlines() == [
+        "ddtop: error: ddtop export --tensorboard writes TensorBoard files, which needs the "
+        "tensorboard package, not installed here: pip install 'ddtop[tensorboard]'"]
+    assert not (tmp_path / "tb").exists()
 
 
 def test_ddtrain_start_without_torch_is_one_line_and_starts_nothing(

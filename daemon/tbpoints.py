@@ -1,0 +1,150 @@
+"""What a run's telemetry is in TensorBoard: each message folded as points, pure.
+
+The layout, under DIR/<run id>/ (docs/monitoring.md#tensorboard says why):
+
+    rank0/, rank1/, ...  one folder per rank, the same tags in each, so TensorBoard
+                         (which calls a folder a "run") draws every rank as a line on
+                         one chart per tag and its run selector picks ranks:
+        step/seconds            a step's time (Step.step_s / steps)
+        step/compute_seconds    of it, outside communication ((step_s - comm_s) / steps)
+        step/comm_seconds       of it, communicating (comm_s / steps)
+        step/comm_share         comm_s / step_s, 0..1
+        train/loss              the loss the rank reported (when it did)
+        train/samples_per_second  the samples of the message over the steps' time
+        log/<key>               a script's ddtop.log scalars, as the rank logged them
+    run/                 the run as a whole:
+        global/train_loss, global/train_accuracy, global/val_loss, global/val_accuracy
+                                the metric syncs every rank derived together (Aggregate)
+        events                  text: every event of the fold (joins, failures, exits,
+                                restarts, warnings, checkpoints, the status), and when
+                                stragglers are named or a hang is found, and when they end
+
+One point per Step message of a rank (its values summed over `steps` steps, read
+per step); the x axis is the global step, the wall time the sender's clock when
+it happened. Events and the straggler and hang lines are read from the RunState
+the message was folded into (the caller folds it first): stragglers and hangs at
+most once every CHECK_S of the run's time, as the printer's lines do.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ddtop.daemon import wire
+from ddtop.daemon.printer import new_events
+from ddtop.daemon.state import RunState
+
+RUN_FOLDER = "run"
+EVENTS_TAG = "events"
+# Stragglers and hangs are read from the state at most this often (receiver time, s):
+# each reading goes over every rank.
+CHECK_S = 1.0
+
+
+def rank_folder(rank: int) -> str:
+    return f"rank{rank}"
+
+
+class Scalars(msgspec.Struct, frozen=True):
+    """Values of one folder at one step: one TensorBoard event."""
+
+    folder: str
+    step: int
+    wall: float
+    values: tuple[tuple[str, float], ...]
+
+
+class Text(msgspec.Struct, frozen=True):
+    """A line of text of one folder at one step (the text plugin renders markdown)."""
+
+    folder: str
+    step: int
+    wall: float
+    tag: str
+    text: str
+
+
+Item = Scalars | Text
+
+
+def step_values(m: wire.Step) -> tuple[tuple[str, float], ...]:
+    """A Step message's values per step; () for one that covers no step."""
+    if m.steps <= 0:
+        return ()
+    steps = m.steps
+    values = [("step/seconds", m.step_s / steps),
+              ("step/compute_seconds", max(0.0, m.step_s - m.comm_s) / steps),
+              ("step/comm_seconds", m.comm_s / steps)]
+    if m.step_s > 0:
+        values.append(("step/comm_share", min(1.0, m.comm_s / m.step_s)))
+    weight = m.samples if isinstance(m.loss_weight, msgspec.UnsetType) else m.loss_weight
+    if weight:
+        values.append(("train/loss", m.loss_sum / weight))
+    if m.step_s > 0 and m.samples:
+        values.append(("train/samples_per_second", m.samples / m.step_s))
+    return tuple(values)
+
+
+def aggregate_values(m: wire.Aggregate) -> tuple[tuple[str, float], ...]:
+    values = [("global/train_loss", m.train_loss), ("global/train_accuracy", m.train_accuracy)]
+    if m.val_loss is not None:
+        values.append(("global/val_loss", m.val_loss))
+    if m.val_accuracy is not None:
+        values.append(("global/val_accuracy", m.val_accuracy))
+    return tuple(values)
+
+
+class Translator:
+    """Messages into items, in the order they are folded. It keeps only what it has
+    said: the events it has written, the stragglers and hang it has named."""
+
+    def __init__(self) -> None:
+        self.step = 0  # the highest global step seen: where the run's own lines go
+        self.events_seen = 0
+        self.stragglers: list[int] = []
+        self.hang: str | None = None
+        self.checked_at: float | None = None
+        self.steps_written = 0  # Step messages written as points
+
+    def items(self, message: wire.Message, state: RunState, received: float) -> list[Item]:
+        """What `message` (just folded into `state`, received at `received`) adds."""
+        wall = message.t if message.t > 0 else received
+        out: list[Item] = []
+        if isinstance(message, wire.Step | wire.Heartbeat | wire.Aggregate | wire.Scalars):
+            self.step = max(self.step, message.global_step)
+        if isinstance(message, wire.Step):
+            values = step_values(message)
+            if values:
+                out.append(Scalars(rank_folder(message.rank), message.global_step, wall, values))
+                self.steps_written += 1
+        elif isinstance(message, wire.Aggregate) and state.aggregate is message:
+            # Every rank sends the same numbers: the one the fold kept, once.
+            out.append(Scalars(RUN_FOLDER, message.global_step, wall, aggregate_values(message)))
+        elif isinstance(message, wire.Scalars) and message.values:
+            out.append(Scalars(rank_folder(message.rank), message.global_step, wall,
+                               tuple((f"log/{k}", v) for k, v in message.values.items())))
+        events, self.events_seen = new_events(state, self.events_seen)
+        for event in events:
+            text = f"**{event.type}** · {event.source()}: {event.message}"
+            if event.traceback:
+                text += "\n\n```\n" + event.traceback + "\n```"
+            out.append(Text(RUN_FOLDER, self.step, event.t or wall, EVENTS_TAG, text))
+        if self.checked_at is None or received - self.checked_at >= CHECK_S:
+            self.checked_at = received
+            out.extend(self._check(state, received, wall))
+        return out
+
+    def _check(self, state: RunState, now: float, wall: float) -> list[Item]:
+        """Lines for stragglers named or no longer, and a hang found or over."""
+        said: list[str] = []
+        _, skew, slow = state.stragglers()
+        if slow != self.stragglers:
+            said.append(f"**straggler** · ranks {', '.join(map(str, slow))} "
+                        f"(+{1000 * skew:.1f} ms/step)" if slow
+                        else "**straggler** · none any more")
+            self.stragglers = slow
+        hang = state.hang(now)
+        if hang != self.hang:
+            said.append(f"**hang** · {hang}" if hang else "**hang** · over")
+            self.hang = hang
+        return [Text(RUN_FOLDER, self.step, wall, EVENTS_TAG, line) for line in said]
