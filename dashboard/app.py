@@ -2,17 +2,14 @@
 
 A thread worker pumps the feed (sockets or journal) into its RunState (a live
 feed of a few ranks once per half frame) and posts `FeedChanged` only when the
-connection changes, the first ranks come, or an event or a new status does
-(drawn at once). The app redraws on a timer at a fixed frame rate (never once
-per message), when the state's fold count moved, else once a second: under the
-feed's lock it builds the header, the rows and the panels from the RunState
-(the comm panel once a second, the charts' data, series.py, every other second),
-then hands them to the widgets, which draw again only the lines that changed (a
-redraw costs Textual far more than building the text; a chart draws only when
-its data did).
-Requests to the daemon (`x`: stop the run) go out from a thread worker too, so
-that a daemon that does not answer never freezes the screen; the answer comes
-back as a `StopAnswered` message.
+connection changes, the first ranks come, or an event or a new status does (drawn
+at once). The app redraws on a timer at a fixed frame rate (never once per
+message), when the state's fold count moved, else once a second: under the feed's
+lock it builds the header, rows and panels from the RunState (the comm panel once
+a second, the charts' data, series.py, every other second) and hands them to the
+widgets, which draw again only the lines that changed (a chart only when its data
+did). Requests to the daemon (`x`: stop the run) go out from a thread worker, so a
+daemon that does not answer never freezes the screen (answered by `StopAnswered`).
 """
 
 from __future__ import annotations
