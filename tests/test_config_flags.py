@@ -52,6 +52,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--nnodes": (int, 1), "--node-rank": (int, 0), "--nproc-per-node": (int, 1),
     "--rdzv-endpoint": (str, ""), "--hub": (str, ""), "--hub-keys": (str, ""),
     "--local-addr": (str, ""),
+    "--metrics": (str, ""),  # added with Prometheus metrics (docs/monitoring.md)
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir", "watch", "idle"}  # watch: ddtrain watch
