@@ -78,6 +78,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/sockets.py
 	$(BIN)/python bench/strategies.py
 	$(BIN)/python bench/faults.py
+	$(BIN)/python bench/metrics.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache *.egg-info
