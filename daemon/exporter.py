@@ -239,7 +239,10 @@ class Exporter:
         except ImportError:
             raise UsageError("--metrics needs prometheus_client, not installed here: "
                              "pip install 'ddtop[metrics]'") from None
-        host, port = parse_listen("--metrics", address)
+        try:
+            host, port = parse_listen("--metrics", address)
+        except ValueError as e:  # a config.json written by hand
+            raise UsageError(str(e)) from None
         self._asked = threading.Event()  # a scrape waits for a reading
         self._fresh = threading.Event()  # the loop has taken it
         self._one = threading.Lock()  # one scrape at a time asks
