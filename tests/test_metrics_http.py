@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_bad_input import in_tmp, usage_error_in_process
 
 from ddtop.daemon import wire
-from ddtop.daemon.exporter import Exporter, read
+from ddtop.daemon.exporter import ANSWER_S, Exporter, read
 from ddtop.daemon.listen import parse_listen
 from ddtop.daemon.state import RunState
 
@@ -171,6 +171,34 @@ def test_a_scrape_reads_the_state_the_loop_hands_over() -> None:
     assert second["ddtop_run_messages_lost"][0].name == "ddtop_run_messages_lost_total"
     with pytest.raises(urllib.error.URLError):  # closed: nothing listens any more
         scrape(exporter.url)
+
+
+def test_a_loop_that_does_not_pass_is_answered_for_with_its_last_reading() -> None:
+    state = _state(time.time() - 10)
+    exporter = Exporter("127.0.0.1:0")
+    busy = threading.Event()
+
+    def loop() -> None:  # the daemon's loop, until it is busy elsewhere for good
+        while not busy.wait(0.01):
+            exporter.serve(state)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        first = scrape(exporter.url)
+        busy.set()
+        thread.join()
+        state.apply(_step(0, 2, time.time(), 2), time.time())  # not read: nobody passes
+        started = time.monotonic()
+        second = scrape(exporter.url)
+        waited = time.monotonic() - started
+    finally:
+        busy.set()
+        thread.join()
+        exporter.close()
+    assert waited >= ANSWER_S
+    name = "ddtop_rank_global_step"
+    assert by_rank(second[name], name) == by_rank(first[name], name) == {"0": 1.0, "1": 1.0}
 
 
 def test_a_reading_is_what_the_fold_says_at_that_moment() -> None:
