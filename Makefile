@@ -79,6 +79,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/strategies.py
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/tensorboard_files.py
+	$(BIN)/python bench/metrics.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache *.egg-info

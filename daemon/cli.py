@@ -257,7 +257,8 @@ def start_detached(config: TrainConfig, paths: RunPaths) -> int:
         time.sleep(0.05)
     # Node K > 0 of a multi-node job waits for its own ranks; the hub for every node's.
     expected = config.world_size if config.is_hub else config.nproc_per_node
-    up = _wait_for_ranks(daemon, RunInfo.load(paths), expected)
+    info = RunInfo.load(paths)
+    up = _wait_for_ranks(daemon, info, expected)
     if daemon.poll() is not None and daemon.returncode != 0:
         return _start_failed(daemon, paths)
     rid = paths.run_id
@@ -270,6 +271,8 @@ def start_detached(config: TrainConfig, paths: RunPaths) -> int:
           f"  watch      ddtop {rid}\n"
           f"  status     ddtrain status {rid}   |   ddtrain logs -f {rid}\n"
           f"  stop       ddtrain stop {rid}", flush=True)
+    if info.metrics:
+        print(f"  metrics    {info.metrics}", flush=True)
     return EXIT_OK
 
 

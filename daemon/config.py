@@ -43,6 +43,7 @@ from ddtop.daemon.bounds import (
     non_empty,
 )
 from ddtop.daemon.contract import RUNS_DIR_ENV
+from ddtop.daemon.listen import parse_listen
 from ddtop.daemon.strategy_names import SyncStrategy
 
 T = TypeVar("T")
@@ -200,6 +201,9 @@ class TrainConfig:
     hang_timeout: float | None = flag(None, metavar="S", group="run", default_text="off")
     """fail the run when it has hung (ranks stalled in a collective) for S seconds,
     naming the rank the others wait for; with --max-restarts it restarts"""
+    metrics: str = flag("", metavar="[HOST:]PORT", group="run", default_text="off")
+    """serve every rank's metrics to Prometheus at http://HOST:PORT/metrics (HOST
+    127.0.0.1 unless given; PORT 0: a free one, in run.json); docs/monitoring.md"""
     nnodes: int = flag(1, metavar="N", group="multi-node", torchrun=True, low=1,
                        high=MAX_NNODES)
     """machines (nodes) of the job, one `ddtrain start` on each; more than 1 runs the
@@ -286,6 +290,7 @@ class TrainConfig:
             _check_path("--tensorboard", self.tensorboard)
             require_tensorboard("--tensorboard")
         self.check_nodes()
+        self._check_metrics()
         if self.hang_timeout is not None and not (
                 math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
             raise UsageError(f"--hang-timeout must be a positive, finite number of seconds "
@@ -364,6 +369,17 @@ class TrainConfig:
         if self.max_restarts:
             raise UsageError("--max-restarts is not supported for a multi-node job yet: "
                              "leave it out")
+
+    def _check_metrics(self) -> None:
+        if not self.metrics:
+            return
+        try:
+            parse_listen("--metrics", self.metrics)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if not self.is_hub:
+            raise UsageError(f"--metrics is served by node 0 (the hub) for the whole job: "
+                             f"leave it out on node {self.node_rank}")
 
     @property
     def rdzv_host(self) -> str:

@@ -85,6 +85,8 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         what = s.program or f"{s.model} on {s.dataset}"
         lines.append(f"  {what}, {s.backend}; step {s.global_step}/"
                      f"{s.total_steps or '?'}{pct}; {rate_words(s.samples_per_s, info.status)}")
+    if info.live and info.metrics:
+        lines.append(f"  metrics {info.metrics}")
     lines += [f"  scalar {c.line()}" for c in s.scalars]
     if s.metrics is not None:
         lines.append(f"  global {metrics_words(s.metrics)}")

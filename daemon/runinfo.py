@@ -148,6 +148,11 @@ class RunInfo:
         return self.record.endpoints.get("control")
 
     @property
+    def metrics(self) -> str | None:
+        """Where the daemon serves Prometheus metrics (--metrics), if it does."""
+        return self.record.endpoints.get("metrics")
+
+    @property
     def record_written(self) -> float | None:
         """When run.json was last written (None: there is none)."""
         try:

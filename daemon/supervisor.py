@@ -1,22 +1,21 @@
 """The daemon's loop: start the ranks, supervise them, relay their telemetry,
 and end the run with one outcome.
 
-One loop waits on the ranks' process sentinels and the relay's sockets
-together. Each rank's stdout and stderr go to its own log file (echoed with a
-`[rank K]` prefix in the foreground). When a rank fails, the supervisor lets
-the ranks that already reported an error exit by themselves, stops the others
-(they would otherwise wait in their next collective until it times out),
-names the culprit (daemon/blame.py), and either restarts every rank from the
-newest checkpoint (`--max-restarts`) or ends the run as failed.
+One loop waits on the ranks' process sentinels and the relay's sockets together. Each
+rank's stdout and stderr go to its own log file (echoed with a `[rank K]` prefix in the
+foreground). When a rank fails, the supervisor lets the ranks that already reported an
+error exit by themselves, stops the others (they would otherwise wait in their next
+collective until it times out), names the culprit (daemon/blame.py), and either restarts
+every rank from the newest checkpoint (`--max-restarts`) or ends the run as failed.
 
-Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank of
-the built-in trainer gets SIGUSR1, the ranks agree on a step to stop after,
-rank 0 checkpoints, they exit (a user's program gets SIGTERM, as torchrun would
-send it); whatever is still running after the timeout is terminated. SIGTERM (or a second
-Ctrl-C) stops at once.
+Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank of the built-in
+trainer gets SIGUSR1, the ranks agree on a step to stop after, rank 0 checkpoints, they
+exit (a user's program gets SIGTERM, as torchrun would send it); whatever is still running
+after the timeout is terminated. SIGTERM (or a second Ctrl-C) stops at once.
 
-How ranks are started is a `RankStarter`'s business (daemon/starters.py); what
-is written down and printed at the end, the report's (daemon/report.py).
+How ranks are started is a `RankStarter`'s business (daemon/starters.py); what is written
+down and printed at the end, the report's (daemon/report.py); --metrics, the exporter's
+(daemon/exporter.py).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from ddtop.daemon.contract import (
     signal_name,
 )
 from ddtop.daemon.exits import Exits
+from ddtop.daemon.exporter import Exporter, NoExporter, open_exporter
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
@@ -74,8 +74,6 @@ INTERRUPT_STOP_TIMEOUT_S = 30.0
 STACKS_GRACE_S = 0.3
 
 
-
-
 class Stopped(Exception):
     """The daemon was asked to stop at once (a second Ctrl-C, or SIGTERM)."""
 
@@ -90,8 +88,8 @@ class Supervisor:
                  on_tick: Callable[[RunState], None] | None = None) -> None:
         self.config, self.paths, self.out, self.err = config, paths, out, err
         self.echo = echo  # echo rank logs (foreground); a detached daemon does not
-        # Called with the RunState after every poll of the sockets (about 10 times a
-        # second) and once at the end: `ddtrain start --foreground --headless` prints from it.
+        # Called with the RunState after every poll of the sockets (about 10 times a second)
+        # and once at the end: `ddtrain start --foreground --headless` prints from it.
         self.on_tick = on_tick
         self.report = RunReport(config, paths)
         self.starter: RankStarter | None = None
@@ -105,9 +103,9 @@ class Supervisor:
         self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
         self.hung_since: float | None = None  # wall clock: since when the run hangs
         self.world_told = 0  # `ddtrain watch`: the world size run.json has
-        # This daemon's part in a multi-node job (node 0's hub, node K's forwarder, or
-        # none): daemon/noderole.py.
+        # Its part in a multi-node job (node 0's hub, node K's forwarder, or none).
         self.role: NodeRole | None = None
+        self.exporter: Exporter | NoExporter = NoExporter()  # --metrics (daemon/exporter.py)
         # Signs the stop step in torch's store (training/stopping.py): this daemon's
         # own, or a multi-node job's, derived from its keys (the same on every node).
         self.stop_secret = secrets.token_hex(32)
@@ -119,6 +117,8 @@ class Supervisor:
             self.paths.create()
             self.lock = hold_run(self.paths)  # the one daemon of this run, until it exits
             write_json_atomic(self.paths.config, self.config.to_dict())
+            # A port in use: refused before the journal exists (the folder is removed then).
+            self.exporter = open_exporter(self.config.metrics, self.err)
             hub = self.config.multi_node and self.config.is_hub
             bind = nodes.hub_bind_address(self.config) if hub else self.config.bind
             keys = RunKeys.create(self.paths.keys) if bind else None
@@ -143,6 +143,7 @@ class Supervisor:
             if self.config.multi_node and not self.config.is_hub:
                 self.stop_secret = self.role.join_hub().stop_secret()
         except (OSError, UsageError) as e:
+            self.exporter.close()
             if self.relay is not None:
                 self.relay.close()
             if self.lock is not None:
@@ -160,6 +161,7 @@ class Supervisor:
             if self.role is not None:
                 self.role.close()
             self.starter.close()  # the forkserver and resource tracker, waited for
+            self.exporter.close()
             self.relay.close()  # its sockets (and a private sockets folder) go with it
             if self.lock is not None:
                 os.close(self.lock)
@@ -170,7 +172,7 @@ class Supervisor:
         try:
             try:
                 assert self.exits is not None
-                outcome = self.role.settle(self._attempts(), self.exits.note, self.on_tick)
+                outcome = self.role.settle(self._attempts(), self.exits.note, self._on_state)
             except Stopped as stop:
                 for s in previous:  # a second Ctrl-C must not interrupt the clean-up
                     signal.signal(s, signal.SIG_IGN)
@@ -308,8 +310,7 @@ class Supervisor:
                 return hung
 
     def _local_ranks(self) -> list[int]:
-        seen = getattr(self.starter, "seen", None)
-        return sorted(seen) if isinstance(seen, dict) else []
+        return sorted(seen) if isinstance(seen := getattr(self.starter, "seen", None), dict) else []
 
     def _tick(self) -> None:
         assert self.relay is not None
@@ -317,8 +318,12 @@ class Supervisor:
         if self.watching and world != self.world_told and self.stopping is None:
             self.world_told = world  # run.json says the ranks' world size once they do
             self._status("running", f"watching {count_of(world, 'rank')}")
+        self._on_state(self.relay.state)
+
+    def _on_state(self, state: RunState) -> None:  # every pass of the loop
+        self.exporter.serve(state)  # a reading for a scrape waiting, if one is
         if self.on_tick is not None:
-            self.on_tick(self.relay.state)
+            self.on_tick(state)
 
     def _check_stop(self) -> None:
         assert self.relay is not None and self.starter is not None
@@ -328,18 +333,17 @@ class Supervisor:
             how = "Ctrl-C" if self.interrupted else "a stop request"
             what = ("the ranks get SIGTERM" if self.config.runs_user_code
                     else "ranks finish their step, rank 0 checkpoints")
-            message = (f"stopping on {how}: {what}; "
-                       f"anything left after {timeout:g} s is terminated")
+            message = f"stopping on {how}: {what}; anything left after {timeout:g} s is terminated"
             if self.interrupted:
                 message += " (Ctrl-C again to stop at once)"
-            # Only processes the starter started (or its agent did), each checked to
-            # be still that process: never a pid a telemetry message claimed. Rank 0
-            # last: the built-in trainer's rank 0 picks the step every rank stops after
-            # as soon as it sees the signal, 3 steps ahead, so the others must have
-            # theirs first (signalled first and the daemon descheduled before the
-            # next, rank 1 once ran past the target and waited forever for rank 0).
-            # The ranks first, then run.json (an fsync): another node's ranks must
-            # hear of the stop before the target step rank 0 picks (training/stopping.py).
+            # Only processes the starter started (or its agent did), each checked to be
+            # still that process: never a pid a telemetry message claimed. Rank 0 last: the
+            # built-in trainer's rank 0 picks the step every rank stops after as soon as it
+            # sees the signal, 3 steps ahead, so the others must have theirs first (signalled
+            # first and the daemon descheduled before the next, rank 1 once ran past the
+            # target and waited forever for rank 0). The ranks first, then run.json (an
+            # fsync): another node's ranks must hear of the stop before the target step
+            # rank 0 picks (training/stopping.py).
             numbered = self.starter.numbered()
             for rank in sorted(numbered, key=lambda k: (k == 0, k)):
                 send_signal(numbered[rank], rank_program(self.config).stop_signal)
@@ -436,7 +440,8 @@ class Supervisor:
         self.relay.emit(wire.RunStatus, status=status, world_size=world,
                         restarts=self.restarts, message=message, exit_code=exit_code)
         if write:
-            self.report.write(self.relay.state, self.relay.endpoints, self.starter.port,
+            self.report.write(self.relay.state, {**self.relay.endpoints,
+                                                 **self.exporter.endpoints}, self.starter.port,
                               [ProcessRecord.of(r.rank, r.process.pid, r.process.identity)
                                for r in self.ranks],
                               ended=status in wire.FINAL_STATUSES)

@@ -69,6 +69,10 @@ def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser
                        help="receive the ranks' telemetry on TCP at ADDR (free ports), with "
                        "the run's CURVE keys: for ranks on other machines; default: unix "
                        "sockets only this user can reach")
+    watch.add_argument("--metrics", metavar="[HOST:]PORT", default="",
+                       help="serve every rank's metrics to Prometheus at "
+                       "http://HOST:PORT/metrics (HOST 127.0.0.1 unless given; PORT 0: a "
+                       "free one, in run.json; docs/monitoring.md)")
     watch.add_argument("--idle", type=float, default=0.0, metavar="S",
                        help="without a command: end after S seconds without any rank's "
                        "message (default: wait until every rank has said goodbye)")
@@ -120,6 +124,7 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(run_id=args.run_id, runs_dir=args.runs_dir or default_runs_dir(),
                        bind=args.bind, hang_timeout=args.hang_timeout, watch=command,
                        tensorboard=args.tensorboard,
+                       metrics=args.metrics,
                        idle=args.idle, workdir=str(Path.cwd()), **nodes).validate()
 
 

@@ -53,6 +53,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--rdzv-endpoint": (str, ""), "--hub": (str, ""), "--hub-keys": (str, ""),
     "--local-addr": (str, ""),
     "--tensorboard": (str, ""),  # added with TensorBoard files (docs/monitoring.md)
+    "--metrics": (str, ""),  # added with Prometheus metrics (docs/monitoring.md)
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir", "watch", "idle"}  # watch: ddtrain watch
