@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import importlib.util
 import ipaddress
 import json
 import math
@@ -23,6 +22,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from ddtop.daemon import outlets
 from ddtop.daemon.bounds import (
     MAX_BATCH_SIZE,
     MAX_EPOCHS,
@@ -43,7 +43,6 @@ from ddtop.daemon.bounds import (
     non_empty,
 )
 from ddtop.daemon.contract import RUNS_DIR_ENV
-from ddtop.daemon.listen import parse_listen
 from ddtop.daemon.strategy_names import SyncStrategy
 
 T = TypeVar("T")
@@ -288,9 +287,14 @@ class TrainConfig:
         _check_path("--runs-dir", self.runs_dir)
         if self.tensorboard:
             _check_path("--tensorboard", self.tensorboard)
-            require_tensorboard("--tensorboard")
         self.check_nodes()
-        self._check_metrics()
+        try:
+            if self.tensorboard:
+                outlets.require_tensorboard("--tensorboard")
+            if self.metrics:
+                outlets.check_metrics(self.metrics, self.is_hub, self.node_rank)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if self.hang_timeout is not None and not (
                 math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
             raise UsageError(f"--hang-timeout must be a positive, finite number of seconds "
@@ -370,17 +374,6 @@ class TrainConfig:
             raise UsageError("--max-restarts is not supported for a multi-node job yet: "
                              "leave it out")
 
-    def _check_metrics(self) -> None:
-        if not self.metrics:
-            return
-        try:
-            parse_listen("--metrics", self.metrics)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        if not self.is_hub:
-            raise UsageError(f"--metrics is served by node 0 (the hub) for the whole job: "
-                             f"leave it out on node {self.node_rank}")
-
     @property
     def rdzv_host(self) -> str:
         return self.rdzv_endpoint.rpartition(":")[0].strip("[]")
@@ -438,13 +431,6 @@ def _check_path(flag: str, path: str) -> None:
     if any(len(part.encode(errors="surrogateescape")) > NAME_MAX for part in Path(path).parts):
         raise UsageError(f"{flag}: a folder name in it is longer than {NAME_MAX} bytes, "
                          "more than file systems take")
-
-
-def require_tensorboard(flag: str) -> None:
-    """UsageError in one line when tensorboard (daemon/tbwriter.py) is not installed."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise UsageError(f"{flag} writes TensorBoard files, which needs the tensorboard "
-                         "package, not installed here: pip install 'ddtop[tensorboard]'")
 
 
 def _is_safe_name(name: str) -> bool:

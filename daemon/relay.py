@@ -18,9 +18,8 @@ admitting only the run's client key, and counts every refused handshake:
 Every accepted message is folded into the RunState, appended to the journal and
 re-published, in that order, under one relay sequence number (and, with --tensorboard,
 written as TensorBoard files: daemon/tbwriter.py). A journal the disk cannot take (full)
-drops and counts records instead of stopping the daemon (daemon/journal.py, which also
-decides what to say of it: an outage begun, an outage ended with its count, the total at
-the end); the relay says it, as events and lines on stderr, and keeps the count in
+drops and counts records instead of stopping the daemon (daemon/journal.py decides what
+to say of it); the relay says it, as events and lines on stderr, and keeps the count in
 `RunState.journal_dropped` (status, run.json). A dashboard subscribes first, then asks for
 a snapshot (the state and the relay sequence number it includes) and applies only the
 live messages newer than that.
@@ -98,8 +97,8 @@ class Relay:
         pid)`: whether a pid is that rank's process, asked of a hello's pid and,
         over ipc, of the process that sent each message (None: not checked).
         `bind`: listen on TCP at this address instead, CURVE with `keys`. `nodes`: a
-        multi-node job's hub: a fourth socket (PULL, TCP) for node daemons' forwards.
-        `tensorboard`: a folder to write TensorBoard files in (daemon/tbwriter.py)."""
+        multi-node job's hub: a fourth socket (PULL, TCP) for node daemons' forwards;
+        `tensorboard`: a folder for TensorBoard files (daemon/tbwriter.py)."""
         assert bind is None or keys is not None, "TCP only with the run's keys"
         self.run = run
         self.world_size = world_size

@@ -46,11 +46,11 @@ from ddtop.daemon.contract import (
 )
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter, open_exporter
+from ddtop.daemon.hangtimer import HangTimer
 from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
 from ddtop.daemon.processes import send_signal
-from ddtop.daemon.rankview import STALLED
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
@@ -101,7 +101,7 @@ class Supervisor:
         self.interrupted = False  # the stop came from Ctrl-C
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
-        self.hung_since: float | None = None  # wall clock: since when the run hangs
+        self.hang = HangTimer(config.hang_timeout)
         self.world_told = 0  # `ddtrain watch`: the world size run.json has
         # Its part in a multi-node job (node 0's hub, node K's forwarder, or none).
         self.role: NodeRole | None = None
@@ -230,7 +230,7 @@ class Supervisor:
         assert self.exits is not None
         self.exits.begin()  # a signal before the new ranks exist stops at once
         self.relay.retire_senders()  # the old processes' pids are not the ranks' now
-        self.hung_since = None
+        self.hang.reset()
 
     # -- start -----------------------------------------------------------------
     @property
@@ -364,23 +364,12 @@ class Supervisor:
         """--hang-timeout: a hang the state has declared (daemon/state.py: ranks
         stalled in a collective) for that long fails the run, blamed on the rank
         the others wait for; every rank is stopped."""
-        limit = self.config.hang_timeout
         assert self.relay is not None
-        if limit is None or self.stopping is not None:
+        if self.stopping is not None:
             return None
-        now = time.time()
-        found = self.relay.state.hung(now)
-        if found is None:
-            self.hung_since = None
+        if (judged := self.hang.judge(self.relay.state, time.time())) is None:
             return None
-        if self.hung_since is None:
-            self.hung_since = now
-        if now - self.hung_since < limit:
-            return None
-        waited_for, text = found
-        stalled = [r for r, s in self.relay.state.rank_states(now).items() if s == STALLED]
-        blamed = min(waited_for or stalled or [0])
-        reason = f"hung for {limit:g} s (--hang-timeout {limit:g})"
+        blamed, reason, text = judged
         message = f"rank {blamed} {reason}: {text}"
         print(f"ddtrain: {message}; stopping the ranks (their stacks first: "
               f"{self.paths.logs}/rank-K.stacks)", file=self.err, flush=True)

@@ -14,7 +14,7 @@ in the caller: the tap says it once, as a warning, and writes no more; the run
 goes on. Records are held in memory and written every FLUSH_S and at the end.
 
 tensorboard is imported only here, and only when a writer is made (`pip install
-'ddtop[tensorboard]'`; config.require_tensorboard checks it first). tensorboardX
+'ddtop[tensorboard]'`; outlets.require_tensorboard checks it first). tensorboardX
 would write the same files, but it imports torch where torch is installed, which
 the daemon never does.
 """

@@ -19,12 +19,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddtop.daemon import journal, wire
+from ddtop.daemon import journal, outlets, wire
 from ddtop.daemon.config import (
     UsageError,
     add_runs_dir_argument,
     default_runs_dir,
-    require_tensorboard,
 )
 from ddtop.daemon.contract import EXIT_OK, EXIT_USAGE
 from ddtop.daemon.flags import OneLineParser
@@ -111,7 +110,10 @@ def already_written(into: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        require_tensorboard("ddtop export --tensorboard")
+        try:
+            outlets.require_tensorboard("ddtop export --tensorboard")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         try:
             paths = locate_run(args.runs_dir or default_runs_dir(), args.run)
         except OSError as e:

@@ -52,10 +52,12 @@ ALLOWED = {
     # daemons (control, protocol) as ddtrain does; it says what each --strategy's
     # collectives are, from the table that declares them; `ddtop --headless` prints with
     # the printer `ddtrain start --foreground --headless` uses; `ddtop export` writes a
-    # journal as TensorBoard files as the daemon writes them live.
+    # journal as TensorBoard files as the daemon writes them live (checked as the daemon
+    # checks --tensorboard: outlets).
     "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
                   "ddtop.daemon.events", "ddtop.daemon.flags",
-                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.printer",
+                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.outlets",
+                  "ddtop.daemon.printer",
                   "ddtop.daemon.protocol", "ddtop.daemon.rankview", "ddtop.daemon.runinfo",
                   "ddtop.daemon.runs", "ddtop.daemon.scalars", "ddtop.daemon.state",
                   "ddtop.daemon.strategy_names", "ddtop.daemon.summary",
