@@ -7,8 +7,9 @@ that starts a process without it fails, naming the mark. `make test-fast` runs
 the others (`-m "not processes"`): lint, types and the in-process tests, for
 the edit loop; `make test` runs everything.
 
-Both run in parallel (pytest-xdist, `--dist loadfile`: a module's tests on one
-worker, so that its module fixtures are started once). Each worker collects the
+In parallel (pytest-xdist, `--dist loadfile`: `make test-fast`, or `make test`
+with PYTEST_WORKERS) a module's tests run on one worker, so that its module
+fixtures are started once. Each worker collects the
 modules with the most process tests first: the long ones start at once and the
 in-process modules fill the gaps at the end.
 """
