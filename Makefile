@@ -6,6 +6,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 WORLD_SIZE ?= 8
+# pytest-xdist: a module's tests on one worker (its module fixtures start once).
+# The in-process tier runs on 2 workers. The whole suite runs serially (0) until
+# its timing-sensitive tests pass beside others: PYTEST_WORKERS=4 is about 1.5x
+# faster on 2 cores but fails some of them (docs/development.md#checks).
+PYTEST_WORKERS ?= 0
+PYTEST_FAST_WORKERS ?= 2
+XDIST = -n $(1) --dist loadfile --no-loadscope-reorder
 
 .PHONY: help install demo test test-fast lint typecheck pytest fuzz bench clean
 
@@ -13,6 +20,7 @@ help:
 	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset and watch them in ddtop"
 	@echo "make test       set up .venv, then run ruff, mypy and the test suite"
 	@echo "make test-fast  ruff, mypy and the in-process tests only (under a minute): while editing"
+	@echo "                 (pytest workers: PYTEST_FAST_WORKERS=2 for test-fast, PYTEST_WORKERS=0 (serial) for test)"
 	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
 	@echo "make bench      benchmarks: start-up, start-up hook, telemetry, dashboard, own scripts, collectives, framework callbacks, FSDP2 scripts, comm timing, sockets, strategies, faults (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
@@ -52,13 +60,14 @@ typecheck: $(STAMP)
 	cd .typecheck && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p ddtop
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(call XDIST,$(PYTEST_WORKERS))
 
 test: lint typecheck pytest
 
 # The edit loop's tier: no test that starts a process (tests/conftest.py enforces the mark).
 test-fast: lint typecheck
-	DDTOP_FUZZ_EXAMPLES=25 $(BIN)/python -m pytest -q -m "not processes" -p no:cacheprovider
+	DDTOP_FUZZ_EXAMPLES=25 $(BIN)/python -m pytest -q -m "not processes" -p no:cacheprovider \
+		$(call XDIST,$(PYTEST_FAST_WORKERS))
 
 # The fuzzing that make test runs in seconds, at length: every decoder of what the
 # daemon receives, 20,000 examples each from the fixed seed (tests/test_fuzz.py).

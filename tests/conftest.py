@@ -1,23 +1,33 @@
-"""Shared fixtures, and the line between the two tiers of the suite.
+"""Shared fixtures, the line between the two tiers of the suite, and its order
+in parallel.
 
 A test that starts a process (a `ddtrain` or `torchrun` subprocess, a forkserver,
 any fork) carries `@pytest.mark.processes` (or its module's `pytestmark`); one
 that starts a process without it fails, naming the mark. `make test-fast` runs
 the others (`-m "not processes"`): lint, types and the in-process tests, for
 the edit loop; `make test` runs everything.
+
+In parallel (pytest-xdist, `--dist loadfile`: `make test-fast`, or `make test`
+with PYTEST_WORKERS) a module's tests run on one worker, so that its module
+fixtures are started once. Each worker collects the
+modules with the most process tests first: the long ones start at once and the
+in-process modules fill the gaps at the end.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing.util
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -40,9 +50,19 @@ class ReferenceRun:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRun:
-    cwd = tmp_path_factory.mktemp("reference")
-    run = ddtrain("start", "--foreground", *REFERENCE_ARGS, "--run-id", "ref", cwd=cwd,
-                  env={"DDTOP_TELEMETRY": "off"})  # no comm hook: the baseline
+    """Run once for the whole session: under xdist the first worker to need it runs
+    it (holding a lock in the folder all workers share) and the others read it."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # each worker's base is a folder in the session's
+    cwd, result = shared / "reference", shared / "reference.json"
+    with FileLock(str(shared / "reference.lock")):
+        if not result.exists():
+            cwd.mkdir()
+            run = ddtrain("start", "--foreground", *REFERENCE_ARGS, "--run-id", "ref", cwd=cwd,
+                          env={"DDTOP_TELEMETRY": "off"})  # no comm hook: the baseline
+            result.write_text(json.dumps(vars(run)))
+    run = Run(**json.loads(result.read_text()))
     assert run.returncode == 0, run.stdout + run.stderr
     return ReferenceRun(run, cwd / "runs" / "ref")
 
@@ -81,3 +101,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
     finally:
         _running.pop()
+
+
+# -- the order under xdist ----------------------------------------------------------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker: modules in order of their process tests, most first (a
+    stable sort: each module's tests keep their order; every worker sorts alike)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    weight = Counter(item.path for item in items if item.get_closest_marker(PROCESSES))
+    items.sort(key=lambda item: -weight[item.path])

@@ -3,27 +3,79 @@
 Real processes throughout: ddtrain watch runs torchrun (or a plain command), the
 ranks are an unchanged gloo DDP script (tests/scripts/plain_ddp.py) made ranks
 by the package's start-up hook; a watch without a command is fed by a torchrun
-started separately with the variables it printed."""
+started separately with the variables it printed.
+
+The runs that tests only look at once they end (a clean run, a killed rank, a
+rank that raises, a Lightning script spawning its rank 1) start together (a
+module fixture); each test waits for its own and checks that nothing it
+started is left."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import re
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ddtop.daemon import cli
-from tests.helpers import DDTRAIN, TORCHRUN, ddtrain, finish, start, tagged_env
+from tests.helpers import DDTRAIN, TORCHRUN, Run, ddtrain, finish, start, tagged_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
 LIGHTNING = Path(__file__).parent / "scripts" / "fw_lightning.py"  # spawns its rank 1
 SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "watch-srun.sbatch"
 TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
+
+
+# The runs the module fixture starts together: their `ddtrain watch` arguments,
+# environment and timeout.
+WATCHED: dict[str, tuple[list[str], dict[str, str], float]] = {
+    "ok": ([*TWO_RANKS, str(SCRIPT)], {"STEPS": "12"}, 120),
+    "crash": ([*TWO_RANKS, str(SCRIPT)],
+              {"STEPS": "400", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "5"}, 120),
+    "raise": ([*TWO_RANKS, str(SCRIPT)],
+              {"STEPS": "400", "SLEEP": "0.02", "RAISE_RANK": "1", "RAISE_STEP": "4"}, 120),
+    "pl": ([sys.executable, str(LIGHTNING)], {"STEPS": "5"}, 150),
+}
+
+
+class Watches:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[str, tuple[subprocess.Popen[str], str]] = {}
+        self.done: dict[str, Run] = {}
+
+    def result(self, name: str) -> Run:
+        if name not in self.done:
+            proc, tag = self.procs[name]
+            self.done[name] = finish(proc, tag, timeout=WATCHED[name][2])
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def watches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watches]:
+    started = Watches(tmp_path_factory.mktemp("watches"))
+    try:
+        for name, (command, env, _) in WATCHED.items():
+            if name == "pl" and importlib.util.find_spec("lightning") is None:
+                continue  # its test skips, saying so
+            cwd = started.root / name
+            cwd.mkdir()
+            started.procs[name] = start([DDTRAIN, "watch", "--run-id", name, "--", *command],
+                                        cwd, env)
+        yield started
+    finally:
+        for name in started.procs:  # every run waited for (and killed on a timeout)
+            if name not in started.done:
+                with contextlib.suppress(AssertionError):
+                    started.result(name)
 
 
 def status(cwd: Path, run: str) -> dict:  # type: ignore[type-arg]
@@ -77,9 +129,8 @@ def test_the_command_exit_code_is_returned_and_the_command_named(tmp_path: Path)
 # -- torchrun of an unchanged script -------------------------------------------------------
 @pytest.mark.processes
 @pytest.mark.timeout(120)
-def test_watch_torchrun_of_an_unchanged_script_counts_every_rank(tmp_path: Path) -> None:
-    run = ddtrain("watch", "--run-id", "ok", "--", *TWO_RANKS, str(SCRIPT), cwd=tmp_path,
-                  env={"STEPS": "12"})
+def test_watch_torchrun_of_an_unchanged_script_counts_every_rank(watches: Watches) -> None:
+    run, tmp_path = watches.result("ok"), watches.root / "ok"
     assert run.returncode == 0, run.stderr
     got = status(tmp_path, "ok")
     assert got["status"] == "succeeded"
@@ -91,9 +142,8 @@ def test_watch_torchrun_of_an_unchanged_script_counts_every_rank(tmp_path: Path)
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
-def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(tmp_path: Path) -> None:
-    run = ddtrain("watch", "--run-id", "crash", "--", *TWO_RANKS, str(SCRIPT), cwd=tmp_path,
-                  env={"STEPS": "400", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "5"})
+def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(watches: Watches) -> None:
+    run, tmp_path = watches.result("crash"), watches.root / "crash"
     assert run.returncode == 1, run.stderr  # torchrun's own exit code
     assert re.search(r"run crash failed: rank 1 \(pid \d+\) was killed by SIGKILL", run.stderr)
     got = status(tmp_path, "crash")
@@ -103,9 +153,8 @@ def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(tmp_path: Path) -
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
-def test_a_rank_that_raises_is_named_with_its_error(tmp_path: Path) -> None:
-    run = ddtrain("watch", "--run-id", "raise", "--", *TWO_RANKS, str(SCRIPT), cwd=tmp_path,
-                  env={"STEPS": "400", "SLEEP": "0.02", "RAISE_RANK": "1", "RAISE_STEP": "4"})
+def test_a_rank_that_raises_is_named_with_its_error(watches: Watches) -> None:
+    run, tmp_path = watches.result("raise"), watches.root / "raise"
     assert run.returncode == 1, run.stderr
     assert re.search(r"run raise failed: rank 1 \(pid \d+\) exited with code 1: "
                      r"RuntimeError: bad batch at step 4", run.stderr), run.stderr
@@ -151,10 +200,9 @@ def test_ddtrain_stacks_and_stop_of_a_watched_command(tmp_path: Path) -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(180)
-def test_a_lightning_script_that_spawns_its_own_ranks_is_watched(tmp_path: Path) -> None:
+def test_a_lightning_script_that_spawns_its_own_ranks_is_watched(watches: Watches) -> None:
     pytest.importorskip("lightning")  # in the test extra: installed by make test
-    run = ddtrain("watch", "--run-id", "pl", "--", sys.executable, str(LIGHTNING),
-                  cwd=tmp_path, env={"STEPS": "5"}, timeout=150)
+    run, tmp_path = watches.result("pl"), watches.root / "pl"
     assert run.returncode == 0, run.stderr
     got = status(tmp_path, "pl")
     # Rank 0 is the command itself (no RANK at its start), rank 1 its child.
