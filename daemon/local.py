@@ -22,13 +22,17 @@ from typing import Any
 
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.leftovers import Leftover, in_sessions
-from ddtop.daemon.processes import LogTail, OwnProcess, ProcessId, send_signal
+from ddtop.daemon.processes import LogTail, OwnProcess, ProcessId, read_stat, send_signal
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import Rank, choose_port, rank_program
 from ddtop.daemon.state import RunState
 
-# Seconds the forkserver and resource tracker get to exit once told to, before they are killed.
+# Seconds the forkserver and resource tracker get to exit once told to; after that one
+# that ran no CPU for HELPER_IDLE_S (waiting on a pipe a stray process holds) is killed.
+# One still busy (unloading torch on a loaded machine) is given up to HELPER_EXIT_MAX_S.
 HELPER_EXIT_S = 5.0
+HELPER_IDLE_S = 1.0
+HELPER_EXIT_MAX_S = 30.0
 
 
 def _rank_entry(module: str, entry: str, *args: Any) -> None:
@@ -38,8 +42,23 @@ def _rank_entry(module: str, entry: str, *args: Any) -> None:
     getattr(importlib.import_module(module), entry)(*args)
 
 
-def _kill(name: str, helper: ProcessId | None, killed: dict[str, bool]) -> None:
-    killed[name] = send_signal(helper, signal.SIGKILL)
+def _kill_when_idle(name: str, pid: int | None, killed: dict[str, bool],
+                   exited: threading.Event) -> None:
+    """Kill a helper told to exit that has not within HELPER_EXIT_S and has since run
+    no CPU for HELPER_IDLE_S (so is waiting, not exiting), or at HELPER_EXIT_MAX_S."""
+    helper = ProcessId.of(pid)
+    if pid is None or exited.wait(HELPER_EXIT_S):
+        return
+    waited, last = HELPER_EXIT_S, read_stat(pid)
+    while not exited.wait(HELPER_IDLE_S):
+        waited += HELPER_IDLE_S
+        now = read_stat(pid)
+        if now is None or now.state == "Z":
+            return  # gone (or exited, not yet reaped): nothing to kill
+        if last is not None and (now.cpu == last.cpu or waited >= HELPER_EXIT_MAX_S):
+            killed[name] = send_signal(helper, signal.SIGKILL)
+            return
+        last = now
 
 
 class LocalRanks:
@@ -98,8 +117,9 @@ class LocalRanks:
         started them, and wait for both (unloading torch takes the forkserver a
         second; without this it outlived the command). Each exits once every
         copy of its pipe is closed: a process that a rank forked and that left
-        its session (so was not ended with the rank) may hold one; after
-        HELPER_EXIT_S the helper is killed rather than waited for."""
+        its session (so was not ended with the rank) may hold one: after
+        HELPER_EXIT_S a helper that waits (runs no CPU) is killed rather than
+        waited for, one still exiting (unloading torch) is not."""
         if self.context is None or not self._started_helpers:
             return
         from multiprocessing import forkserver, resource_tracker
@@ -113,13 +133,16 @@ class LocalRanks:
         # Each gets its own HELPER_EXIT_S, from when it is told to exit.
         killed: dict[str, bool] = {}
         for name, helper, pid in helpers:
-            timer = threading.Timer(HELPER_EXIT_S, _kill, (name, ProcessId.of(pid), killed))
-            timer.start()
+            exited = threading.Event()
+            watch = threading.Thread(target=_kill_when_idle, args=(name, pid, killed, exited),
+                                     daemon=True)
+            watch.start()
             try:  # _stop (untyped in the stubs): close its pipe, wait
                 with contextlib.suppress(OSError, ChildProcessError):
                     helper._stop()
             finally:
-                timer.cancel()
+                exited.set()
+                watch.join()
         for name in (n for n, sent in killed.items() if sent):
             print(f"ddtrain: multiprocessing's {name} did not exit within {HELPER_EXIT_S:g} s "
                   "(a process the ranks started outside their sessions holds its pipe): killed",

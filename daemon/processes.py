@@ -78,6 +78,7 @@ class Stat:
     ppid: int
     start: int  # clock ticks after boot
     session: int = 0  # the pid of the session's leader (the process that called setsid)
+    cpu: int = 0  # clock ticks run, user and system (utime + stime)
 
 
 def parse_stat(text: str) -> Stat:
@@ -90,7 +91,7 @@ def parse_stat(text: str) -> Stat:
         raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
     # fields[0] is field 3 (state): field N is fields[N - 3].
     return Stat(state=fields[0], ppid=int(fields[1]), start=int(fields[19]),
-                session=int(fields[3]))
+                session=int(fields[3]), cpu=int(fields[11]) + int(fields[12]))
 
 
 def read_stat(pid: int) -> Stat | None:
