@@ -305,6 +305,7 @@ def test_ddtops_hook_trains_as_ddp_alone_over_several_buckets(tmp_path: Path) ->
 
 
 @pytest.mark.processes
+@pytest.mark.timing  # its 0.3 s bounds: run alone (make test), not beside other tests
 def test_on_cpu_a_long_all_reduce_is_read_or_estimated_and_a_long_compute_is_read(
         tmp_path: Path) -> None:
     """DDP times at most one iteration in 10 ms (after the first 20): of 70 steps

@@ -93,6 +93,12 @@ def test_a_sessions_members_are_found_once_its_leader_has_exited() -> None:
         assert leader.stdout is not None and leader.stdin is not None
         child = ProcessId.of(int(leader.stdout.readline()))
         assert child is not None
+        # The shell forks, then its child execs sleep: named `sleep` only from then on.
+        comm = Path(f"/proc/{child.pid}/comm")
+        deadline = time.monotonic() + 10
+        while comm.read_text().strip() != "sleep":
+            assert time.monotonic() < deadline, comm.read_text()
+            time.sleep(0.01)
         identity = ProcessId.of(leader.pid)
         assert identity is not None
         # The leader runs: what it started is its own business.

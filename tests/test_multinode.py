@@ -26,12 +26,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 from helpers import listening_addresses, torchrun
+from prometheus_client.parser import text_string_to_metric_families
 
 from ddtop.daemon import journal, nodes, wire
 from ddtop.daemon.contract import ATTEMPT_ENV, STOP_SECRET_ENV
@@ -95,12 +97,12 @@ class Job:
 
     def __init__(self, tmp: Path, run_id: str, *extra: str, shared: bool = True,
                  net: tuple[str, str, str, str] | None = None,
-                 program: list[str] | None = None) -> None:
+                 program: list[str] | None = None, hub_extra: tuple[str, ...] = ()) -> None:
         """`shared`: both nodes' --runs-dir the same folder (a shared file system);
         else node 1 has its own and is given --hub and a copy of the keys. `net`:
         each node in its own network namespace (`namespaces`), else loopback.
         `program`: a user's script and its arguments (`SCRIPT -- ARGS`) in place
-        of the built-in trainer and its SMALL flags."""
+        of the built-in trainer and its SMALL flags. `hub_extra`: node 0's flags only."""
         self.tmp, self.run_id, self.net = tmp, run_id, net
         self.runs = tmp / "runs"
         # node 1's own run directory (its daemon's files)
@@ -122,7 +124,8 @@ class Job:
                 [*prefix, sys.executable, "-m", "ddtop.daemon", "start", "--foreground",
                  "--headless", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
                  "--rdzv-endpoint", f"{host}:{port}", "--run-id", run_id,
-                 *where, *(SMALL if program is None else []), *extra, *(program or [])],
+                 *where, *(SMALL if program is None else []), *extra,
+                 *(hub_extra if k == 0 else ()), *(program or [])],
                 cwd=tmp, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=env, start_new_session=True))
             time.sleep(0.3)  # node 0 first: it hosts the rendezvous and the hub
@@ -206,7 +209,8 @@ def stopjob(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     """One job of the built-in trainer, long enough to outlast the two tests that
     share it, in file order: the first looks at it running, the second freezes
     its hub a while and then stops it with `ddtrain stop` on node 0."""
-    job = Job(tmp_path_factory.mktemp("stopjob"), "stopjob", "--epochs", "1000")
+    job = Job(tmp_path_factory.mktemp("stopjob"), "stopjob", "--epochs", "1000",
+              hub_extra=("--metrics", "0"))
     try:
         yield job
     finally:
@@ -266,6 +270,15 @@ def test_two_nodes_one_hub_status_and_refused_forwarder(stopjob: Job) -> None:
     finally:
         ctx.destroy(linger=0)
     check_torchs_store(job)  # a forged stop step must not stop it: the next test's stop works
+    # --metrics on node 0: the hub serves every rank of the job, each labelled with its node
+    url = json.loads((job.runs / "stopjob" / "run.json").read_text())["endpoints"]["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        families = {f.name: f.samples for f in text_string_to_metric_families(
+            reply.read().decode())}
+    steps = families["ddtop_rank_global_step"]
+    assert sorted((s.labels["rank"], s.labels["node"]) for s in steps) == [
+        ("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], steps
+    assert all(s.labels["run"] == "stopjob" and s.value > 0 for s in steps), steps
 
 
 @pytest.mark.processes
