@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import msgspec
 import pytest
 from test_state import RUN, beat, step
 
-from ddtop.daemon import manyranks, printer, run_commands, wire
+from ddtop.daemon import cli, manyranks, printer, run_commands, wire
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import RunRecord
+from ddtop.daemon.summary import RunRecord, encode_record
 
 NODES, PER_NODE = 2048, 8
 WORLD = NODES * PER_NODE
@@ -124,3 +125,22 @@ def test_status_says_a_digest_and_every_rank_when_asked(job: RunState) -> None:
     assert f"  (every rank: ddtrain status {RUN} --ranks)" in lines
     every = run_commands.status_lines(info, record, every_rank=True)
     assert len(every) > WORLD and any(line.lstrip().startswith(f"{SLOW} ") for line in every)
+
+
+def test_ddtrain_status_of_a_big_finished_run_and_its_ranks_flag(
+        job: RunState, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # run.json holds up to 1,024 ranks (summary.WorldSize): the job's first 1,024.
+    summary = job.summary(NOW)
+    first = msgspec.structs.replace(summary, world_size=1024, ranks=summary.ranks[:1024])
+    record = RunRecord(run_id="big").with_summary(first)
+    record.status = "failed"
+    (tmp_path / "run.json").write_bytes(encode_record(record))
+    shutil.copy(Path(__file__).parent / "fixtures" / "runs" / "recorded-failed" / "config.json",
+                tmp_path)  # what makes a folder a run's
+    assert cli.main(["status", str(tmp_path)]) == 0
+    short = capsys.readouterr().out.splitlines()
+    assert len(short) <= 12, short
+    text = "\n".join(short)
+    assert f"dead: rank {DEAD} (node 0, exit 1)" in text and f"rank {SLOW} (node 37" in text
+    assert cli.main(["status", str(tmp_path), "--ranks"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) > 1024
