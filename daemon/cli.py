@@ -43,6 +43,7 @@ from ddtop.daemon.contract import (
     owner_only_umask,
 )
 from ddtop.daemon.flags import OneLineParser
+from ddtop.daemon.manyranks import MANY_RANKS
 from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import (
@@ -99,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Show a run's status, progress and every rank's "
                                  "pid, state and exit code or signal.")
     with_run(status)
-    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts "
+                        "(every rank, at any size)")
+    status.add_argument("--ranks", action="store_true",
+                        help=f"a line per rank at any size (above {MANY_RANKS} ranks the text "
+                        "says counts by state and names the outliers only)")
     listing = commands.add_parser("list", help="every run under the runs directory",
                                   description="List the runs under the runs directory, live "
                                   "or not, oldest first.")

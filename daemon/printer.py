@@ -26,6 +26,7 @@ from typing import Any, Literal, TextIO
 
 import msgspec
 
+from ddtop.daemon import manyranks
 from ddtop.daemon.contract import exit_for_status
 from ddtop.daemon.events import RunEvent
 from ddtop.daemon.scalars import line as scalars_line
@@ -33,6 +34,7 @@ from ddtop.daemon.state import RunState
 from ddtop.daemon.summary import (
     LOST,
     TRACEBACK_TAIL_LINES,
+    RankSummary,
     RunSummary,
     metrics_words,
     rate_words,
@@ -141,7 +143,13 @@ class Printer:
         if self.format == "jsonl":
             self._json(progress_record(state, now))
             return
-        self._emit(f"{stamp(now)} {progress_text(state, now)}")
+        if not manyranks.many(state.rank_states(now)):
+            self._emit(f"{stamp(now)} {progress_text(state, now)}")
+            return
+        summary = state.summary(now)  # many ranks: their digest under the line
+        self._emit("\n".join([f"{stamp(now)} {progress_text(state, now, ranks=False)}",
+                              *manyranks.lines(manyranks.digest(summary.ranks,
+                                                                summary.stragglers))]))
 
     def _bar(self, state: RunState, now: float) -> None:
         from rich.console import Console
@@ -206,7 +214,10 @@ def event_record(event: RunEvent) -> dict[str, Any]:
     return {"kind": "event", "schema": JSONL_SCHEMA, **msgspec.to_builtins(event)}
 
 
-def progress_text(state: RunState, now: float, short: bool = False) -> str:
+def progress_text(state: RunState, now: float, short: bool = False,
+                  ranks: bool = True) -> str:
+    """The run in one line; without `ranks`, no counts by state nor stragglers
+    (many ranks: their digest says them, daemon/manyranks.py)."""
     done, total = state.progress()
     pct = f" ({100 * done / total:.1f}%)" if total and not short else ""
     states = state.rank_states(now)
@@ -217,13 +228,14 @@ def progress_text(state: RunState, now: float, short: bool = False) -> str:
     parts = [f"step {done}/{total or '?'}{pct}", rate_words(state.throughput(now), state.status)]
     if agg is not None:
         parts.append(f"loss {agg.train_loss:.4f} acc {100 * agg.train_accuracy:.1f}%")
-    if not short:
+    if not short and ranks:
         parts.append(", ".join(f"{n} {s}" for s, n in counts.items()) or "no ranks yet")
+    if not short:
         eta = state.eta(now)
         if eta is not None:
             parts.append(f"ETA {seconds(eta)}")
         _, skew, slow = state.stragglers()
-        if slow:
+        if slow and ranks:
             parts.append(f"stragglers: {', '.join(map(str, slow))} "
                          f"(+{1000 * skew:.1f} ms/step)")
         hang = state.hang(now)
@@ -238,7 +250,11 @@ def progress_record(state: RunState, now: float) -> dict[str, Any]:
     done, total = state.progress()
     _, skew, slow = state.stragglers()
     summary = state.summary(now)
-    return {
+    ranks, digest = summary.ranks, None
+    if manyranks.many(ranks):  # many ranks: the outliers only, every rank in the summary
+        found = manyranks.digest(ranks, slow)
+        ranks, digest = manyranks.outlier_ranks(found), manyranks.record(found)
+    record: dict[str, Any] = {
         "kind": "progress", "schema": JSONL_SCHEMA, "t": now, "run_id": state.run,
         "status": state.status,
         "global_step": done, "total_steps": total, "samples_per_s": state.throughput(now),
@@ -247,9 +263,12 @@ def progress_record(state: RunState, now: float) -> dict[str, Any]:
         "ranks": [{"rank": r.rank, "state": r.state, "epoch": r.epoch, "step": r.step,
                    "global_step": r.global_step, "loss": r.loss,
                    "samples_per_s": r.samples_per_s, "comm_share": r.comm_share}
-                  for r in summary.ranks],
+                  for r in ranks],
         "scalars": msgspec.to_builtins(summary.scalars),  # as in the summary
     }
+    if digest is not None:
+        record.update({"ranks_complete": False, "rank_digest": digest})
+    return record
 
 
 # -- the end -------------------------------------------------------------------------
@@ -309,13 +328,10 @@ def summary_text(final: FinalSummary, now: float) -> list[str]:
     lines += [f"  scalar {c.line()}" for c in s.scalars]
     if s.metrics is not None:
         lines.append(f"  global metrics {metrics_words(s.metrics)}")
-    for r in s.ranks:
-        how = r.signal or (f"exit {r.exit_code}" if r.exit_code is not None else "")
-        if how and r.stopped_by_daemon and r.exit_code != 0:
-            how += " (stopped by the daemon)"
-        where = f" node {r.node} {r.host or '?'}" if r.node is not None else ""
-        lines.append(f"  rank {r.rank:>3}{where} {r.state:<9} step {num(r.global_step, 'd')}"
-                     f" loss {num(r.loss, '.4f')} {how}".rstrip())
+    if manyranks.many(s.ranks):  # the digest; every rank: the JSON summary, ddtrain status
+        lines += manyranks.lines(manyranks.digest(s.ranks, s.stragglers))
+    else:
+        lines += [_rank_line(r) for r in s.ranks]
     if s.rejected:
         lines.append("  rejected by the daemon: " + ", ".join(
             f"{n} {reason}" for reason, n in sorted(s.rejected.items())))
@@ -327,6 +343,15 @@ def summary_text(final: FinalSummary, now: float) -> list[str]:
         traceback = s.failure.traceback if s.failure is not None else None
         lines += [f"    | {line}" for line in traceback_tail(traceback, TRACEBACK_TAIL_LINES)]
     return lines
+
+
+def _rank_line(r: RankSummary) -> str:
+    how = r.signal or (f"exit {r.exit_code}" if r.exit_code is not None else "")
+    if how and r.stopped_by_daemon and r.exit_code != 0:
+        how += " (stopped by the daemon)"
+    where = f" node {r.node} {r.host or '?'}" if r.node is not None else ""
+    return (f"  rank {r.rank:>3}{where} {r.state:<9} step {num(r.global_step, 'd')}"
+            f" loss {num(r.loss, '.4f')} {how}".rstrip())
 
 
 def summary_markdown(final: FinalSummary) -> str:
@@ -356,9 +381,15 @@ def summary_markdown(final: FinalSummary) -> str:
     if s.rejected:
         rows.append("| rejected by the daemon | " + ", ".join(
             f"{n} {reason}" for reason, n in sorted(s.rejected.items())) + " |")
+    shown = s.ranks
+    if manyranks.many(s.ranks):  # many ranks: counts, and the outliers' rows only
+        digest = manyranks.digest(s.ranks, s.stragglers)
+        rows.append("| ranks by state | " + ", ".join(
+            f"{n} {state}" for state, n in digest.counts.items()) + " |")
+        shown = manyranks.outlier_ranks(digest)
     rows += ["", "| rank | state | step | loss | samples/s | exit |",
              "|---:|---|---:|---:|---:|---|"]
-    for r in s.ranks:
+    for r in shown:
         rows.append(f"| {r.rank} | {r.state} | {r.global_step} | {num(r.loss, '.4f')} | "
                     f"{num(r.samples_per_s, ',.0f')} | {r.signal or num(r.exit_code, 'd')} |")
     return "\n".join(rows) + "\n\n"

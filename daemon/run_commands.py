@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from ddtop.daemon import control, protocol
+from ddtop.daemon import control, manyranks, protocol
 from ddtop.daemon.config import UsageError, default_runs_dir
 from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
 from ddtop.daemon.processes import LogTail, same_process, send_signal
@@ -67,12 +67,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "record_written": info.record_written})
         print(msgspec.json.format(msgspec.json.encode(doc), indent=2).decode())
         return EXIT_OK
-    for line in status_lines(info, summary):
+    for line in status_lines(info, summary, every_rank=args.ranks):
         print(line)
     return EXIT_OK
 
 
-def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
+def status_lines(info: RunInfo, s: RunRecord, every_rank: bool = False) -> list[str]:
+    """The run in lines: a line per rank, or above manyranks.MANY_RANKS ranks (but
+    with `every_rank`) their digest: counts by state, steps, the outliers named."""
+    digest = (manyranks.digest(s.ranks, s.stragglers)
+              if manyranks.many(s.ranks) and not every_rank else None)
     daemon = (f"daemon pid {info.daemon_pid}, not answering" if info.answered is False
               else f"daemon pid {info.daemon_pid}" if info.live
               else f"daemon gone; pid {info.daemon_pid} is another process now"
@@ -100,9 +104,28 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
     if s.journal_dropped:
         lines.append(f"  journal: {count_of(s.journal_dropped, 'record')} not written (the disk "
                      "refused them); a replay misses them")
-    if s.stragglers:
+    if s.stragglers and digest is None:
         lines.append(f"  stragglers: {', '.join(map(str, s.stragglers))} "
                      f"(skew {1000 * s.skew_s:.1f} ms per step)")
+    if digest is not None:
+        lines += manyranks.lines(digest)
+        lines.append(f"  (every rank: ddtrain status {info.paths.run_id} --ranks)")
+    else:
+        lines += _rank_table(s)
+    f = s.failure
+    if f is not None and info.status in ("failed", LOST):
+        lines.append(f"failure: {f.line()}")
+        lines += [f"  | {line}" for line in (f.traceback or "").rstrip().splitlines()
+                  [-TRACEBACK_TAIL_LINES:]]
+    for e in s.timeline:
+        lines.append(f"restart {e.restart}: rank {e.rank} {e.reason} at step {e.global_step}; "
+                     f"from {e.checkpoint or 'the start'}")
+    return lines
+
+
+def _rank_table(s: RunRecord) -> list[str]:
+    """A line per rank, under a header."""
+    lines: list[str] = []
     nodes = any(r.node is not None for r in s.ranks)  # a multi-node job: NODE and HOST
     where = f"{'NODE':>4}  {'HOST':<16}  " if nodes else ""
     w = 11 if nodes else 9  # a node's ranks may be "unreachable"
@@ -116,14 +139,6 @@ def status_lines(info: RunInfo, s: RunRecord) -> list[str]:
         lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<{w}} {r.epoch:>5}  "
                      f"{r.global_step:>7}  {_fmt(r.loss, '.4f'):>8}  "
                      f"{_fmt(r.samples_per_s, ',.0f'):>9}  {exit_}")
-    f = s.failure
-    if f is not None and info.status in ("failed", LOST):
-        lines.append(f"failure: {f.line()}")
-        lines += [f"  | {line}" for line in (f.traceback or "").rstrip().splitlines()
-                  [-TRACEBACK_TAIL_LINES:]]
-    for e in s.timeline:
-        lines.append(f"restart {e.restart}: rank {e.rank} {e.reason} at step {e.global_step}; "
-                     f"from {e.checkpoint or 'the start'}")
     return lines
 
 

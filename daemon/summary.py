@@ -93,6 +93,7 @@ class RankSummary(msgspec.Struct, kw_only=True):
     loss: float | None = None
     samples_per_s: float | None = None
     comm_share: float | None = None
+    step_time_s: float | None = None  # its last window's time per step
     exit_code: int | None = None
     signal: str | None = None
     phase: wire.Phase = "setup"
@@ -106,7 +107,8 @@ class RankSummary(msgspec.Struct, kw_only=True):
         return cls(
             rank=v.rank, state=state, host=v.host, node=node, pid=v.pid, epoch=v.epoch + 1,
             step=v.step, global_step=v.global_step, loss=v.loss, samples_per_s=v.samples_per_s,
-            comm_share=v.comm_share, exit_code=v.exit_code, signal=v.signal, phase=v.phase,
+            comm_share=v.comm_share, step_time_s=v.step_time_s, exit_code=v.exit_code,
+            signal=v.signal, phase=v.phase,
             stopped_by_daemon=v.stopped_by_daemon,
             last_seen_s=None if v.last_seen is None else max(0.0, now - v.last_seen),
             lost=v.lost)
