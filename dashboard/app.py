@@ -113,7 +113,7 @@ class DashboardApp(App[None]):
         self.sort_key = fmt.SORT_KEYS[0]  # ... and a click on a title may pick a scalar's
         self.filter_text, self.problems_only = "", False
         self.frames = 0
-        self.map_shown: bool | None = None  # the rank map (rankmap.py), not the table; None: undecided
+        self.map_shown: bool | None = None  # the rank map (rankmap.py); None: not decided yet
         self.shown: dict[str, object] = {}  # panel -> what it shows (see _show)
         self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
         self.events_key: tuple[int, int, int] | None = None  # what events_text was built from
@@ -225,6 +225,7 @@ class DashboardApp(App[None]):
             banner = panels.banner(state, now, self.feed.connection, self.feed.detail)
             if self.map_shown is None and state.ranks:
                 self.action_rank_map(rankmap.wanted(state))
+                self.refresh_bindings()
             table.set_scalars(sorted(state.scalars))
             scalars = list(table.shown_scalars)
             sorted_by = fmt.scalar_name(self.sort_key)
@@ -339,6 +340,8 @@ class DashboardApp(App[None]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """The main view's keys are off (and out of the footer) on the other screens."""
+        if action == "rank_map" and not rankmap.wanted(self.feed.state):
+            return False  # a small run: the table alone (and `m` out of the footer)
         return not (action in self.MAIN_VIEW_ACTIONS and len(self.screen_stack) > 1)
 
     def action_help(self) -> None:
