@@ -32,7 +32,7 @@ from textual.worker import get_current_worker
 from ddtop.daemon import control, protocol
 from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
-from ddtop.dashboard import panels, series
+from ddtop.dashboard import panels, rankmap, series
 from ddtop.dashboard.charts import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH, Chart
 from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.feed import Pacer
@@ -90,6 +90,7 @@ class DashboardApp(App[None]):
         Binding("S", "sort(True)", "reverse", show=False),
         Binding("slash", "filter", "filter"),
         Binding("f", "problems", "problems only"),
+        Binding("m", "rank_map", "map/table"),
         Binding("p", "pause", "pause"),
         Binding("x", "stop_run", "stop run"),
         Binding("plus,equals_sign", "speed(2.0)", "faster", show=False),
@@ -112,6 +113,7 @@ class DashboardApp(App[None]):
         self.sort_key = fmt.SORT_KEYS[0]  # ... and a click on a title may pick a scalar's
         self.filter_text, self.problems_only = "", False
         self.frames = 0
+        self.map_shown: bool | None = None  # the rank map (rankmap.py); None: not decided yet
         self.shown: dict[str, object] = {}  # panel -> what it shows (see _show)
         self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
         self.events_key: tuple[int, int, int] | None = None  # what events_text was built from
@@ -127,6 +129,7 @@ class DashboardApp(App[None]):
         yield TextPanel(id="header")
         yield Static(id="banner")
         yield RankTable(id="ranks")
+        yield rankmap.MapView(id="mapview")
         with Horizontal(id="lower"):
             with Container(id="charts"):
                 for name, title, unit in CHARTS:
@@ -220,12 +223,17 @@ class DashboardApp(App[None]):
             note = self._note()
             header = panels.header(state, now, note)
             banner = panels.banner(state, now, self.feed.connection, self.feed.detail)
+            if self.map_shown is None and state.ranks:
+                self.action_rank_map(rankmap.wanted(state))
+                self.refresh_bindings()
             table.set_scalars(sorted(state.scalars))
             scalars = list(table.shown_scalars)
             sorted_by = fmt.scalar_name(self.sort_key)
             if sorted_by is not None and sorted_by not in scalars:
                 scalars.append(sorted_by)  # sorted by a column the width has since dropped
-            rows = fmt.rank_rows(state, now, scalars)
+            if self.map_shown:  # the map instead of the rows (thousands of them: a waste)
+                self.query_one(rankmap.MapView).draw(state, now)
+            rows = [] if self.map_shown else fmt.rank_rows(state, now, scalars)
             rows = fmt.filter_rows(rows, self.filter_text, self.problems_only)
             rows = fmt.sort_rows(rows, self.sort_key, self.sort_reverse)
             selected = table.selected_rank
@@ -328,10 +336,12 @@ class DashboardApp(App[None]):
 
     # -- keys ------------------------------------------------------------------------
     MAIN_VIEW_ACTIONS = frozenset({"sort", "filter", "problems", "pause", "stop_run", "speed",
-                                   "clear_filter"})
+                                   "clear_filter", "rank_map"})
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """The main view's keys are off (and out of the footer) on the other screens."""
+        if action == "rank_map" and not rankmap.wanted(self.feed.state):
+            return False  # a small run: the table alone (and `m` out of the footer)
         return not (action in self.MAIN_VIEW_ACTIONS and len(self.screen_stack) > 1)
 
     def action_help(self) -> None:
@@ -379,6 +389,13 @@ class DashboardApp(App[None]):
         box.display = False
         self.query_one(RankTable).focus()
         self.render_view()
+
+    def action_rank_map(self, show: bool | None = None) -> None:
+        self.map_shown = not self.map_shown if show is None else show
+        for selector, on in (("#mapview", True), ("#ranks", False), ("#lower", False)):
+            self.query_one(selector).display = on == self.map_shown
+        self.query_one(rankmap.RankMap if self.map_shown else RankTable).focus()
+        self.dirty = True
 
     def action_problems(self) -> None:
         self.problems_only = not self.problems_only

@@ -32,6 +32,8 @@ HELP = """\
   [b]/[/b]        filter ranks: a rank number, part of a host name, or a state
            (running, stalled, silent, dead, finished, straggler); empty clears
   [b]f[/b]        problems only: stalled, silent, dead and straggling ranks
+  [b]m[/b]        rank map / ranks table (256 ranks or more: the map first, a
+           half cell a rank by node; arrows move on it, Enter: its detail)
   [b]p[/b]        pause the view (telemetry is still read, nothing is lost)
   [b]Enter[/b]    the selected rank's detail: charts, step breakdown, events, log;
            there [b]t[/b] shows the rank's Python stacks now (all threads, also
