@@ -45,10 +45,8 @@ CHART_POINTS = 120  # global steps a run-wide chart shows
 PANELS_EVERY_S = 1.0  # the comm panel is built again this often
 CHARTS_EVERY_S = 2.0  # ... and the charts' data (a plot costs plotext 5 to 20 ms)
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
-IDLE_REDRAW_S = 1.0
-URGENT_GAP_S = 0.1  # an event is drawn at once unless a frame was drawn this recently
-# Lines of the fixed parts around the ranks table (see ddtop.tcss): the header,
-# the footer, the least the panels below keep, the least the table keeps.
+IDLE_REDRAW_S, URGENT_GAP_S = 1.0, 0.1  # an event is drawn at once unless a frame just was
+# Lines around the table (ddtop.tcss): header, footer, least for the panels, for the table.
 HEADER_LINES, FOOTER_LINES, LOWER_MIN_LINES, TABLE_MIN_LINES = 4, 1, 10, 3
 NARROW_WIDTH = 100  # narrower: the charts are one column of sparklines (ddtop.tcss: .narrow)
 CHARTS_SHARE, CHARTS_MARGIN = 0.6, 8  # their width: #charts 3fr of 5, padding and gutters
@@ -297,12 +295,9 @@ class DashboardApp(App[None]):
                 return
 
     def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
-        """The ranks table takes the lines its rows need (and its title), up to what
-        leaves the panels below LOWER_MIN_LINES; the panels get the rest. The charts
-        are a 2x2 grid, the comm panel above the events; where two rows of charts would
-        be too short for axes (many ranks), comm and events side by side, and the
-        charts in one row of four if four columns are wide enough; on a narrow screen,
-        one column of sparklines (ddtop.tcss)."""
+        """The table takes the lines its rows need, up to what leaves the panels below
+        LOWER_MIN_LINES. Charts 2x2, comm above events; too short for axes: comm and events
+        side by side, charts in a row of four if wide enough; narrow: sparklines (tcss)."""
         room = self.size.height - HEADER_LINES - FOOTER_LINES - banner - LOWER_MIN_LINES
         lines = max(TABLE_MIN_LINES, min(rows + 1, room))
         if table.styles.height is None or table.styles.height.value != lines:
@@ -320,19 +315,8 @@ class DashboardApp(App[None]):
         return self.query_one(selector).size.height
 
     def _note(self) -> str:
-        parts = []
-        if self.feed.replay_controls:
-            speed = "max" if self.feed.speed == 0 else f"{self.feed.speed:g}x"
-            parts.append(f"replay {speed} (+/- speed)")
-        if self.feed.finished and not self.replay:
-            parts.append("the run is over: showing its final state")
-        if self.filter_text or self.problems_only:
-            what = ", ".join(([f"'{self.filter_text}'"] if self.filter_text else [])
-                             + (["problems only"] if self.problems_only else []))
-            parts.append(f"filter: {what}")
-        if self.paused:
-            parts.append("PAUSED")
-        return " · ".join(parts)
+        return panels.note(self.feed, self.replay, self.filter_text, self.problems_only,
+                           self.paused)
 
     # -- keys ------------------------------------------------------------------------
     MAIN_VIEW_ACTIONS = frozenset({"sort", "filter", "problems", "pause", "stop_run", "speed",

@@ -29,6 +29,7 @@ from ddtop.daemon.strategy_names import comm_ops
 from ddtop.daemon.summary import LOST, rate_words
 from ddtop.daemon.text import count_of, lost_words, num, seconds, traceback_tail
 from ddtop.dashboard import format as fmt
+from ddtop.dashboard.feed import Feed
 
 STATE_STYLE: dict[RankState, str] = {
     RUNNING: "green", STALLED: "bold yellow", SILENT: "magenta", UNREACHED: "bold magenta",
@@ -90,6 +91,23 @@ def header(state: RunState, now: float, note: str = "") -> Text:
         text.append(f" · stragglers: {', '.join(map(str, slow[:8]))}"
                     f"{'…' if len(slow) > 8 else ''}", "bold yellow")
     return text
+
+
+def note(feed: Feed, replay: bool, filter_text: str, problems_only: bool,
+         paused: bool) -> str:
+    """The header's note: replay speed, the run over, the filter, paused."""
+    parts = []
+    if feed.replay_controls:
+        parts.append(f"replay {'max' if feed.speed == 0 else f'{feed.speed:g}x'} (+/- speed)")
+    if feed.finished and not replay:
+        parts.append("the run is over: showing its final state")
+    if filter_text or problems_only:
+        what = ", ".join(([f"'{filter_text}'"] if filter_text else [])
+                         + (["problems only"] if problems_only else []))
+        parts.append(f"filter: {what}")
+    if paused:
+        parts.append("PAUSED")
+    return " · ".join(parts)
 
 
 def banner(state: RunState, now: float, connection: str, detail: str) -> Text | None:
