@@ -156,6 +156,7 @@ def test_ddp_tutorial_under_ddtrain_shows_steps_loss_progress_and_comm(tmp_path:
 
 
 @pytest.mark.processes
+@pytest.mark.timing  # compute per step < 0.2 s: run alone (make test), not beside other tests
 def test_gpt_accum_counts_optimizer_steps_and_shows_rank0_evaluation_as_such(
         tmp_path: Path) -> None:
     progress, summary = headless(GPT, GPT_ARGS, tmp_path, "gpt", "--interval", "0.2")
