@@ -267,7 +267,9 @@ def test_one_series_per_rank_and_the_step_advances(live: tuple[Detached, str]) -
     first = until("both ranks' first step", stepping)
     assert set(first) == {"0", "1"}
     assert max(first.values()) < STOP_STEP, first  # seen before rank 1 froze
-    second = until("a step more", lambda: (s := stepping()) and s["1"] > first["1"] and s)
+    # Both ranks a step more (rank 0 may be a step ahead of rank 1 at the first scrape).
+    second = until("a step more", lambda: (s := stepping()) and s["1"] > first["1"]
+                   and s["0"] > first["0"] and s)
     assert second["0"] > first["0"]
     labels = [s.labels for s in scrape(url)[RANK_SERIES]]
     assert sorted(label["rank"] for label in labels) == ["0", "1"]
