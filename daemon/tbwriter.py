@@ -140,10 +140,7 @@ class TensorBoardTap:
                     self.files.flush()
             except OSError as e:
                 self._failed(e)
-        if self.error is not None and not self._told:
-            self._told = True
-            return self.error
-        return None
+        return self._untold()
 
     def close(self) -> str | None:
         """Flush and close; a warning line when that failed (the first time)."""
@@ -152,6 +149,10 @@ class TensorBoardTap:
                 self.files.close()
             except OSError as e:
                 self._failed(e)
+        return self._untold()
+
+    def _untold(self) -> str | None:
+        """The write error, the first time it is asked for; else None."""
         if self.error is not None and not self._told:
             self._told = True
             return self.error
