@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Upper bounds of what one machine can be asked to run. Both launchers start every
-# rank here (local forks them; torchrun runs --standalone), each rank a process
-# with torch loaded, and gloo connects every rank to every other: N - 1 sockets a
-# rank, against the usual limit of 1024 open files.
-MAX_WORLD_SIZE = 1024
-MAX_NNODES = 1024  # machines of one multi-node job
+# Upper bounds of what one machine can be asked to run: the ranks it starts (a
+# single-node job's world size, a node's --nproc-per-node). Both launchers start
+# every such rank here (local forks them; torchrun runs them under its agent),
+# each rank a process with torch loaded, and gloo connects every rank to every
+# other: N - 1 sockets a rank, against the usual limit of 1024 open files.
+MAX_MACHINE_RANKS = 1024
+# A multi-node job (--nnodes x --nproc-per-node ranks): the ranks one hub folds
+# (RunState holds at most this many; 2,048 nodes of 8 GPUs are a quarter of it),
+# and so every rank number a message, run.json or a reply of the job may hold.
+MAX_JOB_RANKS = 1 << 16
+MAX_NNODES = 8192  # machines of one multi-node job: 8 ranks each fill MAX_JOB_RANKS
+JOB_RANKS_WHY = "the ranks one job's hub follows"
 MAX_WORKERS = 1024  # data-loader processes, all ranks together
 MAX_THREADS_PER_RANK = 256
 # Every rank holds the whole synthetic set in memory: 3 KB a sample.
@@ -74,16 +81,27 @@ def field_range(f: dataclasses.Field[Any]) -> Range | None:
     return bounds if isinstance(bounds, Range) else None
 
 
-def check_ranges(config: Any) -> str | None:
+def check_ranges(config: Any, instead: Mapping[str, Range | None] | None = None) -> str | None:
     """The first integer field of the dataclass `config` out of its Range, as a
-    one-line problem naming the flag, or None."""
+    one-line problem naming the flag, or None. `instead`: a field's range where
+    it is not its own (None: that field not checked here)."""
     for f in dataclasses.fields(config):
-        bounds = field_range(f)
+        bounds = (instead or {}).get(f.name, field_range(f))
         if bounds is not None:
             problem = bounds.problem("--" + f.name.replace("_", "-"), getattr(config, f.name))
             if problem is not None:
                 return problem
     return None
+
+
+def job_size_problem(nnodes: int, per_node: int) -> str | None:
+    """A multi-node job of more ranks than MAX_JOB_RANKS, as a one-line problem."""
+    ranks = nnodes * per_node
+    if ranks <= MAX_JOB_RANKS:
+        return None
+    return (f"--nnodes x --nproc-per-node must be at most {MAX_JOB_RANKS} ranks (got "
+            f"{shown(nnodes)} x {shown(per_node)} = {shown(ranks)}): fewer nodes or fewer "
+            f"ranks per node ({JOB_RANKS_WHY})")
 
 
 def non_empty(text: str) -> str:

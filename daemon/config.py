@@ -24,10 +24,13 @@ import msgspec
 
 from ddtop.daemon import outlets
 from ddtop.daemon.bounds import (
+    JOB_RANKS_WHY,
     MAX_BATCH_SIZE,
     MAX_EPOCHS,
     MAX_EVERY_STEPS,
+    MAX_JOB_RANKS,
     MAX_KEEP_CHECKPOINTS,
+    MAX_MACHINE_RANKS,
     MAX_NNODES,
     MAX_PORT,
     MAX_RESTARTS,
@@ -36,10 +39,10 @@ from ddtop.daemon.bounds import (
     MAX_SYNTHETIC_SAMPLES,
     MAX_THREADS_PER_RANK,
     MAX_WORKERS,
-    MAX_WORLD_SIZE,
     NAME_MAX,
     Range,
     check_ranges,
+    job_size_problem,
     non_empty,
 )
 from ddtop.daemon.contract import RUNS_DIR_ENV
@@ -114,9 +117,9 @@ class TrainConfig:
     """Everything a run needs. Each field but `extra` is a `ddtrain start` flag, and
     the string under a field is both its documentation and its flag's help."""
 
-    world_size: int = flag(1, short="-n", metavar="N", group="ranks", low=1, high=MAX_WORLD_SIZE,
-                           why="every rank runs on this machine, and gloo connects each "
-                           "rank to every other")
+    world_size: int = flag(1, short="-n", metavar="N", group="ranks", low=1,
+                           high=MAX_MACHINE_RANKS, why="every rank runs on this machine, and "
+                           "gloo connects each rank to every other")
     """number of ranks (processes) to launch"""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """collective backend; auto = nccl when every local rank has a GPU, else gloo"""
@@ -204,14 +207,15 @@ class TrainConfig:
     """serve every rank's metrics to Prometheus at http://HOST:PORT/metrics (HOST
     127.0.0.1 unless given; PORT 0: a free one, in run.json); docs/monitoring.md"""
     nnodes: int = flag(1, metavar="N", group="multi-node", torchrun=True, low=1,
-                       high=MAX_NNODES)
+                       high=MAX_NNODES, why=JOB_RANKS_WHY)
     """machines (nodes) of the job, one `ddtrain start` on each; more than 1 runs the
-    ranks through torchrun's c10d rendezvous at --rdzv-endpoint (docs/multi-node.md)"""
+    ranks through torchrun's c10d rendezvous at --rdzv-endpoint (docs/multi-node.md);
+    the job's ranks, N x --nproc-per-node, at most 65536"""
     node_rank: int = flag(0, metavar="K", group="multi-node", torchrun=True, low=0,
                           high=MAX_NNODES - 1)
     """this node's number, 0 to --nnodes - 1; node 0's daemon is the job's hub"""
     nproc_per_node: int = flag(1, metavar="P", group="ranks", torchrun=True, low=1,
-                               high=MAX_WORLD_SIZE)
+                               high=MAX_MACHINE_RANKS, why="every one runs on this machine")
     """ranks on this machine (torchrun's meaning): on one machine the world size, as
     -n; in a multi-node job the world size is --nnodes x P"""
     rdzv_endpoint: str = flag("", metavar="HOST:PORT", group="multi-node", torchrun=True,
@@ -380,8 +384,15 @@ class TrainConfig:
 
     def check_ranges(self) -> TrainConfig:
         """Return self, or raise UsageError for the first number out of its Range
-        (a config.json written by hand or damaged is checked with this too)."""
-        problem = check_ranges(self)
+        (a config.json written by hand or damaged is checked with this too). A
+        multi-node job's world size is the whole job's: --nnodes x --nproc-per-node
+        ranks, up to MAX_JOB_RANKS, where one machine's is up to MAX_MACHINE_RANKS."""
+        if not self.multi_node:
+            problem = check_ranges(self)
+        else:
+            problem = (check_ranges(self, {"world_size": None})
+                       or job_size_problem(self.nnodes, self.nproc_per_node)
+                       or _JOB_WORLD.problem("--world-size", self.world_size))
         if problem is not None:
             raise UsageError(problem)
         return self
@@ -414,6 +425,7 @@ def is_loopback(host: str) -> bool:
 
 
 _BIND = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:_-]*")
+_JOB_WORLD = Range(1, MAX_JOB_RANKS, JOB_RANKS_WHY)  # a multi-node job's --world-size
 
 
 def resume_mismatch(saved: dict[str, Any], config: TrainConfig) -> list[str]:

@@ -30,7 +30,7 @@ import msgspec
 
 from ddtop.daemon import wire
 from ddtop.daemon.blame import Cause
-from ddtop.daemon.bounds import MAX_NNODES, MAX_WORLD_SIZE
+from ddtop.daemon.bounds import MAX_JOB_RANKS, MAX_MACHINE_RANKS, MAX_NNODES
 from ddtop.daemon.summary import Pid, RunSummary
 from ddtop.daemon.summary import Status as StatusName  # a run's status; Status: the request
 
@@ -47,7 +47,7 @@ OPS = "ping, status, snapshot, stop or stacks"
 NOT_A_REQUEST = "expected a msgpack map with a string 'op'"
 
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=sys.float_info.max)]  # finite, >= 0
-Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD_SIZE)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_JOB_RANKS)]  # a rank of the job
 NodeNumber = Annotated[int, msgspec.Meta(ge=1, lt=MAX_NNODES)]  # node 0 is the hub
 ExitCode = Annotated[int, msgspec.Meta(ge=-255, le=255)]  # negative: killed by that signal
 Host = Annotated[str, msgspec.Meta(max_length=MAX_HOST_CHARS)]
@@ -119,7 +119,8 @@ class NodeHeartbeat(Request, tag="node"):
     status: StatusName
     host: Host = ""
     pid: Pid | None = None
-    ranks: Annotated[list[Rank], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = []
+    # The ranks this node runs: rank numbers of the job, as many as one machine starts.
+    ranks: Annotated[list[Rank], msgspec.Meta(max_length=MAX_MACHINE_RANKS)] = []
     dropped: Annotated[int, msgspec.Meta(ge=0)] = 0
     message: Headline = ""  # with a final status: NodeFinal's
     failure: NodeFailure | None = None

@@ -24,6 +24,7 @@ import msgspec
 
 from ddtop.daemon import alone, hangs, stragglers, wire
 from ddtop.daemon import summary as told
+from ddtop.daemon.bounds import MAX_JOB_RANKS
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
 from ddtop.daemon.rankview import (
@@ -45,7 +46,7 @@ from ddtop.daemon.rankview import SILENT as SILENT
 from ddtop.daemon.scalars import keep_newest, summaries
 from ddtop.daemon.summary import LOST, Failure, RankSummary, RunSummary, ScalarSummary, Status
 
-MAX_RANKS = 1 << 16
+MAX_RANKS = MAX_JOB_RANKS  # the ranks one fold holds: a job's (daemon/bounds.py)
 # A rank that has spoken sends its next message with the next sequence number, or
 # a few later where some were lost; a jump of more than this (a day of messages at
 # ten a second) is no rank's: it is refused (rejected `seq_jump`), so that a

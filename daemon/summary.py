@@ -18,7 +18,7 @@ import msgspec
 import msgspec.inspect
 
 from ddtop.daemon import wire
-from ddtop.daemon.bounds import MAX_WORLD_SIZE
+from ddtop.daemon.bounds import MAX_JOB_RANKS
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.rankview import DEAD, FINISHED, RankState, RankView
 from ddtop.daemon.wire import Restart
@@ -41,8 +41,8 @@ TRACEBACK_TAIL_LINES = 8
 # pid of -1 would signal every process of the user).
 PID_MAX = 1 << 22
 Pid = Annotated[int, msgspec.Meta(ge=1, le=PID_MAX)]
-# The ranks a record may hold: no more than a run can have.
-WorldSize = Annotated[int, msgspec.Meta(ge=0, le=MAX_WORLD_SIZE)]
+# The ranks a record may hold: no more than a job can have (a multi-node job's).
+WorldSize = Annotated[int, msgspec.Meta(ge=0, le=MAX_JOB_RANKS)]
 
 
 class Failure(msgspec.Struct, kw_only=True):

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddtop.daemon.bounds import MAX_WORLD_SIZE
+from ddtop.daemon.bounds import MAX_JOB_RANKS
 from ddtop.daemon.config import TrainConfig, UsageError, default_runs_dir
 from ddtop.daemon.contract import (
     EXIT_USAGE,
@@ -118,7 +118,7 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
         # A job's hub bounds the ranks it takes by the world size: here only the ranks
         # know it. Node 0 serves the other nodes: on every interface unless --bind.
         nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "hub": args.hub,
-                 "hub_keys": args.hub_keys, "world_size": MAX_WORLD_SIZE}
+                 "hub_keys": args.hub_keys, "world_size": MAX_JOB_RANKS}
         if args.node_rank == 0 and not args.bind:
             args.bind = "0.0.0.0"
     return TrainConfig(run_id=args.run_id, runs_dir=args.runs_dir or default_runs_dir(),
