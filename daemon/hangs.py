@@ -30,7 +30,8 @@ def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
     newest = max(c.seq for c in waiting.values())
     inside = [r for r, c in waiting.items() if c.seq == newest]
     coll = waiting[inside[0]]
-    others = [r for r in live if r not in inside]
+    within = set(inside)  # a set: thousands of ranks may wait in it
+    others = [r for r in live if r not in within]
     # A rank that stepped past the step they wait in since their newest reading
     # is not waited for: it has been through their collective, so that reading
     # is stale (a stopped rank resumed; their own steps and heartbeats are on

@@ -20,31 +20,31 @@ It records typed events for people (daemon/events.py); `summary` is a RunSummary
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 
-from ddtop.daemon import alone, hangs, stragglers, wire
+from ddtop.daemon import alone, hangs, rankstates, stragglers, wire
 from ddtop.daemon import summary as told
 from ddtop.daemon.bounds import MAX_JOB_RANKS
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
+from ddtop.daemon.rankview import DEAD as DEAD  # re-exported: rank states live here too
+from ddtop.daemon.rankview import FINISHED as FINISHED
 from ddtop.daemon.rankview import (
-    DEAD,
     HISTORY_POINTS,
     RUNNING,
     SILENT_AFTER_S,
-    SLOW_PHASES,
     STALLED,
-    STARTING,
-    UNREACHABLE,
-    UNREACHED,
     Point,
     RankState,
     RankView,
 )
-from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
 from ddtop.daemon.rankview import SILENT as SILENT
+from ddtop.daemon.rankview import STARTING as STARTING
+from ddtop.daemon.rankview import UNREACHED as UNREACHED
 from ddtop.daemon.scalars import keep_newest, summaries
-from ddtop.daemon.summary import LOST, Failure, RankSummary, RunSummary, ScalarSummary, Status
+from ddtop.daemon.summary import LOST, Failure, RunSummary, ScalarSummary, Status
 
 MAX_RANKS = MAX_JOB_RANKS  # the ranks one fold holds: a job's (daemon/bounds.py)
 # A rank that has spoken sends its next message with the next sequence number, or
@@ -331,28 +331,11 @@ class RunState(msgspec.Struct, kw_only=True):
 
     # -- what the fold tells -----------------------------------------------------------
     def rank_states(self, now: float) -> dict[int, RankState]:
-        states = {r: v.state(now) for r, v in sorted(self.ranks.items())}
-        # Work only some ranks do (rank 0 evaluating or saving: a slow phase, with a
-        # long stall limit of its own) keeps the others waiting in their next step's
-        # collective: while it is not stalled itself, they wait for it, not stalled.
-        slow = [v for r, v in self.ranks.items() if states[r] == RUNNING and v.phase in SLOW_PHASES]
-        if slow:
-            # Waiting for it: inside a collective that the slow rank has not reached.
-            reached = min(v.coll_started.seq if v.coll_started else 0 for v in slow)
-            for r, v in self.ranks.items():
-                if (states[r] == STALLED and v.phase in wire.STEP_PHASES and v.in_collective
-                        and v.coll_started is not None and v.coll_started.seq > reached):
-                    states[r] = RUNNING
-        for r in range(self.world_size):
-            if not self.local_ranks or r in self.local_ranks:
-                states.setdefault(r, STARTING if self._young(now) else UNREACHED)
-        for r, node in self.rank_nodes.items():  # a node gone silent: its ranks, unknown
-            if self.node_states.get(node) in ("unreachable", "lost") and states.get(r) not in (
-                    None, DEAD, FINISHED):
-                states[r] = UNREACHABLE
-        if self.status == LOST:  # the daemon died: ranks that had not exited died with it
-            states = {r: st if st in (FINISHED, DEAD) else LOST for r, st in states.items()}
-        return dict(sorted(states.items()))
+        """Each rank's state at `now`, by rank number (daemon/rankstates.py)."""
+        return rankstates.derive(self.ranks, now, world_size=self.world_size,
+                                 young=self._young(now), local_ranks=self.local_ranks,
+                                 rank_nodes=self.rank_nodes, node_states=self.node_states,
+                                 lost=self.status == LOST)
 
     def _young(self, now: float) -> bool:
         return self.started is None or now - self.started <= SILENT_AFTER_S * 6
@@ -386,9 +369,13 @@ class RunState(msgspec.Struct, kw_only=True):
     def throughput(self, now: float) -> float:
         """Samples per second, all ranks that are running or stalled; once the run has
         ended, its average: each rank's samples over the time its steps took, summed."""
+        return self._throughput(now, None)
+
+    def _throughput(self, now: float, states: Mapping[int, RankState] | None) -> float:
+        """throughput(now), from the `states` at `now` where the caller has them."""
         if told.ended(self.status):
             return sum(v.samples / v.stepping_s for v in self.ranks.values() if v.stepping_s)
-        states = self.rank_states(now)
+        states = self.rank_states(now) if states is None else states
         return sum(v.samples_per_s or 0.0 for r, v in self.ranks.items()
                    if states.get(r) in (RUNNING, STALLED))
 
@@ -422,19 +409,19 @@ class RunState(msgspec.Struct, kw_only=True):
     def summary(self, now: float) -> RunSummary:
         """The run as it stands at `now`: what `status`, `list`, run.json and the
         headless summary show (daemon/summary.py)."""
-        states = self.rank_states(now)
+        states = self.rank_states(now)  # once: the ranks, the rate and the hang read it
         slowest, skew, slow = self.stragglers()
         done, total = self.progress()
-        ranks = [RankSummary.of(self.ranks.get(r) or RankView(rank=r), st,
-                                self.rank_nodes.get(r), now) for r, st in states.items()]
+        hung = hangs.hung(self.ranks, states)
         return RunSummary(
             run_id=self.run, status=self.status, exit_code=self.exit_code,
             world_size=self.world_size, model=self.model, dataset=self.dataset,
             backend=self.backend, restarts=self.restarts, timeline=list(self.timeline),
             failure=self.failure, global_step=done, total_steps=total,
-            samples_per_s=self.throughput(now), telemetry_loss=self.telemetry_loss(),
+            samples_per_s=self._throughput(now, states), telemetry_loss=self.telemetry_loss(),
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
-            journal_dropped=self.journal_dropped, hang=self.hang(now), ranks=ranks,
+            journal_dropped=self.journal_dropped, hang=hung[1] if hung else None,
+            ranks=told.rank_summaries(self.ranks, states, self.rank_nodes, now),
             started=self.started, updated=self.updated, metrics=told.user_epochs(self.aggregate),
             program=self.program, scalars=self.scalar_summaries(), alone=self.alone)
 

@@ -129,10 +129,8 @@ def test_status_says_a_digest_and_every_rank_when_asked(job: RunState) -> None:
 
 def test_ddtrain_status_of_a_big_finished_run_and_its_ranks_flag(
         job: RunState, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # run.json holds up to 1,024 ranks (summary.WorldSize): the job's first 1,024.
-    summary = job.summary(NOW)
-    first = msgspec.structs.replace(summary, world_size=1024, ranks=summary.ranks[:1024])
-    record = RunRecord(run_id="big").with_summary(first)
+    # run.json holds the whole job (summary.WorldSize: up to 65,536 ranks)
+    record = RunRecord(run_id="big").with_summary(job.summary(NOW))
     record.status = "failed"
     (tmp_path / "run.json").write_bytes(encode_record(record))
     shutil.copy(Path(__file__).parent / "fixtures" / "runs" / "recorded-failed" / "config.json",
