@@ -12,11 +12,19 @@ from ddtop.daemon.rankview import STALLED
 if TYPE_CHECKING:
     from ddtop.daemon.state import RunState
 
+# A hang is looked for at every pass of the daemon's loop (ten a second, more
+# under a flood of messages), but that above MANY_RANKS one look costs
+# milliseconds (12 ms at 16,384 ranks: bench/summary.py's states): there, at most
+# every LOOK_EVERY_S, a small part of any --hang-timeout.
+MANY_RANKS = 1024
+LOOK_EVERY_S = 0.5
+
 
 class HangTimer:
     def __init__(self, limit: float | None) -> None:
         self.limit = limit
         self.since: float | None = None  # wall clock: since when the run hangs
+        self.looked: float | None = None  # when a hang was last looked for
 
     def reset(self) -> None:
         self.since = None
@@ -25,6 +33,10 @@ class HangTimer:
         """(rank blamed, reason, the hang in words) once a hang has lasted the limit."""
         if self.limit is None:
             return None
+        if (len(state.ranks) > MANY_RANKS and self.looked is not None
+                and 0 <= now - self.looked < LOOK_EVERY_S):
+            return None
+        self.looked = now
         found = state.hung(now)
         if found is None:
             self.since = None

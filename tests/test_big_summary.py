@@ -16,6 +16,7 @@ from test_state import RUN
 
 from ddtop.daemon import cli, printer, wire
 from ddtop.daemon.config import TrainConfig
+from ddtop.daemon.hangtimer import HangTimer
 from ddtop.daemon.rankview import RankView
 from ddtop.daemon.runinfo import RunInfo
 from ddtop.daemon.runs import RunPaths
@@ -127,3 +128,20 @@ def test_the_summary_of_a_big_job_is_its_parts(ended: RunState) -> None:
     summary = s.summary(NOW)
     assert summary.samples_per_s == s.throughput(NOW) and summary.hang == s.hang(NOW)
     assert [r.state for r in summary.ranks] == list(s.rank_states(NOW).values())
+
+
+def test_the_hang_timer_looks_at_most_twice_a_second_above_1024_ranks(ended: RunState) -> None:
+    """--hang-timeout's look at a big job costs milliseconds: the daemon's loop (ten
+    passes a second and more) looks every LOOK_EVERY_S there; a small job, every pass."""
+    small = msgspec.structs.replace(ended, world_size=0, rank_nodes={}, node_states={},
+                                    ranks={r: ended.ranks[r] for r in (0, 1, HUNG)})
+    for state, seen_at in ((ended, NOW + 0.6), (small, NOW + 0.2)):
+        assert state.hung(NOW) is not None  # HUNG stalled in its backward
+        timer = HangTimer(1.0)
+        assert timer.judge(state, NOW) is None and timer.since == NOW
+        timer.reset()
+        assert timer.judge(state, NOW + 0.2) is None
+        assert timer.judge(state, NOW + 0.6) is None
+        assert timer.since == seen_at, len(state.ranks)
+        judged = timer.judge(state, seen_at + 1.0)
+        assert judged is not None and judged[0] == HUNG
