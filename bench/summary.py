@@ -14,7 +14,10 @@ the median of --repeats calls of:
 - summary: RunState.summary(now), what `ddtrain status`, run.json, the
   headless printer and the GitHub summary are built from;
 - states: RunState.rank_states(now), each rank's state;
-- run.json: RunRecord.with_summary + encode_record (the bytes written), and its size.
+- run.json: RunRecord.with_summary + encode_record (the bytes written), and its size;
+- reply: the `status` request's answer, summary included (RunState.summary +
+  protocol.encode of its StatusReply: the daemon's work per `ddtrain status`),
+  and its size.
 
 --baseline REF measures the daemon as it was at a git commit too (`git archive
 REF daemon`, this tree's training and api): each world size, each round, the
@@ -101,6 +104,7 @@ def cpu_ms(call: Any, repeats: int) -> float:
 
 
 def measure(world: int, repeats: int) -> dict[str, float]:
+    from ddtop.daemon import protocol
     from ddtop.daemon.summary import RunRecord, encode_record
 
     state = build(world)
@@ -114,6 +118,9 @@ def measure(world: int, repeats: int) -> dict[str, float]:
         "record_ms": cpu_ms(lambda: encode_record(RunRecord(run_id="bench").with_summary(
             summary)), repeats),
         "record_mb": len(data) / 1e6,
+        "reply_ms": cpu_ms(lambda: protocol.encode(protocol.StatusReply(
+            ok=True, seq=1, summary=state.summary(now))), repeats),
+        "reply_mb": len(protocol.encode(protocol.StatusReply(ok=True, summary=summary))) / 1e6,
     }
 
 
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CPU ms, median of {args.repeats} calls, then of {args.rounds} rounds "
               f"(each tree in a fresh process a round)", flush=True)
         print(f"{'ranks':>6} | {'tree':<12} | {'summary':>8} | {'states':>7} | "
-              f"{'run.json':>8} | {'size':>7}")
+              f"{'run.json':>8} | {'size':>7} | {'reply':>6} | {'size':>7}")
         for world in args.ranks:
             got: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
             for _ in range(args.rounds):
@@ -166,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
                 print(f"{world:>6} | {name:<12} | {med['summary_ms']:>8.1f} | "
                       f"{med['states_ms']:>7.1f} | {med['record_ms']:>8.1f} | "
-                      f"{med['record_mb']:>5.2f} MB", flush=True)
+                      f"{med['record_mb']:>5.2f} MB | {med['reply_ms']:>6.1f} | "
+                      f"{med['reply_mb']:>5.2f} MB", flush=True)
             if args.baseline:
                 old, new = got[args.baseline], got["this tree"]
                 for key, label in (("summary_ms", "summary"), ("states_ms", "states")):

@@ -64,5 +64,7 @@ def derive(views: Mapping[int, RankView], now: float, *, world_size: int, young:
             if node in gone and states.get(r) not in (None, DEAD, FINISHED):
                 states[r] = UNREACHABLE
     if lost:  # the daemon died: ranks that had not exited died with it
-        return {r: states[r] if states[r] in (FINISHED, DEAD) else LOST for r in sorted(states)}
-    return {r: states[r] for r in sorted(states)}
+        states = {r: st if st in (FINISHED, DEAD) else LOST for r, st in states.items()}
+    ranks = list(states)
+    ordered = sorted(ranks)
+    return states if ranks == ordered else {r: states[r] for r in ordered}

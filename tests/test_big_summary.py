@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import get_args
 
 import msgspec
 import pytest
@@ -145,3 +146,21 @@ def test_the_hang_timer_looks_at_most_twice_a_second_above_1024_ranks(ended: Run
         assert timer.since == seen_at, len(state.ranks)
         judged = timer.judge(state, seen_at + 1.0)
         assert judged is not None and judged[0] == HUNG
+
+
+def test_a_ranks_state_is_its_phase_against_its_stall_limit() -> None:
+    """RankView.state writes phase_elapsed(now) > stall_after() out: the same answer
+    in every phase, with and without a phase clock and a step time."""
+    cases = 0
+    assert len(get_args(wire.Phase)) == 9
+    for phase in get_args(wire.Phase):
+        for at in (None, 50.0, 99.0, 101.0):
+            for phase_s in (0.0, 2.0, 400.0):
+                for step in (None, 0.0, 0.5, 3.0, math.nan):
+                    v = RankView(rank=0, last_seen=99.0, phase=phase, phase_at=at,
+                                 phase_s=phase_s, step_time_s=step)
+                    slow = v.phase_elapsed(100.0) > v.stall_after()
+                    assert v.state(100.0) == ("stalled" if slow else "running"), (
+                        phase, at, phase_s, step)
+                    cases += slow
+    assert cases > 20  # both answers seen
