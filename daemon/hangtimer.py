@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 # A hang is looked for at every pass of the daemon's loop (ten a second, more
 # under a flood of messages), but that above MANY_RANKS one look costs
-# milliseconds (12 ms at 16,384 ranks: bench/summary.py's states): there, at most
+# milliseconds (7 ms at 16,384 ranks: bench/summary.py): there, at most
 # every LOOK_EVERY_S, a small part of any --hang-timeout.
 MANY_RANKS = 1024
 LOOK_EVERY_S = 0.5
