@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ddtop.daemon import alone, hangs, stragglers, wire
+from ddtop.daemon import alone, hangs, nodesummary, stragglers, wire
 from ddtop.daemon import summary as told
 from ddtop.daemon.contract import describe_exit
 from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
@@ -109,6 +109,8 @@ class RunState(msgspec.Struct, kw_only=True):
         if self.started is None:
             self.started = received
         self.updated = max(self.updated or received, received)
+        if isinstance(message, wire.NodeSummary):
+            return message.rank == wire.DAEMON_RANK and nodesummary.fold(self, message, received)
         if message.rank == wire.DAEMON_RANK:
             self._apply_daemon(message, received)
             self.folded += 1
@@ -128,6 +130,12 @@ class RunState(msgspec.Struct, kw_only=True):
             return False
         view.received += 1
         view.sender_dropped += message.dropped
+        self.fold_rank(view, message, late, received)
+        return True
+
+    def fold_rank(self, view: RankView, message: wire.Message, late: bool,
+                  received: float) -> None:
+        """One rank message, its order settled (`late`: counted lost before)."""
         view.first_seen = view.first_seen or received
         view.last_seen = max(view.last_seen or received, received)
         self.folded += 1
@@ -147,7 +155,6 @@ class RunState(msgspec.Struct, kw_only=True):
                 self.scalars_dropped += keep_newest(self.scalars, message.rank, message.values)
         elif isinstance(message, wire.Bye):
             view.bye_code, view.phase = message.exit_code, "done"
-        return True
 
     def _apply_hello(self, view: RankView, m: wire.Hello) -> None:
         # A script's rank says hello again when it learns more (its model, device,
