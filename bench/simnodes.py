@@ -24,7 +24,7 @@ all-reduce: their comm time grows). `--scenario` (JSON) adds faults:
 - "hang": [rank, at_s]: the rank stops in forward; every other rank waits in the
   all-reduce it has not reached (heartbeats once a second, no steps).
 The process prints one line when every hello is sent, then writes the wall
-clock time the scenario's clock starts at to DIR/simstart, and stops after
+clock time the scenario's clock starts at to DIR/simstart.K, and stops after
 --seconds or when DIR/done appears.
 """
 
@@ -86,9 +86,13 @@ class SimNodes:
         self.push.connect(hub["nodes"])
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.SNDHWM, 100_000)
         keys.client(self.dealer)
         self.dealer.connect(hub["control"])
-        self.summarisers = {k: nodesummary.Summariser(run, k) for k in nodes}
+        # A summary each SUMMARY_S, or each tick where ticks are as long (the ranks'
+        # steps of a tick in one summary, not one summary for every other tick).
+        every = min(nodesummary.every_s(world // per + 1), steps_per_message / step_hz) * 0.9
+        self.summarisers = {k: nodesummary.Summariser(run, k, every) for k in nodes}
         self.views = {k: {r: RankView(rank=r) for r in self.ranks(k)} for k in nodes}
         self.seq = {r: 0 for k in nodes for r in self.ranks(k)}
         self.daemon_seq = dict.fromkeys(nodes, 0)
@@ -121,7 +125,7 @@ class SimNodes:
         print(f"simnodes: {len(self.nodes)} nodes, {len(self.seq)} ranks said hello",
               flush=True)
         start = time.monotonic()  # the scenario's clock: its faults' times count from here
-        (self.folder / "simstart").write_text(repr(time.time()))
+        (self.folder / f"simstart.{self.nodes[0]}").write_text(repr(time.time()))
         tick, next_beat = 0, 0.0
         hang_step = None
         while (elapsed := time.monotonic() - start) < seconds:

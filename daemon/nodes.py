@@ -259,7 +259,8 @@ class Forwarder:
     def __init__(self, config: TrainConfig, control: str, keys: RunKeys, run: str,
                  accounts: Callable[[], dict[int, RankView]]) -> None:
         self.node = config.node_rank
-        self.summariser = nodesummary.Summariser(run, self.node)
+        self.summariser = nodesummary.Summariser(run, self.node,
+                                                 nodesummary.every_s(config.nnodes))
         self.accounts = accounts
         self.context = zmq.Context()
         self.control = self.context.socket(zmq.DEALER)

@@ -19,7 +19,8 @@ daemon does (its full per-step detail stays there); to the hub it sends a
 
 A summary is one frame of at most SUMMARY_BYTES (a node of many ranks sends
 several). A node of 8 ranks stepping 10 times a second sends 2 summaries a
-second in place of 88 messages. The hub journals and relays summaries as they
+second in place of 88 messages; from LARGE_JOB_NODES nodes, one a second
+(`every_s`). The hub journals and relays summaries as they
 come; `fold` folds one into a RunState, the hub's, a dashboard's and a
 replay's alike, without the ranks' sequence numbers (most are left out by
 design): lost, late and duplicate counts are the node's.
@@ -40,7 +41,9 @@ import msgspec
 from ddtop.daemon import stragglers, wire
 from ddtop.daemon.rankview import RankView
 
-SUMMARY_S = 0.5  # a node's summary, this often
+SUMMARY_S = 0.5  # a node's summary, this often ...
+SUMMARY_LARGE_S = 1.0  # ... or this often in a job of LARGE_JOB_NODES nodes or more
+LARGE_JOB_NODES = 256
 # A summary frame's size, at most: under wire.MAX_FRAME_BYTES with room to spare
 # (one message larger than this goes alone).
 SUMMARY_BYTES = 48 * 1024
@@ -49,6 +52,12 @@ SUMMARY_BYTES = 48 * 1024
 MAX_SCALARS_HELD = 4
 
 _encoder = msgspec.msgpack.Encoder()
+
+
+def every_s(nnodes: int) -> float:
+    """How often a node of a job of `nnodes` nodes sends its summary: the hub's
+    work (and every dashboard's) is a fold per rank per summary."""
+    return SUMMARY_LARGE_S if nnodes >= LARGE_JOB_NODES else SUMMARY_S
 
 
 # -- the hub's side (and every reader's): the fold ------------------------------------

@@ -39,6 +39,7 @@ from ddtop.daemon.rankview import (
     Point,
     RankState,
     RankView,
+    history_points,
 )
 from ddtop.daemon.rankview import FINISHED as FINISHED  # re-exported: rank states live here too
 from ddtop.daemon.rankview import SILENT as SILENT
@@ -227,8 +228,8 @@ class RunState(msgspec.Struct, kw_only=True):
         view.cuda_allocated, view.cuda_reserved, view.rss = m.cuda_allocated, m.cuda_reserved, m.rss
         view.history.append(Point(m.t, m.global_step, view.loss or 0.0, rate or 0.0,
                                   view.comm_share or 0.0))
-        if len(view.history) > HISTORY_POINTS:
-            del view.history[: len(view.history) - HISTORY_POINTS]
+        if len(view.history) > (keep := history_points(self.world_size)):
+            del view.history[: len(view.history) - keep]
 
     def _stepping(self) -> dict[int, stragglers.Evidence]:
         """Every running rank's straggler evidence (once per round of windows)."""

@@ -68,9 +68,9 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
             hub.check()
             state, now = relay.state, time.time()  # the simulation's clock is wall time too
             if start is None:
-                if not (tmp_path / "simstart").exists() or len(state.ranks) < WORLD:
+                if not (tmp_path / "simstart.1").exists() or len(state.ranks) < WORLD:
                     continue
-                start = float((tmp_path / "simstart").read_text())  # the scenario's clock
+                start = float((tmp_path / "simstart.1").read_text())  # the scenario's clock
             elapsed = now - start
             _, _, named = state.stragglers()
             false_names.update(r for r in named if r != SLOW)
