@@ -89,8 +89,9 @@ def node_process(folder: str, k: int, world: int, nodes: int, seconds: float) ->
     mine = range((k - 1) * per, k * per)
     with tempfile.TemporaryDirectory() as tmp:
         relay = Relay("bench", Path(tmp) / "telemetry.journal", world_size=world)
-        forwarder = multi.Forwarder(config, endpoints["control"], RunKeys.load(base / "keys"))
-        relay.forward = forwarder.send
+        forwarder = multi.Forwarder(config, endpoints["control"], RunKeys.load(base / "keys"),
+                                    "bench", lambda: relay.state.ranks)
+        relay.forward = forwarder.forward
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         push = context.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)

@@ -8,7 +8,7 @@ forwarder's sockets):
   turns their silences into `unreachable` events and passes a stop on to every
   node; once its own ranks have ended, `settle` waits (bounded) for every node to
   say how it ended and gives the job's one outcome: the rank or node to blame.
-- node K (`join_hub`): forwards every message its relay folds, beats once a
+- node K (`join_hub`): sums up its ranks' messages for the hub, beats once a
   second, says when the hub stops answering, takes a stop from the hub's reply,
   and at the end tells the hub how it ended (`record_final`, `close`).
 - a single-node run: every method does nothing (a null part, not a branch in
@@ -71,8 +71,9 @@ class NodeRole:
         job's keys."""
         job = RunPaths(self.paths.root.parent.parent)
         control, keys = nodes.find_hub(self.config, job, self._say)
-        self.forwarder = nodes.Forwarder(self.config, control, keys)
-        self.relay.forward = self.forwarder.send
+        self.forwarder = nodes.Forwarder(self.config, control, keys, self.relay.run,
+                                         lambda: self.relay.state.ranks)
+        self.relay.forward = self.forwarder.forward
         self._say(f"node {self.config.node_rank} forwards to the hub at {control}")
         return keys
 

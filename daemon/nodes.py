@@ -1,6 +1,8 @@
 """Multi-node jobs: node daemons forward to node 0's daemon, the hub.
 
-    node K's daemon ── PUSH (CURVE) ──► hub's `nodes` PULL    every message it folds
+    node K's daemon ── PUSH (CURVE) ──► hub's `nodes` PULL    its ranks' summaries (2 a second,
+                                                               daemon/nodesummary.py), its own
+                                                               messages (exits, events) at once
                     ── DEALER (CURVE) ─► hub's control ROUTER  a NodeHeartbeat once a second;
                                                                the NodeReply carries a stop
 (the messages and their bounds: daemon/protocol.py)
@@ -27,15 +29,17 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import zmq
 
-from ddtop.daemon import protocol, wire
+from ddtop.daemon import nodesummary, protocol, wire
 from ddtop.daemon.config import TrainConfig, UsageError
 from ddtop.daemon.keys import RunKeys
+from ddtop.daemon.rankview import RankView
 from ddtop.daemon.runs import RunPaths, write_json_atomic
 from ddtop.daemon.summary import Status
 
@@ -135,9 +139,17 @@ class Hub:
         return protocol.NodeReply(ok=True, stop=self.stop, nodes=self.nodes_endpoint)
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
-        """A message node `node` folded: its ranks' (relayed as they are) or its own."""
+        """What node `node` sent: its ranks' summary (daemon/nodesummary.py),
+        journalled and relayed as it came, or its own message, said by the hub."""
         if not 0 < node < self.config.nnodes:
             self.relay.reject("bad_forward")
+            return
+        if isinstance(message, wire.NodeSummary):
+            why = nodesummary.problem(message, node, self.relay.run, self.config.world_size)
+            if why is None:
+                self.relay.accept_forwarded(message, frame, received)
+            else:
+                self.relay.reject(why)
             return
         if message.rank != wire.DAEMON_RANK:
             self.relay.accept_forwarded(message, frame, received)
@@ -239,11 +251,17 @@ def read_hub_file(path: Path) -> tuple[str, Path] | None:
 
 
 class Forwarder:
-    """Node K's side: every message its relay folds goes to the hub (bounded,
-    never blocking), plus a heartbeat with this node's ranks and status."""
+    """Node K's side: its ranks' messages summed up for the hub, a summary every
+    SUMMARY_S (daemon/nodesummary.py), its own messages as they are (bounded,
+    never blocking), plus a heartbeat with this node's ranks and status.
+    `accounts()`: the node's RankViews (their telemetry accounting)."""
 
-    def __init__(self, config: TrainConfig, control: str, keys: RunKeys) -> None:
+    def __init__(self, config: TrainConfig, control: str, keys: RunKeys, run: str,
+                 accounts: Callable[[], dict[int, RankView]]) -> None:
         self.node = config.node_rank
+        self.summariser = nodesummary.Summariser(run, self.node,
+                                                 nodesummary.every_s(config.nnodes))
+        self.accounts = accounts
         self.context = zmq.Context()
         self.control = self.context.socket(zmq.DEALER)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -260,6 +278,19 @@ class Forwarder:
         self.started = time.monotonic()
         self.host = socket.gethostname()[:protocol.MAX_HOST_CHARS]
 
+    def forward(self, message: wire.Message, frame: bytes, received: float) -> None:
+        """A message the node's relay folded: the node's own at once, a rank's
+        summed up (what cannot wait, at once too)."""
+        if message.rank == wire.DAEMON_RANK:
+            self.send(frame)
+        elif self.summariser.take(message, received):
+            self.summarise()
+
+    def summarise(self) -> None:
+        """What the summariser has due, sent."""
+        for frame in self.summariser.frames(self.accounts(), time.monotonic(), time.time()):
+            self.send(frame)
+
     def send(self, frame: bytes) -> None:
         if self.push is None:
             if len(self.waiting) == self.waiting.maxlen:
@@ -273,7 +304,12 @@ class Forwarder:
 
     def tick(self, ranks: list[int], status: Status,
              final: protocol.NodeFinal | None = None) -> None:
-        """Answers from the hub; a heartbeat when one is due (or `final`: at once)."""
+        """Answers from the hub; a summary, a heartbeat when one is due (or
+        `final`: at once, after the last summary)."""
+        if final is not None or self.summariser.due(time.monotonic()):
+            if final is not None:
+                self.summariser.last = 0.0
+            self.summarise()
         for _ in range(100):
             try:
                 body = self.control.recv(zmq.NOBLOCK)

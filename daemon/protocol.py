@@ -282,6 +282,8 @@ class NodeHub(Protocol):
 class HubRelay(Protocol):
     """What the hub asks of its relay (daemon/relay.Relay)."""
 
+    run: str
+
     def reject(self, reason: str) -> None: ...
 
     def accept_forwarded(self, message: wire.Message, frame: bytes, received: float

@@ -24,7 +24,10 @@ SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): si
 STALL_MIN_S = 4.5
 STALL_STEPS = 3
 SLOW_PHASE_STALL_S = 300.0  # set-up, evaluation and checkpoints may take longer
-HISTORY_POINTS = 120  # per rank
+HISTORY_POINTS = 120  # per rank ...
+# ... and all ranks together, at most this many (a 16,384-rank job keeps 16 a
+# rank): what a hub holds and a dashboard's snapshot carries stays bounded.
+HISTORY_BUDGET = 262_144
 MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 # Work outside the steps (wire.STEP_PHASES), stalled only after SLOW_PHASE_STALL_S
 # ("done" never).
@@ -45,6 +48,11 @@ FINISHED: Final = "finished"
 UNREACHED: Final = "unreached"
 # On a node the hub cannot reach (or has lost): how it stands is unknown.
 UNREACHABLE: Final = "unreachable"
+
+
+def history_points(world_size: int) -> int:
+    """Points of history kept per rank in a job of `world_size` ranks."""
+    return max(8, min(HISTORY_POINTS, HISTORY_BUDGET // max(1, world_size)))
 
 
 class Point(msgspec.Struct, array_like=True):

@@ -114,7 +114,7 @@ class Relay:
         # A multi-node job (daemon/nodes.py): the hub's node table, or a node
         # daemon's forwarder, fed every message this relay folds.
         self.hub: protocol.NodeHub | None = None
-        self.forward: Callable[[bytes], None] | None = None
+        self.forward: Callable[[wire.Message, bytes, float], None] | None = None
         self.nodes: zmq.Socket[bytes] | None = None
         self.sockets: Path | None = None  # the ipc sockets' folder (None over TCP)
         self._own_folder = False
@@ -289,8 +289,8 @@ class Relay:
             except wire.WireError as e:
                 self.reject(e.reason)
                 continue
-            if message.rank == wire.DAEMON_RANK:
-                self.reject("forged")  # only the daemon speaks as the daemon
+            if message.rank == wire.DAEMON_RANK or isinstance(message, wire.NodeSummary):
+                self.reject("forged")  # only the daemon speaks as the daemon, or for a node
                 continue
             if self.world_size is not None and not 0 <= message.rank < self.world_size:
                 self.reject("rank_out_of_range")
@@ -349,8 +349,10 @@ class Relay:
         self.hub.forwarded(node, message, frames[2], received)
 
     def accept_forwarded(self, message: wire.Message, frame: bytes, received: float) -> None:
-        """A rank's message from a node daemon: its rank in range, its pid for display."""
-        if self.world_size is not None and not 0 <= message.rank < self.world_size:
+        """A rank's message from a node daemon: its rank in range, its pid for display
+        (or a node's summary, which its hub checked: daemon/nodesummary.problem)."""
+        if (self.world_size is not None and not 0 <= message.rank < self.world_size
+                and not isinstance(message, wire.NodeSummary)):
             self.reject("rank_out_of_range")
             return
         self._accept(message, frame, received)
@@ -365,7 +367,7 @@ class Relay:
         self.journal.append(self.seq, received, frame)
         self.pub.send_multipart(wire.relay_frames(self.seq, frame), zmq.NOBLOCK)
         if self.forward is not None:
-            self.forward(frame)
+            self.forward(message, frame, received)
         if self.tensorboard and (said := self.tensorboard.take(message, self.state, received)):
             self._emit(wire.Event, type="warning", message=said)  # once: it writes no more
             _say("warning", said)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ddtop.daemon import alone, hangs, rankstates, stragglers, wire
+from ddtop.daemon import alone, hangs, nodesummary, rankstates, stragglers, wire
 from ddtop.daemon import summary as told
 from ddtop.daemon.bounds import MAX_JOB_RANKS
 from ddtop.daemon.contract import describe_exit
@@ -39,6 +39,7 @@ from ddtop.daemon.rankview import (
     Point,
     RankState,
     RankView,
+    history_points,
 )
 from ddtop.daemon.rankview import SILENT as SILENT
 from ddtop.daemon.rankview import STARTING as STARTING
@@ -110,6 +111,8 @@ class RunState(msgspec.Struct, kw_only=True):
         if self.started is None:
             self.started = received
         self.updated = max(self.updated or received, received)
+        if isinstance(message, wire.NodeSummary):
+            return message.rank == wire.DAEMON_RANK and nodesummary.fold(self, message, received)
         if message.rank == wire.DAEMON_RANK:
             self._apply_daemon(message, received)
             self.folded += 1
@@ -129,6 +132,12 @@ class RunState(msgspec.Struct, kw_only=True):
             return False
         view.received += 1
         view.sender_dropped += message.dropped
+        self.fold_rank(view, message, late, received)
+        return True
+
+    def fold_rank(self, view: RankView, message: wire.Message, late: bool,
+                  received: float) -> None:
+        """One rank message, its order settled (`late`: counted lost before)."""
         view.first_seen = view.first_seen or received
         view.last_seen = max(view.last_seen or received, received)
         self.folded += 1
@@ -148,7 +157,6 @@ class RunState(msgspec.Struct, kw_only=True):
                 self.scalars_dropped += keep_newest(self.scalars, message.rank, message.values)
         elif isinstance(message, wire.Bye):
             view.bye_code, view.phase = message.exit_code, "done"
-        return True
 
     def _apply_hello(self, view: RankView, m: wire.Hello) -> None:
         # A script's rank says hello again when it learns more (its model, device,
@@ -221,8 +229,8 @@ class RunState(msgspec.Struct, kw_only=True):
         view.cuda_allocated, view.cuda_reserved, view.rss = m.cuda_allocated, m.cuda_reserved, m.rss
         view.history.append(Point(m.t, m.global_step, view.loss or 0.0, rate or 0.0,
                                   view.comm_share or 0.0))
-        if len(view.history) > HISTORY_POINTS:
-            del view.history[: len(view.history) - HISTORY_POINTS]
+        if len(view.history) > (keep := history_points(self.world_size)):
+            del view.history[: len(view.history) - keep]
 
     def _stepping(self) -> dict[int, stragglers.Evidence]:
         """Every running rank's straggler evidence (once per round of windows)."""

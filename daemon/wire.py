@@ -283,6 +283,33 @@ class RunStatus(_Header, tag="run_status", tag_field="kind", kw_only=True):
     exit_code: int | None = None
 
 
+class RankAccount(msgspec.Struct, array_like=True):
+    """A rank's telemetry accounting as its node's daemon keeps it (totals)."""
+
+    rank: int
+    received: int
+    lost: int
+    duplicates: int
+    dropped: int  # what the rank could not send
+
+
+# What a node daemon sums up for the hub, by rank (daemon/nodesummary.py).
+Summed = Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye
+
+
+class NodeSummary(_Header, tag="node_summary", tag_field="kind", kw_only=True):
+    """From node K's daemon (as rank -1) to the hub, and relayed by it: its ranks'
+    messages since its previous summary, summed up (daemon/nodesummary.py): per
+    rank every Step merged into one, the newest Heartbeat and Scalars, and at
+    once what cannot wait (hellos, events, byes, new global metrics); with each
+    rank's accounting. Folded without the ranks' sequence numbers (a summary
+    leaves most of them out by design): `accounts` says what was lost."""
+
+    node: int
+    messages: list[Summed] = []
+    accounts: list[RankAccount] = []
+
+
 # The `rank` the daemon uses for what it says itself (RankExit, Restarting, RunStatus, Event).
 DAEMON_RANK = -1
 # A RankExit's `exited` for the command `ddtrain watch` ran (not a rank itself),
@@ -296,10 +323,10 @@ def launcher_name(rank: int) -> str:
     return {COMMAND_RANK: "the command", WATCH_RANK: "the watch"}.get(rank, "torchrun's agent")
 
 Message = (Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye | RankExit | Restarting
-           | RunStatus)
+           | RunStatus | NodeSummary)
 KINDS = {cls.__struct_config__.tag: cls
          for cls in (Hello, Step, Heartbeat, Aggregate, Event, Scalars, Bye, RankExit, Restarting,
-                     RunStatus)}
+                     RunStatus, NodeSummary)}
 
 
 class WireError(ValueError):
