@@ -110,19 +110,9 @@ class Translator:
         """What `message` (just folded into `state`, received at `received`) adds."""
         wall = message.t if message.t > 0 else received
         out: list[Item] = []
-        if isinstance(message, wire.Step | wire.Heartbeat | wire.Aggregate | wire.Scalars):
-            self.step = max(self.step, message.global_step)
-        if isinstance(message, wire.Step):
-            values = step_values(message)
-            if values:
-                out.append(Scalars(rank_folder(message.rank), message.global_step, wall, values))
-                self.steps_written += 1
-        elif isinstance(message, wire.Aggregate) and state.aggregate is message:
-            # Every rank sends the same numbers: the one the fold kept, once.
-            out.append(Scalars(RUN_FOLDER, message.global_step, wall, aggregate_values(message)))
-        elif isinstance(message, wire.Scalars) and message.values:
-            out.append(Scalars(rank_folder(message.rank), message.global_step, wall,
-                               tuple((f"log/{k}", v) for k, v in message.values.items())))
+        # A node's summary (daemon/nodesummary.py): its ranks' messages, each a point.
+        for m in message.messages if isinstance(message, wire.NodeSummary) else (message,):
+            out.extend(self._points(m, state, m.t if m.t > 0 else wall))
         events, self.events_seen = new_events(state, self.events_seen)
         for event in events:
             text = f"**{event.type}** · {event.source()}: {event.message}"
@@ -133,6 +123,22 @@ class Translator:
             self.checked_at = received
             out.extend(self._check(state, received, wall))
         return out
+
+    def _points(self, message: wire.Message, state: RunState, wall: float) -> list[Item]:
+        if isinstance(message, wire.Step | wire.Heartbeat | wire.Aggregate | wire.Scalars):
+            self.step = max(self.step, message.global_step)
+        if isinstance(message, wire.Step):
+            values = step_values(message)
+            if values:
+                self.steps_written += 1
+                return [Scalars(rank_folder(message.rank), message.global_step, wall, values)]
+        elif isinstance(message, wire.Aggregate) and state.aggregate is message:
+            # Every rank sends the same numbers: the one the fold kept, once.
+            return [Scalars(RUN_FOLDER, message.global_step, wall, aggregate_values(message))]
+        elif isinstance(message, wire.Scalars) and message.values:
+            return [Scalars(rank_folder(message.rank), message.global_step, wall,
+                            tuple((f"log/{k}", v) for k, v in message.values.items()))]
+        return []
 
     def _check(self, state: RunState, now: float, wall: float) -> list[Item]:
         """Lines for stragglers named or no longer, and a hang found or over."""

@@ -234,6 +234,17 @@ def test_the_translation_of_hand_made_messages() -> None:
                 104.0)
     assert said == [tbpoints.Text("run", 5, 104.0, "events", "**warning** · rank 0: hot")]
     assert translator.steps_written == 1
+    # a node's summary (a multi-node hub's journal): a point for each rank's step in it
+    summed = [wire.Step(rank=r, seq=5, t=105.0, global_step=6, steps=2, samples=8,
+                        loss_sum=4.0, step_s=1.0, comm_s=0.5, **base) for r in (2, 3)]
+    summary = wire.NodeSummary(run="r", rank=wire.DAEMON_RANK, t=105.5, node=1,
+                               messages=[*summed, wire.Scalars(
+                                   run="r", rank=3, seq=6, t=105.2, values={"gn": 1.0},
+                                   global_step=6)])
+    points = fold(summary, 105.6)
+    assert [(p.folder, p.step, p.wall) for p in points if isinstance(p, tbpoints.Scalars)] == [
+        ("rank2", 6, 105.0), ("rank3", 6, 105.0), ("rank3", 6, 105.2)]
+    assert translator.steps_written == 3
 
 
 def test_the_live_writer_says_a_folder_it_cannot_make_once(tmp_path: Path) -> None:
