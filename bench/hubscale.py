@@ -17,7 +17,8 @@ they stand for (10 steps a second per rank), the hub's CPU (share of one core,
 over the measured seconds) and its resident memory at the end, the dashboard's
 attach-to-first-frame time with every rank shown, its frames per second and
 its lag behind the hub (largest and last, in messages and in seconds of the
-hub's messages), and whether the targets hold (hub <= 0.5 core and < 1 GB,
+hub's messages), how long after a rank's node said it died the dashboard
+showed it dead, and whether the targets hold (hub <= 0.5 core and < 1 GB,
 >= 2 frames/s, lag < 2 s, attach < 2 s).
 """
 
@@ -42,6 +43,7 @@ import dashboard as single  # bench/dashboard.py: PING_EVERY_S
 
 SIM = Path(__file__).resolve().parent / "simnodes.py"
 STEP_HZ = 10.0
+DEAD_AT_S = 14.0  # a rank dies this long after the simulated nodes said hello
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -64,6 +66,7 @@ def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict
     from ddtop.dashboard.live import LiveFeed
 
     nodes = world // per
+    victim = world // 2 + 3  # its node says it died, DEAD_AT_S into the simulation
     # The ranks' steps of one summary in one message: a node merges them (its own work).
     batch = max(1, round(STEP_HZ * nodesummary.every_s(nodes + 1)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +88,8 @@ def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict
                     [sys.executable, str(SIM), "--folder", tmp, "--run", "bench", "--world",
                      str(world), "--per", str(per), "--first", str(first), "--count",
                      str(count), "--seconds", str(run_s), "--step-hz", str(STEP_HZ),
-                     "--steps-per-message", str(batch)], stdout=subprocess.DEVNULL))
+                     "--steps-per-message", str(batch), "--scenario",
+                     json.dumps({"dead": [victim, DEAD_AT_S]})], stdout=subprocess.DEVNULL))
             # every rank's hello sent (and a moment for the hub to fold them)
             endpoint = json.loads((base / "hub.json").read_text())["control"]
             deadline = time.monotonic() + 120
@@ -111,8 +115,13 @@ def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict
                     first: tuple[int, int] | None = None
                     frames0, start = app.frames, time.monotonic()
                     cpu0 = cpu_seconds(hub.pid)
+                    dead_at = float((base / "simstart.1").read_text()) + DEAD_AT_S
                     while time.monotonic() - start < seconds:
-                        await pilot.pause(single.PING_EVERY_S)
+                        for _ in range(10):
+                            await pilot.pause(single.PING_EVERY_S / 10)
+                            view = feed.state.ranks.get(victim)
+                            if "dead_s" not in result and view is not None and view.exited:
+                                result["dead_s"] = time.time() - dead_at
                         relay_seq = control.request(endpoint, protocol.Ping(), 5.0).seq
                         shown_seq = feed.seq
                         first = (relay_seq, shown_seq) if first is None else first
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     print(f"{'ranks':>6} {'nodes':>5} {'rank msg/s':>10} {'hub msg/s':>9} {'hub CPU':>7} "
           f"{'hub MB':>6} {'attach s':>8} {'fps':>5} {'lag max':>7} {'lag s':>5} {'resync':>6}"
+          f" {'dead s':>6}"
           "  targets")
     for world in options.ranks:
         r = measure(world, options.per, options.seconds, options.fps, options.sims)
@@ -166,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{world:>6} {world // options.per:>5} {world * STEP_HZ:>10,.0f} "
               f"{r['rate']:>9,.0f} {r['hub_cpu']:>7.2f} {r['hub_rss'] / 2**20:>6.0f} "
               f"{r['attach_s']:>8.2f} {r['fps']:>5.1f} {r['lag_max']:>7,} {r['lag_s']:>5.2f} "
-              f"{r['resyncs']:>6}  {'hold' if ok else 'MISSED'}", flush=True)
+              f"{r['resyncs']:>6} {r.get('dead_s', float('nan')):>6.2f}  "
+              f"{'hold' if ok else 'MISSED'}", flush=True)
     return 0
 
 

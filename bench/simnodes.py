@@ -141,10 +141,11 @@ class SimNodes:
                     for r in self.ranks(k):
                         if r not in self.gone:
                             self._take(k, self._step(r, now, tick, slowest), now)
-            if self.dead is not None and elapsed >= self.dead[1] and self.dead[0] not in self.gone:
+            if (self.dead is not None and elapsed >= self.dead[1] and self.dead[0] not in self.gone
+                    and self.dead[0] // self.per + 1 in self.nodes):  # its node is simulated here
                 rank = self.dead[0]
                 self.gone.add(rank)
-                self._daemon_says(rank // self.per, wire.RankExit(
+                self._daemon_says(rank // self.per + 1, wire.RankExit(
                     run=self.run_id, rank=wire.DAEMON_RANK, seq=0, t=now, exited=rank,
                     pid=10_000 + rank, exit_code=1, signal=None,
                     message="RuntimeError: simulated"))

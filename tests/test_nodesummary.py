@@ -95,7 +95,7 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
             sim.communicate()
         relay.close()
     assert sim.returncode == 0, out[-2000:]
-    print(f"\n64 nodes x 8 ranks, at the hub: straggler rank {SLOW} named at {named_at} s "
+    print(f"\n64 nodes x 8 ranks, at the hub: straggler rank {SLOW} named at {named_at or 0:.2f} s "
           f"(its step {named_step}); dead rank {DEAD_RANK} "
           f"{(dead_at or 0) - DEAD_AT:.2f} s after it died; node {SILENT_NODE} unreachable "
           f"{(silent_at or 0) - SILENT_AT:.2f} s after it went silent; hang named "
