@@ -18,6 +18,16 @@ import msgspec
 from ddtop.daemon import wire
 
 MAX_EVENTS = 500  # the newest kept in the state (and in a snapshot)
+
+
+def shown(m: wire.Event) -> bool:
+    """Whether a rank's event is recorded. Not an epoch's end (shown from the
+    aggregate, with the global metrics), nor what every rank says the same of
+    the run (a checkpoint, a resume, a stop) from a rank other than 0, which
+    speaks for the run."""
+    if m.type == "epoch_end":
+        return False
+    return m.rank == 0 or m.type not in ("checkpoint", "resumed", "stopped")
 # What an event is about: a rank's or the daemon's own Event types, and those the
 # fold says itself (a rank joined, a rank exited, the run's status changed).
 EventKind = wire.EventType | Literal["join", "exit", "status"]

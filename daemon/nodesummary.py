@@ -14,8 +14,9 @@ daemon does (its full per-step detail stays there); to the hub it sends a
   node counted it;
 - at once, in a summary of their own with the rank's pending readings before
   them, what cannot wait: hellos, events, byes, global metrics the node had not
-  seen. A rank's exit, the node's events: the daemon's own messages, forwarded
-  as they are (daemon/nodes.py).
+  seen (not the events the fold does not record: every rank's word of the
+  same checkpoint, an epoch's end). A rank's exit, the node's events: the
+  daemon's own messages, forwarded as they are (daemon/nodes.py).
 
 A summary is one frame of at most SUMMARY_BYTES (a node of many ranks sends
 several). A node of 8 ranks stepping 10 times a second sends 2 summaries a
@@ -38,7 +39,7 @@ from typing import Protocol
 
 import msgspec
 
-from ddtop.daemon import stragglers, wire
+from ddtop.daemon import events, stragglers, wire
 from ddtop.daemon.bounds import MAX_JOB_RANKS
 from ddtop.daemon.rankview import RankView
 
@@ -224,6 +225,8 @@ class Summariser:
             self.aggregates_seen.add(key)
             if len(self.aggregates_seen) > 1024:
                 self.aggregates_seen = {key}
+        if isinstance(message, wire.Event) and not events.shown(message):
+            return False  # what the fold would not record
         if isinstance(message, wire.Hello | wire.Event | wire.Bye | wire.Aggregate):
             self.urgent.extend(self._flush_rank(message.rank, received))
             self.urgent.append(message)

@@ -28,7 +28,7 @@ from ddtop.daemon import alone, hangs, nodesummary, rankstates, stragglers, wire
 from ddtop.daemon import summary as told
 from ddtop.daemon.bounds import MAX_JOB_RANKS
 from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent
+from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent, shown
 from ddtop.daemon.rankview import DEAD as DEAD  # re-exported: rank states live here too
 from ddtop.daemon.rankview import FINISHED as FINISHED
 from ddtop.daemon.rankview import (
@@ -268,11 +268,8 @@ class RunState(msgspec.Struct, kw_only=True):
     def _apply_event(self, view: RankView, m: wire.Event) -> None:
         if m.type == "error":
             view.error, view.traceback = m.message, m.traceback
-        if m.type == "epoch_end":
-            return  # shown from the aggregate, with the global metrics
-        if m.type in ("checkpoint", "resumed", "stopped") and m.rank != 0:
-            return  # rank 0 speaks for the run: every rank says the same
-        self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
+        if shown(m):
+            self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
     def _apply_daemon(self, m: wire.Message, received: float) -> None:
         if isinstance(m, wire.RankExit) and m.exited < 0:  # a node, blamed as a whole

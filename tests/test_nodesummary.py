@@ -200,6 +200,11 @@ def test_what_cannot_wait_goes_at_once_after_the_ranks_held_readings() -> None:
     assert s.take(wire.Aggregate(rank=3, **agg), 3.0) is True  # type: ignore[arg-type]
     s.frames({}, now=0.0, t=3.0)
     assert s.take(wire.Aggregate(rank=4, **agg), 3.0) is False  # type: ignore[arg-type]
+    # every rank's word of the same checkpoint: rank 0's only, as the fold records it
+    saved = dict(run="r", seq=4, t=4.0, type="checkpoint", message="saved step 10")
+    assert s.take(wire.Event(rank=3, **saved), 4.0) is False  # type: ignore[arg-type]
+    assert s.take(wire.Event(rank=0, **saved), 4.0) is True  # type: ignore[arg-type]
+    assert s.take(wire.Event(rank=3, **{**saved, "type": "error"}), 4.0) is True  # type: ignore[arg-type]
 
 
 def test_a_node_of_many_ranks_sends_frames_under_the_bound() -> None:
