@@ -9,6 +9,7 @@ tests/snapshots/rankmap-16384-ranks-200x60.txt (DDTOP_UPDATE_SNAPSHOTS=1 rewrite
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from ddtop.daemon import wire
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import rankmap
 from ddtop.dashboard.app import DashboardApp
-from ddtop.dashboard.feed import StateFeed
+from ddtop.dashboard.feed import Pacer, StateFeed, freeze_due
 from ddtop.dashboard.screens import RankDetail
 from ddtop.dashboard.widgets import RankTable
 
@@ -148,3 +149,21 @@ def test_the_map_shows_every_rank_and_opens_a_ranks_detail() -> None:
             assert isinstance(app.screen, RankDetail) and app.screen.rank == SLOW
 
     asyncio.run(main())
+
+
+def test_a_large_state_is_frozen_out_of_the_collectors_full_passes() -> None:
+    """feed.Pacer (the TUI's worker, ddtop --headless) freezes what is alive (gc.freeze)
+    when it first sees a state of 256 ranks or more, and again when it is a new state
+    or twice as large: the collector's full passes then skip its millions of objects.
+    A small run's dashboard freezes nothing."""
+    assert not freeze_due(None, 1, 8) and not freeze_due(None, 1, 255)
+    assert freeze_due(None, 1, 256)
+    assert not freeze_due((1, 300), 1, 300) and not freeze_due((1, 300), 1, 599)
+    assert freeze_due((1, 300), 1, 600) and freeze_due((1, 300), 2, 300)
+    gc.unfreeze()
+    try:
+        state = big_run(300)
+        Pacer(StateFeed(state), 0.01).pump()
+        assert gc.get_freeze_count() > 300  # the state's ranks among them
+    finally:
+        gc.unfreeze()
