@@ -9,16 +9,18 @@ shown by the real app (App.run_test) with the map as its view. Measured, each
 variant in a fresh process of its own:
 
 - map ms: `rankmap.snapshot(state, now)` alone (the states' pass, the colours,
-  the distribution and the outliers; median);
-- render ms: `DashboardApp.render_view()` (median and p95), the whole frame's
-  build under the feed's lock: header, banner, map, outliers;
+  the distribution and the outliers; median CPU time);
+- render ms: `DashboardApp.render_view()` (median and p95 of the drawing thread's
+  CPU time, the feed held still), the whole frame's build under the feed's lock:
+  header, banner, map, outliers;
 - CPU ms/frame and fps: the app at --fps for --seconds while a feed folds the
   next Step of 1/CHURN_SHARE of the ranks at every pump (so that every tick draws
   a frame): the process's CPU time over the frames drawn, Textual's paint
   included, the feed's folding not (timed and taken off: "fold ms/s");
 - attach s: from the daemon's snapshot bytes (`encode_snapshot` of the state) to
-  the first frame on screen: decode, the app's start, its first frame (decode s:
-  the decode alone).
+  the map's first frame on screen, laid out at the screen's width: decode, the
+  app's start, its frames up to that one (decode s: the decode alone; CPU s: the
+  process's CPU time over the attach).
 
 --baseline REF measures the dashboard package as it was at a git commit beside
 this tree (bench/tui_cpu.py's baseline_tree: `dashboard/` from `git archive`,
@@ -99,9 +101,12 @@ def churn_feed(state: Any) -> Any:
             super().__init__(state)
             self.turn, self.seqs = 0, {r: 3 for r in state.ranks}
             self.fold_s = 0.0  # CPU time spent folding
+            self.still = False  # True: folds nothing
 
         def pump(self, timeout_s: float) -> int:
             time.sleep(timeout_s)
+            if self.still:
+                return 0
             ranks = sorted(self.seqs)[self.turn::CHURN_SHARE]
             self.turn = (self.turn + 1) % CHURN_SHARE
             now, start = time.time(), time.thread_time()
@@ -132,22 +137,25 @@ def measure_one(ranks: int, seconds: float, fps: float, size: tuple[int, int]) -
     now = T0 + 2
     maps = []
     for _ in range(REPEAT):
-        start = time.perf_counter()
+        start = time.thread_time()
         rankmap.snapshot(state, now)
-        maps.append(1000 * (time.perf_counter() - start))
+        maps.append(1000 * (time.thread_time() - start))
     blob = encode_snapshot(state)
     result: dict[str, Any] = {"map": statistics.median(maps)}
 
-    # Attach: the snapshot's bytes to the first frame on screen.
+    # Attach: the snapshot's bytes to the first frame of the map on screen (laid out at
+    # the screen's width: fewer lines than the screen has).
     async def attach() -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         decoded = decode_snapshot(blob)
         result["decode"] = time.perf_counter() - start
         app = DashboardApp(StateFeed(decoded), fps=fps)
         async with app.run_test(size=size) as pilot:
-            while app.frames < 1:
+            the_map = app.query_one(rankmap.RankMap)
+            while not 0 < len(the_map.layout_.lines) < size[1] or len(the_map.strips) < 2:
                 await pilot.pause(0.01)
             result["attach"] = time.perf_counter() - start
+            result["attach_cpu"] = time.process_time() - cpu
 
     asyncio.run(attach())
 
@@ -169,11 +177,12 @@ def measure_one(ranks: int, seconds: float, fps: float, size: tuple[int, int]) -
             result.update(cpu_frame=1000 * (time.process_time() - cpu0 - fold) / drawn,
                           fold=1000 * fold / elapsed, fps=drawn / elapsed,
                           shown=bool(app.map_shown))
+            feed.still = True
             renders = []
             for _ in range(REPEAT):
-                start_r = time.perf_counter()
+                start_r = time.thread_time()
                 app.render_view()
-                renders.append(1000 * (time.perf_counter() - start_r))
+                renders.append(1000 * (time.thread_time() - start_r))
                 await pilot.pause(0.02)
             result.update(render=statistics.median(renders),
                           render_p95=percentile(renders, 95))
@@ -200,7 +209,8 @@ def measure_in_child(ranks: int, options: argparse.Namespace,
 COLUMNS = (("map", "map ms", 7, ".1f"), ("render", "render ms", 10, ".1f"),
            ("render_p95", "p95", 6, ".1f"), ("cpu_frame", "CPU ms/frame", 13, ".1f"),
            ("fps", "fps", 5, ".1f"), ("fold", "fold ms/s", 10, ".0f"),
-           ("decode", "decode s", 9, ".2f"), ("attach", "attach s", 9, ".2f"))
+           ("decode", "decode s", 9, ".2f"), ("attach", "attach s", 9, ".2f"),
+           ("attach_cpu", "CPU s", 6, ".2f"))
 
 
 def row(ranks: int, name: str, round_: str, r: dict[str, Any]) -> str:
