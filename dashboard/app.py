@@ -36,14 +36,13 @@ from ddtop.dashboard import panels, rankmap, series
 from ddtop.dashboard.charts import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH, Chart
 from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.feed import Pacer
+from ddtop.dashboard.pacing import CHARTS_EVERY_S, HEADER_EVERY_S, PANELS_EVERY_S, Every
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable, TextPanel
 
 # A live feed of a few ranks is folded once per half frame, within these bounds (see pump).
 PUMP_S, PUMP_MAX_S = 0.05, 0.25
 CHART_POINTS = 120  # global steps a run-wide chart shows
-PANELS_EVERY_S = 1.0  # the comm panel is built again this often
-CHARTS_EVERY_S = 2.0  # ... and the charts' data (a plot costs plotext 5 to 20 ms)
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S, URGENT_GAP_S = 1.0, 0.1  # an event is drawn at once unless a frame just was
 # Lines around the table (ddtop.tcss): header, footer, least for the panels, for the table.
@@ -116,9 +115,10 @@ class DashboardApp(App[None]):
         self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
         self.events_key: tuple[int, int, int] | None = None  # what events_text was built from
         self.events_text = Text()
-        # The charts and the comm panel: what they were built for, when, and what.
-        self.panels_key: tuple[int, int | None, int] | None = None
-        self.panels_at = self.charts_at = 0.0
+        # The comm panel, the charts and (for the map) the header: when, and what (pacing.py).
+        self.comm_every, self.charts_every = Every(PANELS_EVERY_S), Every(CHARTS_EVERY_S)
+        self.header_every, self.header_text = Every(HEADER_EVERY_S), Text()
+        self.banner_text: Text | None = None
         self.charts: dict[str, series.ChartData] = {}
         self.chart_turn = 0  # the chart first in line for new data (see _hand_charts)
         self.comm_text = Text()
@@ -218,9 +218,12 @@ class DashboardApp(App[None]):
         with self.feed.lock:
             state, now = self.feed.state, self.feed.now()
             self.shown_folded = self._folded()
-            note = self._note()
-            header = panels.header(state, now, note)
-            banner = panels.banner(state, now, self.feed.connection, self.feed.detail)
+            note, feed = self._note(), self.feed
+            if self.header_every.due((id(state), note, state.status, state.event_count,
+                                      feed.connection, feed.detail), not self.map_shown):
+                self.header_text = panels.header(state, now, note)
+                self.banner_text = panels.banner(state, now, feed.connection, feed.detail)
+            header, banner = self.header_text, self.banner_text
             if self.map_shown is None and state.ranks:
                 self.action_rank_map(rankmap.wanted(state))
                 self.refresh_bindings()
@@ -229,23 +232,19 @@ class DashboardApp(App[None]):
             sorted_by = fmt.scalar_name(self.sort_key)
             if sorted_by is not None and sorted_by not in scalars:
                 scalars.append(sorted_by)  # sorted by a column the width has since dropped
-            if self.map_shown:  # the map instead of the rows (thousands of them: a waste)
-                self.query_one(rankmap.MapView).draw(state, now)
+            # The map instead of the rows (thousands of them: a waste); False: not laid out.
+            laid_out = not self.map_shown or self.query_one(rankmap.MapView).draw(state, now)
             rows = [] if self.map_shown else fmt.rank_rows(state, now, scalars)
             rows = fmt.filter_rows(rows, self.filter_text, self.problems_only)
             rows = fmt.sort_rows(rows, self.sort_key, self.sort_reverse)
             selected = table.selected_rank
             key = (id(state), selected, max(4, self._height("#comm")))
-            if (key != self.panels_key or self.feed.finished
-                    or time.monotonic() - self.panels_at >= PANELS_EVERY_S):
-                # Built again once a second (or for another rank, size or state), not
-                # every frame: each costs Textual a redraw of the whole panel; the
-                # charts every other second: plotext takes 5 to 20 ms a plot.
-                if (key != self.panels_key or self.feed.finished
-                        or time.monotonic() - self.charts_at >= CHARTS_EVERY_S):
-                    self.charts_at = time.monotonic()
+            # Built again once a second (or for another rank, size or state), not every
+            # frame: each costs Textual a redraw of the whole panel; the charts every
+            # other second: plotext takes 5 to 20 ms a plot. Not at all behind the map.
+            if not self.map_shown and self.comm_every.due(key, self.feed.finished):
+                if self.charts_every.due(key, self.feed.finished):
                     self.charts = series.charts(state, selected, CHART_POINTS)
-                self.panels_key, self.panels_at = key, time.monotonic()
                 self.comm_text = panels.comm(state, now, selected, key[2])
             charts, comm = self.charts, self.comm_text
             lines = max(3, self._height("#events") - 1)
@@ -266,7 +265,7 @@ class DashboardApp(App[None]):
         self._show("#comm", comm)
         self._show("#events", events)
         self.frames += 1
-        self.dirty = False
+        self.dirty = not laid_out  # the map just shown: drawn at the next tick, laid out
         self.last_render = time.monotonic()
 
     def _show(self, selector: str, content: str | Text, layout: bool = False) -> None:

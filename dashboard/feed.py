@@ -29,6 +29,7 @@ meanwhile waiting in the socket to be folded together.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -41,6 +42,7 @@ from ddtop.daemon.summary import LOST
 
 BATCH = 5000  # messages folded per pump() at most, so a flood never starves the reader
 PACE_BELOW = 2000  # messages/s under which a paced feed is pumped once per period (Pacer)
+FREEZE_FROM_RANKS = 256  # a state of this many ranks: its objects out of the collector's sight
 
 CONNECTING, LIVE, GONE, ENDED, REPLAY = "connecting", "live", "gone", "ended", "replay"
 
@@ -125,6 +127,13 @@ def conclude(state: RunState, paths: RunPaths) -> RunState:
     return state
 
 
+def freeze_due(frozen: tuple[int, int] | None, state: int, ranks: int) -> bool:
+    """Pacer's freeze: a state of FREEZE_FROM_RANKS ranks or more not frozen yet (by
+    its id), or twice as large as at the last freeze, `frozen`: (state's id, ranks)."""
+    return ranks >= FREEZE_FROM_RANKS and (frozen is None or frozen[0] != state
+                                           or ranks >= 2 * frozen[1])
+
+
 class Pacer:
     """One watcher's loop over a feed: `pump()`, the watcher's own work, `rest()`.
 
@@ -143,16 +152,30 @@ class Pacer:
         self.busy = False  # PACE_BELOW messages a second or more, over the last second
         self._start = self._since = time.monotonic()
         self._folded = self._count = 0  # the last pump's; the last second's so far
+        self._frozen: tuple[int, int] | None = None  # (state's id, its ranks) at the last freeze
 
     def pump(self) -> int:
         """The feed's pump, waiting up to a period; the number of messages folded."""
         self._start = time.monotonic()
         self._folded = self.feed.pump(self.period_s)
+        self._settle()
         self._count += self._folded
         if self._start - self._since >= 1.0:
             self.busy = self._count >= PACE_BELOW * (self._start - self._since)
             self._count, self._since = 0, self._start
         return self._folded
+
+    def _settle(self) -> None:
+        """A large state, new (a snapshot decoded, a journal read) or twice as large as at
+        the last freeze: every object alive now frozen (gc.freeze). The collector's full
+        passes go over every object alive, millions in a state of 16,384 ranks: a quarter
+        of a second each, a third of the dashboard's CPU while it folds. Frozen objects
+        are left out of them (freed by their reference counts as ever; only cycles already
+        garbage at the freeze stay)."""
+        state = self.feed.state
+        if freeze_due(self._frozen, id(state), len(state.ranks)):
+            gc.freeze()
+            self._frozen = (id(state), len(state.ranks))
 
     def rest(self) -> None:
         """Sleep out the period the last pump began, where that is worth it."""

@@ -9,16 +9,17 @@ against the median of the running ranks; under it the step and comm time
 distribution and the outliers (failed, hung, slowest, fastest, silent), one line
 each. 16,384 ranks of 8 a node fit 200x60 (43 lines of 48 nodes). The arrows
 move a cursor over the map; Enter opens the rank's detail, the way the table's
-Enter does (the same `RankTable.Selected` message). A frame costs a pass over the
-ranks' states and a strip per line (16,384 ranks: about 40 ms on 2 cores).
+Enter does (the same `RankTable.Selected` message). A frame costs the ranks' states,
+one pass over them (rankstats.py) and a strip per line, a segment per run of cells
+coloured alike (16,384 ranks: about 30 ms of CPU on 2 cores, bench/rankmap.py).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal, cast
+from itertools import groupby
+from typing import ClassVar, cast
 
 from rich.segment import Segment
 from rich.style import Style
@@ -30,68 +31,16 @@ from textual.containers import Vertical
 from textual.strip import Strip
 from textual.widget import Widget
 
-from ddtop.daemon.rankview import (
-    DEAD,
-    FINISHED,
-    RUNNING,
-    STALLED,
-    STARTING,
-    RankState,
-)
 from ddtop.daemon.state import RunState
-from ddtop.daemon.text import num
-from ddtop.dashboard import format as fmt
+from ddtop.dashboard.rankstats import COLOURS, KINDS, Kind, Snapshot, node_label
+from ddtop.dashboard.rankstats import snapshot as snapshot
 from ddtop.dashboard.widgets import RankTable, TextPanel
 
 MAP_MIN_RANKS = 256  # from this many ranks the map is the default view
 GLYPH = "▀"  # foreground: the upper rank; background: the lower rank
 LABEL_MAX = 10  # a line's node label, at most this wide
 OUTLIERS_MIN_LINES = 8  # the map leaves the outliers at least this many lines
-OUTLIERS_EACH = 5  # slowest and fastest shown; failed, hung, silent: up to this many
-
-Kind = Literal["failed", "hung", "silent", "finished", "starting", "fast", "median", "slow",
-               "slower"]
-# (kind, colour, legend): in the legend's order.
-KINDS: tuple[tuple[Kind, str, str], ...] = (
-    ("failed", "#ff2020", "failed"), ("hung", "#ff40ff", "hung"),
-    ("silent", "#8a8a8a", "silent"), ("finished", "#4e4e80", "finished"),
-    ("starting", "#3a3a3a", "starting"), ("fast", "#3a96ff", "<0.9x"),
-    ("median", "#20b020", "~median"), ("slow", "#e0c000", "≥1.2x"),
-    ("slower", "#ff8000", "≥1.5x"),
-)
-COLOURS: dict[str, str] = {kind: colour for kind, colour, _ in KINDS}
 CURSOR_COLOUR = "#ffffff"
-FAST, SLOW, SLOWER = 0.9, 1.2, 1.5  # step time / median: the shades' bounds
-
-
-def kind_of(state: RankState, ratio: float | None) -> Kind:
-    """A rank's colour class: its state; a running rank's step time against the median."""
-    if state == DEAD:
-        return "failed"
-    if state == STALLED:
-        return "hung"
-    if state == FINISHED:
-        return "finished"
-    if state == STARTING:
-        return "starting"
-    if state != RUNNING:
-        return "silent"  # silent, unreached, unreachable, lost: not heard from
-    if ratio is None:
-        return "median"
-    if ratio >= SLOWER:
-        return "slower"
-    if ratio >= SLOW:
-        return "slow"
-    return "fast" if ratio < FAST else "median"
-
-
-def node_label(state: RunState, rank: int) -> str:
-    """The node a rank is on: 'n37' in a multi-node job, else its host."""
-    node = state.rank_nodes.get(rank)
-    if node is not None:
-        return f"n{node}"
-    view = state.ranks.get(rank)
-    return view.host if view is not None and view.host else "?"
 
 
 def groups(state: RunState, ranks: Sequence[int]) -> list[tuple[str, list[int]]]:
@@ -150,93 +99,6 @@ def pack(nodes: list[tuple[str, list[int]]], room: int, gap: int) -> Layout:
                 if cell[1] is not None:
                     at[cell[1]] = (y, x, 1)
     return Layout(lines, at)
-
-
-@dataclass
-class Snapshot:
-    """What one frame of the map needs, from the RunState (read under the feed's lock)."""
-
-    kinds: dict[int, Kind]
-    median: float | None  # the running ranks' median step time, s
-    outliers: list[Text]  # the distribution, then one line per outlier
-
-
-def snapshot(state: RunState, now: float) -> tuple[dict[int, RankState], Snapshot]:
-    states = state.rank_states(now)
-    times = {r: v.step_time_s for r, v in state.ranks.items()
-             if v.step_time_s and states.get(r) == RUNNING}
-    median = statistics.median(times.values()) if times else None
-    kinds = {r: kind_of(st, times[r] / median if median and r in times else None)
-             for r, st in states.items()}
-    return states, Snapshot(kinds, median, outliers(state, states, kinds, times, median))
-
-
-def _spread(name: str, values: list[float]) -> str:
-    if not values:
-        return f"{name} -"
-    values.sort()
-
-    def at(q: float) -> str:
-        return fmt.millis(values[min(len(values) - 1, int(q * len(values)))])
-
-    return f"{name} min {at(0)} · p50 {at(0.5)} · p90 {at(0.9)} · max {at(1.0)}"
-
-
-def outliers(state: RunState, states: dict[int, RankState], kinds: dict[int, Kind],
-             times: dict[int, float], median: float | None) -> list[Text]:
-    """The distribution of step and comm times, then the outliers, one line each."""
-    comm = [v.comm_s for r, v in state.ranks.items() if r in times and v.comm_s is not None]
-    lines = [Text(f"{len(times):,} running · {_spread('step ms', list(times.values()))} · "
-                  f"{_spread('comm ms', comm)}", style="bold")]
-
-    def line(kind: Kind, word: str, rank: int, value: str) -> None:
-        text = Text("█ ", style=COLOURS[kind])
-        text.append(f"{word:<7} r{rank:<6} {node_label(state, rank):<8} {value}")
-        lines.append(text)
-
-    def listed(kind: Kind, word: str, found: list[int], value: Callable[[int], str]) -> None:
-        for rank in found[:OUTLIERS_EACH]:
-            line(kind, word, rank, value(rank))
-        if len(found) > OUTLIERS_EACH:
-            lines.append(Text(f"  {word:<7} +{len(found) - OUTLIERS_EACH:,} more"))
-
-    found: dict[str, list[int]] = {"failed": [], "hung": [], "silent": []}
-    for rank, kind in kinds.items():
-        if kind in found:
-            found[kind].append(rank)
-
-    def failed(rank: int) -> str:
-        v = state.ranks.get(rank)
-        if v is None:
-            return DEAD
-        return v.signal or (f"exit {v.exit_code}" if v.exit_code is not None else DEAD)
-
-    def hung(rank: int) -> str:
-        v = state.ranks.get(rank)
-        return v.where() if v is not None else STALLED
-
-    def step(rank: int) -> str:
-        ratio = f" ({times[rank] / median:.2f}x)" if median else ""
-        return f"{fmt.millis(times[rank])} ms{ratio}"
-
-    def silent(rank: int) -> str:
-        v = state.ranks.get(rank)
-        if v is None or v.last_seen is None or state.updated is None:
-            return states[rank]
-        return f"seen {num(max(0.0, state.updated - v.last_seen), '.0f')}s before the newest"
-
-    listed("failed", "failed", found["failed"], failed)
-    listed("hung", "hung", found["hung"], hung)
-    ranked = sorted(times, key=lambda r: (-times[r], r))
-    slowest = ranked[:OUTLIERS_EACH]
-    fastest = [r for r in sorted(times, key=lambda r: (times[r], r))[:2 * OUTLIERS_EACH]
-               if r not in slowest][:OUTLIERS_EACH]
-    for word, chosen in (("slowest", slowest), ("fastest", fastest)):
-        for rank in chosen:
-            line(kind_of(RUNNING, times[rank] / median if median else None), word, rank,
-                 step(rank))
-    listed("silent", "silent", found["silent"], silent)
-    return lines
 
 
 def columns(lines: list[Text], width: int, height: int) -> Text:
@@ -311,9 +173,6 @@ class RankMap(Widget, can_focus=True):
             style = self._styles[(upper, lower)] = Style(color=upper, bgcolor=lower)
         return style
 
-    def _colour(self, rank: int) -> str:
-        return CURSOR_COLOUR if rank == self.cursor else COLOURS[self.kinds.get(rank, "starting")]
-
     def _build(self) -> None:
         """Every line again (a frame)."""
         self.strips = [self._legend(self.size.width)]
@@ -321,16 +180,22 @@ class RankMap(Widget, can_focus=True):
         self.refresh()
 
     def _line(self, y: int) -> Strip:
+        """A line of cells, a segment per run of cells coloured alike (most of a line
+        at 16,384 ranks: a few segments, not 200)."""
         label, cells = self.layout_.lines[y]
+        kinds, cursor = self.kinds, self.cursor
+
+        def colour(rank: int) -> str:
+            return CURSOR_COLOUR if rank == cursor else COLOURS[kinds.get(rank, "starting")]
+
+        keys = [None if cell is None else
+                (colour(cell[0]), None if cell[1] is None else colour(cell[1]))
+                for cell in cells]
         segments = [Segment(label[:self._label - 1].ljust(self._label), Style(dim=True))]
-        blank = Segment(" ")
-        for cell in cells:
-            if cell is None:
-                segments.append(blank)
-                continue
-            upper, lower = cell
-            segments.append(Segment(GLYPH, self._style(
-                self._colour(upper), None if lower is None else self._colour(lower))))
+        for key, run in groupby(keys):
+            count = sum(1 for _ in run)
+            segments.append(Segment(" " * count) if key is None
+                            else Segment(GLYPH * count, self._style(*key)))
         return Strip(segments).adjust_cell_length(self.size.width)
 
     def _moved(self, before: int | None) -> None:
@@ -428,10 +293,14 @@ class MapView(Vertical):
         yield RankMap(id="rankmap")
         yield TextPanel(id="outliers")
 
-    def draw(self, state: RunState, now: float) -> None:
-        """Build this frame (under the feed's lock): the map's lines and the outliers."""
-        states, data = snapshot(state, now)
+    def draw(self, state: RunState, now: float) -> bool:
+        """Build this frame (under the feed's lock): the map's lines and the outliers.
+        False, and nothing built, while the map has no width yet (just shown: laid out
+        at 0 columns, a line a rank; the app draws it again at its next tick)."""
         rank_map = self.query_one(RankMap)
+        if not rank_map.size.width:
+            return False
+        states, data = snapshot(state, now)
         room = max(2, self.size.height - OUTLIERS_MIN_LINES)
         rank_map.set_data(state, list(states), data, room - 1)
         # The map takes the lines its nodes need (and its legend); the outliers the rest.
@@ -440,6 +309,7 @@ class MapView(Vertical):
             rank_map.styles.height = lines
         self.query_one("#outliers", TextPanel).set_text(
             columns(data.outliers, self.size.width, self.size.height - lines - 1))  # its border
+        return True
 
 
 def wanted(state: RunState) -> bool:

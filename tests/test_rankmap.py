@@ -4,11 +4,14 @@ its backward) and a slow one (299, on node 37: twice the others' 10 ms step),
 shown at 200x60: every rank a cell, the planted ranks first among the outliers,
 `m` to the table and back, the cursor to the slow rank and Enter to its detail.
 A run of 8 ranks keeps the table. The map's screen is compared with
-tests/snapshots/rankmap-16384-ranks-200x60.txt (DDTOP_UPDATE_SNAPSHOTS=1 rewrites it)."""
+tests/snapshots/rankmap-16384-ranks-200x60.txt (DDTOP_UPDATE_SNAPSHOTS=1 rewrites it).
+What keeps a frame of 16,384 ranks cheap: a large state frozen out of the collector's
+full passes (feed.Pacer), the header paced behind the map (pacing.Every)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from pathlib import Path
@@ -20,7 +23,8 @@ from ddtop.daemon import wire
 from ddtop.daemon.state import RunState
 from ddtop.dashboard import rankmap
 from ddtop.dashboard.app import DashboardApp
-from ddtop.dashboard.feed import StateFeed
+from ddtop.dashboard.feed import Pacer, StateFeed, freeze_due
+from ddtop.dashboard.pacing import Every
 from ddtop.dashboard.screens import RankDetail
 from ddtop.dashboard.widgets import RankTable
 
@@ -148,3 +152,33 @@ def test_the_map_shows_every_rank_and_opens_a_ranks_detail() -> None:
             assert isinstance(app.screen, RankDetail) and app.screen.rank == SLOW
 
     asyncio.run(main())
+
+
+def test_a_large_state_is_frozen_out_of_the_collectors_full_passes() -> None:
+    """feed.Pacer (the TUI's worker, ddtop --headless) freezes what is alive (gc.freeze)
+    when it first sees a state of 256 ranks or more, and again when it is a new state
+    or twice as large: the collector's full passes then skip its millions of objects.
+    A small run's dashboard freezes nothing."""
+    assert not freeze_due(None, 1, 8) and not freeze_due(None, 1, 255)
+    assert freeze_due(None, 1, 256)
+    assert not freeze_due((1, 300), 1, 300) and not freeze_due((1, 300), 1, 599)
+    assert freeze_due((1, 300), 1, 600) and freeze_due((1, 300), 2, 300)
+    gc.unfreeze()
+    try:
+        state = big_run(300)
+        Pacer(StateFeed(state), 0.01).pump()
+        assert gc.get_freeze_count() > 300  # the state's ranks among them
+    finally:
+        gc.unfreeze()
+
+
+def test_a_panel_is_built_again_when_its_key_changes_or_its_time_has_come() -> None:
+    """pacing.Every, which paces the comm panel, the charts and, behind the map, the
+    header and the banner (each of those asks every rank's state twice)."""
+    every = Every(60.0)
+    assert every.due("a")  # never built
+    assert not every.due("a")  # the same key, within the minute
+    assert every.due("b") and not every.due("b")  # another key: at once
+    assert every.due("b", force=True)  # forced (the table's header: every frame)
+    soon = Every(0.0)
+    assert soon.due("a") and soon.due("a")  # its time has come
