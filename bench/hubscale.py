@@ -15,11 +15,12 @@ attaches to the hub with the job's keys.
 Printed per size: the summaries the hub relayed per second, the rank messages
 they stand for (10 steps a second per rank), the hub's CPU (share of one core,
 over the measured seconds) and its resident memory at the end, the dashboard's
+CPU (this process: its fold and its frames), the dashboard's
 attach-to-first-frame time with every rank shown, its frames per second and
 its lag behind the hub (largest and last, in messages and in seconds of the
 hub's messages), how long after a rank's node said it died the dashboard
 showed it dead, and whether the targets hold (hub <= 0.5 core and < 1 GB,
->= 2 frames/s, lag < 2 s, attach < 2 s).
+>= 2 frames/s, lag < 2 s, attach < 2 s); then a plot of both CPUs against ranks.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict
                     lags: list[int] = []
                     first: tuple[int, int] | None = None
                     frames0, start = app.frames, time.monotonic()
-                    cpu0 = cpu_seconds(hub.pid)
+                    cpu0, own0 = cpu_seconds(hub.pid), time.process_time()
                     dead_at = float((base / "simstart.1").read_text()) + DEAD_AT_S
                     while time.monotonic() - start < seconds:
                         for _ in range(10):
@@ -135,6 +136,7 @@ def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict
                                   lag_s=max(lags) / rate if rate else float("inf"),
                                   fps=(app.frames - frames0) / elapsed, resyncs=feed.resyncs,
                                   hub_cpu=(cpu_seconds(hub.pid) - cpu0) / elapsed,
+                                  dash_cpu=(time.process_time() - own0) / elapsed,
                                   hub_rss=rss_bytes(hub.pid), ranks=len(feed.state.ranks))
 
             try:
@@ -166,19 +168,41 @@ def main(argv: list[str] | None = None) -> int:
           f"summaries 2/s a node (1/s from 256 nodes), dashboard 200x60 --fps {options.fps:g}",
           flush=True)
     print(f"{'ranks':>6} {'nodes':>5} {'rank msg/s':>10} {'hub msg/s':>9} {'hub CPU':>7} "
-          f"{'hub MB':>6} {'attach s':>8} {'fps':>5} {'lag max':>7} {'lag s':>5} {'resync':>6}"
-          f" {'dead s':>6}"
+          f"{'hub MB':>6} {'dash CPU':>8} {'attach s':>8} {'fps':>5} {'lag max':>7} {'lag s':>5}"
+          f" {'resync':>6} {'dead s':>6}"
           "  targets")
+    results = []
     for world in options.ranks:
         r = measure(world, options.per, options.seconds, options.fps, options.sims)
+        results.append((world, r))
         ok = (r["hub_cpu"] <= 0.5 and r["hub_rss"] < 2**30 and r["fps"] >= 2
               and r["lag_s"] < 2 and r["attach_s"] < 2)
         print(f"{world:>6} {world // options.per:>5} {world * STEP_HZ:>10,.0f} "
               f"{r['rate']:>9,.0f} {r['hub_cpu']:>7.2f} {r['hub_rss'] / 2**20:>6.0f} "
+              f"{r['dash_cpu']:>8.2f} "
               f"{r['attach_s']:>8.2f} {r['fps']:>5.1f} {r['lag_max']:>7,} {r['lag_s']:>5.2f} "
               f"{r['resyncs']:>6} {r.get('dead_s', float('nan')):>6.2f}  "
               f"{'hold' if ok else 'MISSED'}", flush=True)
+    if len(results) > 1:
+        plot(results)
     return 0
+
+
+def plot(results: list[tuple[int, dict[str, Any]]]) -> None:
+    """CPU (cores) against ranks: the hub's (H) and the dashboard's (D)."""
+    import plotext as plt
+
+    ranks = [w for w, _ in results]
+    plt.plot(ranks, [r["hub_cpu"] for _, r in results], label="hub CPU, cores", marker="H")
+    plt.plot(ranks, [r["dash_cpu"] for _, r in results], label="dashboard CPU, cores",
+             marker="D")
+    plt.xscale("log")
+    plt.xticks(ranks, [f"{w:,}" for w in ranks])
+    plt.ylim(0, max(0.6, *(max(r["hub_cpu"], r["dash_cpu"]) for _, r in results)))
+    plt.plotsize(72, 18)
+    plt.theme("clear")
+    plt.xlabel("ranks (8 a node)")
+    print(plt.uncolorize(plt.build()))
 
 
 if __name__ == "__main__":
