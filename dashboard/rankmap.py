@@ -8,7 +8,8 @@ height allows it), coloured by state and, for a running rank, by its step time
 against the median of the running ranks; under it the step and comm time
 distribution and the outliers (failed, hung, slowest, fastest, silent), one line
 each. 16,384 ranks of 8 a node fit 200x60 (43 lines of 48 nodes). The arrows
-move a cursor over the map; Enter opens the rank's detail, the way the table's
+move a cursor over the map (`o`: to the next outlier listed); Enter opens the
+rank's detail, the way the table's
 Enter does (the same `RankTable.Selected` message). A frame costs the ranks' states,
 one pass over them (rankstats.py) and a strip per line, a segment per run of cells
 coloured alike (16,384 ranks: about 30 ms of CPU on 2 cores, bench/rankmap.py).
@@ -132,12 +133,14 @@ class RankMap(Widget, can_focus=True):
         Binding("up,k", "move(-1, 0)", show=False),
         Binding("down,j", "move(1, 0)", show=False),
         Binding("home", "first", show=False),
+        Binding("o", "outlier", "next outlier"),
         Binding("enter", "select", "detail"),
     ]
 
     def __init__(self, id: str | None = None) -> None:
         super().__init__(id=id)
         self.kinds: dict[int, Kind] = {}
+        self.outliers: list[int] = []  # the outliers' ranks, as listed under the map
         self.median: float | None = None
         self.layout_: Layout = Layout([], {})
         self._layout_key: tuple[object, ...] | None = None
@@ -152,6 +155,7 @@ class RankMap(Widget, can_focus=True):
         """This frame's data; `rows`: the most lines the map may take (gaps between
         nodes where they fit)."""
         self.kinds, self.median = data.kinds, data.median
+        self.outliers = data.outlier_ranks
         key = (id(state), len(ranks), len(state.ranks), len(state.rank_nodes),
                self.size.width, rows)
         if key != self._layout_key:
@@ -277,6 +281,25 @@ class RankMap(Widget, can_focus=True):
     def action_first(self) -> None:
         self.cursor, self.top = next(iter(self.layout_.at), None), 0
         self._build()
+
+    def action_outlier(self) -> None:
+        """The cursor to the next outlier listed under the map (after the cursor's
+        own, if it is one; from the first again after the last)."""
+        shown = [r for r in self.outliers if r in self.layout_.at]
+        if not shown:
+            return
+        after = shown.index(self.cursor) + 1 if self.cursor in shown else 0
+        self.jump(shown[after % len(shown)])
+
+    def jump(self, rank: int) -> None:
+        """The cursor to `rank`, its line scrolled into view."""
+        before, self.cursor = self.cursor, rank
+        line = self.layout_.at[rank][0]
+        if line < self.top or line >= self.top + self.shown_lines:
+            self.top = max(0, line - self.shown_lines // 2)
+            self._build()
+        else:
+            self._moved(before)
 
     def action_select(self) -> None:
         if self.cursor is not None:

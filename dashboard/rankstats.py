@@ -73,6 +73,7 @@ class Snapshot:
     kinds: dict[int, Kind]
     median: float | None  # the running ranks' median step time, s
     outliers: list[Text]  # the distribution, then one line per outlier
+    outlier_ranks: list[int]  # the ranks of those lines, in their order
 
 
 @dataclass
@@ -118,7 +119,8 @@ def snapshot(state: RunState, now: float) -> tuple[dict[int, RankState], Snapsho
                 kinds[rank] = "fast"
     comm.sort()
     readings = Readings(times, step_sorted, comm, found)
-    return states, Snapshot(kinds, median, outliers(state, states, readings, median))
+    lines, ranks = outliers(state, states, readings, median)
+    return states, Snapshot(kinds, median, lines, ranks)
 
 
 def _spread(name: str, values: list[float]) -> str:
@@ -133,16 +135,19 @@ def _spread(name: str, values: list[float]) -> str:
 
 
 def outliers(state: RunState, states: dict[int, RankState], readings: Readings,
-             median: float | None) -> list[Text]:
-    """The distribution of step and comm times, then the outliers, one line each."""
+             median: float | None) -> tuple[list[Text], list[int]]:
+    """The distribution of step and comm times, then the outliers, one line each;
+    and the outliers' ranks in the order of their lines."""
     times, found = readings.times, readings.found
     lines = [Text(f"{len(times):,} running · {_spread('step ms', readings.step_sorted)} · "
                   f"{_spread('comm ms', readings.comm_sorted)}", style="bold")]
+    ranks: list[int] = []
 
     def line(kind: Kind, word: str, rank: int, value: str) -> None:
         text = Text("█ ", style=COLOURS[kind])
         text.append(f"{word:<7} r{rank:<6} {node_label(state, rank):<8} {value}")
         lines.append(text)
+        ranks.append(rank)
 
     def listed(kind: Kind, word: str, ranks: list[int], value: Callable[[int], str]) -> None:
         for rank in ranks[:OUTLIERS_EACH]:
@@ -181,4 +186,4 @@ def outliers(state: RunState, states: dict[int, RankState], readings: Readings,
             line(kind_of(RUNNING, times[rank] / median if median else None), word, rank,
                  step(rank))
     listed("silent", "silent", found["silent"], silent)
-    return lines
+    return lines, ranks

@@ -140,6 +140,13 @@ def test_the_map_shows_every_rank_and_opens_a_ranks_detail() -> None:
             await pilot.pause(0.3)
             assert app.map_shown and app.focused is the_map
             assert the_map.cursor == 0
+            # `o`: the outliers in the order listed (failed, hung, slowest, ...), from
+            # a rank that is none (rank 0 is among the fastest)
+            the_map.cursor = 1
+            for outlier in (FAILED, HUNG, SLOW):
+                await pilot.press("o")
+                assert the_map.cursor == outlier
+            the_map.cursor = 0
             # A few keys (each waits for a frame of 16,384 ranks): next to the slow rank,
             # then onto it: from the upper half of its cell to the lower.
             await pilot.press("down")
