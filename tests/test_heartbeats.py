@@ -61,22 +61,49 @@ def test_work_outside_the_steps_is_said_at_once_step_phases_are_not() -> None:
     assert not phase_news("evaluation", "evaluation")
     beats = Beats()
     beats.beat(0.0, "forward", sent=True)
-    beats.stepped(0.1)
-    assert beats.due(0.15, "evaluation")
-    beats.beat(0.15, "evaluation", sent=True)
-    assert not beats.due(0.25, "evaluation")
-    assert beats.due(0.3, "data")  # back to the steps: the daemon's stall rule changes
+    for now in (0.5, 1.0, 1.5):
+        beats.stepped(now)
+    assert not beats.due(1.55, "backward")
+    assert beats.due(1.55, "evaluation")
+    beats.beat(1.55, "evaluation", sent=True)
+    assert not beats.due(1.65, "evaluation")
+    # Back to the steps (the daemon's stall rule changes), but a heartbeat went
+    # out less than a second ago: at that second.
+    beats.stepped(2.0)
+    assert not beats.due(2.5, "data")
+    beats.stepped(2.5)
+    assert beats.due(2.6, "data")
+
+
+def test_a_phase_that_flips_every_step_costs_a_heartbeat_a_second_at_most() -> None:
+    """A script that runs an evaluation forward in each training step."""
+    beats = Beats()
+    beats.beat(0.0, "setup", sent=True)
+    sent = []
+    for i in range(1, 101):  # 10 s of send rounds; a Step message in each
+        now = i * 0.1
+        beats.stepped(now)
+        phase: wire.Phase = "evaluation" if i % 2 else "forward"
+        if beats.due(now + 0.05, phase):
+            beats.beat(now + 0.05, phase, sent=True)
+            sent.append(now)
+    assert 4 <= len(sent) <= 10, sent
+    assert all(b - a >= HEARTBEAT_INTERVAL_S - 1e-9 for a, b in itertools.pairwise(sent)), sent
 
 
 def test_a_heartbeat_that_could_not_go_out_is_tried_again_a_second_later() -> None:
     beats = Beats()
     beats.beat(0.0, "forward", sent=True)
-    assert beats.due(0.2, "evaluation")
-    beats.beat(0.2, "evaluation", sent=False)  # nobody listening
+    for now in (0.5, 1.0):
+        beats.stepped(now)
+    assert beats.due(1.1, "evaluation")
+    beats.beat(1.1, "evaluation", sent=False)  # nobody listening
     assert beats.told == "forward"
-    assert not beats.due(0.3, "evaluation") and not beats.due(1.1, "evaluation")
-    assert beats.due(1.2, "evaluation")
-    beats.beat(1.2, "evaluation", sent=True)
+    beats.stepped(1.5)
+    assert not beats.due(1.6, "evaluation") and not beats.due(2.05, "evaluation")
+    beats.stepped(2.0)
+    assert beats.due(2.1, "evaluation")
+    beats.beat(2.1, "evaluation", sent=True)
     assert beats.told == "evaluation"
 
 
@@ -145,19 +172,22 @@ def test_a_stepping_rank_sends_no_heartbeats_a_blocked_or_sleeping_one_one_a_sec
 
 def test_evaluation_is_said_at_once_and_so_is_its_end() -> None:
     with live_rank() as (tel, got):
-        n = steps(tel, 1, 10)
+        n = steps(tel, 1, 15)  # more than a second since the first heartbeat
         entered = time.time()
         tel.phase("evaluation")
-        time.sleep(0.5)
+        time.sleep(1.3)
         left = time.time()
-        steps(tel, n + 1, 10)
+        steps(tel, n + 1, 15)
         ended = time.time()
     evaluating = [b for b in got.of(wire.Heartbeat) if b.phase == "evaluation"]
     assert evaluating and entered <= evaluating[0].t < entered + 0.4, (
         evaluating, entered)
+    # Its end: a second after its newest heartbeat at the latest (at once when
+    # that one is older), then steps again and no heartbeat.
     back = beats_between(got, left, ended)
-    assert back and back[0].phase in wire.STEP_PHASES and back[0].t < left + 0.4, back
-    assert len(back) == 1, back  # then steps again: none
+    assert len(back) == 1 and back[0].phase in wire.STEP_PHASES, back
+    newest = max(b.t for b in evaluating)
+    assert back[0].t < max(left, newest + HEARTBEAT_INTERVAL_S) + 0.4, (back, left, newest)
     first_step = got.of(wire.Step)[0].t
     assert not beats_between(got, first_step, entered)
 

@@ -14,17 +14,19 @@ stepping rank needs no heartbeat. One goes out:
   the daemon's rules: into or out of work outside the steps (set-up,
   evaluation, checkpoint), whose stall limit is longer and whose rank the
   others are excused for waiting for (daemon/rankview.py SLOW_PHASES,
-  RunState.rank_states). A change between two step phases is not worth a
-  message (the Step message carries each phase's time), nor is "done" (the bye
-  says it).
+  RunState.rank_states); but never sooner than HEARTBEAT_INTERVAL_S after the
+  last heartbeat, so that a script whose phase flips every step (an evaluation
+  forward in each training step) sends no more than one a second, as before.
+  A change between two step phases is not worth a message (the Step message
+  carries each phase's time), nor is "done" (the bye says it).
 
 The collective a rank enters is not worth a message of its own: while the rank
 steps, the next Step message ends it; once it stops stepping, in the
 collective or anywhere else, its heartbeat a second later says where.
 
-A heartbeat that could not go out (nobody listening, the queue full) is not
-tried again before HEARTBEAT_INTERVAL_S, as before: a missing daemon costs one
-dropped message a second, not one a round.
+So a rank never sends more than a heartbeat a second, and a heartbeat that
+could not go out (nobody listening, the queue full) is tried again a second
+later, as before: a missing daemon costs one dropped message a second.
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ class Beats:
         # on (a Step message ends set-up). None: no heartbeat has gone out.
         self.told: wire.Phase | None = None
         self.last = -math.inf  # a Step message went out, or a heartbeat was tried
-        self.failed = -math.inf  # a heartbeat could not go out
+        self.beat_at = -math.inf  # a heartbeat was tried
 
     def due(self, now: float, phase: wire.Phase) -> bool:
         """Whether a heartbeat saying `phase` goes out at `now`."""
         if now - self.last >= HEARTBEAT_INTERVAL_S:
             return True
-        if self.told is None or now - self.failed < HEARTBEAT_INTERVAL_S:
+        if self.told is None or now - self.beat_at < HEARTBEAT_INTERVAL_S:
             return False
         return phase_news(phase, self.told)
 
@@ -76,8 +78,6 @@ class Beats:
 
     def beat(self, now: float, phase: wire.Phase, sent: bool) -> None:
         """A heartbeat saying `phase` was tried at `now`; `sent`: it went out."""
-        self.last = now
+        self.last = self.beat_at = now
         if sent:
             self.told = phase
-        else:
-            self.failed = now

@@ -12,8 +12,9 @@
   since when, the step, the last collective started and completed), so a rank
   stuck in a collective still says where; only when it tells the daemon
   something (beats.py): HEARTBEAT_INTERVAL_S after the last Step message or
-  heartbeat, or at once when the phase moves into or out of work outside the
-  steps. A rank stepping needs none: its Step messages say it is alive.
+  heartbeat, or when the phase moves into or out of work outside the steps (at
+  once, or HEARTBEAT_INTERVAL_S after the previous heartbeat). A rank stepping
+  needs none: its Step messages say it is alive.
 - Events as soon as they are queued, never coalesced, at most MAX_QUEUED_EVENTS
   waiting (beyond: dropped and counted).
 - Sends never block (NOBLOCK, small high-water mark): when nobody listens or
