@@ -39,8 +39,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 def phase_news(phase: wire.Phase, told: wire.Phase) -> bool:
-    """Whether the daemon, told `told`, must hear of `phase` at once: a change
-    into, out of or between phases outside the steps (not "done": the bye)."""
+    """Whether the daemon, told `told`, must hear of `phase` (without waiting
+    for the rank to stop stepping): a change into, out of or between phases
+    outside the steps (not "done": the bye says it)."""
     if phase == told or phase == "done":
         return False
     return phase not in wire.STEP_PHASES or told not in wire.STEP_PHASES
