@@ -8,9 +8,13 @@
   Scalars message). A window whose loss is still being summed on a GPU waits
   for the next round (never a blocking read here: a hung collective must not
   stop heartbeats), unless it is the last round.
-- Every HEARTBEAT_INTERVAL_S a heartbeat with what the training thread says
-  now (`Said`: the phase and since when, the step, the last collective started
-  and completed), so a rank stuck in a collective still says where.
+- A heartbeat with what the training thread says now (`Said`: the phase and
+  since when, the step, the last collective started and completed), so a rank
+  stuck in a collective still says where; only when it tells the daemon
+  something (beats.py): HEARTBEAT_INTERVAL_S after the last Step message or
+  heartbeat, or when the phase moves into or out of work outside the steps (at
+  once, or HEARTBEAT_INTERVAL_S after the previous heartbeat). A rank stepping
+  needs none: its Step messages say it is alive.
 - Events as soon as they are queued, never coalesced, at most MAX_QUEUED_EVENTS
   waiting (beyond: dropped and counted).
 - Sends never block (NOBLOCK, small high-water mark): when nobody listens or
@@ -40,11 +44,11 @@ import zmq
 
 from ddtop.daemon import wire
 from ddtop.daemon.keys import secure
+from ddtop.training.beats import Beats
 from ddtop.training.marks import FoldRounds, Marks
 from ddtop.training.stepfold import Memory, StepFolder, StepWindow, step_message
 
 SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
-HEARTBEAT_INTERVAL_S = 1.0
 SEND_HWM = 64  # messages ZeroMQ may queue before sends fail (and are counted)
 MAX_QUEUED_EVENTS = 1000
 CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on exit
@@ -101,10 +105,11 @@ class Sender:
 
     def __init__(self, endpoint: str, hello: wire.Hello, marks: Marks, said: Said,
                  scalars: LatestScalars, folder: StepFolder, rounds: FoldRounds,
-                 ended: Callable[[], None]) -> None:
+                 ended: Callable[[], None], beats: Beats | None = None) -> None:
         """`marks`, `said`, `scalars`: what the training thread writes; `folder`
         and `rounds`: the fold, this thread's alone from now on; `ended`: called
-        on this thread once it folds no more (the marks may stop)."""
+        on this thread once it folds no more (the marks may stop); `beats`: when
+        heartbeats go out (beats.py's rule unless given)."""
         self.endpoint, self.run, self.rank = endpoint, hello.run, hello.rank
         self.world_size = hello.world_size
         self._marks, self._said, self._scalars = marks, said, scalars
@@ -117,6 +122,7 @@ class Sender:
         self._rss: int | None = None  # resident memory as last read, and when (monotonic)
         self._rss_at = -math.inf
         self._bye: wire.Bye | None = None
+        self._beats = beats or Beats()  # this thread's alone
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -150,23 +156,25 @@ class Sender:
         try:
             secure(sock, self.endpoint, None)  # the run's keys, when the daemon is on TCP
             sock.connect(self.endpoint)
-            next_step = next_beat = time.monotonic()
+            next_step = time.monotonic()
+            beats = self._beats
             while True:
                 stopping = self._stop.is_set()
                 self._send_events(sock)
                 now = time.monotonic()
-                if now >= next_step or stopping:
-                    self._send_steps(sock, final=stopping)
+                if (now >= next_step or stopping) and self._send_steps(sock, final=stopping):
+                    beats.stepped(now)
+                if now >= next_step:
                     next_step = now + SEND_INTERVAL_S
-                if now >= next_beat:
-                    self._send(sock, self._heartbeat())
-                    next_beat = now + HEARTBEAT_INTERVAL_S
+                said = self._said.phase  # (one read: the phase and since when)
+                if beats.due(now, said[0]):
+                    beats.beat(now, said[0], self._send(sock, self._heartbeat(said)))
                 if stopping:
                     self._send_events(sock)  # what the last fold said (a warning), before bye
                     if self._bye is not None:
                         self._send(sock, self._bye)
                     break
-                self._wake.wait(max(0.0, min(next_step, next_beat) - time.monotonic()))
+                self._wake.wait(max(0.0, min(next_step, beats.next_at()) - time.monotonic()))
                 self._wake.clear()
         except Exception as e:  # noqa: BLE001 - telemetry must never take training down
             print(f"warning: telemetry to {self.endpoint} stopped: {e}", file=sys.stderr)
@@ -179,7 +187,8 @@ class Sender:
         while self._events:
             self._send(sock, self._events.popleft())
 
-    def _send(self, sock: zmq.Socket[bytes], message: wire.Message) -> None:
+    def _send(self, sock: zmq.Socket[bytes], message: wire.Message) -> bool:
+        """False: it could not go out (dropped and counted)."""
         message.seq, message.t = self._seq, time.time()
         self._seq += 1
         message.dropped = self._dropped + self._queue_dropped
@@ -187,26 +196,27 @@ class Sender:
             sock.send_multipart(wire.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             self._dropped += 1
-            return
+            return False
         self._dropped = 0
         self._queue_dropped = 0
+        return True
 
     def _warn(self, message: str) -> None:
         self.queue(wire.Event(run=self.run, rank=self.rank, type="warning", message=message,
                               traceback=None, data={}))
 
-    def _heartbeat(self) -> wire.Heartbeat:
+    def _heartbeat(self, phase_since: tuple[wire.Phase, float]) -> wire.Heartbeat:
         said = self._said
-        phase, since = said.phase
+        phase, since = phase_since
         return wire.Heartbeat(
             run=self.run, rank=self.rank, phase=phase, epoch=said.epoch,
             global_step=said.global_step, phase_s=time.perf_counter() - since,
             coll_started=said.coll_started, coll_completed=said.coll_completed,
         )
 
-    def _send_steps(self, sock: zmq.Socket[bytes], final: bool = False) -> None:
+    def _send_steps(self, sock: zmq.Socket[bytes], final: bool = False) -> bool:
         """The marks folded (for this round's budget), the steps ready sent, then
-        the scalars kept since the last round."""
+        the scalars kept since the last round; True: a Step message went out."""
         folder = self._folder
         folder.fold(self._rounds.take(self._marks, final), time.monotonic())
         for warning in folder.said:
@@ -217,16 +227,19 @@ class Sender:
             self._warn(flood)
         windows = folder.ready(time.monotonic(), final)
         scalars = self._scalars.take()
+        stepped = False
         for i, w in enumerate(windows):
             if not self._read_cuda_loss(w, final):
                 folder.wait(windows[i:])  # in order, before newer ones
                 break
-            self._send(sock, step_message(w, self.run, self.rank, self.world_size,
-                                          self._memory()))
+            sent = self._send(sock, step_message(w, self.run, self.rank, self.world_size,
+                                                 self._memory()))
+            stepped = stepped or (sent and w.steps > 0)
         if scalars:
             values = {key: float(value) for key, value in scalars.items()}
             self._send(sock, wire.Scalars(run=self.run, rank=self.rank, values=values,
                                           global_step=self._said.global_step))
+        return stepped
 
     def _read_cuda_loss(self, w: StepWindow, final: bool) -> bool:
         """`w`'s loss on a GPU, read into `loss_sum` if the device has computed it;

@@ -20,8 +20,9 @@ Three pieces, one per module, two threads:
   estimate for all-reduces not read, the open step, the epoch split, the loss
   held or overwritten.
 - The sender thread (sender.py): folds the marks a bounded share per round,
-  reads GPU losses without blocking, sends Step, Scalars and heartbeats, events
-  as soon as they are queued, and a bye at close; sends never block.
+  reads GPU losses without blocking, sends Step, Scalars and heartbeats (only
+  when they say something a Step message has not: beats.py), events as soon as
+  they are queued, and a bye at close; sends never block.
 - A loss tensor on a device is summed on that device (no synchronisation on
   the training thread); the sender thread reads the sum when it sends. Each
   loss weighs its samples if given, else 1 (the Step message's `loss_weight`).
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from ddtop.daemon import wire
+from ddtop.training.beats import Beats
 from ddtop.training.marks import (
     MAX_MARKS,
     AllReduceSource,
@@ -110,7 +112,9 @@ class LiveTelemetry(Telemetry):
 
     live = True
 
-    def __init__(self, endpoint: str, hello: wire.Hello) -> None:
+    def __init__(self, endpoint: str, hello: wire.Hello, beats: Beats | None = None) -> None:
+        """`beats`: when heartbeats go out (training/beats.py's rule unless given:
+        bench/rank_wire.py gives the old one, a heartbeat every second)."""
         self.endpoint, self.run, self.rank = endpoint, hello.run, hello.rank
         self.world_size = hello.world_size
         n = max(1, self.world_size)
@@ -127,7 +131,7 @@ class LiveTelemetry(Telemetry):
         rounds = FoldRounds(self.rank)  # how much of the marks a round folds
         folder = StepFolder(self.world_size, rounds, now, hold_s=SEND_INTERVAL_S)
         self._sender = Sender(endpoint, hello, self._marks, self._said, self._scalars, folder,
-                              rounds, ended=self._unmarked)
+                              rounds, ended=self._unmarked, beats=beats)
 
     @property
     def current_phase(self) -> wire.Phase:
