@@ -116,7 +116,10 @@ def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict
                     first: tuple[int, int] | None = None
                     frames0, start = app.frames, time.monotonic()
                     cpu0, own0 = cpu_seconds(hub.pid), time.process_time()
-                    dead_at = float((base / "simstart.1").read_text()) + DEAD_AT_S
+                    # the clock of the simulation process that runs the victim's node
+                    firsts = sorted(int(f.suffix[1:]) for f in base.glob("simstart.*"))
+                    mine = max(k for k in firsts if k <= victim // per + 1)
+                    dead_at = float((base / f"simstart.{mine}").read_text()) + DEAD_AT_S
                     while time.monotonic() - start < seconds:
                         for _ in range(10):
                             await pilot.pause(single.PING_EVERY_S / 10)
