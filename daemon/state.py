@@ -209,7 +209,8 @@ class RunState(msgspec.Struct, kw_only=True):
         view.epoch, view.step, view.steps_per_epoch = m.epoch, m.step, m.steps_per_epoch
         view.global_step = max(view.global_step, m.global_step)
         view.communicated = view.communicated or m.comm_ops > 0
-        if self.alone is None and (said := alone.never_communicated(self.ranks, self.world_size)):
+        if (self.alone is None and not view.communicated
+                and (said := alone.never_communicated(self.ranks, self.world_size))):
             self.alone = said
             self._event(m.t, wire.DAEMON_RANK, "warning", said)
         weight = m.samples if isinstance(m.loss_weight, msgspec.UnsetType) else m.loss_weight
