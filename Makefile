@@ -22,7 +22,7 @@ help:
 	@echo "make test-fast  ruff, mypy and the in-process tests only (under a minute): while editing"
 	@echo "                 (pytest workers: PYTEST_FAST_WORKERS=2 for test-fast, PYTEST_WORKERS=2 for test; 0: serial)"
 	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
-	@echo "make bench      benchmarks: start-up, start-up hook, telemetry, dashboard, own scripts, collectives, framework callbacks, FSDP2 scripts, comm timing, sockets, strategies, faults, TensorBoard files, Prometheus metrics (bench/)"
+	@echo "make bench      benchmarks: start-up, start-up hook, telemetry, dashboard, own scripts, collectives, framework callbacks, FSDP2 scripts, comm timing, sockets, strategies, faults, TensorBoard files, Prometheus metrics, a rank on the wire, a big job's summary, the rank map, a hub at 1,024 to 16,384 ranks (bench/)"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
 $(STAMP): pyproject.toml setup.py
@@ -90,6 +90,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/tensorboard_files.py
 	$(BIN)/python bench/metrics.py
+	$(BIN)/python bench/rank_wire.py
+	$(BIN)/python bench/summary.py
+	$(BIN)/python bench/rankmap.py
+	$(BIN)/python bench/hub.py
+	$(BIN)/python bench/hubscale.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache *.egg-info
