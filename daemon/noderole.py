@@ -113,7 +113,7 @@ class NodeRole:
         if silent != self.hub_silent:
             self.hub_silent = silent
             message = (f"the hub (node 0) has not answered for {nodes.NODE_TIMEOUT_S:g} s; "
-                       f"this node goes on, holding up to {nodes.FORWARD_HWM:,} messages for it"
+                       f"this node goes on, holding up to {nodes.FORWARD_HWM:,} summaries for it"
                        if silent else "the hub (node 0) answers again")
             self._say(f"{'warning: ' if silent else ''}{message}")
             self.relay.emit(wire.Event, type="warning" if silent else "info", message=message,

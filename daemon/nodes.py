@@ -45,7 +45,9 @@ from ddtop.daemon.summary import Status
 
 HEARTBEAT_S = 1.0  # a node daemon's `node` request, this often
 NODE_TIMEOUT_S = 5.0  # no heartbeat for this long: the node is unreachable
-FORWARD_HWM = 10_000  # messages a node daemon holds for the hub before it drops (counted)
+# Frames (summaries, its own messages) a node daemon holds for the hub before it
+# drops (counted): 1,000 s of a node of 8 ranks' summaries, a few MB.
+FORWARD_HWM = 2_000
 HUB_WAIT_S = 120.0  # how long node K waits for the hub's hub.json (shared file system)
 NODE_FINAL_WAIT_S = 10.0  # how long the hub waits, at the end, for nodes to say how they ended
 
@@ -282,6 +284,9 @@ class Forwarder:
         """A message the node's relay folded: the node's own at once, a rank's
         summed up (what cannot wait, at once too)."""
         if message.rank == wire.DAEMON_RANK:
+            if isinstance(message, wire.RankExit) and message.exited >= 0:
+                self.summariser.hurry(message.exited, received)  # its last readings first
+                self.summarise()
             self.send(frame)
         elif self.summariser.take(message, received):
             self.summarise()
@@ -322,7 +327,8 @@ class Forwarder:
         self.last_beat = now
         said = final or protocol.NodeFinal(status=status)  # not over: its status alone
         beat = protocol.NodeHeartbeat(node=self.node, host=self.host, pid=os.getpid(),
-                                      ranks=ranks, dropped=self.dropped, status=said.status,
+                                      ranks=ranks, dropped=self.dropped + self.summariser.dropped,
+                                      status=said.status,
                                       message=said.message, failure=said.failure)
         with contextlib.suppress(zmq.ZMQError):
             self.control.send(protocol.encode(beat), zmq.NOBLOCK)
@@ -349,7 +355,12 @@ class Forwarder:
             self.send(self.waiting.popleft())
 
     def close(self, ranks: list[int], final: protocol.NodeFinal) -> None:
-        """Say how this node ended, then let the last messages go (bounded)."""
+        """The last summary, then how this node ended (the hub settles on that: the
+        summary goes first, on its own connection), then the last messages go
+        (bounded)."""
+        self.summariser.last = 0.0
+        self.summarise()
+        time.sleep(0.2)
         self.tick(ranks, final.status, final)
         time.sleep(0.3)
         self.control.close(linger=1000)

@@ -8,8 +8,8 @@ daemon does (its full per-step detail stays there); to the hub it sends a
   the sums added, the newest readings kept, and the compute per step without
   the longest step worked out from the steps merged, so the straggler rule
   judges the window as it would on one node: daemon/stragglers.py);
-- the newest Heartbeat when it came after the rank's last Step (its phase time
-  brought up to the moment the summary is sent), the newest Scalars;
+- the newest Heartbeat (its phase time brought up to the moment the summary is
+  sent), before the merged Step or after it as it came, the newest Scalars;
 - each rank's telemetry accounting (received, lost, duplicates, dropped) as the
   node counted it;
 - at once, in a summary of their own with the rank's pending readings before
@@ -18,10 +18,11 @@ daemon does (its full per-step detail stays there); to the hub it sends a
   same checkpoint, an epoch's end). A rank's exit, the node's events: the
   daemon's own messages, forwarded as they are (daemon/nodes.py).
 
-A summary is one frame of at most SUMMARY_BYTES (a node of many ranks sends
-several). A node of 8 ranks stepping 10 times a second sends 2 summaries a
-second in place of 88 messages; from LARGE_JOB_NODES nodes, one a second
-(`every_s`). The hub journals and relays summaries as they
+A summary is one frame of at most SUMMARY_BYTES of messages, or of at most
+ACCOUNTS_PER_FRAME accounts (a node of many ranks sends several; a message too
+large to wrap goes alone, as its rank sent it). A node of 8 ranks stepping 10
+times a second sends 2 summaries a second in place of 88 messages; from
+LARGE_JOB_NODES nodes, one a second (`every_s`). The hub journals and relays summaries as they
 come; `fold` folds one into a RunState, the hub's, a dashboard's and a
 replay's alike, without the ranks' sequence numbers (most are left out by
 design): lost, late and duplicate counts are the node's.
@@ -52,6 +53,8 @@ SUMMARY_BYTES = 48 * 1024
 # Scalars messages with different keys held per rank between summaries (the
 # newest of each set of keys); beyond it the oldest is dropped (counted).
 MAX_SCALARS_HELD = 4
+# Rank accounts a frame carries: 40 bytes each at most (five 64-bit numbers).
+ACCOUNTS_PER_FRAME = 1000
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -88,8 +91,9 @@ def fold(state: RunState, summary: wire.NodeSummary, received: float) -> bool:
         view = state.ranks.get(rank)
         if view is None:
             view = state.ranks[rank] = RankView(rank=rank)
-        if isinstance(message, wire.Hello) and view.pid is not None and message.pid != view.pid:
-            view.new_incarnation()
+        if (isinstance(message, wire.Hello) and (view.max_seq >= 0 or view.pid is not None)
+                and message.pid != view.pid):
+            view.new_incarnation()  # a restarted rank, as RunState.apply tells it
         view.max_seq = max(view.max_seq, message.seq)
         state.rank_nodes[rank] = summary.node
         state.fold_rank(view, message, False, received)
@@ -233,6 +237,10 @@ class Summariser:
             return True
         return False  # the daemon's own messages are forwarded as they are
 
+    def hurry(self, rank: int, t: float) -> None:
+        """`rank`'s held readings to go at once (its exit is about to be said)."""
+        self.urgent.extend(self._flush_rank(rank, t))
+
     def due(self, now: float) -> bool:
         return bool(self.urgent) or now - self.last >= self.every_s
 
@@ -284,20 +292,26 @@ class Summariser:
 
     def _pack(self, messages: list[wire.Summed], accounts: list[wire.RankAccount],
               t: float) -> list[bytes]:
+        """Frames under wire.MAX_FRAME_BYTES: messages in chunks of SUMMARY_BYTES, the
+        accounts in frames of their own; a message too large to wrap goes alone, as
+        the rank's own frame (the hub takes it as a forwarded rank message)."""
         frames: list[bytes] = []
         chunk: list[wire.Summed] = []
         size = 0
         for message in messages:
-            n = len(_encoder.encode(message))
-            if chunk and size + n > SUMMARY_BYTES:
+            encoded = _encoder.encode(message)
+            if len(encoded) > SUMMARY_BYTES:
+                frames.append(encoded)
+                continue
+            if chunk and size + len(encoded) > SUMMARY_BYTES:
                 frames.append(self._frame(chunk, [], t))
                 chunk, size = [], 0
             chunk.append(message)
-            size += n
-        while len(accounts) > 1024:  # 20 bytes each: 1,024 fit a frame with room
-            frames.append(self._frame([], accounts[:1024], t))
-            accounts = accounts[1024:]
-        frames.append(self._frame(chunk, accounts, t))
+            size += len(encoded)
+        if chunk:
+            frames.append(self._frame(chunk, [], t))
+        for i in range(0, len(accounts), ACCOUNTS_PER_FRAME):
+            frames.append(self._frame([], accounts[i:i + ACCOUNTS_PER_FRAME], t))
         kept = [f for f in frames if len(f) <= wire.MAX_FRAME_BYTES]
         self.dropped += len(frames) - len(kept)
         return kept

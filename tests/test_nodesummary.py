@@ -232,3 +232,40 @@ def test_the_hub_refuses_a_summary_that_speaks_for_another_node_or_rank() -> Non
     assert nodesummary.problem(forged, 1, "r", 8) == "bad_forward"
     state = RunState(run="r", world_size=8)
     assert state.apply(forged, 1.0) is False and state.ranks == {}
+
+
+def test_what_does_not_fit_a_summary_still_goes() -> None:
+    s = nodesummary.Summariser("r", 1)
+    # a message too large to wrap goes alone, as its rank sent it
+    big = wire.Event(run="r", rank=3, seq=1, t=1.0, type="error", message="x" * 60_000)
+    assert s.take(big, 1.0) is True
+    (frame,) = s.frames({}, now=0.0, t=1.0)
+    assert len(frame) <= wire.MAX_FRAME_BYTES and wire.decode([frame], "r") == big
+    # accounts in frames of their own, however many and however large their counts
+    views = {r: RankView(rank=r, received=2**40, lost=2**40, duplicates=2**40,
+                         sender_dropped=2**40) for r in range(2500)}
+    frames = s.frames(views, now=10.0, t=2.0)
+    assert len(frames) == 3 and all(len(f) <= wire.MAX_FRAME_BYTES for f in frames)
+    summed = [wire.decode([f], "r") for f in frames]
+    assert sum(len(m.accounts) for m in summed if isinstance(m, wire.NodeSummary)) == 2500
+    assert s.dropped == 0
+
+
+def test_a_ranks_held_readings_go_before_its_exit_and_a_restart_is_a_new_life() -> None:
+    s = nodesummary.Summariser("r", 1)
+    s.take(_step(1, 0.07), 1.0)
+    s.hurry(3, 2.0)  # its node is about to say it exited
+    (frame,) = s.frames({}, now=0.0, t=2.0)
+    m = wire.decode([frame], "r")
+    assert isinstance(m, wire.NodeSummary) and [type(x).__name__ for x in m.messages] == ["Step"]
+    # at the hub: the rank's exit (its pid never known), then a new process's hello
+    state = RunState(run="r", world_size=4)
+    state.apply(m, 2.0)
+    state.apply(wire.RankExit(run="r", rank=wire.DAEMON_RANK, seq=0, t=2.1, exited=3, pid=None,
+                              exit_code=1, signal=None), 2.1)
+    assert state.ranks[3].exited
+    hello = wire.Hello(run="r", rank=3, seq=0, t=3.0, local_rank=3, host="n1", pid=42,
+                       device="cpu", backend="gloo", world_size=4, config_digest="", model="",
+                       dataset="", epochs=1, global_batch=4)
+    state.apply(wire.NodeSummary(run="r", rank=wire.DAEMON_RANK, node=1, messages=[hello]), 3.0)
+    assert not state.ranks[3].exited and state.ranks[3].pid == 42
