@@ -269,3 +269,55 @@ def running(cwd: Path, run_id: str, *args: str) -> Iterator[Detached]:
         stopped = run.cli("stop", run_id, "--timeout", "30")
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert run.leftovers() == []
+
+
+class Together:
+    """Runs started at once (by a module fixture), so that their start-ups and
+    waits overlap; each test takes its own run's result, waited for with that
+    run's timeout (killed on it). Each run has a folder of its own under root
+    (root/NAME), or shares one (`folder`: runs that one test looks at together).
+    `staying`, as finish() takes it: what the run may leave running."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[str, tuple[subprocess.Popen[str], str]] = {}
+        self.waits: dict[str, tuple[float, Callable[[], Collection[int]]]] = {}
+        self.folders: dict[str, Path] = {}
+        self.began: dict[str, float] = {}  # time.monotonic() at each run's start
+        self.done: dict[str, Run] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
+              timeout: float = RUN_TIMEOUT_S, folder: str | None = None,
+              staying: Callable[[], Collection[int]] = frozenset) -> Path:
+        self.folders[name] = cwd = self.root / (folder or name)
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.began[name] = time.monotonic()
+        self.procs[name] = start(cmd, cwd, env)
+        self.waits[name] = (timeout, staying)
+        return cwd
+
+    def cwd(self, name: str) -> Path:
+        """The run's folder (root/NAME before it starts)."""
+        return self.folders.get(name, self.root / name)
+
+    def result(self, name: str) -> Run:
+        if name not in self.done:
+            (proc, tag), (timeout, staying) = self.procs[name], self.waits[name]
+            self.done[name] = finish(proc, tag, timeout, staying)
+        return self.done[name]
+
+    def close(self) -> None:
+        """Every run waited for (and killed on its timeout), asked for or not."""
+        for name in self.procs:
+            if name not in self.done:
+                with contextlib.suppress(AssertionError):
+                    self.result(name)
+
+
+@contextlib.contextmanager
+def together(root: Path) -> Iterator[Together]:
+    runs = Together(root)
+    try:
+        yield runs
+    finally:
+        runs.close()

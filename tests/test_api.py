@@ -1,7 +1,8 @@
 """`import ddtop` in a user's script, for real: a no-op without an endpoint; with
 one, the right wire messages (real ZeroMQ PULL on loopback); strict mode; and
 zero-code instrumentation of a real 2-rank gloo DDP script under `ddtrain start`
-(its journal holds what the ranks sent)."""
+(its journal holds what the ranks sent); those eleven runs start together (a
+module fixture)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import sys
 import textwrap
 import time
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Collector, collecting, ddtrain, finish, start
+from helpers import DDTRAIN, Collector, Together, collecting, finish, start, together
 
 import ddtop
 from ddtop.daemon import journal, wire
@@ -240,33 +242,62 @@ class Sent:
                 if isinstance(m, kind) and (rank is None or m.rank == rank)]
 
 
-def run_script(tmp_path: Path, *args: str, script: str = "ddp_accum.py", run_id: str = "run-z",
+def run_script(runs: Together, name: str, run_id: str = "run-z",
                watched: bool = True) -> Sent | None:
-    """SCRIPT under `ddtrain start --foreground`, 2 ranks, zero lines changed (as a
-    user runs it); unwatched: with DDTOP_TELEMETRY=off, as without ddtop."""
-    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", run_id, str(SCRIPTS / script),
-                  "--", *args, cwd=tmp_path, env=None if watched else {"DDTOP_TELEMETRY": "off"},
-                  timeout=TIMEOUT_S)
+    """A run `scripts` started, ended: what its ranks sent (unwatched: None)."""
+    run = runs.result(name)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.leftovers == []
-    return Sent(tmp_path / "runs" / run_id) if watched else None
+    return Sent(runs.cwd(name) / "runs" / run_id) if watched else None
+
+
+ZERO_CODE = [
+    (["--steps", "6", "--accum", "3"], 6),  # no_sync() micro-batches are not steps
+    (["--steps", "6", "--accum", "2", "--by-hand", "--skip-step", "2"], 5),  # GradScaler skips
+    (["--steps", "4", "--accum", "2", "--ddtop-step"], 4),  # ddtop.step too: not twice
+    # ddtop.step every iteration, one skipped by GradScaler: counted, as the script says
+    (["--steps", "5", "--accum", "2", "--skip-step", "1", "--ddtop-step"], 5),
+]
+# Each run of a trained pair (in a folder of its own), without ddtop and with it.
+PAIRS = {"buckets": [], "own-hook": ["--own-hook"], "builtin-hook": ["--builtin-hook"]}
+TOGETHER_TIMEOUT_S = 150  # eleven runs at once on shared cores
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The scripts under `ddtrain start --foreground`, 2 ranks, zero lines changed
+    (as a user runs them; unwatched: with DDTOP_TELEMETRY=off, as without ddtop),
+    started together (their start-ups overlap): `zero-K` (ZERO_CODE[K]), each
+    pair's `NAME-plain` and `NAME-watched`, and `gan`."""
+    with together(tmp_path_factory.mktemp("scripts")) as runs:
+        def script(name: str, *args: str, file: str = "ddp_accum.py", run_id: str = "run-z",
+                   watched: bool = True, folder: str | None = None) -> None:
+            runs.start(name, [DDTRAIN, "start", "--foreground", "-n", "2", "--run-id", run_id,
+                              str(SCRIPTS / file), "--", *args],
+                       None if watched else {"DDTOP_TELEMETRY": "off"}, TOGETHER_TIMEOUT_S,
+                       folder)
+
+        for k, (args, _) in enumerate(ZERO_CODE):
+            script(f"zero-{k}", *args)
+        for pair, hook in PAIRS.items():
+            out = runs.root / pair
+            script(f"{pair}-plain", *hook, "--out", str(out / "plain.pt"), run_id="plain",
+                   watched=False, folder=pair)
+            script(f"{pair}-watched", *hook, "--out", str(out / "watched.pt"), folder=pair)
+        script("gan", "5", file="ddp_gan.py", run_id="gan")
+        yield runs
 
 
 # Parameters of ddp_accum.py's model, in bytes: one all-reduce of each per step.
 PARAM_BYTES = (32 * 64 + 64 + 64 * 4 + 4) * 4
 
 
-@pytest.mark.parametrize(("args", "steps"), [
-    (["--steps", "6", "--accum", "3"], 6),  # no_sync() micro-batches are not steps
-    (["--steps", "6", "--accum", "2", "--by-hand", "--skip-step", "2"], 5),  # GradScaler skips
-    (["--steps", "4", "--accum", "2", "--ddtop-step"], 4),  # ddtop.step too: not twice
-    # ddtop.step every iteration, one skipped by GradScaler: counted, as the script says
-    (["--steps", "5", "--accum", "2", "--skip-step", "1", "--ddtop-step"], 5),
-])
+@pytest.mark.parametrize("k", range(len(ZERO_CODE)), ids=[f"args{k}-{steps}" for k, (_, steps)
+                                                           in enumerate(ZERO_CODE)])
 @pytest.mark.processes
-def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: list[str],
-                                                        steps: int) -> None:
-    collector = run_script(tmp_path, *args)
+def test_zero_code_counts_optimizer_steps_and_times_ddp(scripts: Together, k: int) -> None:
+    args, steps = ZERO_CODE[k]
+    collector = run_script(scripts, f"zero-{k}")
     assert collector is not None
     for rank in (0, 1):
         sent = collector.of(wire.Step, rank)
@@ -285,11 +316,12 @@ def test_zero_code_counts_optimizer_steps_and_times_ddp(tmp_path: Path, args: li
 
 
 @pytest.mark.processes
-def test_ddtops_hook_trains_as_ddp_alone_over_several_buckets(tmp_path: Path) -> None:
+def test_ddtops_hook_trains_as_ddp_alone_over_several_buckets(scripts: Together) -> None:
     # ddp_accum.py's model has several buckets: the earlier ones all-reduced
     # asynchronously, the last one waited for inside ddtop's hook.
-    run_script(tmp_path, "--out", str(tmp_path / "plain.pt"), run_id="plain", watched=False)
-    collector = run_script(tmp_path, "--out", str(tmp_path / "watched.pt"))
+    tmp_path = scripts.cwd("buckets-watched")
+    run_script(scripts, "buckets-plain", run_id="plain", watched=False)
+    collector = run_script(scripts, "buckets-watched")
     assert collector is not None
     plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
     assert plain.keys() == watched.keys()
@@ -458,11 +490,12 @@ def test_on_cpu_a_forward_with_no_backward_is_not_an_all_reduce(tmp_path: Path) 
 
 @pytest.mark.parametrize("hook", ["--own-hook", "--builtin-hook"])
 @pytest.mark.processes
-def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(tmp_path: Path,
+def test_a_users_own_comm_hook_is_kept_timed_and_trains_the_same(scripts: Together,
                                                                  hook: str) -> None:
-    run_script(tmp_path, hook, "--out", str(tmp_path / "plain.pt"), run_id="plain",
-               watched=False)
-    collector = run_script(tmp_path, hook, "--out", str(tmp_path / "watched.pt"))
+    pair = hook.removeprefix("--")
+    tmp_path = scripts.cwd(f"{pair}-watched")
+    run_script(scripts, f"{pair}-plain", run_id="plain", watched=False)
+    collector = run_script(scripts, f"{pair}-watched")
     assert collector is not None
     plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
     assert plain.keys() == watched.keys()
@@ -539,10 +572,10 @@ def test_a_watched_model_can_be_deep_copied_and_still_trains(tmp_path: Path) -> 
 
 
 @pytest.mark.processes
-def test_a_gan_counts_one_step_per_iteration_with_ddtop_step(tmp_path: Path) -> None:
+def test_a_gan_counts_one_step_per_iteration_with_ddtop_step(scripts: Together) -> None:
     """Two models, two optimizers, the second model's forward between the first
     optimizer's step and ddtop.step: one step per iteration, not two."""
-    collector = run_script(tmp_path, "5", script="ddp_gan.py", run_id="gan")
+    collector = run_script(scripts, "gan", run_id="gan")
     assert collector is not None
     for rank in (0, 1):
         sent = collector.of(wire.Step, rank)

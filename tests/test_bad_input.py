@@ -1,5 +1,6 @@
 """Bad input: one clear line on stderr naming the flag, exit code 2, no
-traceback, and no process left behind."""
+traceback, and no process left behind. The three runs whose ranks start start
+together with the module's first test (a module fixture)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, Run, ddtrain
+from helpers import BIN, DDTRAIN, Run, Together, ddtrain, together
 
 from ddtop.daemon import cli
 from ddtop.daemon.contract import FAULT_ENV
 
 SMALL = ("--epochs", "1", "--synthetic-train-samples", "64")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The runs whose bad input only the ranks can find (`nccl`, `fashion`), and
+    the run `r1` a resume is then refused for, started together with the module's
+    first test, to run beside the tests up to theirs."""
+    with together(tmp_path_factory.mktemp("ranks")) as runs:
+        fg = [DDTRAIN, "start", "--foreground", "-n", "2"]
+        if not torch.cuda.is_available():  # its test needs a machine without GPUs
+            runs.start("nccl", [*fg, "--backend", "nccl", *SMALL])
+        (runs.cwd("fashion") / "data").mkdir(parents=True)
+        runs.start("fashion", [*fg, "--dataset", "fashion-mnist", *SMALL])
+        runs.start("r1", [*fg, *SMALL, "--run-id", "r1"])
+        yield runs
 
 
 def assert_usage_error(run: Run, *fragments: str) -> None:
@@ -55,6 +71,7 @@ def assert_usage_error(run: Run, *fragments: str) -> None:
     (("--run-id", "r" * 300), ("--run-id is 300 characters long", "at most 100")),
     (("--runs-dir", "d" * 300), ("--runs-dir", "longer than 255 bytes")),
 ])
+@pytest.mark.usefixtures("ranks")  # started now, to run beside the tests up to theirs
 @pytest.mark.processes
 def test_rejected_before_any_rank_starts(tmp_path: Path, args: tuple[str, ...],
                                          fragments: tuple[str, ...]) -> None:
@@ -183,22 +200,20 @@ def test_port_already_in_use(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
 @pytest.mark.processes
-def test_nccl_without_gpus_is_named_by_the_ranks(tmp_path: Path) -> None:
-    run = ddtrain("start", "--foreground", "-n", "2", "--backend", "nccl", *SMALL, cwd=tmp_path)
+def test_nccl_without_gpus_is_named_by_the_ranks(ranks: Together) -> None:
+    run = ranks.result("nccl")
     assert_usage_error(run, "--backend nccl needs one GPU per local rank", "--backend gloo")
 
 
 @pytest.mark.processes
-def test_dataset_missing_from_data_dir_is_named_by_the_ranks(tmp_path: Path) -> None:
-    (tmp_path / "data").mkdir()
-    run = ddtrain("start", "--foreground", "-n", "2", "--dataset", "fashion-mnist", *SMALL,
-                  cwd=tmp_path)
+def test_dataset_missing_from_data_dir_is_named_by_the_ranks(ranks: Together) -> None:
+    run = ranks.result("fashion")  # its data/ folder empty
     assert_usage_error(run, "fashion-mnist not found", "--download")
 
 
 @pytest.mark.processes
-def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
-    first = ddtrain("start", "--foreground", "-n", "2", *SMALL, "--run-id", "r1", cwd=tmp_path)
+def test_resume_with_other_settings_is_refused(ranks: Together) -> None:
+    first, tmp_path = ranks.result("r1"), ranks.cwd("r1")
     assert first.returncode == 0, first.stderr
     run = ddtrain("start", "--foreground", "--resume", "-n", "4", cwd=tmp_path, timeout=30)
     assert_usage_error(run, "run r1 cannot be resumed", "--world-size 2 -> 4")

@@ -2,7 +2,7 @@
 list, logs, snapshots, hostile input, stop; a killed rank; a killed daemon.
 
 The tests of the `live` run share one 2-rank run and go in file order; the
-last of them stops it.
+last of them stops it. The torchrun launcher's restart runs beside them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from helpers import Detached, ddtrain, detached
+from helpers import DDTRAIN, Detached, Together, detached, together
 
 from ddtop.daemon import blame, control, journal, protocol, state, wire
 
@@ -33,10 +33,23 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Detached]:
         yield run
 
 
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The torchrun launcher's run with rank 1 killed once, in the foreground:
+    started with the module's first test, to run beside the `live` run's tests."""
+    with together(tmp_path_factory.mktemp("restarted")) as runs:
+        runs.start("tr", [DDTRAIN, "start", "--foreground", "--launcher", "torchrun", "-n", "2",
+                          "--epochs", "2", "--synthetic-train-samples", "4096",
+                          "--checkpoint-every", "20", "--max-restarts", "1", "--run-id", "tr",
+                          "--inject", "1:kill@step=40"])
+        yield runs
+
+
 def run_json(run: Detached, rid: str = "live") -> dict:  # type: ignore[type-arg]
     return run_json_at(run.cwd / "runs" / rid)
 
 
+@pytest.mark.usefixtures("restarted")  # started now, to run beside the tests up to its own
 def test_start_detaches_and_says_how_to_watch_and_stop(live: Detached) -> None:
     out = live.started
     assert out.returncode == 0, out.stdout + out.stderr
@@ -228,11 +241,8 @@ def test_killing_the_daemon_leaves_no_rank_behind(tmp_path: Path) -> None:
     assert "orphans" in listed.stdout and "lost" in listed.stdout
 
 
-def test_torchrun_launcher_restarts_a_killed_rank(tmp_path: Path) -> None:
-    run = ddtrain("start", "--foreground", "--launcher", "torchrun", "-n", "2", "--epochs", "2",
-                  "--synthetic-train-samples", "4096", "--checkpoint-every", "20",
-                  "--max-restarts", "1", "--run-id", "tr", "--inject", "1:kill@step=40",
-                  cwd=tmp_path)
+def test_torchrun_launcher_restarts_a_killed_rank(restarted: Together) -> None:
+    run, tmp_path = restarted.result("tr"), restarted.cwd("tr")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr

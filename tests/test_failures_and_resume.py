@@ -2,6 +2,7 @@
 
 Failures are real: `--inject` makes a rank SIGKILL itself (or raise) after a
 given step; Ctrl-C and SIGKILL are real signals sent to the daemon (ddtrain start --foreground).
+The runs looked at only once they end start together (a module fixture).
 """
 
 from __future__ import annotations
@@ -13,12 +14,23 @@ import random
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import DDTRAIN, ddtrain, finish, metric_records, start, tagged_pids, wait_until_gone
+from helpers import (
+    DDTRAIN,
+    Together,
+    ddtrain,
+    finish,
+    metric_records,
+    start,
+    tagged_pids,
+    together,
+    wait_until_gone,
+)
 
 from ddtop.daemon import journal
 from ddtop.daemon.blame import RankEnd, culprit, read_error_report
@@ -45,21 +57,47 @@ def epochs(root: Path) -> dict[int, dict[str, float]]:
     return {r["epoch"]: r for r in metric_records(root)}
 
 
+# RUN_ARGS train 2 epochs of 8 steps; with --checkpoint-every 3 rank 0 saves after
+# steps 3, 6, 9, 12 and 15 (and at each epoch's end, after the drills of its last
+# step). A rank killed after step K leaves the newest checkpoint at the multiple
+# of 3 below K; K itself a multiple of 3 is left out: rank 0 may or may not finish
+# writing that step's checkpoint before the daemon stops it.
+KILL_STEPS = [k for k in range(4, 17) if k % 3]
+KILL = random.Random(os.urandom(8)).choice(KILL_STEPS)  # the restarted run's, once a module
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cwd = tmp_path_factory.mktemp("whole")
-    run = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "whole", cwd=cwd)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The foreground runs the tests only look at once they end, started together
+    (their start-ups overlap), each in a folder of its own."""
+    with together(tmp_path_factory.mktemp("runs")) as started:
+        fg = [DDTRAIN, "start", "--foreground"]
+        started.start("whole", [*fg, *RUN_ARGS, "--run-id", "whole"])
+        # Rank 1 is SIGKILLed after global step 11 (epoch 2, step 3); the newest
+        # checkpoint is then step 9, mid-epoch.
+        started.start("crash", [*fg, *RUN_ARGS, "--run-id", "crash", "--checkpoint-every", "3",
+                                "--inject", "1:kill@step=11"])
+        started.start("again", [*fg, *RUN_ARGS, "--run-id", "again", "--max-restarts", "1",
+                                "--checkpoint-every", "3", "--inject", f"1:kill@step={KILL}"])
+        started.start("boom", [*fg, "-n", "2", "--epochs", "1", "--synthetic-train-samples",
+                               "256", "--run-id", "boom", "--inject", "0:raise@step=2"])
+        started.start("leave", [*fg, "-n", "2", "--epochs", "1", "--batch-size", "16",
+                                "--synthetic-train-samples", "640", "--synthetic-val-samples",
+                                "32", "--run-id", "leave", "--inject", "1:exit=0@step=20"])
+        yield started
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs: Together) -> Path:
+    run = runs.result("whole")
     assert run.returncode == 0, run.stdout + run.stderr
-    return cwd / "runs" / "whole"
+    return runs.cwd("whole") / "runs" / "whole"
 
 
 @pytest.mark.processes
 def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
-        tmp_path: Path, uninterrupted: Path) -> None:
-    # Rank 1 is SIGKILLed after global step 11 (epoch 2, step 3); the newest
-    # checkpoint is then step 9, mid-epoch.
-    crash = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "crash",
-                    "--checkpoint-every", "3", "--inject", "1:kill@step=11", cwd=tmp_path)
+        runs: Together, uninterrupted: Path) -> None:
+    crash, tmp_path = runs.result("crash"), runs.cwd("crash")  # rank 1 killed after step 11
     assert crash.returncode == 1, crash.stdout + crash.stderr
     assert "rank 1" in crash.stderr and "killed by SIGKILL" in crash.stderr
     assert "ddtrain start --resume --run-id crash" in crash.stderr
@@ -87,24 +125,15 @@ def test_killed_rank_fails_the_run_then_resume_matches_uninterrupted(
             assert got_epochs[epoch][key] == want_epochs[epoch][key]
 
 
-# RUN_ARGS train 2 epochs of 8 steps; with --checkpoint-every 3 rank 0 saves after
-# steps 3, 6, 9, 12 and 15 (and at each epoch's end, after the drills of its last
-# step). A rank killed after step K leaves the newest checkpoint at the multiple
-# of 3 below K; K itself a multiple of 3 is left out: rank 0 may or may not finish
-# writing that step's checkpoint before the daemon stops it.
-KILL_STEPS = [k for k in range(4, 17) if k % 3]
-
-
 @pytest.mark.processes
 def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
-        tmp_path: Path, uninterrupted: Path) -> None:
-    kill = random.Random(os.urandom(8)).choice(KILL_STEPS)
+        runs: Together, uninterrupted: Path) -> None:
+    kill = KILL
     print(f"rank 1 killed after step {kill} (--inject 1:kill@step={kill})")
     saved = kill - kill % 3
     saved_as = f"step-{saved:08d}.pt"
     epoch, step = divmod(saved - 1, 8)
-    run = ddtrain("start", "--foreground", *RUN_ARGS, "--run-id", "again", "--max-restarts", "1",
-                  "--checkpoint-every", "3", "--inject", f"1:kill@step={kill}", cwd=tmp_path)
+    run, tmp_path = runs.result("again"), runs.cwd("again")
     assert run.returncode == 0, (kill, run.stdout + run.stderr)
     assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr, (kill, run.stderr)
     assert f"restarting from {saved_as}" in run.stderr, (kill, run.stderr)
@@ -122,10 +151,8 @@ def test_max_restarts_resumes_from_the_checkpoint_and_matches_uninterrupted(
 
 
 @pytest.mark.processes
-def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
-    run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1",
-                  "--synthetic-train-samples", "256", "--run-id", "boom",
-                  "--inject", "0:raise@step=2", cwd=tmp_path)
+def test_rank_exception_is_reported_with_its_traceback(runs: Together) -> None:
+    run, tmp_path = runs.result("boom"), runs.cwd("boom")
     assert run.returncode == 1
     assert "rank 0 (pid" in run.stderr and "exited with code 1" in run.stderr
     assert "RuntimeError: injected failure at step 2" in run.stderr
@@ -143,14 +170,12 @@ def test_rank_exception_is_reported_with_its_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_a_rank_that_leaves_early_with_exit_0_is_blamed(tmp_path: Path) -> None:
+def test_a_rank_that_leaves_early_with_exit_0_is_blamed(runs: Together) -> None:
     """Rank 1 exits with code 0 after step 20 of 40, without a goodbye
     (`os._exit(0)`), while rank 0 trains on: rank 0 then loses its peer in its
     next all-reduce and fails. Rank 1 left early: it is the one blamed, in the
     terminal, run.json, `ddtrain status` and the journal a dashboard folds."""
-    run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1", "--batch-size", "16",
-                  "--synthetic-train-samples", "640", "--synthetic-val-samples", "32",
-                  "--run-id", "leave", "--inject", "1:exit=0@step=20", cwd=tmp_path)
+    run, tmp_path = runs.result("leave"), runs.cwd("leave")
     assert run.returncode == 1, run.stderr[-3000:]
     # The step it last reported: its final steps' telemetry (sent every 0.1 s)
     # went down with it (on a loaded machine, all of it: "before it reported a step").

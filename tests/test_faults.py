@@ -9,12 +9,26 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import DDTRAIN, detached, finish, start, tagged_pids
+from helpers import DDTRAIN, Together, detached, finish, start, tagged_pids, together
 
 
+@pytest.fixture(scope="module")
+def twice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """Two starts of one run id at once (`twice-0`), in one folder: started with
+    the module's first test, to run beside it."""
+    with together(tmp_path_factory.mktemp("twice")) as runs:
+        for k in range(2):
+            runs.start(f"start-{k}", [DDTRAIN, "start", "-n", "2", "--epochs", "1", "--run-id",
+                                      "twice-0", "--synthetic-train-samples", "256"],
+                       folder="twice")
+        yield runs
+
+
+@pytest.mark.usefixtures("twice")  # started now, to run beside this test
 @pytest.mark.processes
 def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
     """One run, rank 1 frozen (SIGSTOP): rank 0 waits in its all-reduce and
@@ -61,15 +75,13 @@ def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_two_starts_of_one_run_id_at_once_give_one_run(tmp_path: Path) -> None:
+def test_two_starts_of_one_run_id_at_once_give_one_run(twice: Together) -> None:
     """Started together: one wins, the other is one line, exit 2, and there is
     only ever one daemon (before, two of eight tries both won)."""
+    tmp_path = twice.cwd("start-0")
     for attempt in range(1):
         rid = f"twice-{attempt}"
-        both = [start([DDTRAIN, "start", "-n", "2", "--epochs", "1", "--run-id", rid,
-                       "--synthetic-train-samples", "256"], tmp_path)
-                for _ in range(2)]
-        runs = [finish(proc, tag) for proc, tag in both]
+        runs = [twice.result(f"start-{k}") for k in range(2)]
         codes = sorted(r.returncode for r in runs)
         assert codes == [0, 2], [(r.returncode, r.stdout, r.stderr) for r in runs]
         loser = next(r for r in runs if r.returncode == 2)

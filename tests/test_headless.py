@@ -14,11 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import BIN, RUN_TIMEOUT_S, ddtrain, detached, tagged_env
+from helpers import BIN, DDTRAIN, RUN_TIMEOUT_S, Together, ddtrain, detached, tagged_env, together
 from test_app import a_script_with_scalars, relay_thread
 from test_scalars import scalars
 
@@ -39,56 +40,7 @@ def ddtop(*args: str, cwd: Path, env: dict[str, str] | None = None,
                           capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout)
 
 
-@pytest.mark.processes
-def test_foreground_headless_jsonl_ends_with_a_summary_and_exit_0(tmp_path: Path) -> None:
-    run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "--interval", "0.5",
-                  "--run-id", "ok", "--summary-json", str(tmp_path / "summary.json"), *SHORT,
-                  cwd=tmp_path, env={"GITHUB_STEP_SUMMARY": str(tmp_path / "step.md")})
-    assert run.returncode == 0, run.stderr
-    assert run.leftovers == []
-    lines = jsonl(run.stdout)  # stdout holds JSON lines only; ddtrain's own lines go to stderr
-    kinds = [line["kind"] for line in lines]
-    assert kinds[-1] == "summary" and kinds.count("summary") == 1
-    assert "progress" in kinds and "event" in kinds
-    summary = lines[-1]
-    assert summary["status"] == "succeeded" and summary["exit_code"] == 0
-    assert summary["global_step"] == summary["total_steps"] == 512
-    assert [r["state"] for r in summary["ranks"]] == ["finished", "finished"]
-    # The first epoch, counted from 1 as metrics.jsonl and the ranks' lines count it.
-    assert summary["metrics"]["epoch"] == 1 and 0 < summary["metrics"]["train_loss"] < 3
-    assert [r["epoch"] for r in summary["ranks"]] == [1, 1]
-    assert all(line["schema"] == 1 for line in lines)
-    progress = next(line for line in lines if line["kind"] == "progress")
-    assert {r["rank"] for r in progress["ranks"]} == {0, 1}
-    assert set(progress["ranks"][0]) >= {"rank", "state", "epoch", "step", "loss",
-                                         "samples_per_s", "comm_share"}
-    types = [line["type"] for line in lines if line["kind"] == "event"]
-    assert "join" in types and "epoch_end" in types and "checkpoint" in types
-    assert json.loads((tmp_path / "summary.json").read_text()) == summary
-    markdown = (tmp_path / "step.md").read_text()
-    assert "run `ok` succeeded" in markdown and "| 1 | finished | 512 |" in markdown
-    assert "succeeded" in run.stderr  # the daemon's own closing line
-
-
-@pytest.mark.processes
-def test_killed_rank_fails_the_headless_run_naming_rank_and_signal(tmp_path: Path) -> None:
-    run = ddtrain("start", "--foreground", "--headless", "--run-id", "bad", *SHORT,
-                  "--inject", "1:kill@step=40", cwd=tmp_path)
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert run.leftovers == []
-    out = run.stdout.splitlines()
-    assert any("[rank 1] error: rank 1" in line and "SIGKILL" in line for line in out)
-    assert any(line.startswith("  failure: rank 1 killed by SIGKILL") for line in out)
-    assert time.strftime("%Y-%m-%d") in out[0]  # lines start with a timestamp
-    # The same run, read back from its journal by ddtop --headless: same verdict.
-    again = ddtop("--headless", "--format", "jsonl", "bad", cwd=tmp_path)
-    assert again.returncode == 1, again.stderr
-    summary = jsonl(again.stdout)[-1]
-    assert summary["status"] == "failed"
-    assert summary["failure"]["rank"] == 1 and summary["failure"]["signal"] == "SIGKILL"
-    assert summary["ranks"][1]["signal"] == "SIGKILL"
-
-
+@pytest.mark.usefixtures("foreground")  # started now, to run beside the tests up to theirs
 @pytest.mark.processes
 def test_ddtop_headless_follows_a_detached_run_to_its_end(tmp_path: Path) -> None:
     # 3 epochs of 128 steps: a few seconds, several lines at --interval 0.5
@@ -303,3 +255,68 @@ def test_a_scripts_scalars_are_in_the_progress_lines_and_the_summary(tmp_path: P
     markdown = (tmp_path / "text.md").read_text()
     assert "| program | `train.py` |" in markdown
     assert "| scalar | grad_norm: mean 2 (min 1.5 rank 0, max 2.5 rank 1) |" in markdown
+
+
+# -- the foreground runs, started together with the module's first process test --------
+@pytest.fixture(scope="module")
+def foreground(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The two foreground runs, started together with the module's first process
+    test (they run beside the tests before theirs, which are last in the module):
+    `ok` to its end, `bad` with rank 1 killed."""
+    with together(tmp_path_factory.mktemp("headless")) as runs:
+        ok = runs.cwd("ok")
+        runs.start("ok", [DDTRAIN, "start", "--foreground", "--headless", "--format", "jsonl",
+                          "--interval", "0.5", "--run-id", "ok", "--summary-json",
+                          str(ok / "summary.json"), *SHORT],
+                   {"GITHUB_STEP_SUMMARY": str(ok / "step.md")})
+        runs.start("bad", [DDTRAIN, "start", "--foreground", "--headless", "--run-id", "bad",
+                           *SHORT, "--inject", "1:kill@step=40"])
+        yield runs
+
+
+@pytest.mark.processes
+def test_foreground_headless_jsonl_ends_with_a_summary_and_exit_0(foreground: Together) -> None:
+    run, tmp_path = foreground.result("ok"), foreground.cwd("ok")
+    assert run.returncode == 0, run.stderr
+    assert run.leftovers == []
+    lines = jsonl(run.stdout)  # stdout holds JSON lines only; ddtrain's own lines go to stderr
+    kinds = [line["kind"] for line in lines]
+    assert kinds[-1] == "summary" and kinds.count("summary") == 1
+    assert "progress" in kinds and "event" in kinds
+    summary = lines[-1]
+    assert summary["status"] == "succeeded" and summary["exit_code"] == 0
+    assert summary["global_step"] == summary["total_steps"] == 512
+    assert [r["state"] for r in summary["ranks"]] == ["finished", "finished"]
+    # The first epoch, counted from 1 as metrics.jsonl and the ranks' lines count it.
+    assert summary["metrics"]["epoch"] == 1 and 0 < summary["metrics"]["train_loss"] < 3
+    assert [r["epoch"] for r in summary["ranks"]] == [1, 1]
+    assert all(line["schema"] == 1 for line in lines)
+    progress = next(line for line in lines if line["kind"] == "progress")
+    assert {r["rank"] for r in progress["ranks"]} == {0, 1}
+    assert set(progress["ranks"][0]) >= {"rank", "state", "epoch", "step", "loss",
+                                         "samples_per_s", "comm_share"}
+    types = [line["type"] for line in lines if line["kind"] == "event"]
+    assert "join" in types and "epoch_end" in types and "checkpoint" in types
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    markdown = (tmp_path / "step.md").read_text()
+    assert "run `ok` succeeded" in markdown and "| 1 | finished | 512 |" in markdown
+    assert "succeeded" in run.stderr  # the daemon's own closing line
+
+
+@pytest.mark.processes
+def test_killed_rank_fails_the_headless_run_naming_rank_and_signal(foreground: Together
+                                                                   ) -> None:
+    run, tmp_path = foreground.result("bad"), foreground.cwd("bad")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.leftovers == []
+    out = run.stdout.splitlines()
+    assert any("[rank 1] error: rank 1" in line and "SIGKILL" in line for line in out)
+    assert any(line.startswith("  failure: rank 1 killed by SIGKILL") for line in out)
+    assert time.strftime("%Y-%m-%d") in out[0]  # lines start with a timestamp
+    # The same run, read back from its journal by ddtop --headless: same verdict.
+    again = ddtop("--headless", "--format", "jsonl", "bad", cwd=tmp_path)
+    assert again.returncode == 1, again.stderr
+    summary = jsonl(again.stdout)[-1]
+    assert summary["status"] == "failed"
+    assert summary["failure"]["rank"] == 1 and summary["failure"]["signal"] == "SIGKILL"
+    assert summary["ranks"][1]["signal"] == "SIGKILL"

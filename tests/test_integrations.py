@@ -16,15 +16,17 @@ skips its tests, saying which.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import DDTRAIN, TORCHRUN, ddtrain, tagged_env
+from helpers import DDTRAIN, TORCHRUN, Together, tagged_env, together
 
 from ddtop.daemon import journal, wire
 
@@ -73,21 +75,54 @@ class Watched:
         return [e.message for e in self.of(wire.Event) if e.type in ("warning", "error")]
 
 
-def run(tmp_path: Path, script: str, zero_code: bool, *args: str,
-        env: dict[str, str] | None = None) -> Watched:
-    """SCRIPT as 2 ranks: under `ddtrain start` (zero-code on), or under torchrun in
-    `ddtrain watch` with DDTOP_ZERO_CODE=off (the callback alone)."""
-    path = str(SCRIPTS / script)
-    if zero_code:
-        done = ddtrain("start", "--foreground", "-n", "2", "--run-id", "cb", path, "--", *args,
-                       cwd=tmp_path, env=env, timeout=RUN_TIMEOUT_S)
-    else:
-        done = ddtrain("watch", "--run-id", "cb", "--", TORCHRUN, "--standalone",
-                       "--nproc-per-node", "2", path, *args, cwd=tmp_path,
-                       env={**(env or {}), **ZERO_CODE_OFF}, timeout=RUN_TIMEOUT_S)
+# The six framework runs, started together (a module fixture) so that their
+# start-ups overlap: name -> (script, zero-code on, its arguments, environment, the
+# modules it needs). Each test waits for its own and checks that nothing is left.
+RUNS: dict[str, tuple[str, bool, tuple[str, ...], dict[str, str], tuple[str, ...]]] = {
+    # 40 batches a rank, 2 a step: 20 optimizer steps, not 40.
+    **{f"lightning-{on}": ("cb_lightning.py", on == "zero-code",
+                           ("--batches", "40", "--accumulate", "2"), {}, ("lightning",))
+       for on in ("zero-code", "zero-code-off")},
+    # 20 micro-batches a rank, 2 a step: 10 optimizer steps.
+    **{f"hf-{on}": ("cb_hf.py", on == "zero-code", ("--steps", "10", "--accumulate", "2"),
+                    OFFLINE, ("transformers", "accelerate"))
+       for on in ("zero-code", "zero-code-off")},
+    # 32 batches a rank, accelerator.accumulate over 2: 16 optimizer steps.
+    "accelerate-three-lines": ("cb_accelerate.py", True, ("--batches", "32", "--accumulate", "2"),
+                               {}, ("accelerate",)),
+    "accelerate-no-line": ("cb_accelerate.py", True,
+                           ("--batches", "32", "--accumulate", "2", "--plain"), {},
+                           ("accelerate",)),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """Each SCRIPT as 2 ranks: under `ddtrain start` (zero-code on), or under
+    torchrun in `ddtrain watch` with DDTOP_ZERO_CODE=off (the callback alone); a
+    run whose framework is missing is not started (its test skips, saying so)."""
+    with together(tmp_path_factory.mktemp("integrations")) as started:
+        for name, (script, zero_code, args, env, modules) in RUNS.items():
+            if not all(importlib.util.find_spec(m) for m in modules):
+                continue
+            path = str(SCRIPTS / script)
+            if zero_code:
+                started.start(name, [DDTRAIN, "start", "--foreground", "-n", "2", "--run-id",
+                                     "cb", path, "--", *args], env, RUN_TIMEOUT_S)
+            else:
+                started.start(name, [DDTRAIN, "watch", "--run-id", "cb", "--", TORCHRUN,
+                                     "--standalone", "--nproc-per-node", "2", path, *args],
+                              {**env, **ZERO_CODE_OFF}, RUN_TIMEOUT_S)
+        yield started
+
+
+def run(runs: Together, name: str) -> Watched:
+    """Run `name`'s result: succeeded, nothing left, no rank but its own."""
+    zero_code = RUNS[name][1]
+    done = runs.result(name)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.leftovers == []
-    watched = Watched(tmp_path, "cb")
+    watched = Watched(runs.cwd(name), "cb")
     assert watched.status["status"] == "succeeded"
     assert watched.status["rejected"] == {}  # no rank but the ones started for the run
     if zero_code:  # the framework spawned no rank of its own: each is the process ddtrain started
@@ -186,10 +221,10 @@ def test_import_ddtop_loads_no_framework() -> None:
 @pytest.mark.processes
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_lightning_callback_counts_optimizer_steps_with_loss_logs_and_eval(
-        tmp_path: Path, zero_code: bool) -> None:
+        runs: Together, zero_code: bool) -> None:
     needs("lightning")
     # 40 batches a rank, 2 a step: 20 optimizer steps, not 40.
-    got = run(tmp_path, "cb_lightning.py", zero_code, "--batches", "40", "--accumulate", "2")
+    got = run(runs, "lightning-zero-code" if zero_code else "lightning-zero-code-off")
     assert got.ranks() == [(0, "finished", 20), (1, "finished", 20)]
     assert got.status["total_steps"] == 20  # trainer.estimated_stepping_batches
     for rank in got.status["ranks"]:
@@ -212,12 +247,11 @@ def test_lightning_callback_counts_optimizer_steps_with_loss_logs_and_eval(
 @pytest.mark.processes
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_hf_trainer_callback_counts_optimizer_steps_with_loss_logs_and_eval(
-        tmp_path: Path, zero_code: bool) -> None:
+        runs: Together, zero_code: bool) -> None:
     needs("transformers")
     needs("accelerate")
     # 20 micro-batches a rank, 2 a step: 10 optimizer steps.
-    got = run(tmp_path, "cb_hf.py", zero_code, "--steps", "10", "--accumulate", "2",
-              env=OFFLINE)
+    got = run(runs, "hf-zero-code" if zero_code else "hf-zero-code-off")
     assert got.ranks() == [(0, "finished", 10), (1, "finished", 10)]
     assert got.status["total_steps"] == 10  # state.max_steps
     logged = got.scalar("loss")
@@ -242,12 +276,11 @@ def test_hf_trainer_callback_counts_optimizer_steps_with_loss_logs_and_eval(
 @pytest.mark.parametrize("lines", [True, False], ids=["three-lines", "no-line"])
 @pytest.mark.processes
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
-def test_accelerate_counts_optimizer_steps_not_micro_batches(tmp_path: Path,
+def test_accelerate_counts_optimizer_steps_not_micro_batches(runs: Together,
                                                              lines: bool) -> None:
     needs("accelerate")
     # 32 batches a rank, accelerator.accumulate over 2: 16 optimizer steps.
-    args = ["--batches", "32", "--accumulate", "2", *([] if lines else ["--plain"])]
-    got = run(tmp_path, "cb_accelerate.py", True, *args)
+    got = run(runs, "accelerate-three-lines" if lines else "accelerate-no-line")
     assert got.ranks() == [(0, "finished", 16), (1, "finished", 16)]
     for rank in got.status["ranks"]:
         assert rank["comm_share"] is not None and rank["comm_share"] > 0

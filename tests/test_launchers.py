@@ -1,25 +1,41 @@
 """The two ways ranks start: ddtrain's forkserver launcher (here at world size
-8, the demo's size) and torchrun running `python -m ddtop.training`."""
+8, the demo's size) and torchrun running `python -m ddtop.training`. The two
+`ddtrain start` runs start together (a module fixture)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from dataset_files import write_mnist_like
-from helpers import collecting, ddtrain, metric_records, torchrun
+from helpers import DDTRAIN, Together, collecting, metric_records, together, torchrun
 
 from ddtop.daemon import wire
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The two `ddtrain start` runs, started together (their start-ups overlap):
+    8 ranks (`w8`), and 2 ranks on MNIST-like files (`m`)."""
+    with together(tmp_path_factory.mktemp("launchers")) as started:
+        started.start("w8", [DDTRAIN, "start", "--foreground", "--world-size", "8", "--epochs",
+                             "1", "--synthetic-train-samples", "1024",
+                             "--synthetic-val-samples", "100", "--run-id", "w8"])
+        write_mnist_like(started.cwd("m") / "data", "MNIST", n_train=64, n_test=30)
+        started.start("m", [DDTRAIN, "start", "--foreground", "-n", "2", "--dataset", "mnist",
+                            "--model", "cnn", "--data-dir", "data", "--epochs", "1",
+                            "--batch-size", "16", "--run-id", "m",
+                            "--workers", "2"])  # one data-loader worker process per rank
+        yield started
+
+
 @pytest.mark.slow
 @pytest.mark.processes
-def test_eight_ranks(tmp_path: Path) -> None:
-    run = ddtrain("start", "--foreground", "--world-size", "8", "--epochs", "1",
-                  "--synthetic-train-samples", "1024", "--synthetic-val-samples", "100",
-                  "--run-id", "w8", cwd=tmp_path)
+def test_eight_ranks(runs: Together) -> None:
+    run, tmp_path = runs.result("w8"), runs.cwd("w8")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     assert "8 ranks, backend gloo on cpu" in run.stdout
@@ -67,12 +83,8 @@ def test_training_module_outside_torchrun_says_how_to_launch(tmp_path: Path) -> 
 
 
 @pytest.mark.processes
-def test_mnist_files_train_end_to_end(tmp_path: Path) -> None:
-    write_mnist_like(tmp_path / "data", "MNIST", n_train=64, n_test=30)
-    run = ddtrain("start", "--foreground", "-n", "2", "--dataset", "mnist", "--model", "cnn",
-                  "--data-dir", "data", "--epochs", "1", "--batch-size", "16", "--run-id", "m",
-                  "--workers", "2",  # one data-loader worker process per rank
-                  cwd=tmp_path)
+def test_mnist_files_train_end_to_end(runs: Together) -> None:
+    run, tmp_path = runs.result("m"), runs.cwd("m")
     assert run.returncode == 0, run.stdout + run.stderr
     (record,) = metric_records(tmp_path / "runs/m")
     assert (record["train_samples"], record["val_samples"]) == (64, 30)

@@ -4,7 +4,7 @@ the ranks have ended, named, and never what the run waits for.
 Real runs of tests/scripts/leaves_children.py, whose every rank leaves a
 `sleep 300` (Popen, never waited for) and a forked "prefetcher" (which holds
 multiprocessing's pipes) behind; and, in-process, a real session whose leader
-has exited."""
+has exited. The foreground runs start together (a module fixture)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import DDTRAIN, ddtrain, detached, finish, start
+from helpers import DDTRAIN, Together, detached, together
 
 from ddtop.daemon import leftovers
 from ddtop.daemon.processes import ProcessId, same_process, send_signal
@@ -29,12 +30,34 @@ def left_pids(root: Path) -> set[int]:
         r"^LEFT (\d+)$", (root / "logs" / f"rank-{rank}.log").read_text(), re.M)}
 
 
-@pytest.mark.parametrize("launch", [[], ["--launcher", "torchrun"]], ids=["local", "torchrun"])
+def escaped(root: Path) -> set[int]:
+    """What the ranks said they left (none before they said it): the escaped
+    stay, not waited for."""
+    try:
+        return left_pids(root)
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The foreground runs, started together (their start-ups and waits overlap):
+    `lc` with either launcher, and `le`, whose escaped processes stay."""
+    with together(tmp_path_factory.mktemp("leftovers")) as started:
+        for launch, args in (("local", []), ("torchrun", ["--launcher", "torchrun"])):
+            started.start(launch, [DDTRAIN, "start", "--foreground", "--headless", "-n", "2",
+                                   *args, "--run-id", "lc", str(SCRIPT)], timeout=TIMEOUT_S)
+        le = started.cwd("le") / "runs" / "le"
+        started.start("le", [DDTRAIN, "start", "--foreground", "-n", "2", "--run-id", "le",
+                             str(SCRIPT), "--", "escape"], timeout=TIMEOUT_S,
+                      staying=lambda: escaped(le))
+        yield started
+
+
+@pytest.mark.parametrize("launch", ["local", "torchrun"])  # and --launcher torchrun
 @pytest.mark.processes
-def test_what_the_ranks_leave_running_is_ended_and_named(tmp_path: Path, launch: list[str]
-                                                         ) -> None:
-    run = ddtrain("start", "--foreground", "--headless", "-n", "2", *launch, "--run-id", "lc",
-                  str(SCRIPT), cwd=tmp_path, timeout=TIMEOUT_S)
+def test_what_the_ranks_leave_running_is_ended_and_named(runs: Together, launch: str) -> None:
+    run, tmp_path = runs.result(launch), runs.cwd(launch)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "run lc succeeded" in run.stderr
     assert "rank   1 finished" in run.stdout  # the headless summary, after the end
@@ -59,21 +82,11 @@ def test_a_detached_daemon_ends_what_the_ranks_left_and_exits(tmp_path: Path) ->
 
 
 @pytest.mark.processes
-def test_a_process_that_left_the_ranks_session_does_not_hold_the_run(tmp_path: Path) -> None:
+def test_a_process_that_left_the_ranks_session_does_not_hold_the_run(runs: Together) -> None:
     """Forked, then its own session: not found, so not ended (it is its own); the
     forkserver and resource tracker whose pipes it holds are killed after 5 s
     rather than waited for."""
-    started = time.monotonic()
-
-    def named() -> set[int]:  # what the ranks said they left: the escaped stay, not waited for
-        try:
-            return left_pids(tmp_path / "runs" / "le")
-        except OSError:
-            return set()
-
-    proc, tag = start([DDTRAIN, "start", "--foreground", "-n", "2", "--run-id", "le",
-                       str(SCRIPT), "--", "escape"], tmp_path)
-    run = finish(proc, tag, TIMEOUT_S, staying=named)
+    run, tmp_path, started = runs.result("le"), runs.cwd("le"), runs.began["le"]
     assert run.returncode == 0, run.stdout + run.stderr
     assert time.monotonic() - started < TIMEOUT_S
     assert "multiprocessing's forkserver did not exit within 5 s" in run.stderr

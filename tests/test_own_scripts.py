@@ -1,16 +1,18 @@
 """`ddtrain start train.py -- ARGS` and `-m pkg.mod`: the user's own program as
 every rank, with torchrun's environment, under the daemon. Real processes,
-real gloo process groups; each run checked for leftovers."""
+real gloo process groups; each run checked for leftovers. The foreground runs
+start together (a module fixture), each in a folder of its own."""
 
 from __future__ import annotations
 
 import json
 import signal
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ddtrain, detached
+from helpers import DDTRAIN, Together, ddtrain, detached, together
 
 # What a rank sees of its world, printed as JSON, then a few DDP steps of its own.
 DDP_SCRIPT = '''\
@@ -51,78 +53,81 @@ def weights(root: Path, rank: int) -> list[float]:
     return found
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
+def make_project(folder: Path) -> Path:
     """A user's folder: a script in a subfolder, and a package with a module."""
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "train.py").write_text(DDP_SCRIPT)
-    (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "train.py").write_text(DDP_SCRIPT)
-    return tmp_path
+    (folder / "scripts").mkdir(parents=True)
+    (folder / "scripts" / "train.py").write_text(DDP_SCRIPT)
+    (folder / "mypkg").mkdir()
+    (folder / "mypkg" / "__init__.py").write_text("")
+    (folder / "mypkg" / "train.py").write_text(DDP_SCRIPT)
+    return folder
 
 
-@pytest.mark.processes
-def test_a_script_runs_as_every_rank_with_torchruns_environment(project: Path) -> None:
-    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "own", "scripts/train.py",
-                  "--", "--steps", "3", "--name", "a b", cwd=project)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.leftovers == []
-    assert "starting run own with 2 ranks of scripts/train.py --steps 3 --name 'a b'" in run.stdout
-    root = project / "runs" / "own"
-    for rank in (0, 1):
-        got = seen(root, rank)
-        assert got["name"] == "__main__"
-        assert got["argv"] == ["scripts/train.py", "--steps", "3", "--name", "a b"]
-        assert got["cwd"] == str(project)
-        assert got["path0"] == str(project / "scripts")  # as `python scripts/train.py`
-        env = got["env"]
-        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), str(rank), "2")
-        assert (env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("2", "0")
-    assert weights(root, 0) == weights(root, 1)  # DDP kept them in step
-    record = json.loads((root / "run.json").read_text())
-    assert (record["status"], record["exit_code"]) == ("succeeded", 0)
-    assert [r["exit_code"] for r in record["ranks"]] == [0, 0]
-    config = json.loads((root / "config.json").read_text())
-    assert (config["program"], config["program_args"]) == ("scripts/train.py",
-                                                           ["--steps", "3", "--name", "a b"])
+# A rank that raises before its process group: rank 1's own traceback names it.
+BOOM = '''\
+import os, time
+def load(rank):
+    if rank == "1":
+        raise ValueError("bad shard " + rank)
+load(os.environ["RANK"])
+time.sleep(60)
+'''
+
+# Rank 1 killed in the first attempt, then both through a barrier.
+FLAKY = '''\
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if attempt == "0" and dist.get_rank() == 1:
+    os.kill(os.getpid(), 9)
+dist.barrier()
+print("attempt", attempt, "done", flush=True)
+'''
+
+# A script with its own ddtop lines: steps, loss and scalars.
+LOGS = '''\
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import ddtop
+dist.init_process_group("gloo")
+ddtop.init(total_steps=20)
+model = DDP(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(20):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    ddtop.step(loss=loss, samples=8)
+    ddtop.log(grad_norm=float(dist.get_rank() + 1), lr=0.1)
+'''
 
 
-@pytest.mark.parametrize("launch", [["--launcher", "torchrun"], ["--start-method", "spawn"]])
-@pytest.mark.processes
-def test_a_module_runs_under_torchrun_and_spawn_too(project: Path, launch: list[str]) -> None:
-    run = ddtrain("start", "--foreground", "-n", "2", *launch, "--run-id", "mod",
-                  "-m", "mypkg.train", "--", "--steps", "2", cwd=project)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.leftovers == []
-    root = project / "runs" / "mod"
-    got = seen(root, 1)
-    assert got["name"] == "__main__" and got["cwd"] == str(project)
-    assert got["argv"] == [str(project / "mypkg" / "train.py"), "--steps", "2"]  # as python -m
-    assert weights(root, 0) == weights(root, 1)
-
-
-@pytest.mark.processes
-def test_a_script_that_raises_is_named_with_its_own_traceback(tmp_path: Path) -> None:
-    (tmp_path / "boom.py").write_text(textwrap.dedent('''\
-        import os, time
-        def load(rank):
-            if rank == "1":
-                raise ValueError("bad shard " + rank)
-        load(os.environ["RANK"])
-        time.sleep(60)
-        '''))
-    run = ddtrain("start", "--foreground", "-n", "2", "--run-id", "boom", "boom.py",
-                  cwd=tmp_path, timeout=90)
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert run.leftovers == []
-    assert "failed: rank 1 (pid" in run.stderr and "ValueError: bad shard 1" in run.stderr
-    tail = run.stderr.split("ValueError: bad shard 1", 1)[1]
-    assert f'  |   File "{tmp_path}/boom.py", line 5, in <module>' in tail  # as python shows it
-    assert "runpy" not in tail and "ddtop" not in tail.split("  log:")[0]  # only the user's frames
-    record = json.loads((tmp_path / "runs/boom/run.json").read_text())
-    assert record["failure"]["rank"] == 1
-    assert "ValueError: bad shard 1" in record["failure"]["message"]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
+    """The foreground runs, started together with the module's first process test
+    (they run beside the tests before theirs), each in a folder of its own; each
+    test waits for its own and checks for leftovers."""
+    with together(tmp_path_factory.mktemp("own")) as started:
+        for name in ("own", "mod-torchrun", "mod-spawn", "zero"):
+            make_project(started.cwd(name))
+        for name, file, text in (("boom", "boom.py", BOOM), ("fl", "flaky.py", FLAKY),
+                                 ("lg", "logs.py", LOGS)):
+            started.cwd(name).mkdir()
+            (started.cwd(name) / file).write_text(text)
+        fg = [DDTRAIN, "start", "--foreground", "-n", "2"]
+        started.start("own", [*fg, "--run-id", "own", "scripts/train.py",
+                              "--", "--steps", "3", "--name", "a b"])
+        for name, launch in (("mod-torchrun", ["--launcher", "torchrun"]),
+                             ("mod-spawn", ["--start-method", "spawn"])):
+            started.start(name, [*fg, *launch, "--run-id", "mod",
+                                 "-m", "mypkg.train", "--", "--steps", "2"])
+        started.start("boom", [*fg, "--run-id", "boom", "boom.py"], timeout=90)
+        started.start("fl", [*fg, "--max-restarts", "1", "--run-id", "fl", "flaky.py"],
+                      timeout=120)
+        started.start("zero", [*fg, "--headless", "--format", "jsonl", "--run-id", "zero",
+                               "scripts/train.py", "--", "--steps", "30"])
+        started.start("lg", [*fg, "--headless", "--run-id", "lg", "logs.py", "--", "--x", "1"])
+        yield started
 
 
 @pytest.mark.parametrize(("args", "fragments"), [
@@ -135,6 +140,7 @@ def test_a_script_that_raises_is_named_with_its_own_traceback(tmp_path: Path) ->
     # is checked, not refused as "a script and a module".
     (["bad.py", "-m", "x"], ["bad.py:1: invalid syntax"]),
 ])
+@pytest.mark.usefixtures("runs")  # started now, to run beside the tests up to theirs
 @pytest.mark.processes
 def test_a_program_that_cannot_run_is_one_line_and_starts_nothing(
         tmp_path: Path, args: list[str], fragments: list[str]) -> None:
@@ -171,19 +177,60 @@ def test_a_detached_script_is_stopped_with_sigterm(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_max_restarts_runs_the_script_again(tmp_path: Path) -> None:
-    (tmp_path / "flaky.py").write_text(textwrap.dedent('''\
-        import os
-        import torch.distributed as dist
-        dist.init_process_group("gloo")
-        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-        if attempt == "0" and dist.get_rank() == 1:
-            os.kill(os.getpid(), 9)
-        dist.barrier()
-        print("attempt", attempt, "done", flush=True)
-        '''))
-    run = ddtrain("start", "--foreground", "-n", "2", "--max-restarts", "1", "--run-id", "fl",
-                  "flaky.py", cwd=tmp_path, timeout=120)
+def test_a_script_runs_as_every_rank_with_torchruns_environment(runs: Together) -> None:
+    run, project = runs.result("own"), runs.cwd("own")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "starting run own with 2 ranks of scripts/train.py --steps 3 --name 'a b'" in run.stdout
+    root = project / "runs" / "own"
+    for rank in (0, 1):
+        got = seen(root, rank)
+        assert got["name"] == "__main__"
+        assert got["argv"] == ["scripts/train.py", "--steps", "3", "--name", "a b"]
+        assert got["cwd"] == str(project)
+        assert got["path0"] == str(project / "scripts")  # as `python scripts/train.py`
+        env = got["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert (env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("2", "0")
+    assert weights(root, 0) == weights(root, 1)  # DDP kept them in step
+    record = json.loads((root / "run.json").read_text())
+    assert (record["status"], record["exit_code"]) == ("succeeded", 0)
+    assert [r["exit_code"] for r in record["ranks"]] == [0, 0]
+    config = json.loads((root / "config.json").read_text())
+    assert (config["program"], config["program_args"]) == ("scripts/train.py",
+                                                           ["--steps", "3", "--name", "a b"])
+
+
+@pytest.mark.parametrize("launch", ["mod-torchrun", "mod-spawn"])  # --launcher torchrun, spawn
+@pytest.mark.processes
+def test_a_module_runs_under_torchrun_and_spawn_too(runs: Together, launch: str) -> None:
+    run, project = runs.result(launch), runs.cwd(launch)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.leftovers == []
+    root = project / "runs" / "mod"
+    got = seen(root, 1)
+    assert got["name"] == "__main__" and got["cwd"] == str(project)
+    assert got["argv"] == [str(project / "mypkg" / "train.py"), "--steps", "2"]  # as python -m
+    assert weights(root, 0) == weights(root, 1)
+
+
+@pytest.mark.processes
+def test_a_script_that_raises_is_named_with_its_own_traceback(runs: Together) -> None:
+    run, tmp_path = runs.result("boom"), runs.cwd("boom")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.leftovers == []
+    assert "failed: rank 1 (pid" in run.stderr and "ValueError: bad shard 1" in run.stderr
+    tail = run.stderr.split("ValueError: bad shard 1", 1)[1]
+    assert f'  |   File "{tmp_path}/boom.py", line 5, in <module>' in tail  # as python shows it
+    assert "runpy" not in tail and "ddtop" not in tail.split("  log:")[0]  # only the user's frames
+    record = json.loads((tmp_path / "runs/boom/run.json").read_text())
+    assert record["failure"]["rank"] == 1
+    assert "ValueError: bad shard 1" in record["failure"]["message"]
+
+
+@pytest.mark.processes
+def test_max_restarts_runs_the_script_again(runs: Together) -> None:
+    run = runs.result("fl")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     assert "restart 1/1: rank 1 was killed by SIGKILL" in run.stderr
@@ -192,9 +239,9 @@ def test_max_restarts_runs_the_script_again(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(project: Path) -> None:
-    run = ddtrain("start", "--foreground", "--headless", "--format", "jsonl", "-n", "2",
-                  "--run-id", "zero", "scripts/train.py", "--", "--steps", "30", cwd=project)
+def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(runs: Together
+                                                                         ) -> None:
+    run = runs.result("zero")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     summary = json.loads(run.stdout.strip().splitlines()[-1])
@@ -207,23 +254,8 @@ def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(project
 
 
 @pytest.mark.processes
-def test_a_scripts_own_lines_show_in_the_headless_summary_and_status(tmp_path: Path) -> None:
-    (tmp_path / "logs.py").write_text(textwrap.dedent('''\
-        import torch, torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        import ddtop
-        dist.init_process_group("gloo")
-        ddtop.init(total_steps=20)
-        model = DDP(torch.nn.Linear(4, 2))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(20):
-            loss = model(torch.randn(8, 4)).pow(2).mean()
-            opt.zero_grad(); loss.backward(); opt.step()
-            ddtop.step(loss=loss, samples=8)
-            ddtop.log(grad_norm=float(dist.get_rank() + 1), lr=0.1)
-        '''))
-    run = ddtrain("start", "--foreground", "--headless", "-n", "2", "--run-id", "lg",
-                  "logs.py", "--", "--x", "1", cwd=tmp_path)
+def test_a_scripts_own_lines_show_in_the_headless_summary_and_status(runs: Together) -> None:
+    run, tmp_path = runs.result("lg"), runs.cwd("lg")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.leftovers == []
     assert "step 20/20" in run.stdout and "  program: logs.py --x 1" in run.stdout
