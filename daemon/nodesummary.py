@@ -53,8 +53,10 @@ SUMMARY_BYTES = 48 * 1024
 # Scalars messages with different keys held per rank between summaries (the
 # newest of each set of keys); beyond it the oldest is dropped (counted).
 MAX_SCALARS_HELD = 4
-# Rank accounts a frame carries: 40 bytes each at most (five 64-bit numbers).
+# Rank accounts a frame of their own carries: ACCOUNT_BYTES each at most (five
+# 64-bit numbers).
 ACCOUNTS_PER_FRAME = 1000
+ACCOUNT_BYTES = 46
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -293,8 +295,9 @@ class Summariser:
     def _pack(self, messages: list[wire.Summed], accounts: list[wire.RankAccount],
               t: float) -> list[bytes]:
         """Frames under wire.MAX_FRAME_BYTES: messages in chunks of SUMMARY_BYTES, the
-        accounts in frames of their own; a message too large to wrap goes alone, as
-        the rank's own frame (the hub takes it as a forwarded rank message)."""
+        accounts with the last chunk as far as they fit, else in frames of their
+        own; a message too large to wrap goes alone, as the rank's own frame (the
+        hub takes it as a forwarded rank message)."""
         frames: list[bytes] = []
         chunk: list[wire.Summed] = []
         size = 0
@@ -308,9 +311,12 @@ class Summariser:
                 chunk, size = [], 0
             chunk.append(message)
             size += len(encoded)
+        # The accounts (ACCOUNT_BYTES each at most) with the last messages where they
+        # fit, the rest in frames of their own.
+        room = max(0, (SUMMARY_BYTES - size) // ACCOUNT_BYTES) if chunk else 0
         if chunk:
-            frames.append(self._frame(chunk, [], t))
-        for i in range(0, len(accounts), ACCOUNTS_PER_FRAME):
+            frames.append(self._frame(chunk, accounts[:room], t))
+        for i in range(room, len(accounts), ACCOUNTS_PER_FRAME):
             frames.append(self._frame([], accounts[i:i + ACCOUNTS_PER_FRAME], t))
         kept = [f for f in frames if len(f) <= wire.MAX_FRAME_BYTES]
         self.dropped += len(frames) - len(kept)

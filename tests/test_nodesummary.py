@@ -128,9 +128,10 @@ def test_merged_steps_sum_and_keep_the_newest_readings() -> None:
     computes = [0.07, 0.07, 0.30, 0.07, 0.07]  # one step descheduled
     for i, c in enumerate(computes, start=1):
         s.take(_step(i, c, lr=0.1 * i), 200.0 + i)
-    (frame,) = s.frames({}, now=10.0, t=300.0)
+    (frame,) = s.frames({3: RankView(rank=3, received=5)}, now=10.0, t=300.0)
     summary = wire.decode([frame], "r")
     assert isinstance(summary, wire.NodeSummary) and summary.node == 2
+    assert summary.accounts == [wire.RankAccount(3, 5, 0, 0, 0)]  # in the same frame
     (merged,) = summary.messages
     assert isinstance(merged, wire.Step)
     assert (merged.steps, merged.samples, merged.seq, merged.global_step) == (5, 160, 5, 5)
