@@ -15,7 +15,9 @@ socket (one CURVE PUSH for all of them, each forward naming its node), with a
 daemon/nodes.Forwarder sends them. What a node daemon does for its own ranks
 (their sockets, its journal) is not simulated: it costs the node, not the hub.
 
-The ranks step together, STEP_HZ steps a second; a rank's compute is 70% of a
+The ranks step together, STEP_HZ steps a second, --steps-per-message at a
+time, each node on a clock of its own (node i of n a share i/n of a tick
+later), so the nodes' summaries come spread as from real nodes; a rank's compute is 70% of a
 step, its slow factor times that (the others wait for the slowest in the
 all-reduce: their comm time grows). `--scenario` (JSON) adds faults:
 - "slow": {"rank": factor}: a straggler from the start;
@@ -89,9 +91,9 @@ class SimNodes:
         self.dealer.setsockopt(zmq.SNDHWM, 100_000)
         keys.client(self.dealer)
         self.dealer.connect(hub["control"])
-        # A summary each SUMMARY_S, or each tick where ticks are as long (the ranks'
-        # steps of a tick in one summary, not one summary for every other tick).
-        every = min(nodesummary.every_s(world // per + 1), steps_per_message / step_hz) * 0.9
+        # A summary as often as a node of this job sends one, or each tick where ticks
+        # are longer (a little less, so that a tick on time finds it due).
+        every = max(nodesummary.every_s(world // per + 1), steps_per_message / step_hz) * 0.95
         self.summarisers = {k: nodesummary.Summariser(run, k, every) for k in nodes}
         self.views = {k: {r: RankView(rank=r) for r in self.ranks(k)} for k in nodes}
         self.seq = {r: 0 for k in nodes for r in self.ranks(k)}
@@ -126,21 +128,34 @@ class SimNodes:
               flush=True)
         start = time.monotonic()  # the scenario's clock: its faults' times count from here
         (self.folder / f"simstart.{self.nodes[0]}").write_text(repr(time.time()))
-        tick, next_beat = 0, 0.0
-        hang_step = None
+        # Each node on a clock of its own, as real nodes are (not in step): node i
+        # of n steps (and sums up) period * i / n after the first.
+        period = self.batch / self.step_hz
+        due = {k: start + period * i / len(self.nodes) for i, k in enumerate(self.nodes)}
+        ticks = dict.fromkeys(self.nodes, 0)
+        next_beat, next_look, hang_step = 0.0, 0.0, None
+        slowest = max([1.0, *self.slow.values()])
         while (elapsed := time.monotonic() - start) < seconds:
-            if (self.folder / "done").exists():
-                break
-            now = time.time()
+            if elapsed >= next_look:
+                next_look = elapsed + 0.5
+                if (self.folder / "done").exists():
+                    break
+            now, mono = time.time(), time.monotonic()
             hanging = self.hang is not None and elapsed >= self.hang[1]
             if hanging and hang_step is None:
-                hang_step = tick * self.batch
-            if not hanging:
-                slowest = max([1.0, *(self.slow.get(r, 1.0) for r in self.seq)])
-                for k in self._live_nodes(elapsed):
+                hang_step = max(ticks.values()) * self.batch
+            for k in self._live_nodes(elapsed):
+                if due[k] > mono:
+                    continue
+                if not hanging:
                     for r in self.ranks(k):
                         if r not in self.gone:
-                            self._take(k, self._step(r, now, tick, slowest), now)
+                            self._take(k, self._step(r, now, ticks[k], slowest), now)
+                ticks[k] += 1
+                due[k] += period
+                summariser = self.summarisers[k]
+                if summariser.due(mono):
+                    self._send(k, summariser.frames(self.views[k], mono, now))
             if (self.dead is not None and elapsed >= self.dead[1] and self.dead[0] not in self.gone
                     and self.dead[0] // self.per + 1 in self.nodes):  # its node is simulated here
                 rank = self.dead[0]
@@ -159,10 +174,7 @@ class SimNodes:
                                 waited = elapsed - self.hang[1]  # type: ignore[index]
                                 self._take(k, self._waiting(r, now, hang_step, waited), now)
                 self._node_beats(elapsed)
-            self._flush(now, elapsed)
-            tick += 1
-            due = start + tick * self.batch / self.step_hz
-            self._drain(max(0.0, due - time.monotonic()))
+            self._drain(max(0.0, min(min(due.values()), mono + 0.05) - time.monotonic()))
 
     def _live_nodes(self, elapsed: float) -> list[int]:
         if self.silent is None or elapsed < self.silent[1]:
