@@ -224,12 +224,21 @@ class SimNodes:
             self.dealer.send(protocol.encode(beat), zmq.NOBLOCK)
 
     def _drain(self, wait_s: float) -> None:
+        """The hub's replies to the nodes' heartbeats: the ranks open on a dashboard
+        (a real node's Forwarder.take_reply does the same)."""
         import zmq
+
+        from ddtop.daemon import protocol
 
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                self.dealer.recv(zmq.NOBLOCK)
+                body = self.dealer.recv(zmq.NOBLOCK)
+                reply = protocol.decode_reply(protocol.NodeReply, body)
+                for summariser in self.summarisers.values():
+                    summariser.focus = set(reply.focus)
+                continue
+            except protocol.ProtocolError:
                 continue
             except zmq.Again:
                 pass

@@ -140,7 +140,10 @@ class Hub:
         elif was != UP and seen.state != DONE:
             seen.state = UP
             self._say(node, "info", f"node {node} ({seen.host}) is reachable again")
-        return protocol.NodeReply(ok=True, stop=self.stop, nodes=self.nodes_endpoint)
+        now = time.monotonic()
+        focus = sorted(r for r, until in self.relay.focus_requests.items() if until > now)
+        return protocol.NodeReply(ok=True, stop=self.stop, nodes=self.nodes_endpoint,
+                                  focus=focus[:protocol.MAX_FOCUS])
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
         """What node `node` sent: its ranks' summary (daemon/nodesummary.py),
@@ -348,6 +351,7 @@ class Forwarder:
         except protocol.ProtocolError:  # not the hub's reply
             return
         self.heard = time.monotonic()
+        self.summariser.focus = set(reply.focus)
         if reply.stop is not None:
             self.stop = reply.stop
         if self.push is None and reply.nodes:

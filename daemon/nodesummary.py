@@ -27,6 +27,10 @@ come; `fold` folds one into a RunState, the hub's, a dashboard's and a
 replay's alike, without the ranks' sequence numbers (most are left out by
 design): lost, late and duplicate counts are the node's.
 
+A rank open on a dashboard (its detail: protocol.Focus, passed on by the hub in
+its replies to the node's heartbeats) is not merged: its Step messages go as
+they came, in the next summary, so the hub has its every step while it is open.
+
 Diagnosis works as on one node, from the summaries: a dead rank is the node's
 RankExit, sent at once; a rank's phase and collective come with its
 heartbeats (a hang); the steps merged per summary are a straggler window.
@@ -53,6 +57,8 @@ SUMMARY_BYTES = 48 * 1024
 # Scalars messages with different keys held per rank between summaries (the
 # newest of each set of keys); beyond it the oldest is dropped (counted).
 MAX_SCALARS_HELD = 4
+# A focused rank's Step messages held between summaries, at most.
+MAX_UNMERGED_HELD = 200
 # Rank accounts a frame of their own carries: ACCOUNT_BYTES each at most (five
 # 64-bit numbers).
 ACCOUNTS_PER_FRAME = 1000
@@ -185,6 +191,7 @@ def merged_step(merged: _Merged) -> wire.Step:
 
 class _Pending(msgspec.Struct):
     step: _Merged | None = None
+    unmerged: list[wire.Step] = []  # a focused rank's Step messages, as they came
     beat: wire.Heartbeat | None = None
     beat_at: float = 0.0  # when the node received it (wall clock)
     beat_after_step: bool = False
@@ -204,12 +211,21 @@ class Summariser:
         self.last = 0.0
         self.seq = 0
         self.dropped = 0  # Scalars dropped (MAX_SCALARS_HELD), or frames too large to send
+        # Ranks open on a dashboard (the hub's reply says which): each Step as it came.
+        self.focus: set[int] = set()
 
     def take(self, message: wire.Message, received: float) -> bool:
         """One rank message the node folded; True when a summary should go now."""
         if isinstance(message, wire.Step):
             held = self._held(message.rank)
-            held.step = _start(message) if held.step is None else merge_steps(held.step, message)
+            if message.rank in self.focus:
+                held.unmerged.append(message)
+                if len(held.unmerged) > MAX_UNMERGED_HELD:
+                    del held.unmerged[0]
+                    self.dropped += 1
+            else:
+                held.step = (_start(message) if held.step is None
+                             else merge_steps(held.step, message))
             held.beat_after_step = False
             return False
         if isinstance(message, wire.Heartbeat):
@@ -287,6 +303,7 @@ class Summariser:
             out.append(beat)
         if held.step is not None:
             out.append(merged_step(held.step))
+        out.extend(held.unmerged)
         if beat is not None and held.beat_after_step:
             out.append(beat)
         out.extend(held.scalars)

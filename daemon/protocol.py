@@ -57,6 +57,12 @@ ForwardTo = Annotated[str, msgspec.Meta(max_length=MAX_ENDPOINT_CHARS, pattern=r
 
 
 # -- requests ---------------------------------------------------------------------------
+# A rank detail open on a dashboard: its rank's every step for this long (renewed
+# while it stays open), for at most MAX_FOCUS ranks at a time.
+FOCUS_S = 10.0
+MAX_FOCUS = 16
+
+
 class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     """A request on a daemon's control socket; `op`, its tag, names its kind."""
 
@@ -89,6 +95,15 @@ class Stacks(Request, tag="stacks"):
 
     refusal: ClassVar[str] = "rank must be a rank of this run"
     rank: Rank | None = None
+
+
+class Focus(Request, tag="focus"):
+    """Rank `rank`'s every step for FOCUS_S: a dashboard's open rank detail. A hub
+    passes it to the rank's node, which sends that rank's Step messages unmerged
+    (daemon/nodesummary.py); on one machine every step is there anyway."""
+
+    refusal: ClassVar[str] = "rank must be a rank of this run"
+    rank: Rank
 
 
 class NodeFailure(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -126,7 +141,7 @@ class NodeHeartbeat(Request, tag="node"):
     failure: NodeFailure | None = None
 
 
-AnyRequest: TypeAlias = Ping | Status | Snapshot | Stop | Stacks
+AnyRequest: TypeAlias = Ping | Status | Snapshot | Stop | Stacks | Focus
 HubRequest: TypeAlias = AnyRequest | NodeHeartbeat
 
 
@@ -164,6 +179,8 @@ class NodeReply(Reply):
 
     stop: Seconds | None = None
     nodes: ForwardTo = ""
+    # Ranks a dashboard has open: their Step messages unmerged (daemon/nodesummary.py).
+    focus: Annotated[list[Rank], msgspec.Meta(max_length=MAX_FOCUS)] = []
 
 
 def refused(error: str) -> Reply:
@@ -172,7 +189,7 @@ def refused(error: str) -> Reply:
 
 REPLIES: dict[type[Request], type[Reply]] = {
     Ping: PingReply, Status: StatusReply, Snapshot: SnapshotReply, Stop: StopReply,
-    Stacks: Reply, NodeHeartbeat: NodeReply}
+    Stacks: Reply, Focus: Reply, NodeHeartbeat: NodeReply}
 
 
 # -- decoding ---------------------------------------------------------------------------
@@ -283,6 +300,7 @@ class HubRelay(Protocol):
     """What the hub asks of its relay (daemon/relay.Relay)."""
 
     run: str
+    focus_requests: dict[int, float]
 
     def reject(self, reason: str) -> None: ...
 

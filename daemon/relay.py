@@ -110,6 +110,7 @@ class Relay:
         self.daemon_seq = 0
         self.stop_request: float | None = None  # a `stop` request's timeout, once asked
         self.stacks_requests: list[int | None] = []  # ranks asked for stacks (None: all)
+        self.focus_requests: dict[int, float] = {}  # ranks open on a dashboard (requests.py)
         self.bind, self.keys = bind, keys
         # A multi-node job (daemon/nodes.py): the hub's node table, or a node
         # daemon's forwarder, fed every message this relay folds.

@@ -36,6 +36,7 @@ class Answering(Protocol):
     world_size: int | None
     stop_request: float | None
     stacks_requests: list[int | None]
+    focus_requests: dict[int, float]  # rank -> monotonic time its focus ends
     hub: protocol.NodeHub | None
 
     @property
@@ -72,6 +73,15 @@ def answer(relay: Answering, body: bytes) -> protocol.Reply:
                 return protocol.refused(protocol.Stacks.refusal)
             if len(relay.stacks_requests) < MAX_STACKS_REQUESTS:
                 relay.stacks_requests.append(rank)
+            return protocol.Reply(ok=True)
+        case protocol.Focus(rank=rank):
+            if relay.world_size and rank >= relay.world_size:
+                return protocol.refused(protocol.Focus.refusal)
+            now = time.monotonic()
+            for old in [r for r, until in relay.focus_requests.items() if until <= now]:
+                del relay.focus_requests[old]
+            if rank in relay.focus_requests or len(relay.focus_requests) < protocol.MAX_FOCUS:
+                relay.focus_requests[rank] = now + protocol.FOCUS_S
             return protocol.Reply(ok=True)
         case protocol.NodeHeartbeat():
             assert relay.hub is not None  # only a hub's decoder takes it

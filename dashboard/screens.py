@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -86,7 +87,9 @@ class ConfirmStop(ModalScreen[bool]):
 class RankDetail(Screen[None]):
     """One rank: its numbers, step breakdown, charts, events and log tail; `t`
     asks the daemon for the rank's Python stacks and shows them in place of the
-    log (`l` back to the log)."""
+    log (`l` back to the log). While open, it asks the daemon for the rank's
+    every step (protocol.Focus: on a multi-node hub, another node's rank is
+    otherwise summed up, a point a summary)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,enter,backspace", "app.pop_screen", "back"),
@@ -149,6 +152,20 @@ class RankDetail(Screen[None]):
     def on_mount(self) -> None:
         self.refresh_view()
         self.set_interval(1 / self.fps, self.refresh_view)
+        # While open: the rank's every step, asked of the daemon (a hub asks the
+        # rank's node: protocol.Focus), renewed before it runs out.
+        if self.feed.stop_endpoint is not None:
+            self._focus()
+            self.set_interval(protocol.FOCUS_S / 3, self._focus)
+
+    @work(thread=True, group="focus", exit_on_error=False)
+    def _focus(self) -> None:
+        endpoint = self.feed.stop_endpoint
+        if endpoint is None or not self.is_attached:
+            return
+        with contextlib.suppress(control.Unreachable):  # said by the feed, not here
+            control.request(endpoint, protocol.Focus(rank=self.rank),
+                            control.STOP_REQUEST_TIMEOUT_S, keys=self.feed.keys)
 
     def refresh_view(self) -> None:
         if not self.is_attached or not self.query("#detail-info"):

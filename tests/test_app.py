@@ -359,6 +359,25 @@ def test_a_stop_the_daemon_never_answers_does_not_freeze_the_dashboard() -> None
         drive(feed, (120, 40), script, notifications=True)
 
 
+@pytest.mark.timeout(60)
+def test_an_open_rank_detail_asks_the_daemon_for_the_ranks_every_step() -> None:
+    """protocol.Focus: what a hub passes on to the rank's node (tests/test_nodesummary.py
+    has the rest of the way); unanswered here, and nothing said of it."""
+    with daemon_mute_on_stop() as (endpoint, ops):
+        feed = LiveFeed(connect=endpoint)
+
+        async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: feed.connection == "live")
+            assert "focus" not in ops
+            app.push_screen(RankDetail(feed, 1, None, 5.0))
+            await until(pilot, lambda: "focus" in ops)
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, RankDetail))
+            await pilot.press("q")
+
+        drive(feed, (120, 40), script, notifications=True)
+
+
 @pytest.mark.parametrize(("ranks", "table_lines"), [(2, 3), (64, 40 - 4 - 1 - 10)])
 def test_the_ranks_table_takes_the_lines_it_needs_and_the_panels_the_rest(
         ranks: int, table_lines: int) -> None:

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 
-from ddtop.daemon import nodes, nodesummary, stragglers, wire
+from ddtop.daemon import journal, nodes, nodesummary, protocol, stragglers, wire
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.keys import RunKeys
 from ddtop.daemon.rankview import DEAD, UNREACHABLE, RankView
@@ -35,6 +36,7 @@ SLOW_NODE, SLOW = 37, (37 - 1) * PER + 3
 DEAD_NODE, DEAD_RANK, DEAD_AT = 13, (13 - 1) * PER + 4, 3.0
 SILENT_NODE, SILENT_AT = 50, 3.0
 HANG_NODE, HANG_RANK, HANG_AT = 53, (53 - 1) * PER + 6, 9.0
+FOCUS_RANK = (8 - 1) * PER + 2  # its detail open on a dashboard: its every step
 RUN_S = 18.0
 
 
@@ -56,6 +58,12 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
          str(WORLD), "--per", str(PER), "--first", "1", "--count", str(NODES), "--seconds",
          str(RUN_S), "--scenario", json.dumps(scenario)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A dashboard opens a rank's detail (protocol.Focus, as RankDetail sends it).
+    asker = zmq.Context.instance().socket(zmq.REQ)
+    asker.setsockopt(zmq.LINGER, 0)
+    keys.client(asker)
+    asker.connect(relay.endpoints["control"])
+    asker.send(protocol.encode(protocol.Focus(rank=FOCUS_RANK)))
     named_at = dead_at = silent_at = hang_at = None
     named_step = 0
     false_names: set[int] = set()
@@ -89,7 +97,9 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
                 assert found[0] == [HANG_RANK], found
                 hang_at, hang_text = elapsed, found[1]
         out = sim.communicate(timeout=20)[0]
+        assert asker.poll(0) and protocol.decode_reply(protocol.Reply, asker.recv()).ok
     finally:
+        asker.close()
         if sim.poll() is None:
             sim.kill()
             sim.communicate()
@@ -109,6 +119,17 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
     assert hang_at is not None and hang_at - HANG_AT < 4.5 + 3, hang_at
     assert f"rank {HANG_RANK} is in forward" in hang_text, hang_text
     assert relay.state.rejected == {}, relay.state.rejected
+    # The rank open on a dashboard: its Step messages unmerged (several a summary,
+    # each of one step); the others' merged (one a summary)
+    steps_in: dict[int, list[int]] = {FOCUS_RANK: [], FOCUS_RANK + 1: []}
+    for record in journal.read(tmp_path / "telemetry.journal"):
+        m = wire.decode([record.frame])
+        if isinstance(m, wire.NodeSummary):
+            for rank, found in steps_in.items():
+                n = sum(isinstance(x, wire.Step) and x.rank == rank for x in m.messages)
+                if n:
+                    found.append(n)
+    assert max(steps_in[FOCUS_RANK]) >= 3 and max(steps_in[FOCUS_RANK + 1]) == 1, steps_in
 
 
 # -- the merge, in-process ------------------------------------------------------------
@@ -270,3 +291,20 @@ def test_a_ranks_held_readings_go_before_its_exit_and_a_restart_is_a_new_life() 
                        dataset="", epochs=1, global_batch=4)
     state.apply(wire.NodeSummary(run="r", rank=wire.DAEMON_RANK, node=1, messages=[hello]), 3.0)
     assert not state.ranks[3].exited and state.ranks[3].pid == 42
+
+
+def test_a_focused_ranks_steps_go_unmerged() -> None:
+    s = nodesummary.Summariser("r", 1)
+    s.focus = {3}
+    for i in (1, 2, 3):
+        s.take(_step(i, 0.07), float(i))
+        s.take(msgspec.structs.replace(_step(i, 0.07), rank=2), float(i))
+    (frame,) = s.frames({}, now=10.0, t=4.0)
+    m = wire.decode([frame], "r")
+    assert isinstance(m, wire.NodeSummary)
+    # rank 3's three as they came, rank 2's merged into one (ranks in the order heard)
+    assert [(x.rank, x.steps) for x in m.messages if isinstance(x, wire.Step)] == [
+        (3, 1), (3, 1), (3, 1), (2, 3)]
+    state = RunState(run="r", world_size=4)
+    state.apply(m, 4.0)
+    assert len(state.ranks[3].history) == 3 and len(state.ranks[2].history) == 1
