@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from ddtop.daemon import nodes, protocol, requests
+from ddtop.daemon import nodes, nodesummary, protocol, requests
 from ddtop.daemon.blame import Cause
 from ddtop.daemon.config import TrainConfig
 from ddtop.daemon.relay import Relay
@@ -61,6 +61,7 @@ FAILURE = {"rank": 3, "pid": 77, "exit_code": 1, "cause": 1, "how": "rank 3 rais
 # -- round trips --------------------------------------------------------------------------
 REQUESTS = [protocol.Ping(), protocol.Status(), protocol.Snapshot(), protocol.Stop(),
             protocol.Stop(timeout=2.5), protocol.Stacks(), protocol.Stacks(rank=3),
+            protocol.Focus(rank=3),
             protocol.NodeHeartbeat(node=1, status="running", host="n1", pid=9, ranks=[2, 3],
                                    dropped=5),
             protocol.NodeHeartbeat(node=2, status="failed", message="run x failed",
@@ -126,6 +127,10 @@ def test_requests_are_answered_by_their_type(relay: Relay) -> None:
     assert relay.stop_request == 7.0  # the first stop asked holds
     assert ask(relay, {"op": "stacks", "rank": 3}).ok and ask(relay, {"op": "stacks"}).ok
     assert relay.stacks_requests == [3, None]
+    # a rank's detail open on a dashboard: its every step for FOCUS_S, renewed
+    assert ask(relay, {"op": "focus", "rank": 2}).ok and list(relay.focus_requests) == [2]
+    assert not ask(relay, {"op": "focus", "rank": WORLD}).ok  # not a rank of this run
+    assert not ask(relay, {"op": "focus"}).ok and list(relay.focus_requests) == [2]
     assert relay.state.rejected == {}
 
 
@@ -241,6 +246,7 @@ def forwarder() -> nodes.Forwarder:
     """A node daemon's forwarder: its reply handling, not its sockets."""
     forwarder = object.__new__(nodes.Forwarder)
     forwarder.push, forwarder.stop, forwarder.heard = None, None, None
+    forwarder.summariser = nodesummary.Summariser("r", 1)
     forwarder.connected = []  # type: ignore[attr-defined]
     forwarder._connect = forwarder.connected.append  # type: ignore[attr-defined,method-assign]
     return forwarder
@@ -248,16 +254,32 @@ def forwarder() -> nodes.Forwarder:
 
 def test_the_hubs_reply_is_taken_only_whole() -> None:
     taken = forwarder()
-    taken.take_reply(protocol.encode(protocol.NodeReply(ok=True, stop=3.0, nodes="tcp://h:1")))
+    taken.take_reply(protocol.encode(protocol.NodeReply(ok=True, stop=3.0, nodes="tcp://h:1",
+                                                        focus=[3])))
     assert (taken.stop, taken.connected, taken.heard is not None) == (  # type: ignore[attr-defined]
         3.0, ["tcp://h:1"], True)
+    assert taken.summariser.focus == {3}  # a rank open on a dashboard: its every step
     for reply in ({"ok": True, "stop": -1.0}, {"ok": True, "stop": True},
+                  {"ok": True, "focus": [-1]}, {"ok": True, "focus": list(range(17))},
                   {"ok": True, "nodes": "udp://h:1"}, {"ok": True, "nodes": "tcp://" + "h" * 300},
                   {"stop": 1.0}, [1]):
         refused = forwarder()
         refused.take_reply(msgspec.msgpack.encode(reply))
         assert (refused.stop, refused.connected, refused.heard) == (  # type: ignore[attr-defined]
             None, [], None), reply
+        assert refused.summariser.focus == set(), reply
     heard = forwarder()  # a refusal is the hub's answer all the same
     heard.take_reply(protocol.encode(protocol.refused("node must be 1 to 1")))
     assert heard.heard is not None and heard.stop is None
+
+
+def test_the_hub_passes_the_ranks_open_on_a_dashboard_to_the_nodes(relay: Relay,
+                                                                   hub: nodes.Hub) -> None:
+    reply = ask(relay, beat())
+    assert isinstance(reply, protocol.NodeReply) and reply.focus == []
+    assert ask(relay, {"op": "focus", "rank": 3}).ok
+    reply = ask(relay, beat())
+    assert isinstance(reply, protocol.NodeReply) and reply.focus == [3]
+    relay.focus_requests[3] = 0.0  # its time is up: no longer passed on
+    reply = ask(relay, beat())
+    assert isinstance(reply, protocol.NodeReply) and reply.focus == []
