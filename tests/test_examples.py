@@ -20,7 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import DDTRAIN, TORCHRUN, Run, collecting, finish, start, torchrun, wait_until_gone
+from helpers import (
+    DDTRAIN,
+    TORCHRUN,
+    Run,
+    collecting,
+    finish,
+    start,
+    torch_aborted_at_exit,
+    torchrun,
+    wait_until_gone,
+)
 
 from ddtop.daemon import journal, wire
 
@@ -29,7 +39,6 @@ TUTORIAL = EXAMPLES / "ddp_tutorial.py"
 GPT = EXAMPLES / "gpt_accum.py"
 MARK = "# ddtop"
 TIMEOUT_S = 60
-TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 # 512 samples over 2 ranks in batches of 32: 8 optimizer steps per epoch per rank.
 TUTORIAL_ARGS = ["--epochs", "3", "--save-every", "2", "--dataset-size", "512",
@@ -181,17 +190,6 @@ def test_gpt_accum_counts_optimizer_steps_and_shows_rank0_evaluation_as_such(
         assert line["hang"] is None, line
         assert {r["state"] for r in line["ranks"]} <= {"starting", "running", "finished"}, line
         assert line["skew_s"] < NOTICEABLE_S / 2, line
-
-
-def torch_aborted_at_exit(run: Run, what: str) -> bool:
-    """Whether `run` (the tutorial under plain torchrun) ended in torch's own abort
-    at interpreter exit: seen in CI in 2 of 4 runs of the suite on a loaded machine,
-    once with and once *without* ddtop in the script (so not ddtop's), never in 95
-    runs here. Said, so that a rerun is never silent."""
-    if run.returncode != 0 and TORCH_EXIT_ABORT in run.stderr:
-        print(f"\n{what} aborted at exit in torch ({TORCH_EXIT_ABORT!r}): running it again")
-        return True
-    return False
 
 
 @pytest.mark.processes
