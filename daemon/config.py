@@ -384,9 +384,8 @@ class TrainConfig:
 
     def check_ranges(self) -> TrainConfig:
         """Return self, or raise UsageError for the first number out of its Range
-        (a config.json written by hand or damaged is checked with this too). A
-        multi-node job's world size is the whole job's: --nnodes x --nproc-per-node
-        ranks, up to MAX_JOB_RANKS, where one machine's is up to MAX_MACHINE_RANKS."""
+        (a config.json written by hand or damaged is checked with this too); a
+        multi-node job's world size counts the whole job's ranks (MAX_JOB_RANKS)."""
         if not self.multi_node:
             problem = check_ranges(self)
         else:

@@ -205,12 +205,9 @@ class Relay:
 
     @property
     def endpoints(self) -> dict[str, str]:
-        found = {"telemetry": self.pull.getsockopt_string(zmq.LAST_ENDPOINT),
-                 "publish": self.pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                 "control": self.router.getsockopt_string(zmq.LAST_ENDPOINT)}
-        if self.nodes is not None:
-            found["nodes"] = self.nodes.getsockopt_string(zmq.LAST_ENDPOINT)
-        return found
+        socks = {"telemetry": self.pull, "publish": self.pub, "control": self.router,
+                 **({"nodes": self.nodes} if self.nodes is not None else {})}
+        return {name: s.getsockopt_string(zmq.LAST_ENDPOINT) for name, s in socks.items()}
 
     # -- the loop --------------------------------------------------------------------
     def serve(self, timeout_s: float, fds: Sequence[int] = ()) -> list[int]:
