@@ -179,13 +179,19 @@ def measure_hub(world: int, nodes: int, seconds: float, fps: float) -> dict[str,
                 os.environ.pop(KEYS_ENV, None)
             return result
         finally:
-            (base / "done").write_text("")
-            for proc in procs:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            end(base, procs, 15)
+
+
+def end(base: Path, procs: list[subprocess.Popen[Any]], timeout_s: float) -> None:
+    """The measurement is over (base/done, which the processes look for): each
+    process waited for, and killed if it outlives `timeout_s`."""
+    (base / "done").write_text("")
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -149,13 +149,7 @@ def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict
                 os.environ.pop(KEYS_ENV, None)
             return result
         finally:
-            (base / "done").write_text("")
-            for proc in procs:
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            hub_bench.end(base, procs, 20)
 
 
 def main(argv: list[str] | None = None) -> int:
