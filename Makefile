@@ -55,7 +55,7 @@ lint: $(STAMP)
 # Its cache is kept beside the tree (.mypy_cache), so a second run checks only what changed.
 typecheck: $(STAMP)
 	rm -rf .typecheck && mkdir -p .typecheck/ddtop
-	for part in training daemon dashboard; do ln -s ../../$$part .typecheck/ddtop/$$part; done
+	for part in core training daemon dashboard; do ln -s ../../$$part .typecheck/ddtop/$$part; done
 	for module in api/*.py; do ln -s ../../$$module .typecheck/ddtop/$${module#api/}; done
 	cd .typecheck && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p ddtop
 

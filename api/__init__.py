@@ -63,7 +63,7 @@ def _resolve() -> LiveRank | None:
     later); else None, for good."""
     global _live
     if _live is _UNRESOLVED:
-        from ddtop.daemon.contract import telemetry_endpoint
+        from ddtop.core.contract import telemetry_endpoint
 
         if telemetry_endpoint() is None and _LIVE_SIDE not in sys.modules:
             _live = None

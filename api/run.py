@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
-from ddtop.daemon.config import UsageError
-from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK, EXIT_USAGE, telemetry_endpoint
-from ddtop.daemon.program import check_program
+from ddtop.core.config import UsageError
+from ddtop.core.contract import EXIT_FAILED, EXIT_OK, EXIT_USAGE, telemetry_endpoint
+from ddtop.core.program import check_program
 from ddtop.training import asmain, starthook
 
 USAGE = "usage: python -m ddtop.run SCRIPT [ARGS...]  |  python -m ddtop.run -m MODULE [ARGS...]"

@@ -27,7 +27,8 @@ second (11 N messages/s offered), and the script measures:
   the feed's worker and the rest), in % of one core and per frame drawn.
 
 --baseline REF measures the dashboard package as it was at a git commit too
-(bench/tui_cpu.py's tree: `dashboard/` from `git archive`, this tree's daemon):
+(bench/tui_cpu.py's tree: the package's parts from `git archive`, as REF laid them
+out; the feeder is this tree's):
 each world size, each round, the baseline then this tree, each in a fresh
 process of its own, so that both see the same load; a table of render ms, fps
 and CPU, every round and the medians.
@@ -62,7 +63,7 @@ MEASURE_FLAG = "--measure"  # one world size's render and live measures, as a JS
 
 # -- synthetic telemetry --------------------------------------------------------------
 def hello(run: str, rank: int, world: int) -> Any:
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     return wire.Hello(run=run, rank=rank, seq=0, t=time.time(), local_rank=rank % 8,
                       host=f"node{rank // 8:03d}", pid=10_000 + rank, device=f"cuda:{rank % 8}",
@@ -71,7 +72,7 @@ def hello(run: str, rank: int, world: int) -> Any:
 
 
 def step(run: str, rank: int, seq: int, t: float, global_step: int) -> Any:
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     slow = 1.3 if rank == 7 else 1.0  # one straggler, so the view has something to mark
     return wire.Step(run=run, rank=rank, seq=seq, t=t, epoch=0, step=global_step % 1000,
@@ -83,7 +84,7 @@ def step(run: str, rank: int, seq: int, t: float, global_step: int) -> Any:
 
 
 def heartbeat(run: str, rank: int, seq: int, t: float, global_step: int) -> Any:
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     coll = wire.Collective(seq=global_step * 4, op="allreduce", bytes=6_250_000)
     return wire.Heartbeat(run=run, rank=rank, seq=seq, t=t, phase="backward", epoch=0,
@@ -93,7 +94,7 @@ def heartbeat(run: str, rank: int, seq: int, t: float, global_step: int) -> Any:
 
 def synthetic_frames(run: str, world: int, seconds: float) -> list[bytes]:
     """`seconds` of telemetry from `world` ranks, in send order."""
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     frames = [wire.encode(hello(run, r, world))[0] for r in range(world)]
     seqs = [1] * world
@@ -130,8 +131,8 @@ def percentiles(times: list[float]) -> tuple[float, float]:
 
 
 def measure_fold(world: int) -> tuple[float, Any]:
-    from ddtop.daemon import wire
-    from ddtop.daemon.state import RunState
+    from ddtop.core import wire
+    from ddtop.core.state import RunState
 
     frames = synthetic_frames("bench", world, seconds=3.0)
     state = RunState(run="bench")
@@ -193,7 +194,7 @@ def feeder(world: int, seconds: float, endpoint_file: str) -> int:
     """A real relay, fed in real time: PUSH -> PULL, folded, journaled, published."""
     import zmq
 
-    from ddtop.daemon import wire
+    from ddtop.core import wire
     from ddtop.daemon.relay import Relay
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,7 +233,7 @@ def feeder(world: int, seconds: float, endpoint_file: str) -> int:
 
 def measure_live(world: int, seconds: float, fps: float,
                  size: tuple[int, int] = (120, 40)) -> dict[str, Any]:
-    from ddtop.daemon import control, protocol
+    from ddtop.core import control, protocol
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.live import LiveFeed
 

@@ -78,11 +78,11 @@ from typing import Any
 
 from stats import mean_interval, median_interval  # bench/stats.py, beside this script
 
-from ddtop.daemon import control, journal, protocol, wire
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import RunSummary
+from ddtop.core import control, journal, protocol, wire
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.core.summary import RunSummary
 
 BIN = Path(sys.executable).parent
 DDTRAIN, DDTOP = str(BIN / "ddtrain"), str(BIN / "ddtop")

@@ -43,7 +43,7 @@ HUB_FLAG, NODE_FLAG = "--hub-process", "--node-process"
 
 def config_for(world: int, nodes: int) -> Any:
     """The job: node 0 the hub (no ranks of its own here), nodes 1..`nodes` the ranks'."""
-    from ddtop.daemon.config import TrainConfig
+    from ddtop.core.config import TrainConfig
 
     return TrainConfig(world_size=world, nnodes=nodes + 1, nproc_per_node=world // nodes,
                        rdzv_endpoint="127.0.0.1:1", run_id="bench", launcher="torchrun")
@@ -51,8 +51,8 @@ def config_for(world: int, nodes: int) -> Any:
 
 def hub_process(folder: str, world: int, nodes: int, seconds: float) -> int:
     """Node 0's relay and node table, serving until the measurement is over."""
+    from ddtop.core.keys import RunKeys
     from ddtop.daemon import nodes as multi
-    from ddtop.daemon.keys import RunKeys
     from ddtop.daemon.relay import Relay
 
     base = Path(folder)
@@ -76,9 +76,9 @@ def node_process(folder: str, k: int, world: int, nodes: int, seconds: float) ->
     the relay's forwarder sends every folded message to the hub."""
     import zmq
 
+    from ddtop.core import wire
+    from ddtop.core.keys import RunKeys
     from ddtop.daemon import nodes as multi
-    from ddtop.daemon import wire
-    from ddtop.daemon.keys import RunKeys
     from ddtop.daemon.relay import Relay
 
     base = Path(folder)
@@ -124,8 +124,8 @@ def node_process(folder: str, k: int, world: int, nodes: int, seconds: float) ->
 
 
 def measure_hub(world: int, nodes: int, seconds: float, fps: float) -> dict[str, Any]:
-    from ddtop.daemon import control, protocol
-    from ddtop.daemon.keys import KEYS_ENV
+    from ddtop.core import control, protocol
+    from ddtop.core.keys import KEYS_ENV
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.live import LiveFeed
 

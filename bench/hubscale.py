@@ -61,8 +61,8 @@ def rss_bytes(pid: int) -> int:
 
 
 def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict[str, Any]:
-    from ddtop.daemon import control, nodesummary, protocol
-    from ddtop.daemon.keys import KEYS_ENV
+    from ddtop.core import control, nodesummary, protocol
+    from ddtop.core.keys import KEYS_ENV
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.live import LiveFeed
 

@@ -57,7 +57,7 @@ def ddtrain(runs: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def steps(runs: Path, run: str) -> int:
-    from ddtop.daemon import control, protocol
+    from ddtop.core import control, protocol
 
     record = json.loads((runs / run / "run.json").read_text())
     summary = control.request(record["endpoints"]["control"], protocol.Status(), 5.0).summary
@@ -126,8 +126,8 @@ def training(rounds: int, seconds: float) -> dict[str, list[float]]:
 
 def fed_state(ranks: int) -> object:
     """A RunState as the daemon holds it for `ranks` ranks mid-run."""
-    from ddtop.daemon import wire
-    from ddtop.daemon.state import RunState
+    from ddtop.core import wire
+    from ddtop.core.state import RunState
 
     state = RunState(run="bench")
     t = time.time()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import zmq
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training.beats import HEARTBEAT_INTERVAL_S, Beats
 from ddtop.training.telemetry import LiveTelemetry
 

@@ -23,8 +23,8 @@ variant in a fresh process of its own:
   process's CPU time over the attach).
 
 --baseline REF measures the dashboard package as it was at a git commit beside
-this tree (bench/tui_cpu.py's baseline_tree: `dashboard/` from `git archive`,
-this tree's daemon), alternating, --rounds times each. Numbers in
+this tree (bench/tui_cpu.py's baseline_tree: the package's parts from `git
+archive`, as REF laid them out), alternating, --rounds times each. Numbers in
 docs/performance.md.
 """
 
@@ -56,7 +56,7 @@ CHURN_SHARE = 50  # the churning feed folds a Step of one rank in this many a pu
 
 
 def step(rank: int, seq: int, t: float, global_step: int, took: float) -> Any:
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     return wire.Step(run=RUN, rank=rank, seq=seq, t=t, epoch=0, step=global_step,
                      steps_per_epoch=1000, global_step=global_step, steps=1, samples=32,
@@ -71,8 +71,8 @@ def took(rank: int) -> float:
 
 def big_state(ranks: int) -> Any:
     """N ranks stepping, rank 1000 failed, rank 5000 hung in its backward."""
-    from ddtop.daemon import wire
-    from ddtop.daemon.state import RunState
+    from ddtop.core import wire
+    from ddtop.core.state import RunState
 
     state = RunState(run=RUN)
     for rank in range(ranks):
@@ -128,7 +128,7 @@ def churn_feed(state: Any) -> Any:
 
 def measure_one(ranks: int, seconds: float, fps: float, size: tuple[int, int]) -> int:
     """In a process of its own: this variant's figures, as a JSON line."""
-    from ddtop.daemon.state import decode_snapshot, encode_snapshot
+    from ddtop.core.state import decode_snapshot, encode_snapshot
     from ddtop.dashboard import rankmap
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.feed import StateFeed

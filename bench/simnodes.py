@@ -72,9 +72,9 @@ class SimNodes:
                  step_hz: float, steps_per_message: int, scenario: dict[str, Any]) -> None:
         import zmq
 
-        from ddtop.daemon import nodesummary
-        from ddtop.daemon.keys import RunKeys
-        from ddtop.daemon.rankview import RankView
+        from ddtop.core import nodesummary
+        from ddtop.core.keys import RunKeys
+        from ddtop.core.rankview import RankView
 
         hub = json.loads((folder / "hub.json").read_text())
         keys = RunKeys.load(folder / "keys")
@@ -113,7 +113,7 @@ class SimNodes:
         return range((node - 1) * self.per, node * self.per)
 
     def run(self, seconds: float) -> None:
-        from ddtop.daemon import wire
+        from ddtop.core import wire
 
         start = time.monotonic()
         t0 = time.time()
@@ -199,14 +199,14 @@ class SimNodes:
     def _send(self, node: int, frames: list[bytes]) -> None:
         import zmq
 
-        from ddtop.daemon import protocol
+        from ddtop.core import protocol
 
         for frame in frames:
             self.push.send_multipart(protocol.forward_frames(node, frame), zmq.NOBLOCK)
             self.sent += 1
 
     def _daemon_says(self, node: int, message: Any) -> None:
-        from ddtop.daemon import wire
+        from ddtop.core import wire
 
         message = type(message)(**{**{f: getattr(message, f) for f in message.__struct_fields__},
                                    "seq": self.daemon_seq[node]})
@@ -216,7 +216,7 @@ class SimNodes:
     def _node_beats(self, elapsed: float) -> None:
         import zmq
 
-        from ddtop.daemon import protocol
+        from ddtop.core import protocol
 
         for k in self._live_nodes(elapsed):
             beat = protocol.NodeHeartbeat(node=k, host=f"node{k:04d}", pid=os.getpid(),
@@ -228,7 +228,7 @@ class SimNodes:
         (a real node's Forwarder.take_reply does the same)."""
         import zmq
 
-        from ddtop.daemon import protocol
+        from ddtop.core import protocol
 
         deadline = time.monotonic() + wait_s
         while True:
@@ -253,7 +253,7 @@ class SimNodes:
         return self.seq[rank]
 
     def _hello(self, rank: int, t: float) -> Any:
-        from ddtop.daemon import wire
+        from ddtop.core import wire
 
         return wire.Hello(run=self.run_id, rank=rank, seq=self._next(rank), t=t,
                           local_rank=rank % self.per, host=f"node{rank // self.per:04d}",
@@ -262,7 +262,7 @@ class SimNodes:
                           dataset="synthetic", epochs=1, global_batch=32 * self.world)
 
     def _step(self, rank: int, t: float, tick: int, slowest: float) -> Any:
-        from ddtop.daemon import wire
+        from ddtop.core import wire
 
         n = self.batch
         step_s = BASE_STEP_S * (COMPUTE_SHARE * slowest + 1 - COMPUTE_SHARE)
@@ -281,7 +281,7 @@ class SimNodes:
     def _waiting(self, rank: int, t: float, step: int, for_s: float) -> Any:
         """The hang: `rank` in forward of step+1; every other rank inside the
         all-reduce of step+1, which the hung rank has not reached."""
-        from ddtop.daemon import wire
+        from ddtop.core import wire
 
         done = wire.Collective(seq=4 * step, op="allreduce", bytes=6_250_000)
         assert self.hang is not None

@@ -17,7 +17,7 @@ for each transport:
                     the relay answering ZAP; every peer holds the run's keys
 
 1. Ingest: 8 sender processes (1,024 ranks, 128 each) PUSH encoded Step
-   messages and a Heartbeat every 5th step (daemon/wire.py, the messages
+   messages and a Heartbeat every 5th step (core/wire.py, the messages
    training/telemetry.py sends), pre-encoded, with a rank's socket options
    (SNDHWM 64, NOBLOCK; on a full queue they wait for room instead of dropping,
    so the relay is kept busy). One dashboard is subscribed to the relay's PUB
@@ -96,7 +96,7 @@ RELAY_FLAG, SENDER_FLAG = "--relay", "--sender"
 # -- the relays -------------------------------------------------------------------
 def make_relay(transport: str, folder: Path) -> tuple[Any, Path | None]:
     """(a Relay for `transport`, the keys folder its peers need, or None)."""
-    from ddtop.daemon.keys import RunKeys
+    from ddtop.core.keys import RunKeys
     from ddtop.daemon.relay import Relay
 
     class PlainTcpRelay(Relay):
@@ -163,8 +163,8 @@ class RelayProcess:
         self.keys: Path | None = Path(info["keys"]) if info["keys"] else None
 
     def request(self, request: Any) -> Any:
-        """The relay's reply to `request` (daemon/protocol.py)."""
-        from ddtop.daemon import control
+        """The relay's reply to `request` (core/protocol.py)."""
+        from ddtop.core import control
 
         return control.request(self.endpoints["control"], request, 10.0, keys=self.keys)
 
@@ -175,7 +175,7 @@ class RelayProcess:
 
     def wait_for(self, seq: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        from ddtop.daemon import protocol
+        from ddtop.core import protocol
 
         while self.request(protocol.Ping()).seq < seq:
             if time.monotonic() > deadline:
@@ -183,7 +183,7 @@ class RelayProcess:
             time.sleep(0.05)
 
     def stop(self) -> dict[str, Any]:
-        from ddtop.daemon import protocol
+        from ddtop.core import protocol
 
         self.request(protocol.Stop())
         self.proc.wait(timeout=30)
@@ -211,7 +211,7 @@ def step_seq(k: int) -> int:
 
 def rank_frames(rank: int, first: int, last: int) -> list[bytes]:
     """Rank `rank`'s frames for steps first..last (its hello first when first is 1)."""
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     frames = []
     t = time.time()
@@ -251,7 +251,7 @@ def sender_main(config: dict[str, Any]) -> int:
     send to the end of the sleep after it, so the I/O thread's work for it is in."""
     from zmq.utils.monitor import recv_monitor_message
 
-    from ddtop.daemon.keys import secure
+    from ddtop.core.keys import secure
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sockets = []
@@ -359,8 +359,8 @@ def stop_all(procs: Sequence[subprocess.Popen[str]]) -> None:
 
 # -- 1. ingest ------------------------------------------------------------------------
 def ingest_round(transport: str, steps: int, senders: int) -> dict[str, float]:
-    from ddtop.daemon import protocol, wire
-    from ddtop.daemon.keys import secure
+    from ddtop.core import protocol, wire
+    from ddtop.core.keys import secure
 
     expect = WORLD * messages_per_rank(1, steps)
     relay = RelayProcess(transport, expect)
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         return relay_main(args[1], Path(args[2]), int(args[3]))
     if args and args[0] == SENDER_FLAG:
         return sender_main(json.loads(args[1]))
-    from ddtop.daemon import protocol
+    from ddtop.core import protocol
 
     parser = argparse.ArgumentParser(description=str(__doc__).split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5,

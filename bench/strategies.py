@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddtop.daemon.strategy_names import STRATEGIES
+from ddtop.core.strategy_names import STRATEGIES
 
 WARMUP = 5
 FLUSH_S = 0.3  # > the telemetry's send interval: warm-up steps leave before timed ones
@@ -111,7 +111,7 @@ def measure(world: int, model: str, batch: int, steps: int, rounds: int, names: 
             tmp: Path) -> dict[str, dict[str, float]]:
     import zmq
 
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     context = zmq.Context()
     pull = context.socket(zmq.PULL)

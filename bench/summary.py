@@ -19,8 +19,8 @@ the median of --repeats calls of:
   protocol.encode of its StatusReply: the daemon's work per `ddtrain status`),
   and its size.
 
---baseline REF measures the daemon as it was at a git commit too (`git archive
-REF daemon`, this tree's training and api): each world size, each round, the
+--baseline REF measures the package as it was at a git commit too (`git archive
+REF` of its parts, as that commit laid them out): each world size, each round, the
 baseline then this tree, each in a fresh process, so both see the same load;
 the table gives the medians of the rounds and the median of the paired ratios
 (bench/stats.py). Numbers in docs/performance.md.
@@ -49,8 +49,8 @@ MEASURE_FLAG = "--measure"
 
 def build(world: int) -> Any:
     """A RunState of `world` ranks, fed as a job's hub is."""
-    from ddtop.daemon import wire
-    from ddtop.daemon.state import RunState
+    from ddtop.core import wire
+    from ddtop.core.state import RunState
 
     run, t0 = "bench", 100.0
     dead, silent, stalled = world // 3, world // 2, world - 2
@@ -104,8 +104,8 @@ def cpu_ms(call: Any, repeats: int) -> float:
 
 
 def measure(world: int, repeats: int) -> dict[str, float]:
-    from ddtop.daemon import protocol
-    from ddtop.daemon.summary import RunRecord, encode_record
+    from ddtop.core import protocol
+    from ddtop.core.summary import RunRecord, encode_record
 
     state = build(world)
     now = (state.updated or 0.0) + 1.0
@@ -125,18 +125,25 @@ def measure(world: int, repeats: int) -> dict[str, float]:
 
 
 def baseline_tree(ref: str, into: Path) -> Path:
-    """A package tree importing as `ddtop` whose daemon is `ref`'s; training and the
-    api are this tree's (symlinks). Returns the folder for PYTHONPATH."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "daemon"],
+    """A package tree importing as `ddtop` that is `ref`'s whole: every part as that
+    commit lays it out (api/ as `ddtop`, core/ where it has one, daemon/, dashboard/,
+    training/), so a baseline from before a move imports as it did. Returns the folder
+    for PYTHONPATH."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref],
+                            capture_output=True, text=True, check=True).stdout.split()
+    parts = [p for p in ("api", "core", "daemon", "dashboard", "training") if p in listed]
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, *parts],
                              capture_output=True, check=True).stdout
     src = into / "src"
     src.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     package = into / "pkg" / "ddtop"
     package.mkdir(parents=True)
-    (package / "training").symlink_to(ROOT / "training")
-    (package / "daemon").symlink_to(src / "daemon")
-    (package / "__init__.py").symlink_to(ROOT / "api" / "__init__.py")
+    for module in (src / "api").iterdir():
+        (package / module.name).symlink_to(module)
+    for part in parts:
+        if part != "api":
+            (package / part).symlink_to(src / part)
     return into / "pkg"
 
 

@@ -110,8 +110,8 @@ def publish_cost() -> None:
     import torch
 
     import ddtop
-    from ddtop.daemon import wire
-    from ddtop.daemon.contract import TELEMETRY_ENV
+    from ddtop.core import wire
+    from ddtop.core.contract import TELEMETRY_ENV
     from ddtop.training import api
 
     listener = Listener()
@@ -160,7 +160,7 @@ def flood_cost(steps: int) -> None:
     import torch
 
     import ddtop
-    from ddtop.daemon.contract import TELEMETRY_ENV
+    from ddtop.core.contract import TELEMETRY_ENV
     from ddtop.training import api
 
     listener = Listener()
@@ -294,8 +294,8 @@ def comm_timing(steps: int, widths: list[int], backend: str) -> None:
     import torch
     import torch.multiprocessing as mp
 
-    from ddtop.daemon.text import count_of
-    from ddtop.daemon.wire import algbw_busbw
+    from ddtop.core.text import count_of
+    from ddtop.core.wire import algbw_busbw
 
     if backend == "nccl" and not torch.cuda.is_available():
         sys.exit("--comm-backend nccl: no GPU is visible (use gloo, the default)")

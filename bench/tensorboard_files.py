@@ -44,10 +44,10 @@ from pathlib import Path
 
 from stats import mean_interval, median_interval  # bench/stats.py, beside this script
 
-from ddtop.daemon import journal, wire
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
-from ddtop.daemon.tbwriter import TensorBoardTap
+from ddtop.core import journal, wire
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.core.tbwriter import TensorBoardTap
 from ddtop.dashboard import export
 
 BIN = Path(sys.executable).parent

@@ -15,8 +15,8 @@ and the next repeat. The run is stopped at the end. --detail measures the rank
 detail screen instead (Enter on the first row, 3 s into the warm-up).
 
 --baseline REF measures ddtop's dashboard package as it was at a git commit
-too (its `dashboard/` from `git archive`, with this tree's daemon and
-training), alternating with this tree's repeat by repeat, so that both see the
+too (the package's parts from `git archive`, as that commit laid them
+out), alternating with this tree's repeat by repeat, so that both see the
 same load; the table gives each repeat and the medians. On a machine whose
 cores the ranks keep busy the numbers move by tens of percent with the load:
 compare only runs measured together.
@@ -62,19 +62,25 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 
 def baseline_tree(ref: str, into: Path) -> Path:
-    """A package tree importing as `ddtop` whose dashboard is `ref`'s; the daemon,
-    training and api are this tree's (symlinks). Returns the folder for PYTHONPATH."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "dashboard"],
+    """A package tree importing as `ddtop` that is `ref`'s whole: every part as that
+    commit lays it out (api/ as `ddtop`, core/ where it has one, daemon/, dashboard/,
+    training/), so a baseline from before a move imports as it did. Returns the folder
+    for PYTHONPATH."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref],
+                            capture_output=True, text=True, check=True).stdout.split()
+    parts = [p for p in ("api", "core", "daemon", "dashboard", "training") if p in listed]
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, *parts],
                              capture_output=True, check=True).stdout
     src = into / "src"
     src.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     package = into / "pkg" / "ddtop"
     package.mkdir(parents=True)
-    for part in ("training", "daemon"):
-        (package / part).symlink_to(ROOT / part)
-    (package / "dashboard").symlink_to(src / "dashboard")
-    (package / "__init__.py").symlink_to(ROOT / "api" / "__init__.py")
+    for module in (src / "api").iterdir():
+        (package / module.name).symlink_to(module)
+    for part in parts:
+        if part != "api":
+            (package / part).symlink_to(src / part)
     return into / "pkg"
 
 

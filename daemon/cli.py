@@ -27,14 +27,14 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ddtop.daemon import control, inject, protocol
-from ddtop.daemon.config import (
+from ddtop.core import control, inject, protocol
+from ddtop.core.config import (
     TrainConfig,
     UsageError,
     add_runs_dir_argument,
     resume_mismatch,
 )
-from ddtop.daemon.contract import (
+from ddtop.core.contract import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -42,11 +42,10 @@ from ddtop.daemon.contract import (
     FAULT_ENV,
     owner_only_umask,
 )
-from ddtop.daemon.flags import OneLineParser
-from ddtop.daemon.manyranks import MANY_RANKS
-from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import (
+from ddtop.core.flags import OneLineParser
+from ddtop.core.manyranks import MANY_RANKS
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import (
     RunPaths,
     find_run,
     new_run,
@@ -54,6 +53,8 @@ from ddtop.daemon.runs import (
     remove_unstarted,
     write_json_atomic,
 )
+from ddtop.core.text import count_of
+from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.stacks import cmd_stacks
 from ddtop.daemon.startline import (
     add_start_command,
@@ -61,7 +62,6 @@ from ddtop.daemon.startline import (
     said_from_environment,
     start_overrides,
 )
-from ddtop.daemon.text import count_of
 from ddtop.daemon.watchcmd import add_watch_command, cmd_watch
 
 EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
@@ -321,7 +321,7 @@ def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The detached daemon: the same Supervisor as --foreground, output to daemon.log."""
-    from ddtop.daemon.runs import log_stream
+    from ddtop.core.runs import log_stream
     from ddtop.daemon.supervisor import Supervisor
 
     owner_only_umask()  # inherited from ddtrain start; said again for a daemon started by hand

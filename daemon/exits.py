@@ -4,7 +4,7 @@ The supervisor's loop asks this for everything about an exit: which of the
 running ranks exited and whether one failed (`collect`), a moment for ranks
 that already reported an error to exit by themselves (`settle`), each exit
 told to the relay once, the culprit's first (`note`), whom the failure is
-blamed on (`failure`, through daemon/blame.py) and the one way every rank
+blamed on (`failure`, through core/blame.py) and the one way every rank
 still running is stopped (`stop_all`). What it knows of an attempt (its
 ranks, when it started, the daemon's own verdicts) starts again with `begin`.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import time
 
-from ddtop.daemon import blame, wire
-from ddtop.daemon.contract import EXIT_FAILED, EXIT_USAGE, ErrorReport, signal_name
+from ddtop.core import blame, wire
+from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE, ErrorReport, signal_name
+from ddtop.core.runs import RunPaths
+from ddtop.core.summary import TRACEBACK_TAIL_LINES
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome
-from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import COMMAND, WATCH, Rank, RankStarter, process_name
-from ddtop.daemon.summary import TRACEBACK_TAIL_LINES
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.
 TERM_GRACE_S = 5.0

@@ -25,12 +25,12 @@ from typing import Any, TextIO, get_args
 
 import msgspec
 
-from ddtop.daemon import wire
-from ddtop.daemon.config import UsageError
-from ddtop.daemon.listen import parse_listen, url
-from ddtop.daemon.rankview import RankState
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import LOST
+from ddtop.core import wire
+from ddtop.core.config import UsageError
+from ddtop.core.listen import parse_listen, url
+from ddtop.core.rankview import RankState
+from ddtop.core.state import RunState
+from ddtop.core.summary import LOST
 
 # Seconds a scrape waits for the daemon's loop to take a reading before it is
 # answered with the previous one.

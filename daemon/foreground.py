@@ -9,10 +9,10 @@ import argparse
 import sys
 import time
 
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.printer import Printer, check_output_arguments
-from ddtop.daemon.runs import RunPaths, remove_unstarted
-from ddtop.daemon.state import RunState
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.printer import Printer, check_output_arguments
+from ddtop.core.runs import RunPaths, remove_unstarted
+from ddtop.core.state import RunState
 from ddtop.daemon.supervisor import Supervisor
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ddtop.daemon.keys import ZAP_DOMAIN, RunKeys
+from ddtop.core.keys import ZAP_DOMAIN, RunKeys
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may complete a handshake
 HANDSHAKE_TIMEOUT_MS = 3000  # a TCP peer that has not completed CURVE by then is dropped

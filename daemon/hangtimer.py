@@ -1,4 +1,4 @@
-"""--hang-timeout's clock: a hang that RunState.hung declares (daemon/hangs.py),
+"""--hang-timeout's clock: a hang that RunState.hung declares (core/hangs.py),
 held for the limit, is judged: the rank blamed (the lowest of those the others
 wait for; without one, the lowest stalled rank), why, and the hang in words.
 The supervisor acts on the verdict (stacks, then every rank stopped)."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ddtop.daemon.rankview import STALLED
+from ddtop.core.rankview import STALLED
 
 if TYPE_CHECKING:
-    from ddtop.daemon.state import RunState
+    from ddtop.core.state import RunState
 
 # A hang is looked for at every pass of the daemon's loop (ten a second, more
 # under a flood of messages), but that above MANY_RANKS one look costs

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ddtop.daemon.config import TrainConfig
+from ddtop.core.config import TrainConfig
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
 from ddtop.daemon.local import LocalRanks
-from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import RankStarter
-from ddtop.daemon.state import RunState
 from ddtop.daemon.torchrun import TorchrunRanks
 from ddtop.daemon.watching import WatchedCommand, WatchedRanks
 

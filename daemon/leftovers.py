@@ -26,7 +26,7 @@ How a rank's processes are found is its starter's business (daemon/starters.py):
 A process that left the rank's session (`setsid`, `start_new_session=True`) or
 was started with an environment of its own is not found: it chose to be its
 own. Every process is signalled through its ProcessId (pid and start time,
-through a pidfd: daemon/processes.py), never by pid alone or by group.
+through a pidfd: core/processes.py), never by pid alone or by group.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ddtop.daemon.processes import (
+from ddtop.core.processes import (
     PROC,
     ProcessId,
     Stat,

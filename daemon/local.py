@@ -20,12 +20,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.processes import LogTail, OwnProcess, ProcessId, read_stat, send_signal
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, in_sessions
-from ddtop.daemon.processes import LogTail, OwnProcess, ProcessId, read_stat, send_signal
-from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import Rank, choose_port, rank_program
-from ddtop.daemon.state import RunState
 
 # Seconds the forkserver and resource tracker get to exit once told to; after that one
 # that ran no CPU for HELPER_IDLE_S (waiting on a pipe a stray process holds) is killed.

@@ -22,16 +22,17 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ddtop.daemon import blame, nodes, protocol, wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.contract import EXIT_FAILED, ErrorReport, signal_name
-from ddtop.daemon.keys import RunKeys
-from ddtop.daemon.processes import ExitedProcess
+from ddtop.core import blame, protocol, wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import EXIT_FAILED, ErrorReport, signal_name
+from ddtop.core.keys import RunKeys
+from ddtop.core.processes import ExitedProcess
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.daemon import nodes
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome
-from ddtop.daemon.runs import RunPaths
 from ddtop.daemon.starters import AGENT, Rank
-from ddtop.daemon.state import RunState
 
 # Seconds between looks at the sockets while the hub waits for the nodes' ends.
 SETTLE_POLL_S = 0.1

@@ -1,11 +1,11 @@
 """Multi-node jobs: node daemons forward to node 0's daemon, the hub.
 
     node K's daemon ── PUSH (CURVE) ──► hub's `nodes` PULL    its ranks' summaries (2 a second,
-                                                               daemon/nodesummary.py), its own
+                                                               core/nodesummary.py), its own
                                                                messages (exits, events) at once
                     ── DEALER (CURVE) ─► hub's control ROUTER  a NodeHeartbeat once a second;
                                                                the NodeReply carries a stop
-(the messages and their bounds: daemon/protocol.py)
+(the messages and their bounds: core/protocol.py)
 
 Node 0's daemon (the hub) serves its sockets on TCP with the job's CURVE keys
 (runs/<id>/keys): only a peer holding the job's client key completes a
@@ -36,12 +36,12 @@ from typing import Any, Final
 
 import zmq
 
-from ddtop.daemon import nodesummary, protocol, wire
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.keys import RunKeys
-from ddtop.daemon.rankview import RankView
-from ddtop.daemon.runs import RunPaths, write_json_atomic
-from ddtop.daemon.summary import Status
+from ddtop.core import nodesummary, protocol, wire
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.keys import RunKeys
+from ddtop.core.rankview import RankView
+from ddtop.core.runs import RunPaths, write_json_atomic
+from ddtop.core.summary import Status
 
 HEARTBEAT_S = 1.0  # a node daemon's `node` request, this often
 NODE_TIMEOUT_S = 5.0  # no heartbeat for this long: the node is unreachable
@@ -146,7 +146,7 @@ class Hub:
                                   focus=focus[:protocol.MAX_FOCUS])
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
-        """What node `node` sent: its ranks' summary (daemon/nodesummary.py),
+        """What node `node` sent: its ranks' summary (core/nodesummary.py),
         journalled and relayed as it came, or its own message, said by the hub."""
         if not 0 < node < self.config.nnodes:
             self.relay.reject("bad_forward")
@@ -265,7 +265,7 @@ def read_hub_file(path: Path) -> tuple[str, Path] | None:
 
 class Forwarder:
     """Node K's side: its ranks' messages summed up for the hub, a summary every
-    SUMMARY_S (daemon/nodesummary.py), its own messages as they are (bounded,
+    SUMMARY_S (core/nodesummary.py), its own messages as they are (bounded,
     never blocking), plus a heartbeat with this node's ranks and status.
     `accounts()`: the node's RankViews (their telemetry accounting)."""
 

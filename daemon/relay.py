@@ -2,7 +2,7 @@
 
     PULL   bound, ranks PUSH their telemetry here (DDTOP_TELEMETRY)
     PUB    bound, every accepted message re-published with its relay sequence number
-    ROUTER bound, requests (daemon/protocol.py): status, snapshot, stop, stacks, ping
+    ROUTER bound, requests (core/protocol.py): status, snapshot, stop, stacks, ping
 
 All three are ZeroMQ ipc sockets (unix domain sockets) in a folder only the run's owner
 can enter: the run directory's `sock/`, or, where that path is too long for a unix socket,
@@ -10,15 +10,15 @@ a private folder made for the daemon (mkdtemp, 0700) and removed when it closes.
 user cannot connect, so cannot send, subscribe or ask anything (docs/security.md).
 
 With `--bind ADDR` they listen on TCP at ADDR instead, each a CURVE server with the run's
-keys (daemon/keys.py); the relay's gate (daemon/gate.py) answers ZeroMQ's ZAP requests,
+keys (core/keys.py); the relay's gate (daemon/gate.py) answers ZeroMQ's ZAP requests,
 admitting only the run's client key, and counts every refused handshake:
 `rejected.unauthenticated` (a CURVE peer with a key not of this run),
 `rejected.handshake_failed` (no CURVE, or not this daemon's server key).
 
 Every accepted message is folded into the RunState, appended to the journal and
 re-published, in that order, under one relay sequence number (and, with --tensorboard,
-written as TensorBoard files: daemon/tbwriter.py). A journal the disk cannot take (full)
-drops and counts records instead of stopping the daemon (daemon/journal.py decides what
+written as TensorBoard files: core/tbwriter.py). A journal the disk cannot take (full)
+drops and counts records instead of stopping the daemon (core/journal.py decides what
 to say of it); the relay says it, as events and lines on stderr, and keeps the count in
 `RunState.journal_dropped` (status, run.json). A dashboard subscribes first, then asks for
 a snapshot (the state and the relay sequence number it includes) and applies only the
@@ -48,13 +48,14 @@ from typing import Any
 
 import zmq
 
-from ddtop.daemon import protocol, requests, wire
-from ddtop.daemon.config import UsageError
+from ddtop.core import protocol, wire
+from ddtop.core.config import UsageError
+from ddtop.core.journal import JournalWriter
+from ddtop.core.keys import RunKeys
+from ddtop.core.state import RunState
+from ddtop.core.tbwriter import TensorBoardTap
+from ddtop.daemon import requests
 from ddtop.daemon.gate import Gate
-from ddtop.daemon.journal import JournalWriter
-from ddtop.daemon.keys import RunKeys
-from ddtop.daemon.state import RunState
-from ddtop.daemon.tbwriter import TensorBoardTap
 
 # Room for an ipc socket's path: a unix socket address holds 107 bytes and a NUL.
 IPC_PATH_MAX = 100
@@ -98,7 +99,7 @@ class Relay:
         over ipc, of the process that sent each message (None: not checked).
         `bind`: listen on TCP at this address instead, CURVE with `keys`. `nodes`: a
         multi-node job's hub: a fourth socket (PULL, TCP) for node daemons' forwards;
-        `tensorboard`: a folder for TensorBoard files (daemon/tbwriter.py)."""
+        `tensorboard`: a folder for TensorBoard files (core/tbwriter.py)."""
         assert bind is None or keys is not None, "TCP only with the run's keys"
         self.run = run
         self.world_size = world_size
@@ -385,7 +386,7 @@ class Relay:
 
     def _watch_journal(self) -> None:
         """Keep the journal's dropped count in the state; emit what the journal
-        writer says of itself (an outage begun, an outage ended: daemon/journal.py),
+        writer says of itself (an outage begun, an outage ended: core/journal.py),
         each thing once. Its own events may be refused by the disk in turn: that is
         more news for the loop, never a call back into it."""
         while (news := self.journal.news()) is not None:

@@ -23,14 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from ddtop.daemon import wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.contract import EXIT_USAGE, ErrorReport, describe_exit
-from ddtop.daemon.processes import ProcessId
-from ddtop.daemon.runs import RunPaths, atomic_file
+from ddtop.core import wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import EXIT_USAGE, ErrorReport, describe_exit
+from ddtop.core.processes import ProcessId
+from ddtop.core.runs import RunPaths, atomic_file
+from ddtop.core.state import RunState
+from ddtop.core.summary import TRACEBACK_TAIL_LINES, ProcessRecord, RunRecord, encode_record
 from ddtop.daemon.starters import AGENT, Rank, process_name
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import TRACEBACK_TAIL_LINES, ProcessRecord, RunRecord, encode_record
 
 # Room kept on the run directory's disk for the final run.json (a few KiB; this
 # much leaves room for a record of thousands of ranks).

@@ -1,13 +1,13 @@
 """What the daemon answers on its control socket: one request, one reply.
 
     ping      the run id, the relay's sequence number, the endpoints
-    status    the run's summary (daemon/summary.py)
+    status    the run's summary (core/summary.py)
     snapshot  the whole RunState, for a dashboard that just subscribed
     stop      {"timeout": S}: stop gracefully, terminating what is left after S
     stacks    {"rank": K or nil}: the ranks write their stacks (ddtrain stacks)
     node      a node daemon's heartbeat, answered by the hub (daemon/nodes.py)
 
-The requests and replies are typed (daemon/protocol.py), decoded by the socket's
+The requests and replies are typed (core/protocol.py), decoded by the socket's
 one decoder (a hub's also takes `node`). What is not a request of a kind the
 socket takes is answered with {"ok": false, "error": ...} and counted in
 `RunState.rejected["bad_request"]`; a known request with an argument of the wrong
@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import Protocol, assert_never
 
-from ddtop.daemon import protocol
-from ddtop.daemon.state import RunState, encode_snapshot
+from ddtop.core import protocol
+from ddtop.core.state import RunState, encode_snapshot
 
 MAX_STACKS_REQUESTS = 16  # asked between two ticks of the supervisor; more are answered, not kept
 

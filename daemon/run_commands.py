@@ -1,5 +1,5 @@
 """`ddtrain status`, `list`, `stop` and `logs`: the commands that look at, or act
-on, a run that already exists. Each reads the run's RunSummary (daemon/summary.py)
+on, a run that already exists. Each reads the run's RunSummary (core/summary.py)
 through RunInfo, never run.json's fields by hand."""
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from typing import Any
 
 import msgspec
 
-from ddtop.daemon import control, manyranks, protocol
-from ddtop.daemon.config import UsageError, default_runs_dir
-from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK
-from ddtop.daemon.processes import LogTail, same_process, send_signal
-from ddtop.daemon.runinfo import RunInfo, list_runs
-from ddtop.daemon.runs import RunPaths, locate_run
-from ddtop.daemon.summary import (
+from ddtop.core import control, manyranks, protocol
+from ddtop.core.config import UsageError, default_runs_dir
+from ddtop.core.contract import EXIT_FAILED, EXIT_OK
+from ddtop.core.processes import LogTail, same_process, send_signal
+from ddtop.core.runinfo import RunInfo, list_runs
+from ddtop.core.runs import RunPaths, locate_run
+from ddtop.core.summary import (
     LOST,
     TRACEBACK_TAIL_LINES,
     RunRecord,
     metrics_words,
     rate_words,
 )
-from ddtop.daemon.text import count_of
+from ddtop.core.text import count_of
 
 FOLLOW_POLL_S = 0.2
 # `ddtrain stop` waits this long past --timeout before it kills the daemon itself

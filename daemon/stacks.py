@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from ddtop.daemon import control, protocol
-from ddtop.daemon.config import UsageError, default_runs_dir
-from ddtop.daemon.contract import EXIT_FAILED, EXIT_OK, STACKS_SIGNAL
-from ddtop.daemon.hangs import rank_list
-from ddtop.daemon.processes import ProcessId, catches, send_signal
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import locate_run
+from ddtop.core import control, protocol
+from ddtop.core.config import UsageError, default_runs_dir
+from ddtop.core.contract import EXIT_FAILED, EXIT_OK, STACKS_SIGNAL
+from ddtop.core.hangs import rank_list
+from ddtop.core.processes import ProcessId, catches, send_signal
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import locate_run
 
 
 def signal_stacks(numbered: dict[int, ProcessId], asked: list[int | None]) -> None:

@@ -24,12 +24,12 @@ import socket
 from dataclasses import dataclass
 from typing import Protocol
 
-from ddtop.daemon import wire
-from ddtop.daemon.blame import RankEnd
-from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.core import wire
+from ddtop.core.blame import RankEnd
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.processes import LogTail, Process, ProcessId
+from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover
-from ddtop.daemon.processes import LogTail, Process, ProcessId
-from ddtop.daemon.state import RunState
 
 AGENT = -1  # the `rank` of a process that is not a rank itself (torchrun's agent)
 COMMAND = wire.COMMAND_RANK  # ... of the command `ddtrain watch` runs

@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddtop.daemon.config import BUILT_IN, Flag, TrainConfig, UsageError, default_runs_dir
-from ddtop.daemon.flags import add_train_arguments, explicit_overrides
-from ddtop.daemon.program import check_program
+from ddtop.core.config import BUILT_IN, Flag, TrainConfig, UsageError, default_runs_dir
+from ddtop.core.flags import add_train_arguments, explicit_overrides
+from ddtop.core.program import check_program
 
 # torchrun's options that ddtrain start has, beside those of TrainConfig's fields.
 TORCHRUN_SWITCHES = ("standalone",)
@@ -72,7 +72,7 @@ def add_start_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser
     start.add_argument("--standalone", action="store_true", default=argparse.SUPPRESS,
                        help="torchrun's: one machine with a local rendezvous (what ddtrain "
                        "does without --nnodes)")
-    from ddtop.daemon.printer import add_output_arguments
+    from ddtop.core.printer import add_output_arguments
 
     add_output_arguments(start)
     add_train_arguments(start)

@@ -5,7 +5,7 @@ One loop waits on the ranks' process sentinels and the relay's sockets together.
 rank's stdout and stderr go to its own log file (echoed with a `[rank K]` prefix in the
 foreground). When a rank fails, the supervisor lets the ranks that already reported an
 error exit by themselves, stops the others (they would otherwise wait in their next
-collective until it times out), names the culprit (daemon/blame.py), and either restarts
+collective until it times out), names the culprit (core/blame.py), and either restarts
 every rank from the newest checkpoint (`--max-restarts`) or ends the run as failed.
 
 Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank of the built-in
@@ -30,9 +30,9 @@ from dataclasses import replace
 from types import FrameType
 from typing import TextIO
 
-from ddtop.daemon import leftovers, nodes, wire
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import (
+from ddtop.core import wire
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.contract import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -44,16 +44,20 @@ from ddtop.daemon.contract import (
     describe_exit,
     signal_name,
 )
+from ddtop.core.keys import KEYS_ENV, RunKeys
+from ddtop.core.processes import send_signal
+from ddtop.core.runs import RunPaths, hold_run, write_json_atomic
+from ddtop.core.state import RunState
+from ddtop.core.summary import ProcessRecord
+from ddtop.core.text import count_of
+from ddtop.daemon import leftovers, nodes
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter, open_exporter
 from ddtop.daemon.hangtimer import HangTimer
-from ddtop.daemon.keys import KEYS_ENV, RunKeys
 from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
-from ddtop.daemon.processes import send_signal
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
-from ddtop.daemon.runs import RunPaths, hold_run, write_json_atomic
 from ddtop.daemon.stacks import signal_stacks
 from ddtop.daemon.starters import (
     Rank,
@@ -62,9 +66,6 @@ from ddtop.daemon.starters import (
     process_name,
     rank_program,
 )
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import ProcessRecord
-from ddtop.daemon.text import count_of
 
 # Seconds between looks at the sockets and the ranks' logs while they run.
 POLL_S = 0.1
@@ -361,7 +362,7 @@ class Supervisor:
             self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
 
     def _check_hang(self) -> Outcome | None:
-        """--hang-timeout: a hang the state has declared (daemon/state.py: ranks
+        """--hang-timeout: a hang the state has declared (core/state.py: ranks
         stalled in a collective) for that long fails the run, blamed on the rank
         the others wait for; every rank is stopped."""
         assert self.relay is not None

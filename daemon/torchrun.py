@@ -20,10 +20,9 @@ import signal
 import subprocess
 import sys
 
-from ddtop.daemon.config import TrainConfig, is_loopback
-from ddtop.daemon.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
-from ddtop.daemon.leftovers import Leftover, with_environment
-from ddtop.daemon.processes import (
+from ddtop.core.config import TrainConfig, is_loopback
+from ddtop.core.contract import ATTEMPT_ENV, CONFIG_ENV, DAEMON_PID_ENV
+from ddtop.core.processes import (
     AgentProcess,
     ExitedProcess,
     LogTail,
@@ -36,9 +35,10 @@ from ddtop.daemon.processes import (
     same_process,
     set_parent_death_signal,
 )
-from ddtop.daemon.runs import RunPaths, write_json_atomic
+from ddtop.core.runs import RunPaths, write_json_atomic
+from ddtop.core.state import RunState
+from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.starters import AGENT, Rank, rank_program
-from ddtop.daemon.state import RunState
 
 # torch.distributed.run, with the stores its agent hosts at a loopback address
 # listening there alone (started by name: the daemon imports nothing of training).

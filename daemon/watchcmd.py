@@ -21,13 +21,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddtop.daemon.bounds import MAX_JOB_RANKS
-from ddtop.daemon.config import TrainConfig, UsageError, default_runs_dir
-from ddtop.daemon.contract import (
+from ddtop.core.bounds import MAX_JOB_RANKS
+from ddtop.core.config import TrainConfig, UsageError, default_runs_dir
+from ddtop.core.contract import (
     EXIT_USAGE,
     owner_only_umask,
 )
-from ddtop.daemon.runs import new_run
+from ddtop.core.runs import new_run
 
 WATCH_USAGE = "ddtrain watch [options] -- COMMAND [ARGS ...]\n       ddtrain watch [options]"
 WATCH_DESCRIPTION = """\
@@ -54,7 +54,7 @@ examples:
 
 
 def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser:
-    from ddtop.daemon.printer import add_output_arguments
+    from ddtop.core.printer import add_output_arguments
 
     watch: argparse.ArgumentParser = commands.add_parser(
         "watch", help="watch ranks started by any launcher: ddtrain watch -- COMMAND",

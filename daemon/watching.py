@@ -30,11 +30,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import DAEMON_PID_ENV, RUN_ID_ENV, STACKS_DIR_ENV, TELEMETRY_ENV
-from ddtop.daemon.keys import KEYS_ENV
-from ddtop.daemon.leftovers import Leftover, with_environment
-from ddtop.daemon.processes import (
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.contract import DAEMON_PID_ENV, RUN_ID_ENV, STACKS_DIR_ENV, TELEMETRY_ENV
+from ddtop.core.keys import KEYS_ENV
+from ddtop.core.processes import (
     AgentProcess,
     ExitedProcess,
     LogTail,
@@ -44,9 +43,10 @@ from ddtop.daemon.processes import (
     read_stat,
     same_process,
 )
-from ddtop.daemon.runs import RunPaths
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.starters import COMMAND, WATCH, Rank
-from ddtop.daemon.state import RunState
 from ddtop.daemon.torchrun import FAILURE_SUMMARY, REFUSED_MAX
 
 COMMAND_LOG = "command.log"

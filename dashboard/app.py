@@ -29,8 +29,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, Static
 from textual.worker import get_current_worker
 
-from ddtop.daemon import control, protocol
-from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S
+from ddtop.core import control, protocol
+from ddtop.core.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels, rankmap, series
 from ddtop.dashboard.charts import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH, Chart

@@ -22,7 +22,7 @@ from rich.text import Text
 from textual.app import RenderResult
 from textual_plotext import PlotextPlot
 
-from ddtop.daemon.scalars import compact
+from ddtop.core.scalars import compact
 from ddtop.dashboard.series import ChartData, Line
 
 # Below this size a chart is a title and a sparkline: axes, ticks and a title

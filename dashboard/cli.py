@@ -22,17 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-from ddtop.daemon.config import (
+from ddtop.core.config import (
     UsageError,
     add_runs_dir_argument,
     default_runs_dir,
 )
-from ddtop.daemon.contract import EXIT_USAGE
-from ddtop.daemon.flags import (
+from ddtop.core.contract import EXIT_USAGE
+from ddtop.core.flags import (
     OneLineParser,
 )
-from ddtop.daemon.runinfo import list_runs
-from ddtop.daemon.runs import NoSuchRun, RunPaths, find_run, locate_run
+from ddtop.core.runinfo import list_runs
+from ddtop.core.runs import NoSuchRun, RunPaths, find_run, locate_run
 
 EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it failed, "
               "130 it was stopped, 2 bad input or no run reachable within --wait. "
@@ -70,7 +70,7 @@ def keys_line() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddtop.daemon.printer import add_output_arguments
+    from ddtop.core.printer import add_output_arguments
 
     parser = OneLineParser(
         prog="ddtop",
@@ -173,7 +173,7 @@ def _resolve_run(args: argparse.Namespace) -> RunPaths:
 
 
 def check(args: argparse.Namespace) -> None:
-    from ddtop.daemon.printer import check_output_arguments
+    from ddtop.core.printer import check_output_arguments
 
     problem = check_output_arguments(args)
     if problem is None and not 0 <= args.wait < math.inf:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddtop: note: {feed.note}", file=sys.stderr)
     try:
         if headless:
-            from ddtop.daemon.printer import Printer
+            from ddtop.core.printer import Printer
             from ddtop.dashboard.headless import watch
 
             printer = Printer(args.format, args.interval, summary_json=args.summary_json)

@@ -4,8 +4,8 @@
                                          prefix, a run directory; default the newest)
 
 A finished run, or a live one as far as it is journaled. The journal is read as a
-replay reads it (daemon/journal.py), folded into a RunState, and written as
-`ddtrain start --tensorboard` writes it live (daemon/tbpoints.py, tbwriter.py)
+replay reads it (core/journal.py), folded into a RunState, and written as
+`ddtrain start --tensorboard` writes it live (core/tbpoints.py, tbwriter.py)
 into DIR/<run id>/. What could not be read (records not decoded, a damaged tail,
 records the daemon could not write) is skipped and said in one line.
 
@@ -19,17 +19,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddtop.daemon import journal, outlets, wire
-from ddtop.daemon.config import (
+from ddtop.core import journal, outlets, wire
+from ddtop.core.config import (
     UsageError,
     add_runs_dir_argument,
     default_runs_dir,
 )
-from ddtop.daemon.contract import EXIT_OK, EXIT_USAGE
-from ddtop.daemon.flags import OneLineParser
-from ddtop.daemon.runs import RunPaths, locate_run
-from ddtop.daemon.state import RunState
-from ddtop.daemon.text import count_of
+from ddtop.core.contract import EXIT_OK, EXIT_USAGE
+from ddtop.core.flags import OneLineParser
+from ddtop.core.runs import RunPaths, locate_run
+from ddtop.core.state import RunState
+from ddtop.core.text import count_of
 
 
 class Exported:
@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def export(paths: RunPaths, into: Path) -> Exported:
     """The run's journal into `into` (DIR/<run id>); OSError when a write fails."""
-    from ddtop.daemon.tbpoints import Translator
-    from ddtop.daemon.tbwriter import EventFiles
+    from ddtop.core.tbpoints import Translator
+    from ddtop.core.tbwriter import EventFiles
 
     done = Exported()
     state, translator = RunState(run=paths.run_id), Translator()

@@ -33,12 +33,12 @@ import gc
 import threading
 import time
 
-from ddtop.daemon import wire
-from ddtop.daemon.keys import RunKeys
-from ddtop.daemon.runinfo import RunInfo, merged_counts
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import LOST
+from ddtop.core import wire
+from ddtop.core.keys import RunKeys
+from ddtop.core.runinfo import RunInfo, merged_counts
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.core.summary import LOST
 
 BATCH = 5000  # messages folded per pump() at most, so a flood never starves the reader
 PACE_BELOW = 2000  # messages/s under which a paced feed is pumped once per period (Pacer)

@@ -2,8 +2,8 @@
 
 Pure functions for the Textual app's panels and widgets: what each column means
 is decided once, here. What ddtrain's lines show as well (seconds, a number or
-none, a traceback's tail) is written once in daemon/text.py, a scalar's value
-in daemon/scalars.py.
+none, a traceback's tail) is written once in core/text.py, a scalar's value
+in core/scalars.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddtop.daemon.rankview import (
+from ddtop.core.rankview import (
     DEAD,
     FINISHED,
     RUNNING,
@@ -25,9 +25,9 @@ from ddtop.daemon.rankview import (
     RankState,
     RankView,
 )
-from ddtop.daemon.scalars import SCALAR_WIDTH, compact
-from ddtop.daemon.state import RunState
-from ddtop.daemon.text import num
+from ddtop.core.scalars import SCALAR_WIDTH, compact
+from ddtop.core.state import RunState
+from ddtop.core.text import num
 
 PROBLEM_STATES: tuple[RankState, ...] = (STALLED, SILENT, UNREACHED, DEAD)
 

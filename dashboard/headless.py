@@ -1,4 +1,4 @@
-"""`ddtop --headless`: a feed pumped into the headless printer (daemon/printer.py)
+"""`ddtop --headless`: a feed pumped into the headless printer (core/printer.py)
 until the run ends; the printer's exit code is ddtop's.
 
 Exit codes: 0 the run succeeded, 1 it failed (or was lost: its daemon was killed),
@@ -11,8 +11,8 @@ import sys
 import time
 from typing import TextIO
 
-from ddtop.daemon.contract import EXIT_INTERRUPTED, EXIT_USAGE
-from ddtop.daemon.printer import Printer
+from ddtop.core.contract import EXIT_INTERRUPTED, EXIT_USAGE
+from ddtop.core.printer import Printer
 from ddtop.dashboard.feed import CONNECTING, Feed, Pacer
 
 PUMP_S = 0.1

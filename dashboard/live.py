@@ -19,12 +19,12 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from ddtop.daemon import control, journal, protocol, wire
-from ddtop.daemon.keys import peer_keys, secure
-from ddtop.daemon.runinfo import RunInfo, merged_counts
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState, decode_snapshot
-from ddtop.daemon.summary import LOST
+from ddtop.core import control, journal, protocol, wire
+from ddtop.core.keys import peer_keys, secure
+from ddtop.core.runinfo import RunInfo, merged_counts
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState, decode_snapshot
+from ddtop.core.summary import LOST
 from ddtop.dashboard.feed import BATCH, CONNECTING, ENDED, GONE, LIVE, Feed, conclude
 from ddtop.dashboard.replay import ReplayFeed
 

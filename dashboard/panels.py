@@ -10,9 +10,9 @@ import statistics
 
 from rich.text import Text
 
-from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.events import EventKind
-from ddtop.daemon.rankview import (
+from ddtop.core.contract import describe_exit
+from ddtop.core.events import EventKind
+from ddtop.core.rankview import (
     DEAD,
     FINISHED,
     RUNNING,
@@ -22,12 +22,12 @@ from ddtop.daemon.rankview import (
     UNREACHED,
     RankState,
 )
-from ddtop.daemon.scalars import SCALAR_WIDTH, compact
-from ddtop.daemon.scalars import line as scalars_line
-from ddtop.daemon.state import RunState
-from ddtop.daemon.strategy_names import comm_ops
-from ddtop.daemon.summary import LOST, rate_words
-from ddtop.daemon.text import count_of, lost_words, num, seconds, traceback_tail
+from ddtop.core.scalars import SCALAR_WIDTH, compact
+from ddtop.core.scalars import line as scalars_line
+from ddtop.core.state import RunState
+from ddtop.core.strategy_names import comm_ops
+from ddtop.core.summary import LOST, rate_words
+from ddtop.core.text import count_of, lost_words, num, seconds, traceback_tail
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.feed import Feed
 

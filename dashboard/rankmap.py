@@ -32,7 +32,7 @@ from textual.containers import Vertical
 from textual.strip import Strip
 from textual.widget import Widget
 
-from ddtop.daemon.state import RunState
+from ddtop.core.state import RunState
 from ddtop.dashboard.rankstats import COLOURS, KINDS, Kind, Snapshot, node_label
 from ddtop.dashboard.rankstats import snapshot as snapshot
 from ddtop.dashboard.widgets import RankTable, TextPanel

@@ -21,9 +21,9 @@ from typing import Literal
 
 from rich.text import Text
 
-from ddtop.daemon.rankview import DEAD, FINISHED, RUNNING, STALLED, STARTING, RankState
-from ddtop.daemon.state import RunState
-from ddtop.daemon.text import num
+from ddtop.core.rankview import DEAD, FINISHED, RUNNING, STALLED, STARTING, RankState
+from ddtop.core.state import RunState
+from ddtop.core.text import num
 from ddtop.dashboard import format as fmt
 
 OUTLIERS_EACH = 5  # slowest and fastest shown; failed, hung, silent: up to this many

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from ddtop.daemon import journal, wire
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.summary import LOST
+from ddtop.core import journal, wire
+from ddtop.core.runs import RunPaths
+from ddtop.core.summary import LOST
 from ddtop.dashboard.feed import BATCH, REPLAY, Feed, conclude
 
 INSTANT_STEP_S = 0.1  # journal time folded per pump() of a replay at speed 0

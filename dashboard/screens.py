@@ -15,7 +15,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Sparkline, Static
 
-from ddtop.daemon import control, protocol
+from ddtop.core import control, protocol
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed
 from ddtop.dashboard.widgets import TextPanel, set_chart

@@ -12,8 +12,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ddtop.daemon.rankview import Point
-from ddtop.daemon.state import RunState
+from ddtop.core.rankview import Point
+from ddtop.core.state import RunState
 
 PER_RANK_LINES = 4  # up to this many ranks, the comm chart has a line per rank; more: the spread
 

@@ -30,8 +30,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from ddtop.daemon.config import UsageError
-from ddtop.daemon.runs import RunPaths
+from ddtop.core.config import UsageError
+from ddtop.core.runs import RunPaths
 
 DEFAULT_HOST = "127.0.0.1"
 TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters, 256 bits

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 BIN = Path(sys.executable).parent
 DDTRAIN = str(BIN / "ddtrain")

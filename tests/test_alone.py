@@ -1,4 +1,4 @@
-"""Ranks that never communicate (daemon/alone.py), through the fold: one warning
+"""Ranks that never communicate (core/alone.py), through the fold: one warning
 once every rank of the world has done enough steps with its collectives seen
 and none seen; nothing when one was, when they are not seen, or alone."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 from test_state import RUN, beat, fold, hello, step
 
-from ddtop.daemon import alone, wire
-from ddtop.daemon.state import RunState
+from ddtop.core import alone, wire
+from ddtop.core.state import RunState
 
 AFTER = alone.ALONE_AFTER_STEPS
 

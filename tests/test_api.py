@@ -21,7 +21,7 @@ import torch
 from helpers import DDTRAIN, Collector, Together, collecting, finish, start, together
 
 import ddtop
-from ddtop.daemon import journal, wire
+from ddtop.core import journal, wire
 from ddtop.training.telemetry import LOSS_OVERWRITTEN
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -32,12 +32,12 @@ from test_scalars import scalars, script_hello
 from test_state import step
 from textual.pilot import Pilot
 
-from ddtop.daemon import wire
-from ddtop.daemon.control import STOP_REQUEST_TIMEOUT_S as STOP_REQUEST_S
+from ddtop.core import wire
+from ddtop.core.control import STOP_REQUEST_TIMEOUT_S as STOP_REQUEST_S
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState, encode_snapshot
 from ddtop.daemon.relay import Relay
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState, encode_snapshot
 from ddtop.dashboard.app import DashboardApp
 from ddtop.dashboard.feed import LIVE, Feed, Pacer
 from ddtop.dashboard.live import LiveFeed, open_feed

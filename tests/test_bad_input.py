@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import BIN, DDTRAIN, Run, Together, ddtrain, together
 
+from ddtop.core.contract import FAULT_ENV
 from ddtop.daemon import cli
-from ddtop.daemon.contract import FAULT_ENV
 
 SMALL = ("--epochs", "1", "--synthetic-train-samples", "64")
 
@@ -111,7 +111,7 @@ LONG = "1" + "0" * 20  # 10^20: an int, not argparse's 'invalid int value'
 
 
 @pytest.mark.parametrize(("args", "fragments"), [
-    # Every integer flag has its range (daemon/bounds.py), named with the flag.
+    # Every integer flag has its range (core/bounds.py), named with the flag.
     (("--seed", "1" + "0" * 23), ("--seed must be at most 4294967295 (got 10000000..., 24 "
                                   "digits): give 0 to 4294967295", "64 bits")),
     (("--seed", "-1"), ("--seed must be at least 0 (got -1): give 0 to 4294967295",)),

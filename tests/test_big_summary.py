@@ -15,14 +15,15 @@ import pytest
 from test_manyranks import DEAD, HUNG, NOW, SILENT, SLOW, WORLD, big_job, named
 from test_state import RUN
 
-from ddtop.daemon import cli, printer, wire
-from ddtop.daemon.config import TrainConfig
+from ddtop.core import printer, wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.rankview import RankView
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.core.summary import RankSummary, RunRecord, encode_record, rank_summaries
+from ddtop.daemon import cli
 from ddtop.daemon.hangtimer import HangTimer
-from ddtop.daemon.rankview import RankView
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import RankSummary, RunRecord, encode_record, rank_summaries
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Whom a failed run is blamed on: the pure policy (daemon/blame.py) on plain
+"""Whom a failed run is blamed on: the pure policy (core/blame.py) on plain
 data, and how torchrun's own account of its ranks' exits is read
 (daemon/torchrun.py). The cases from real failures (gloo's and NCCL's peer-loss
 errors, reports left by an earlier attempt) are in test_failures_and_resume.py,
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtop.daemon.blame import (
+from ddtop.core.blame import (
     Cause,
     JobVerdict,
     Leaving,
@@ -24,11 +24,11 @@ from ddtop.daemon.blame import (
     left_early_words,
     read_error_report,
 )
-from ddtop.daemon.contract import ErrorReport
-from ddtop.daemon.processes import ExitedProcess
-from ddtop.daemon.runs import RunPaths
+from ddtop.core.contract import ErrorReport
+from ddtop.core.processes import ExitedProcess
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
 from ddtop.daemon.starters import AGENT, Rank
-from ddtop.daemon.state import RunState
 from ddtop.daemon.torchrun import TorchrunRanks
 
 PEER = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:5000"

@@ -1,15 +1,14 @@
 """Import rules (checked, not hoped for).
 
-The arrows between the three parts are declared here, and every import in
-training/, daemon/ and dashboard/ (module level or inside a function) is
-checked against them: a new arrow fails this test until it is declared, with
-a reason. No arrow runs back up (the daemon imports neither training nor the
-dashboard), no module imports itself through others: a cycle, also one
-closed by an import under TYPE_CHECKING or inside a function, fails; and none
-but the public API sets the public API's state. The heavy libraries stay where
-they belong: torch only in training, textual only in the dashboard's app, so
-`ddtrain` and `ddtop` answer instantly. docs/development.md draws the same
-picture.
+One rule holds the parts apart: every part (training, daemon, dashboard and the public
+API) may import `ddtop.core`, what every side shares; `ddtop.core` imports none of them;
+no part imports another, but for the public API's one bridge, declared below with its
+reason. Every import in core/, training/, daemon/, dashboard/ and api/ (module level or
+inside a function) is checked. No module imports itself through others: a cycle, also
+one closed by an import under TYPE_CHECKING or inside a function, fails; and none but the
+public API sets the public API's state. The heavy libraries stay where they belong:
+torch only in training, textual only in the dashboard's app, so `ddtrain` and `ddtop`
+answer instantly. docs/development.md draws the same picture.
 """
 
 from __future__ import annotations
@@ -23,46 +22,20 @@ import pytest
 from helpers import DDTRAIN
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("training", "daemon", "dashboard")
-# The fourth part, api/, is the `ddtop` package itself (the public API), with its
+CORE = "core"
+PARTS = (CORE, "training", "daemon", "dashboard")
+# The last part, api/, is the `ddtop` package itself (the public API), with its
 # modules beside it (`ddtop.run`).
 API = "ddtop"
 
-# What each part may import from the other parts (its own modules are free).
-ALLOWED = {
-    # A rank reads its config, run directory and the process contract, and publishes on the wire;
-    # the built-in trainer reports through the public API, as a user's script does (one path);
-    # a rank reads its fault drills with the parser `ddtrain start --inject` checks them with;
-    # the built-in trainer's strategies are keyed by the names ddtrain declares, and its
-    # console counts in the same words.
-    "training": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.flags",
-                 "ddtop.daemon.inject",
-                 "ddtop.daemon.keys", "ddtop.daemon.processes", "ddtop.daemon.runs",
-                 "ddtop.daemon.strategy_names", "ddtop.daemon.text",
-                 "ddtop.daemon.wire", API},
-    # The daemon starts ranks by module name (a string), never by import.
-    "daemon": set(),
-    # `import ddtop` asks the contract whether telemetry is on (lazily, on its first call), and
-    # imports the live implementation (torch, zmq) only when an endpoint is set.
-    # `python -m ddtop.run` checks the program as `ddtrain start` does (config's UsageError),
-    # arms the start-up hook and runs the program as a rank does (both light: no torch).
-    "api": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.program",
-            "ddtop.training.api", "ddtop.training.asmain", "ddtop.training.starthook"},
-    # The dashboard folds the same wire into the same state, finds runs and asks their
-    # daemons (control, protocol) as ddtrain does; it says what each --strategy's
-    # collectives are, from the table that declares them; `ddtop --headless` prints with
-    # the printer `ddtrain start --foreground --headless` uses; `ddtop export` writes a
-    # journal as TensorBoard files as the daemon writes them live (checked as the daemon
-    # checks --tensorboard: outlets).
-    "dashboard": {"ddtop.daemon.config", "ddtop.daemon.contract", "ddtop.daemon.control",
-                  "ddtop.daemon.events", "ddtop.daemon.flags",
-                  "ddtop.daemon.journal", "ddtop.daemon.keys", "ddtop.daemon.outlets",
-                  "ddtop.daemon.printer",
-                  "ddtop.daemon.protocol", "ddtop.daemon.rankview", "ddtop.daemon.runinfo",
-                  "ddtop.daemon.runs", "ddtop.daemon.scalars", "ddtop.daemon.state",
-                  "ddtop.daemon.strategy_names", "ddtop.daemon.summary",
-                  "ddtop.daemon.tbpoints", "ddtop.daemon.tbwriter", "ddtop.daemon.text",
-                  "ddtop.daemon.wire"},
+# The arrows between parts other than core: the public API and the rank side it drives.
+BRIDGE = {
+    # The built-in trainer reports through the public API, as a user's script does (one path).
+    "training": {API},
+    # `import ddtop` imports the live implementation (torch, zmq) only when an endpoint is set;
+    # `python -m ddtop.run` arms the start-up hook and runs the program as a rank does (both
+    # light: no torch).
+    "api": {"ddtop.training.api", "ddtop.training.asmain", "ddtop.training.starthook"},
 }
 # Third-party packages only some modules may import.
 HEAVY = {
@@ -81,7 +54,7 @@ HEAVY = {
     "lightning": lambda module: module == "ddtop.lightning",
     "transformers": lambda module: module == "ddtop.transformers",
     # TensorBoard's writer (an optional extra), imported when a writer is made.
-    "tensorboard": lambda module: module == "ddtop.daemon.tbwriter",
+    "tensorboard": lambda module: module == "ddtop.core.tbwriter",
     "tensorboardX": lambda module: False,  # it imports torch where torch is installed
 }
 
@@ -112,22 +85,22 @@ def part_of(module: str) -> str:
 
 
 def violations(module: str, imported: set[str]) -> list[str]:
+    """The imports of `module` the rule refuses: a heavy library out of its place, or an
+    arrow to another part that is neither core (from outside core) nor the bridge."""
     part = part_of(module)
     bad = []
     for name in sorted(imported):
         top = name.split(".")[0]
         if top in HEAVY and not HEAVY[top](module):
             bad.append(f"{module} imports {name}")
-        if top == API and part_of(name) == "api":  # the public API is a part of its own
-            if part != "api" and name not in ALLOWED[part]:
-                bad.append(f"{module} -> {name}")
+        if top != API:
             continue
-        if not name.startswith("ddtop."):
+        target = part_of(name)
+        if target != "api" and name.count(".") < 2:
+            continue  # the package of `from ddtop.core import x`: ddtop.core.x is checked
+        if target == part or (target == CORE and part != CORE):
             continue
-        target = name.split(".")[1]
-        if name.count(".") < 2 or target == part:
-            continue
-        if name not in ALLOWED[part]:
+        if name not in BRIDGE.get(part, set()):
             bad.append(f"{module} -> {name}")
     return bad
 
@@ -148,9 +121,9 @@ def test_every_import_follows_the_declared_arrows() -> None:
 
 
 def test_every_declared_arrow_is_used() -> None:
-    """A declaration that nothing needs any more is removed, so the list stays true."""
+    """A bridge that nothing needs any more is removed, so the list stays true."""
     edges = {(m, name) for m, source in our_modules().items() for name in imports(source, m)}
-    for part, allowed in ALLOWED.items():
+    for part, allowed in BRIDGE.items():
         for name in allowed:
             assert any(part_of(m) == part and n == name for m, n in edges), (
                 f"{part} -> {name} is declared but not used")
@@ -223,16 +196,16 @@ def test_the_check_finds_a_cycle(graph: dict[str, set[str]], expected: list[list
 
 
 def test_an_import_under_type_checking_or_in_a_function_closes_a_cycle() -> None:
-    state = imports("if TYPE_CHECKING:\n    from ddtop.daemon.summary import RunSummary\n",
-                    "ddtop.daemon.state")
-    summary = imports("def f():\n    from ddtop.daemon import state\n", "ddtop.daemon.summary")
-    graph = {"ddtop.daemon.state": state & {"ddtop.daemon.summary"},
-             "ddtop.daemon.summary": summary & {"ddtop.daemon.state"}}
-    assert cycles(graph) == [["ddtop.daemon.state", "ddtop.daemon.summary"]]
+    state = imports("if TYPE_CHECKING:\n    from ddtop.core.summary import RunSummary\n",
+                    "ddtop.core.state")
+    summary = imports("def f():\n    from ddtop.core import state\n", "ddtop.core.summary")
+    graph = {"ddtop.core.state": state & {"ddtop.core.summary"},
+             "ddtop.core.summary": summary & {"ddtop.core.state"}}
+    assert cycles(graph) == [["ddtop.core.state", "ddtop.core.summary"]]
 
 
 @pytest.mark.parametrize(("module", "source"), [
-    ("ddtop.daemon.state", "from ddtop.dashboard import format"),
+    ("ddtop.core.state", "from ddtop.dashboard import format"),
     ("ddtop.daemon.relay", "import torch"),
     ("ddtop.training.trainer", "from ddtop.daemon.supervisor import Supervisor"),
     ("ddtop.dashboard.headless", "def f():\n    import textual.app\n"),
@@ -246,8 +219,15 @@ def test_an_import_under_type_checking_or_in_a_function_closes_a_cycle() -> None
     ("ddtop.run", "from ddtop.training import trainer"),
     ("ddtop.training.trainer", "from ddtop.run import main"),
     ("ddtop", "from ddtop.training.trainer import train"),
-    ("ddtop.daemon.state", "import ddtop"),
+    ("ddtop.core.state", "import ddtop"),
     ("ddtop.dashboard.app", "def f():\n    import ddtop\n"),
+    ("ddtop.core.state", "from ddtop.daemon import relay"),
+    ("ddtop.core.wire", "from ddtop.training import sender"),
+    ("ddtop.core.printer", "import textual"),
+    ("ddtop.core.config", "import torch"),
+    ("ddtop.dashboard.live", "from ddtop.daemon.relay import Relay"),
+    ("ddtop.training.sender", "from ddtop.dashboard import feed"),
+    ("ddtop.daemon.cli", "def f():\n    from ddtop.training import worker\n"),
 ])
 def test_the_check_catches_a_new_arrow(module: str, source: str) -> None:
     assert violations(module, imports(source, module)) != []
@@ -268,9 +248,9 @@ def test_only_the_public_api_sets_its_own_state() -> None:
     assert writes_to_the_api("import ddtop\ndef f():\n    ddtop._live = None\n") == ["_live"]
 
 
-TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.supervisor", "ddtop.daemon.config",
-              "ddtop.daemon.flags",
-              "ddtop.daemon.runs", "ddtop.daemon.local", "ddtop.daemon.torchrun",
+TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.supervisor", "ddtop.core.config",
+              "ddtop.core.flags",
+              "ddtop.core.runs", "ddtop.daemon.local", "ddtop.daemon.torchrun",
               "ddtop.dashboard.cli", "ddtop.dashboard.app", "ddtop.dashboard.headless",
               "ddtop.dashboard.feed"]
 

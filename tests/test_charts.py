@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from test_app import screen_text
 
-from ddtop.daemon import wire
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
+from ddtop.core import wire
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
 from ddtop.dashboard import series
 from ddtop.dashboard.app import DashboardApp
 from ddtop.dashboard.charts import (

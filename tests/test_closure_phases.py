@@ -15,7 +15,7 @@ import pytest
 from helpers import ddtrain
 from test_api import Sent
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "closure_lightning.py"
 sys.path.insert(0, str(SCRIPT.parent))

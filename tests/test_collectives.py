@@ -45,7 +45,7 @@ import torch.distributed as dist
 from helpers import DDTRAIN, Collector, Run, collecting, finish, start, tagged_env
 from test_api import wait_for
 
-from ddtop.daemon import alone, wire
+from ddtop.core import alone, wire
 from ddtop.training import collectives
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -12,13 +12,13 @@ from typing import Any, Literal
 
 import pytest
 
-from ddtop.daemon.bounds import Range, check_ranges, non_empty
-from ddtop.daemon.config import (
+from ddtop.core.bounds import Range, check_ranges, non_empty
+from ddtop.core.config import (
     Flag,
     TrainConfig,
     flag,
 )
-from ddtop.daemon.flags import (
+from ddtop.core.flags import (
     add_config_arguments,
     add_train_arguments,
     explicit_overrides,

@@ -20,7 +20,7 @@ import pytest
 import zmq
 from helpers import DDTRAIN, Detached, Together, detached, together
 
-from ddtop.daemon import blame, control, journal, protocol, state, wire
+from ddtop.core import blame, control, journal, protocol, state, wire
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
 

@@ -24,10 +24,10 @@ import msgspec
 import pytest
 from helpers import BIN, DDTRAIN, Run, detached, finish, start
 
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths
+from ddtop.core.summary import RECORD_SCHEMA, decode_record, encode_record
 from ddtop.daemon import cli as ddtrain_cli
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.summary import RECORD_SCHEMA, decode_record, encode_record
 from ddtop.dashboard import cli as ddtop_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from test_state import RUN, beat, fold, hello, step
 
-from ddtop.daemon import wire
-from ddtop.daemon.printer import new_events
-from ddtop.daemon.scalars import SCALAR_WIDTH, compact
-from ddtop.daemon.state import RunState
-from ddtop.daemon.text import seconds
+from ddtop.core import wire
+from ddtop.core.printer import new_events
+from ddtop.core.scalars import SCALAR_WIDTH, compact
+from ddtop.core.state import RunState
+from ddtop.core.text import seconds
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.widgets import fit_columns
@@ -76,7 +76,7 @@ def test_dead_rank_shows_its_signal_and_the_failure_banner() -> None:
 
 def test_straggler_is_marked_and_the_slowest_named() -> None:
     # Rank 2 computes for 150 ms per step, the others 80 ms: it is the one they wait
-    # for, over 40 steps (one message is no evidence: daemon/stragglers.py).
+    # for, over 40 steps (one message is no evidence: core/stragglers.py).
     msgs: list[wire.Message] = [hello(r) for r in range(3)]
     for seq in range(1, 5):
         for r in range(3):

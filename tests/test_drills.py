@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 from helpers import DDTRAIN, Run, finish, metric_records, start
 
-from ddtop.daemon import inject, journal, wire
-from ddtop.daemon.config import TrainConfig, UsageError
+from ddtop.core import inject, journal, wire
+from ddtop.core.config import TrainConfig, UsageError
 from ddtop.training.drills import Drills
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -32,7 +32,7 @@ from helpers import (
     wait_until_gone,
 )
 
-from ddtop.daemon import journal, wire
+from ddtop.core import journal, wire
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TUTORIAL = EXAMPLES / "ddp_tutorial.py"

@@ -32,9 +32,9 @@ from helpers import (
     wait_until_gone,
 )
 
-from ddtop.daemon import journal
-from ddtop.daemon.blame import RankEnd, culprit, read_error_report
-from ddtop.daemon.contract import ErrorReport
+from ddtop.core import journal
+from ddtop.core.blame import RankEnd, culprit, read_error_report
+from ddtop.core.contract import ErrorReport
 from ddtop.training.worker import write_error_report
 
 # CNN has dropout, so resuming also has to restore every rank's RNG state.

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import collecting, ddtrain
 
-from ddtop.daemon import journal, wire
-from ddtop.daemon.rankview import SILENT_AFTER_S
+from ddtop.core import journal, wire
+from ddtop.core.rankview import SILENT_AFTER_S
 from ddtop.training.marks import FoldRounds
 from ddtop.training.telemetry import LiveTelemetry
 

@@ -20,7 +20,7 @@ from helpers import TORCHRUN, collecting, ddtrain, torchrun
 from test_api import Sent, one_rank, wait_for
 from torch import nn
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_plain.py"
 sys.path.insert(0, str(SCRIPT.parent))

@@ -25,15 +25,15 @@ import pytest
 import torch
 from helpers import DDTRAIN, finish, start, wait_until_gone
 
-from ddtop.daemon import control, journal, protocol, wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.contract import ErrorReport
+from ddtop.core import control, journal, protocol, wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import ErrorReport
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths, log_stream
+from ddtop.core.state import RunState, decode_snapshot
+from ddtop.core.summary import RunSummary, decode_record
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import RESERVE_NAME, RunReport
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths, log_stream
-from ddtop.daemon.state import RunState, decode_snapshot
-from ddtop.daemon.summary import RunSummary, decode_record
 from ddtop.training import checkpoint
 from ddtop.training.progress import append_whole
 from ddtop.training.worker import run_reported, write_error_report

@@ -27,13 +27,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddtop.daemon import blame, journal, nodes, protocol, requests, wire
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.keys import RunKeys
+from ddtop.core import blame, journal, protocol, wire
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.keys import RunKeys
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths, read_json
+from ddtop.core.state import RunState, decode_snapshot, encode_snapshot
+from ddtop.daemon import nodes, requests
 from ddtop.daemon.relay import Relay
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths, read_json
-from ddtop.daemon.state import RunState, decode_snapshot, encode_snapshot
 
 RUN = "20261126-000000-fuzz"
 EXAMPLES = int(os.environ.get("DDTOP_FUZZ_EXAMPLES", "100"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import ddtrain
 
-from ddtop.daemon import journal, wire
+from ddtop.core import journal, wire
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,7 +109,7 @@ def test_watch_on_a_gpu_model_with_a_hook_already_says_so_once(tmp_path: Path) -
 
     from helpers import collecting, finish, start
 
-    from ddtop.daemon import wire
+    from ddtop.core import wire
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

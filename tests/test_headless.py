@@ -23,7 +23,7 @@ from helpers import BIN, DDTRAIN, RUN_TIMEOUT_S, Together, ddtrain, detached, ta
 from test_app import a_script_with_scalars, relay_thread
 from test_scalars import scalars
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 DDTOP = str(BIN / "ddtop")
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"

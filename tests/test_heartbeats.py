@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from helpers import Collector, collecting
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training.beats import HEARTBEAT_INTERVAL_S, Beats, phase_news
 from ddtop.training.telemetry import LiveTelemetry
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from helpers import DDTRAIN, TORCHRUN, Together, tagged_env, together
 
-from ddtop.daemon import journal, wire
+from ddtop.core import journal, wire
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RUN_TIMEOUT_S = 240

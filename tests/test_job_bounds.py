@@ -1,6 +1,6 @@
 """A job of 16,384 ranks (2,048 nodes x 8) is configured, and what goes past the
 limits is one line naming the limit: one machine starts at most 1,024 ranks, a
-multi-node job has at most 65,536 ranks on at most 8,192 nodes (daemon/bounds.py,
+multi-node job has at most 65,536 ranks on at most 8,192 nodes (core/bounds.py,
 docs/cli.md#limits). In process: the real parser and validation, nothing started."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ddtop.daemon import cli, protocol
-from ddtop.daemon.bounds import MAX_JOB_RANKS, MAX_MACHINE_RANKS, MAX_NNODES
-from ddtop.daemon.config import TrainConfig
+from ddtop.core import protocol
+from ddtop.core.bounds import MAX_JOB_RANKS, MAX_MACHINE_RANKS, MAX_NNODES
+from ddtop.core.config import TrainConfig
+from ddtop.core.state import MAX_RANKS
+from ddtop.core.summary import RunRecord, decode_record, encode_record
+from ddtop.daemon import cli
 from ddtop.daemon.startline import parse_command_line, start_overrides
-from ddtop.daemon.state import MAX_RANKS
-from ddtop.daemon.summary import RunRecord, decode_record, encode_record
 
 BIG = ("--nnodes", "2048", "--nproc-per-node", "8", "--node-rank", "5",
        "--rdzv-endpoint", "node0:29400", "--run-id", "big")

@@ -13,7 +13,7 @@ import pytest
 from dataset_files import write_mnist_like
 from helpers import DDTRAIN, Together, collecting, metric_records, together, torchrun
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 
 @pytest.fixture(scope="module")

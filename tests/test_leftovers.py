@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import DDTRAIN, Together, detached, together
 
+from ddtop.core.processes import ProcessId, same_process, send_signal
 from ddtop.daemon import leftovers
-from ddtop.daemon.processes import ProcessId, same_process, send_signal
 
 SCRIPT = Path(__file__).parent / "scripts" / "leaves_children.py"
 TIMEOUT_S = 90  # a run takes a few seconds; before the fix, the command waited for 300

@@ -19,9 +19,10 @@ import zmq
 from helpers import detached
 from test_fuzz import BAD_UTF8, DEEP, DEEP_IN_MAP
 
-from ddtop.daemon import nodes, protocol, wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.keys import RunKeys
+from ddtop.core import protocol, wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.keys import RunKeys
+from ddtop.daemon import nodes
 from ddtop.daemon.relay import Relay
 
 RUN = "frames"

@@ -13,11 +13,12 @@ import msgspec
 import pytest
 from test_state import RUN, beat, step
 
-from ddtop.daemon import cli, manyranks, printer, run_commands, wire
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import RunRecord, encode_record
+from ddtop.core import manyranks, printer, wire
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.core.summary import RunRecord, encode_record
+from ddtop.daemon import cli, run_commands
 
 NODES, PER_NODE = 2048, 8
 WORLD = NODES * PER_NODE

@@ -38,10 +38,10 @@ from helpers import Detached, detached
 from prometheus_client.parser import text_string_to_metric_families
 from test_bad_input import in_tmp, usage_error_in_process
 
-from ddtop.daemon import wire
+from ddtop.core import wire
+from ddtop.core.listen import parse_listen
+from ddtop.core.state import RunState
 from ddtop.daemon.exporter import ANSWER_S, Exporter, read
-from ddtop.daemon.listen import parse_listen
-from ddtop.daemon.state import RunState
 
 __all__ = ["in_tmp"]  # a fixture of test_bad_input's, used here
 

@@ -35,12 +35,13 @@ import zmq
 from helpers import listening_addresses, torchrun
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtop.daemon import journal, nodes, wire
-from ddtop.daemon.contract import ATTEMPT_ENV, STOP_SECRET_ENV
-from ddtop.daemon.keys import RunKeys
-from ddtop.daemon.processes import environ_value
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
+from ddtop.core import journal, wire
+from ddtop.core.contract import ATTEMPT_ENV, STOP_SECRET_ENV
+from ddtop.core.keys import RunKeys
+from ddtop.core.processes import environ_value
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.daemon import nodes
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.app import DashboardApp

@@ -1,4 +1,4 @@
-"""Node summaries (daemon/nodesummary.py): a real hub, 64 simulated nodes.
+"""Node summaries (core/nodesummary.py): a real hub, 64 simulated nodes.
 
 The hub is node 0's real relay (TCP with CURVE, the `nodes` socket) and node
 table (daemon/nodes.Hub), served here; 64 nodes of 8 ranks each run in one
@@ -22,12 +22,13 @@ import msgspec
 import pytest
 import zmq
 
-from ddtop.daemon import journal, nodes, nodesummary, protocol, stragglers, wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.keys import RunKeys
-from ddtop.daemon.rankview import DEAD, UNREACHABLE, RankView
+from ddtop.core import journal, nodesummary, protocol, stragglers, wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.keys import RunKeys
+from ddtop.core.rankview import DEAD, UNREACHABLE, RankView
+from ddtop.core.state import RunState
+from ddtop.daemon import nodes
 from ddtop.daemon.relay import Relay
-from ddtop.daemon.state import RunState
 
 SIM = Path(__file__).resolve().parents[1] / "bench" / "simnodes.py"
 NODES, PER = 64, 8
@@ -159,7 +160,7 @@ def test_merged_steps_sum_and_keep_the_newest_readings() -> None:
     assert merged.step_s == pytest.approx(sum(computes) + 5 * 0.03)
     assert merged.comm_ops == 20 and merged.comm_bytes == 5000 and merged.lr == pytest.approx(0.5)
     # the compute per step without the longest step: the spike left out, as the
-    # straggler rule wants (daemon/stragglers.py)
+    # straggler rule wants (core/stragglers.py)
     assert merged.compute_trim_s == pytest.approx(0.07)
     # folded, the rank's per-step readings are those of one node's fold
     state = RunState(run="r", world_size=4)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import ddtrain
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training.reporting import LossWatch, NonFiniteLoss
 from ddtop.training.telemetry import Telemetry
 from ddtop.training.trainer import plus

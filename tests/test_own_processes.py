@@ -24,8 +24,8 @@ import pytest
 import zmq
 from helpers import DDTRAIN, ddtrain, detached, finish, start
 
-from ddtop.daemon import wire
-from ddtop.daemon.processes import (
+from ddtop.core import wire
+from ddtop.core.processes import (
     ProcessId,
     boot_id,
     descendants,
@@ -36,8 +36,8 @@ from ddtop.daemon.processes import (
     same_process,
     send_signal,
 )
-from ddtop.daemon.runs import RunPaths, write_json_atomic
-from ddtop.daemon.summary import ProcessRecord, RunRecord, encode_record
+from ddtop.core.runs import RunPaths, write_json_atomic
+from ddtop.core.summary import ProcessRecord, RunRecord, encode_record
 
 # A command name that defeats splitting /proc/<pid>/stat on spaces, and on the first ')'.
 TRICKY = "x) (y z) 1"

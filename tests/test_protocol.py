@@ -1,4 +1,4 @@
-"""The control plane's and the node plane's typed messages (daemon/protocol.py).
+"""The control plane's and the node plane's typed messages (core/protocol.py).
 
 In process: every request and reply round-trips; the maps clients and node
 daemons sent before these types decode to them unchanged; and what does not
@@ -16,9 +16,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from ddtop.daemon import nodes, nodesummary, protocol, requests
-from ddtop.daemon.blame import Cause
-from ddtop.daemon.config import TrainConfig
+from ddtop.core import nodesummary, protocol
+from ddtop.core.blame import Cause
+from ddtop.core.config import TrainConfig
+from ddtop.daemon import nodes, requests
 from ddtop.daemon.relay import Relay
 
 RUN = "20261126-000000-protocol"

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from test_app import screen_text
 
-from ddtop.daemon import wire
-from ddtop.daemon.state import RunState
+from ddtop.core import wire
+from ddtop.core.state import RunState
 from ddtop.dashboard import rankmap
 from ddtop.dashboard.app import DashboardApp
 from ddtop.dashboard.feed import Pacer, StateFeed, freeze_due

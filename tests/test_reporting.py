@@ -13,10 +13,10 @@ import torch
 from helpers import Collector, collecting, metric_records
 from torch import nn
 
-from ddtop.daemon import wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.contract import TELEMETRY_ENV
-from ddtop.daemon.runs import RunPaths
+from ddtop.core import wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import TELEMETRY_ENV
+from ddtop.core.runs import RunPaths
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv
 from ddtop.training.metrics import GlobalMetrics

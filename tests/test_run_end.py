@@ -18,8 +18,8 @@ import pytest
 import zmq
 from helpers import BIN, detached, tagged_env
 
-from ddtop.daemon import journal
-from ddtop.daemon.summary import RECORD_SCHEMA, Failure, RunRecord, encode_record
+from ddtop.core import journal
+from ddtop.core.summary import RECORD_SCHEMA, Failure, RunRecord, encode_record
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 DDTOP = str(BIN / "ddtop")

@@ -8,9 +8,9 @@ import math
 import msgspec
 import pytest
 
-from ddtop.daemon import wire
-from ddtop.daemon.scalars import MAX_RUN_SCALAR_KEYS
-from ddtop.daemon.state import RunState
+from ddtop.core import wire
+from ddtop.core.scalars import MAX_RUN_SCALAR_KEYS
+from ddtop.core.state import RunState
 
 RUN = "r1"
 

@@ -30,7 +30,7 @@ import pytest
 import zmq
 from helpers import Detached, ddtrain, listening_addresses, running
 
-from ddtop.daemon import journal, wire
+from ddtop.core import journal, wire
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
 

@@ -27,8 +27,8 @@ import zmq
 from helpers import BIN, Detached, ddtrain, running, tagged_env
 from test_security import record
 
-from ddtop.daemon import control, journal, protocol, wire
-from ddtop.daemon.keys import RunKeys
+from ddtop.core import control, journal, protocol, wire
+from ddtop.core.keys import RunKeys
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
 

@@ -19,7 +19,7 @@ import pytest
 from helpers import Collector, Run, collecting, finish, start, torch_aborted_at_exit
 from test_api import PARAM_BYTES, SCRIPTS, free_port, wait_for
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training import starthook
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ddtop.daemon import journal, state, wire
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import Restart
+from ddtop.core import journal, state, wire
+from ddtop.core.state import RunState
+from ddtop.core.summary import Restart
 
 RUN = "r1"
 
@@ -170,7 +170,7 @@ def test_dead_with_signal_becomes_the_failure() -> None:
 def test_straggler_is_the_rank_that_computes_longest() -> None:
     # Every rank takes 0.1 s per step (DDP keeps them in lockstep), but rank 2
     # computes for 0.09 s of it while the others wait for it in the all-reduce,
-    # over 40 steps (one message of 10 steps is no evidence: daemon/stragglers.py).
+    # over 40 steps (one message of 10 steps is no evidence: core/stragglers.py).
     s = fold(*(hello(r) for r in range(4)),
              *(step(r, seq, 10 * seq, comm_s=0.01 if r == 2 else 0.06)
                for seq in range(1, 5) for r in range(4)))

@@ -19,8 +19,8 @@ import pytest
 from helpers import ddtrain
 from test_state import RUN, beat, hello
 
-from ddtop.daemon import stragglers, wire
-from ddtop.daemon.state import RunState
+from ddtop.core import stragglers, wire
+from ddtop.core.state import RunState
 from ddtop.dashboard import format as fmt
 
 COMPUTE_S = 0.040  # a rank's own work per step (data, forward, backward, optimizer)
@@ -228,7 +228,7 @@ def test_a_restarted_rank_starts_without_a_verdict() -> None:
 
 
 def test_the_verdict_survives_a_snapshot() -> None:
-    from ddtop.daemon.state import decode_snapshot, encode_snapshot
+    from ddtop.core.state import decode_snapshot, encode_snapshot
 
     ranks = Ranks(4, slowed(2, 0), seed=10)
     for _ in ranks.advance(60):

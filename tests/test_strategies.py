@@ -31,11 +31,11 @@ from rich.console import Console
 from test_ddp_correctness import SingleProcess, load_weights
 from torch import nn
 
-from ddtop.daemon import wire
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.flags import add_train_arguments
-from ddtop.daemon.state import RunState
-from ddtop.daemon.strategy_names import STRATEGIES, SyncStrategy, comm_ops
+from ddtop.core import wire
+from ddtop.core.config import TrainConfig
+from ddtop.core.flags import add_train_arguments
+from ddtop.core.state import RunState
+from ddtop.core.strategy_names import STRATEGIES, SyncStrategy, comm_ops
 from ddtop.dashboard import panels
 from ddtop.training.data import SYNTHETIC_SPEC
 from ddtop.training.models import build_model
@@ -230,7 +230,7 @@ def test_trainer_checkpoints_fsdp_and_resumes_it_as_ring(tmp_path: Path) -> None
 
 
 def test_the_flag_the_dashboard_and_the_trainer_name_the_same_strategies() -> None:
-    """--strategy is declared once (daemon/strategy_names.py): the config field's
+    """--strategy is declared once (core/strategy_names.py): the config field's
     type, the flag's choices, the comm panel's table and the trainer's
     implementations all list its names, in its order."""
     names = typing.get_args(SyncStrategy)
@@ -285,7 +285,7 @@ def test_without_fsdp2_every_other_strategy_trains_and_fsdp_says_why() -> None:
     code = BLOCK + textwrap.dedent("""
         import torch
         import torch.distributed as dist
-        from ddtop.daemon.config import UsageError
+        from ddtop.core.config import UsageError
         from ddtop.training import strategies, trainer
         from ddtop.training.data import SYNTHETIC_SPEC
         from ddtop.training.models import build_model

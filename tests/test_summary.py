@@ -15,11 +15,11 @@ import msgspec
 import pytest
 from test_state import RUN, fold, hello, step
 
-from ddtop.daemon import cli, wire
-from ddtop.daemon.runinfo import RunInfo
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import (
+from ddtop.core import wire
+from ddtop.core.runinfo import RunInfo
+from ddtop.core.runs import RunPaths
+from ddtop.core.state import RunState
+from ddtop.core.summary import (
     RECORD_SCHEMA,
     Failure,
     RankSummary,
@@ -28,6 +28,7 @@ from ddtop.daemon.summary import (
     decode_record,
     encode_record,
 )
+from ddtop.daemon import cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 # recorded-failed's run.json in the layout of a development version before
@@ -238,8 +239,9 @@ def test_an_unreadable_config_json_is_named_not_a_traceback(
 
 
 def test_the_global_metrics_are_said_the_same_by_status_and_the_headless_summary() -> None:
-    from ddtop.daemon import printer, run_commands
-    from ddtop.daemon.summary import metrics_words
+    from ddtop.core import printer
+    from ddtop.core.summary import metrics_words
+    from ddtop.daemon import run_commands
 
     s = fold(hello(0), step(0, 1, 4, steps=4), wire.Aggregate(
         run=RUN, rank=0, seq=2, t=101.0, scope="epoch", epoch=1, global_step=4,
@@ -261,7 +263,8 @@ def test_the_global_metrics_are_said_the_same_by_status_and_the_headless_summary
 
 
 def test_epochs_count_from_one_where_a_user_reads_them() -> None:
-    from ddtop.daemon import printer, run_commands
+    from ddtop.core import printer
+    from ddtop.daemon import run_commands
 
     s = fold(hello(0), hello(1), step(0, 1, 20), step(1, 1, 20))  # the wire's epoch 0
     assert [v.epoch for v in s.ranks.values()] == [0, 0]  # the fold keeps the wire's count
@@ -299,7 +302,7 @@ def test_a_run_json_of_layout_2_counted_epochs_from_0_and_is_read_counting_from_
 
 
 def test_telemetry_messages_lost_are_not_called_a_loss() -> None:
-    from ddtop.daemon import printer
+    from ddtop.core import printer
     from ddtop.dashboard import panels
 
     s = fold(hello(0), hello(1), step(0, 1, 20), step(0, 4, 30), step(1, 1, 20))  # 2 lost
@@ -312,7 +315,8 @@ def test_telemetry_messages_lost_are_not_called_a_loss() -> None:
 
 
 def test_an_ended_run_shows_its_average_rate_not_zero() -> None:
-    from ddtop.daemon import printer, run_commands
+    from ddtop.core import printer
+    from ddtop.daemon import run_commands
     from ddtop.dashboard import panels
 
     s = fold(hello(0), hello(1), step(0, 1, 10, t=101.0), step(1, 1, 10, t=101.0),
@@ -335,7 +339,7 @@ def test_an_ended_run_shows_its_average_rate_not_zero() -> None:
 
 
 def test_every_json_record_names_its_layout() -> None:
-    from ddtop.daemon import printer
+    from ddtop.core import printer
 
     s = failed_run()
     records = [printer.progress_record(s, 102.0),

@@ -10,7 +10,7 @@ import torch
 from conftest import REFERENCE_ARGS, ReferenceRun
 from helpers import Collector, Run, collecting, ddtrain, metric_records
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
 

@@ -20,10 +20,11 @@ import msgspec
 import pytest
 from helpers import ddtrain
 
-from ddtop.daemon import cli, journal, tbpoints, wire
+from ddtop.core import journal, tbpoints, wire
+from ddtop.core.state import RunState
+from ddtop.core.tbwriter import EventFiles, TensorBoardTap
+from ddtop.daemon import cli
 from ddtop.daemon.startline import parse_command_line
-from ddtop.daemon.state import RunState
-from ddtop.daemon.tbwriter import EventFiles, TensorBoardTap
 from ddtop.daemon.watchcmd import watch_config
 from ddtop.dashboard import export
 from ddtop.dashboard.cli import main as ddtop_main

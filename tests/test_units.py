@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtop.daemon.config import TrainConfig, UsageError, resume_mismatch
-from ddtop.daemon.contract import TELEMETRY_ENV, telemetry_endpoint
-from ddtop.daemon.runs import RunPaths, find_run, write_json_atomic
-from ddtop.daemon.text import count_of
+from ddtop.core.config import TrainConfig, UsageError, resume_mismatch
+from ddtop.core.contract import TELEMETRY_ENV, telemetry_endpoint
+from ddtop.core.runs import RunPaths, find_run, write_json_atomic
+from ddtop.core.text import count_of
 from ddtop.training import checkpoint
 
 

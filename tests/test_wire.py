@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 RUN = "20261122-000000-abcd"
 

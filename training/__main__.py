@@ -9,17 +9,17 @@ import signal
 import sys
 from pathlib import Path
 
-from ddtop.daemon.config import (
+from ddtop.core.config import (
     TrainConfig,
     UsageError,
 )
-from ddtop.daemon.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE
-from ddtop.daemon.flags import (
+from ddtop.core.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE
+from ddtop.core.flags import (
     OneLineParser,
     add_train_arguments,
     explicit_overrides,
 )
-from ddtop.daemon.runs import RunPaths, read_json
+from ddtop.core.runs import RunPaths, read_json
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.worker import (

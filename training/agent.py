@@ -22,7 +22,7 @@ from typing import Any
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in the stubs
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
 
-from ddtop.daemon.config import is_loopback
+from ddtop.core.config import is_loopback
 from ddtop.training.rendezvous import listen_on
 
 

@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddtop.daemon import wire
-from ddtop.daemon.contract import RUN_ID_ENV, telemetry_endpoint
+from ddtop.core import wire
+from ddtop.core.contract import RUN_ID_ENV, telemetry_endpoint
 from ddtop.training import shardwatch
 from ddtop.training.commtimer import CommTimer, DDPStats
 from ddtop.training.pairing import StepPairing

@@ -2,7 +2,7 @@
 Step message has not (pure; the sender thread keeps the clock and asks).
 
 A Step message already proves the rank alive and ends the phase and the
-collective its newest heartbeat named (daemon/state.py `_apply_step`), so a
+collective its newest heartbeat named (core/state.py `_apply_step`), so a
 stepping rank needs no heartbeat. One goes out:
 
 - when no Step message went out, and no heartbeat was tried, for
@@ -13,7 +13,7 @@ stepping rank needs no heartbeat. One goes out:
 - at once (within a send round) when its phase changed in a way that changes
   the daemon's rules: into or out of work outside the steps (set-up,
   evaluation, checkpoint), whose stall limit is longer and whose rank the
-  others are excused for waiting for (daemon/rankview.py SLOW_PHASES,
+  others are excused for waiting for (core/rankview.py SLOW_PHASES,
   RunState.rank_states); but never sooner than HEARTBEAT_INTERVAL_S after the
   last heartbeat, so that a script whose phase flips every step (an evaluation
   forward in each training step) sends no more than one a second, as before.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 HEARTBEAT_INTERVAL_S = 1.0
 

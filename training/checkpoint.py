@@ -19,8 +19,8 @@ from typing import IO, Any, cast
 
 import torch
 
-from ddtop.daemon.config import TrainConfig, UsageError, resume_mismatch
-from ddtop.daemon.runs import CHECKPOINT_GLOB, CHECKPOINT_TEMP_GLOB, atomic_file, checkpoint_name
+from ddtop.core.config import TrainConfig, UsageError, resume_mismatch
+from ddtop.core.runs import CHECKPOINT_GLOB, CHECKPOINT_TEMP_GLOB, atomic_file, checkpoint_name
 
 FORMAT = 1
 

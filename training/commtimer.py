@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training.telemetry import LiveTelemetry, Telemetry
 
 # A comm hook as DDP calls it: hook(state, bucket) -> future of the reduced bucket.

@@ -1,5 +1,5 @@
 """Fault drills, acted out by a rank (`ddtrain start --inject`; the grammar and
-its checks are daemon/inject.py's).
+its checks are core/inject.py's).
 
 `Drills.after_step(global_step, steps_per_epoch)` is called once a global
 optimizer step is done: by the built-in trainer's loop, and in a user's
@@ -37,8 +37,8 @@ import weakref
 from collections import deque
 from typing import Any
 
-from ddtop.daemon import inject
-from ddtop.daemon.contract import ATTEMPT_ENV, FAULT_ENV
+from ddtop.core import inject
+from ddtop.core.contract import ATTEMPT_ENV, FAULT_ENV
 
 # Step times the slow drill takes the median of.
 SLOW_WINDOW = 9

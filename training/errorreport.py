@@ -1,5 +1,5 @@
-"""A failing rank's error report, logs/rank-<k>.error.json (daemon/contract.py
-ErrorReport; read by daemon/blame.py), written whole or not at all.
+"""A failing rank's error report, logs/rank-<k>.error.json (core/contract.py
+ErrorReport; read by core/blame.py), written whole or not at all.
 
 A full disk is a likely reason for a rank to fail (a checkpoint that does not
 fit), and the same disk then refuses the report. So the room for it is held
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from ddtop.daemon.contract import ErrorReport
-from ddtop.daemon.runs import atomic_file, error_report_reserve
+from ddtop.core.contract import ErrorReport
+from ddtop.core.runs import atomic_file, error_report_reserve
 
 # Room held for the report: its message and the tail of its traceback.
 RESERVE_BYTES = 64 * 1024

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 MAX_MARKS = 1 << 16  # marks not yet folded; beyond, the oldest are dropped
 FOLD_CHUNK = 64  # marks folded between two looks at the clocks (about ten steps)

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.runs import RunPaths
-from ddtop.daemon.text import count_of
+from ddtop.core.config import TrainConfig
+from ddtop.core.runs import RunPaths
+from ddtop.core.text import count_of
 from ddtop.training import api
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv

@@ -6,7 +6,7 @@ from __future__ import annotations
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ddtop.daemon.keys import secure
+from ddtop.core.keys import secure
 
 
 def receiver_answers(endpoint: str, timeout_s: float) -> str | None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in the stubs
 
-from ddtop.daemon.config import is_loopback
+from ddtop.core.config import is_loopback
 
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 LOOPBACK_INTERFACE = "lo"

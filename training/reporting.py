@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import ddtop
-from ddtop.daemon.config import TrainConfig
-from ddtop.daemon.runs import RunPaths
+from ddtop.core.config import TrainConfig
+from ddtop.core.runs import RunPaths
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv
 from ddtop.training.metrics import GlobalMetrics

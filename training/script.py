@@ -32,15 +32,15 @@ from typing import Any
 # Imported here so that the forkserver pays for torch once, not every rank.
 import torch._dynamo  # noqa: F401
 
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import (
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.contract import (
     CONFIG_ENV,
     DAEMON_PID_ENV,
     EXIT_USAGE,
     RUN_ID_ENV,
     restore_user_umask,
 )
-from ddtop.daemon.runs import RunPaths, read_json
+from ddtop.core.runs import RunPaths, read_json
 from ddtop.training import api, autowatch, drills, starthook, worker
 from ddtop.training.asmain import ours as asmain_frame
 from ddtop.training.asmain import run_as_main, run_module

@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 import zmq
 
-from ddtop.daemon import wire
-from ddtop.daemon.keys import secure
+from ddtop.core import wire
+from ddtop.core.keys import secure
 from ddtop.training.beats import Beats
 from ddtop.training.marks import FoldRounds, Marks
 from ddtop.training.stepfold import Memory, StepFolder, StepWindow, step_message

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training import watched
 from ddtop.training.commledger import CommLedger
 from ddtop.training.shardcomm import AllGatherTimer, ReduceScatterTimer

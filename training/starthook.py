@@ -155,7 +155,7 @@ def _torch_imported() -> None:
             module = sys.modules.get(name)
             if module is not None and getattr(module, "init_process_group", None) is original:
                 setattr(module, "init_process_group", wrapped)  # noqa: B010 - the point of the hook
-        from ddtop.daemon.contract import ZERO_CODE_ENV
+        from ddtop.core.contract import ZERO_CODE_ENV
 
         if os.environ.get(ZERO_CODE_ENV) != "off":
             # Before the program takes any of them by name: marked once it is a rank.
@@ -180,7 +180,7 @@ def _became_rank() -> None:
     if _aside:
         return
     try:
-        from ddtop.daemon.contract import ZERO_CODE_ENV
+        from ddtop.core.contract import ZERO_CODE_ENV
 
         if os.environ.get(ZERO_CODE_ENV) == "off":
             return
@@ -210,7 +210,7 @@ def _dump_stacks_on_signal(rank: int) -> None:
     import faulthandler
     from pathlib import Path
 
-    from ddtop.daemon.contract import STACKS_DIR_ENV, STACKS_SIGNAL
+    from ddtop.core.contract import STACKS_DIR_ENV, STACKS_SIGNAL
 
     folder = os.environ.get(STACKS_DIR_ENV)
     if not folder or not Path(folder).is_dir():

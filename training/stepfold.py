@@ -51,7 +51,7 @@ from typing import Any
 
 import msgspec
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training.marks import (
     AllReduceSource,
     CommMark,
@@ -71,7 +71,7 @@ from ddtop.training.marks import (
 )
 
 STEP_PHASES = frozenset(wire.STEP_PHASES)
-TRIM_MIN_STEPS = 3  # Step.compute_trim_s from this many steps (as daemon/stragglers.py reads it)
+TRIM_MIN_STEPS = 3  # Step.compute_trim_s from this many steps (as core/stragglers.py reads it)
 OPEN_WAIT_S = 1.0  # how long a counted step waits for the reading of its all-reduce
 MAX_PENDING_SYNCS = 64  # all-reduces kept for a step not counted yet (no step ever: dropped)
 TYPICAL_OF = 9  # an all-reduce not read takes the median of this many recent readings

@@ -49,7 +49,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from ddtop.daemon.contract import ATTEMPT_ENV, STOP_SECRET_ENV
+from ddtop.core.contract import ATTEMPT_ENV, STOP_SECRET_ENV
 
 STOP_SIGNAL = signal.SIGUSR1
 STORE_KEY = "ddtop/stop_after"  # without a secret; with one, a name derived from it

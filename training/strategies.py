@@ -22,7 +22,7 @@ Whatever the strategy, the averaged gradient is where the optimizer finds it
 when `backward` returns, so the training loop is the same for all. The
 collectives a strategy issues itself are timed by commledger.py's `CommLedger`
 (FSDP2's through the comm objects of shardcomm.py). The names are declared once,
-in daemon/strategy_names.py; `BUILDERS` maps each to its implementation here.
+in core/strategy_names.py; `BUILDERS` maps each to its implementation here.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddtop
-from ddtop.daemon.config import UsageError
-from ddtop.daemon.strategy_names import STRATEGIES, SyncStrategy
+from ddtop.core.config import UsageError
+from ddtop.core.strategy_names import STRATEGIES, SyncStrategy
 from ddtop.training.commledger import CommLedger, allreduce_factor
 from ddtop.training.shardcomm import timed_comm_types
 from ddtop.training.telemetry import Telemetry

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 from ddtop.training.beats import Beats
 from ddtop.training.marks import (
     MAX_MARKS,

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 import ddtop
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import EXIT_FAILED, EXIT_USAGE
-from ddtop.daemon.runs import RunPaths, find_run, new_run_id, write_json_atomic
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE
+from ddtop.core.runs import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import api, checkpoint, data, starthook, strategies
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device

@@ -24,8 +24,8 @@ from typing import Any
 # torch._dynamo too, which DDP's constructor imports (~1 s, 900 modules).
 import torch._dynamo  # noqa: F401
 
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.contract import (
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.contract import (
     ATTEMPT_ENV,
     EXIT_FAILED,
     EXIT_OK,
@@ -33,8 +33,8 @@ from ddtop.daemon.contract import (
     STACKS_SIGNAL,
     ErrorReport,
 )
-from ddtop.daemon.processes import lead_own_session, pid_alive, set_parent_death_signal
-from ddtop.daemon.runs import RunPaths, log_stream
+from ddtop.core.processes import lead_own_session, pid_alive, set_parent_death_signal
+from ddtop.core.runs import RunPaths, log_stream
 from ddtop.training import errorreport, stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.rendezvous import install as install_loopback

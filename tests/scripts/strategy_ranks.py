@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddtop
-from ddtop.daemon.strategy_names import STRATEGIES
+from ddtop.core.strategy_names import STRATEGIES
 from ddtop.training import api, starthook
 from ddtop.training.data import SYNTHETIC_SPEC
 from ddtop.training.models import build_model

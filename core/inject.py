@@ -27,8 +27,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ddtop.daemon.config import UsageError
-from ddtop.daemon.contract import FAULT_ENV
+from ddtop.core.config import UsageError
+from ddtop.core.contract import FAULT_ENV
 
 FLAG = "--inject"
 # What each action does, for --help and errors (docs/cli.md#failure-drills says more).

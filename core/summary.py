@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 import msgspec.inspect
 
-from ddtop.daemon import wire
-from ddtop.daemon.bounds import MAX_JOB_RANKS
-from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.rankview import DEAD, FINISHED, RankState, RankView
-from ddtop.daemon.wire import Restart
+from ddtop.core import wire
+from ddtop.core.bounds import MAX_JOB_RANKS
+from ddtop.core.contract import describe_exit
+from ddtop.core.rankview import DEAD, FINISHED, RankState, RankView
+from ddtop.core.wire import Restart
 
 if TYPE_CHECKING:
-    from ddtop.daemon.processes import ProcessId
+    from ddtop.core.processes import ProcessId
 
 # A run whose daemon is gone although it never reached a final status: it was killed.
 LOST: Literal["lost"] = "lost"

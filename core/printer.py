@@ -26,12 +26,12 @@ from typing import Any, Literal, TextIO
 
 import msgspec
 
-from ddtop.daemon import manyranks
-from ddtop.daemon.contract import exit_for_status
-from ddtop.daemon.events import RunEvent
-from ddtop.daemon.scalars import line as scalars_line
-from ddtop.daemon.state import RunState
-from ddtop.daemon.summary import (
+from ddtop.core import manyranks
+from ddtop.core.contract import exit_for_status
+from ddtop.core.events import RunEvent
+from ddtop.core.scalars import line as scalars_line
+from ddtop.core.state import RunState
+from ddtop.core.summary import (
     LOST,
     TRACEBACK_TAIL_LINES,
     RankSummary,
@@ -39,7 +39,7 @@ from ddtop.daemon.summary import (
     metrics_words,
     rate_words,
 )
-from ddtop.daemon.text import lost_words, num, seconds, stamp, traceback_tail
+from ddtop.core.text import lost_words, num, seconds, stamp, traceback_tail
 
 DEFAULT_INTERVAL_S = 10.0
 SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
@@ -217,7 +217,7 @@ def event_record(event: RunEvent) -> dict[str, Any]:
 def progress_text(state: RunState, now: float, short: bool = False,
                   ranks: bool = True) -> str:
     """The run in one line; without `ranks`, no counts by state nor stragglers
-    (many ranks: their digest says them, daemon/manyranks.py)."""
+    (many ranks: their digest says them, core/manyranks.py)."""
     done, total = state.progress()
     pct = f" ({100 * done / total:.1f}%)" if total and not short else ""
     states = state.rank_states(now)

@@ -1,6 +1,6 @@
 """`ddtrain start`'s flags (and `python -m ddtop.training`'s), built from the fields
 of TrainConfig alone: the name gives the flag, the annotation its type, the default
-and the field's docstring its help (daemon/config.py declares the fields, with a
+and the field's docstring its help (core/config.py declares the fields, with a
 `flag(...)` for what none of those can say); and the parser whose errors are one
 line naming the problem.
 """
@@ -17,9 +17,9 @@ import types
 import typing
 from typing import Any, Literal
 
-from ddtop.daemon.bounds import field_range, non_empty
-from ddtop.daemon.config import Flag, TrainConfig
-from ddtop.daemon.contract import EXIT_USAGE
+from ddtop.core.bounds import field_range, non_empty
+from ddtop.core.config import Flag, TrainConfig
+from ddtop.core.contract import EXIT_USAGE
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +70,7 @@ def _add_flag(group: Any, f: dataclasses.Field[Any], how: Flag, hint: Any, doc: 
 
 def _scalar(hint: Any, f: dataclasses.Field[Any]) -> Any:
     """The argparse type of a field annotated int, float, str or `X | None`: an
-    int needs its Range, a str refuses an empty value (daemon/bounds.py)."""
+    int needs its Range, a str refuses an empty value (core/bounds.py)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not types.NoneType]
         hint = args[0] if len(args) == 1 else hint

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddtop.daemon.rankview import DEAD, RUNNING, SILENT, STALLED, RankState, RankView
+from ddtop.core.rankview import DEAD, RUNNING, SILENT, STALLED, RankState, RankView
 
 
 def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from ddtop.daemon import wire
-from ddtop.daemon.rankview import (
+from ddtop.core import wire
+from ddtop.core.rankview import (
     DEAD,
     FINISHED,
     RUNNING,
@@ -23,7 +23,7 @@ from ddtop.daemon.rankview import (
     RankState,
     RankView,
 )
-from ddtop.daemon.summary import LOST
+from ddtop.core.summary import LOST
 
 GONE_NODE = ("unreachable", "lost")  # a node in either: its ranks are shown unreachable
 

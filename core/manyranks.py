@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from ddtop.daemon.summary import RankSummary
-from ddtop.daemon.text import count_of
+from ddtop.core.summary import RankSummary
+from ddtop.core.text import count_of
 
 # Above this many ranks the text outputs summarise (docs/cli.md); at or below it
 # they print a line per rank, as they always have.

@@ -7,7 +7,7 @@ daemon does (its full per-step detail stays there); to the hub it sends a
 - per rank, every Step since its previous summary merged into one (`merge_steps`:
   the sums added, the newest readings kept, and the compute per step without
   the longest step worked out from the steps merged, so the straggler rule
-  judges the window as it would on one node: daemon/stragglers.py);
+  judges the window as it would on one node: core/stragglers.py);
 - the newest Heartbeat (its phase time brought up to the moment the summary is
   sent), before the merged Step or after it as it came, the newest Scalars;
 - each rank's telemetry accounting (received, lost, duplicates, dropped) as the
@@ -44,9 +44,9 @@ from typing import Protocol
 
 import msgspec
 
-from ddtop.daemon import events, stragglers, wire
-from ddtop.daemon.bounds import MAX_JOB_RANKS
-from ddtop.daemon.rankview import RankView
+from ddtop.core import events, stragglers, wire
+from ddtop.core.bounds import MAX_JOB_RANKS
+from ddtop.core.rankview import RankView
 
 SUMMARY_S = 0.5  # a node's summary, this often ...
 SUMMARY_LARGE_S = 1.0  # ... or this often in a job of LARGE_JOB_NODES nodes or more

@@ -4,13 +4,13 @@
         config.json           the TrainConfig, as started (rewritten on resume)
         run.json              status, ranks, exit codes, endpoints, restarts; rewritten atomically
         metrics.jsonl         global metrics, one object per sync (rank 0)
-        telemetry.journal     every telemetry message the daemon accepted (daemon/journal.py)
+        telemetry.journal     every telemetry message the daemon accepted (core/journal.py)
         daemon.log            the daemon's own output (detached runs)
         logs/rank-<k>.log     stdout and stderr of rank k
         logs/rank-<k>.error.json   why rank k failed, written by the rank itself
         checkpoints/step-<global step>.pt
         sock/                 the daemon's ipc sockets: telemetry, publish, control
-        keys/                 the run's CURVE keys, with --bind (daemon/keys.py)
+        keys/                 the run's CURVE keys, with --bind (core/keys.py)
 
 A run directory and everything in it is its owner's alone (0700 folders, 0600
 files): `ddtrain start` creates them under an owner-only umask (docs/security.md).
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from ddtop.daemon.config import UsageError
+from ddtop.core.config import UsageError
 
 # Checkpoint files, named by the global step after which they were written.
 CHECKPOINT_GLOB = "step-*.pt"

@@ -35,7 +35,7 @@ either), and `named` leaves out a rank that exited, said bye, or has not
 stepped for a while. A one-off long step (a rank stopped and resumed, a pause)
 falls in one window: not enough to name anyone.
 
-Pure: the fold (daemon/state.py) keeps an `Evidence` per rank and `Rounds` per
+Pure: the fold (core/state.py) keeps an `Evidence` per rank and `Rounds` per
 run and calls `add_steps` for each Step message; tested on synthetic sequences
 in tests/test_stragglers.py.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from ddtop.daemon.bounds import MAX_PORT
+from ddtop.core.bounds import MAX_PORT
 
 LOOPBACK = "127.0.0.1"
 # A host name or an IPv4 address, or an IPv6 address in brackets ([::1]).

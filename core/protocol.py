@@ -1,7 +1,7 @@
 """The control plane and the node plane as typed messages: every request a
 daemon's control socket answers, every reply, and what node daemons tell the hub.
 
-    request  ping | status | snapshot | stop | stacks   any client (daemon/control.py)
+    request  ping | status | snapshot | stop | stacks   any client (core/control.py)
              node                                      a node daemon's heartbeat, to the hub only
     reply    Reply: `ok`, and `error` when not ok; each request's reply adds its fields
     forward  [NODE_HEADER, node number, message frame]  on the hub's `nodes` socket
@@ -28,11 +28,11 @@ from typing import Annotated, Any, ClassVar, Protocol, TypeAlias, TypeVar, get_a
 
 import msgspec
 
-from ddtop.daemon import wire
-from ddtop.daemon.blame import Cause
-from ddtop.daemon.bounds import MAX_JOB_RANKS, MAX_MACHINE_RANKS, MAX_NNODES
-from ddtop.daemon.summary import Pid, RunSummary
-from ddtop.daemon.summary import Status as StatusName  # a run's status; Status: the request
+from ddtop.core import wire
+from ddtop.core.blame import Cause
+from ddtop.core.bounds import MAX_JOB_RANKS, MAX_MACHINE_RANKS, MAX_NNODES
+from ddtop.core.summary import Pid, RunSummary
+from ddtop.core.summary import Status as StatusName  # a run's status; Status: the request
 
 MAX_REQUEST_BYTES = 16384  # a node daemon's heartbeat lists its ranks
 MAX_HOST_CHARS = 255  # a node's host name
@@ -100,7 +100,7 @@ class Stacks(Request, tag="stacks"):
 class Focus(Request, tag="focus"):
     """Rank `rank`'s every step for FOCUS_S: a dashboard's open rank detail. A hub
     passes it to the rank's node, which sends that rank's Step messages unmerged
-    (daemon/nodesummary.py); on one machine every step is there anyway."""
+    (core/nodesummary.py); on one machine every step is there anyway."""
 
     refusal: ClassVar[str] = "rank must be a rank of this run"
     rank: Rank
@@ -179,7 +179,7 @@ class NodeReply(Reply):
 
     stop: Seconds | None = None
     nodes: ForwardTo = ""
-    # Ranks a dashboard has open: their Step messages unmerged (daemon/nodesummary.py).
+    # Ranks a dashboard has open: their Step messages unmerged (core/nodesummary.py).
     focus: Annotated[list[Rank], msgspec.Meta(max_length=MAX_FOCUS)] = []
 
 

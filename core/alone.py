@@ -6,7 +6,7 @@ warning, when every rank of the world has done ALONE_AFTER_STEPS optimizer
 steps, each of them seeing every collective it enters (zero-code mode says so
 in its hello) and none seen.
 
-Pure, as stragglers.py and hangs.py: the fold (daemon/state.py) keeps, per
+Pure, as stragglers.py and hangs.py: the fold (core/state.py) keeps, per
 rank, whether its collectives are seen and whether one was (RankView), and
 asks `never_communicated` as steps come until it answers.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddtop.daemon.hangs import rank_list
-from ddtop.daemon.rankview import RankView
+from ddtop.core.hangs import rank_list
+from ddtop.core.rankview import RankView
 
 # Optimizer steps every rank has done before ranks that never communicated are
 # said to: enough that a script's first collectives (DDP's first all-reduce, a

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import msgspec
 
-from ddtop.daemon import wire
-from ddtop.daemon.printer import new_events
-from ddtop.daemon.state import RunState
+from ddtop.core import wire
+from ddtop.core.printer import new_events
+from ddtop.core.state import RunState
 
 RUN_FOLDER = "run"
 EVENTS_TAG = "events"
@@ -110,7 +110,7 @@ class Translator:
         """What `message` (just folded into `state`, received at `received`) adds."""
         wall = message.t if message.t > 0 else received
         out: list[Item] = []
-        # A node's summary (daemon/nodesummary.py): its ranks' messages, each a point.
+        # A node's summary (core/nodesummary.py): its ranks' messages, each a point.
         for m in message.messages if isinstance(message, wire.NodeSummary) else (message,):
             out.extend(self._points(m, state, m.t if m.t > 0 else wall))
         events, self.events_seen = new_events(state, self.events_seen)

@@ -2,7 +2,7 @@
 
 One REQ socket per request, a deadline, and no linger: a daemon that is gone
 or wedged costs the caller `timeout_s`, never a hang. The request and its reply
-are typed (daemon/protocol.py); a reply that is not the one the request
+are typed (core/protocol.py); a reply that is not the one the request
 expects counts as no answer.
 """
 
@@ -14,8 +14,8 @@ from typing import overload
 
 import zmq
 
-from ddtop.daemon import protocol
-from ddtop.daemon.keys import KEYS_ENV, RunKeys, needs_keys, peer_keys
+from ddtop.core import protocol
+from ddtop.core.keys import KEYS_ENV, RunKeys, needs_keys, peer_keys
 
 # How long `ddtrain stop` and ddtop's `x` wait for the daemon to accept a stop.
 STOP_REQUEST_TIMEOUT_S = 5.0

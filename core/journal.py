@@ -34,9 +34,9 @@ from pathlib import Path
 
 import msgspec
 
-from ddtop.daemon import wire
-from ddtop.daemon.state import RunState
-from ddtop.daemon.text import count_of
+from ddtop.core import wire
+from ddtop.core.state import RunState
+from ddtop.core.text import count_of
 
 LENGTH = struct.Struct(">I")
 MAX_RECORD_BYTES = wire.MAX_FRAME_BYTES + 64

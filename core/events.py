@@ -1,6 +1,6 @@
 """The run's events, as RunState keeps them: one typed record each.
 
-The fold (daemon/state.py) records an event for what a person follows a run by:
+The fold (core/state.py) records an event for what a person follows a run by:
 a rank joined, an epoch ended, a checkpoint, a warning, an error, an exit, a
 restart, a change of the run's status, a node's news. It keeps the newest
 MAX_EVENTS and counts every one (`RunState.event_count`), so that a reader that
@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from ddtop.daemon import wire
+from ddtop.core import wire
 
 MAX_EVENTS = 500  # the newest kept in the state (and in a snapshot)
 

@@ -1,6 +1,6 @@
 """RankView: what is known about one rank, and what state that puts it in.
 
-Folded by RunState (daemon/state.py) from the rank's messages and the daemon's
+Folded by RunState (core/state.py) from the rank's messages and the daemon's
 RankExit, in the order of the rank's sequence numbers (`sequence`: lost, late
 and duplicate messages counted; `new_incarnation`: a restarted process starts
 a new sequence); the state a rank is in (starting, running, stalled, silent, dead,
@@ -14,8 +14,8 @@ from typing import Final, Literal
 
 import msgspec
 
-from ddtop.daemon import wire
-from ddtop.daemon.stragglers import Evidence
+from ddtop.core import wire
+from ddtop.core.stragglers import Evidence
 
 SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): silent
 # A step phase lasting this long (and STALL_STEPS steps' time): stalled. A hung rank
@@ -34,7 +34,7 @@ MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 SLOW_PHASES: tuple[wire.Phase, ...] = ("setup", "evaluation", "checkpoint")
 
 # A rank's state, as shown: `RankView.state` tells the first six from its readings;
-# RunState.rank_states the rest, from the run's (LOST: daemon/summary.py).
+# RunState.rank_states the rest, from the run's (LOST: core/summary.py).
 RankState = Literal["starting", "running", "stalled", "silent", "dead", "finished",
                     "unreached", "unreachable", "lost"]
 STARTING: Final = "starting"
@@ -118,7 +118,7 @@ class RankView(msgspec.Struct, kw_only=True):
     exit_code: int | None = None
     signal: str | None = None
     stopped_by_daemon: bool = False
-    left_early: bool = False  # exit code 0 before its work was done (daemon/blame.py)
+    left_early: bool = False  # exit code 0 before its work was done (core/blame.py)
     error: str | None = None
     traceback: str | None = None
     # Telemetry accounting.
@@ -129,7 +129,7 @@ class RankView(msgspec.Struct, kw_only=True):
     sender_dropped: int = 0
     missing: set[int] = set()
     history: list[Point] = []
-    # Whether the others wait for it: windows of its steps, judged (daemon/stragglers.py).
+    # Whether the others wait for it: windows of its steps, judged (core/stragglers.py).
     evidence: Evidence = msgspec.field(default_factory=Evidence)
 
     # -- its messages' order ---------------------------------------------------------

@@ -27,8 +27,8 @@ from typing import Literal
 
 import msgspec
 
-from ddtop.daemon import wire
-from ddtop.daemon.contract import ErrorReport
+from ddtop.core import wire
+from ddtop.core.contract import ErrorReport
 
 # Errors a rank raises because a peer went away (gloo, NCCL, the TCPStore): such a
 # rank is a victim of the failure, not its cause.

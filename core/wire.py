@@ -180,7 +180,7 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     # Per step, the time outside the gradient all-reduce, averaged over this
     # message's steps but the longest one (a step the rank was descheduled in);
     # None with fewer than 3 steps, or from senders that do not measure it. What
-    # the straggler rule weighs (daemon/stragglers.py).
+    # the straggler rule weighs (core/stragglers.py).
     compute_trim_s: float | None = None
 
 
@@ -240,7 +240,7 @@ class RankExit(_Header, tag="rank_exit", tag_field="kind", kw_only=True):
     # that failed together; sent before the others' exits).
     culprit: bool = False
     # How it ended in words, where the exit code does not say it: "left early at
-    # step 20: ..." (an exit 0 while the others trained: daemon/blame.py), or a
+    # step 20: ..." (an exit 0 while the others trained: core/blame.py), or a
     # node's end in a multi-node job.
     reason: str | None = None
     left_early: bool = False  # exit code 0 before its work was done (blame.left_early)
@@ -293,13 +293,13 @@ class RankAccount(msgspec.Struct, array_like=True):
     dropped: int  # what the rank could not send
 
 
-# What a node daemon sums up for the hub, by rank (daemon/nodesummary.py).
+# What a node daemon sums up for the hub, by rank (core/nodesummary.py).
 Summed = Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye
 
 
 class NodeSummary(_Header, tag="node_summary", tag_field="kind", kw_only=True):
     """From node K's daemon (as rank -1) to the hub, and relayed by it: its ranks'
-    messages since its previous summary, summed up (daemon/nodesummary.py): per
+    messages since its previous summary, summed up (core/nodesummary.py): per
     rank every Step merged into one, the newest Heartbeat and Scalars, and at
     once what cannot wait (hellos, events, byes, new global metrics); with each
     rank's accounting. Folded without the ranks' sequence numbers (a summary

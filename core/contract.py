@@ -36,10 +36,10 @@ ATTEMPT_ENV = "DDTOP_ATTEMPT"
 RUN_ID_ENV = "DDTOP_RUN_ID"
 # The secret that signs the built-in trainer's stop step in torch's store
 # (training/stopping.py): set by the daemon in its ranks' environment only, never
-# on a command line; the same on every node of a job (daemon/keys.py stop_secret).
+# on a command line; the same on every node of a job (core/keys.py stop_secret).
 STOP_SECRET_ENV = "DDTOP_STOP_SECRET"
 # Fault drills: how `ddtrain start --inject` hands its specs to the ranks, comma-
-# separated in daemon/inject.py's grammar (1:kill@step=50,0:slow=1.5x); a rank acts
+# separated in core/inject.py's grammar (1:kill@step=50,0:slow=1.5x); a rank acts
 # on its own in training/drills.py. Set from --inject only: `ddtrain start` removes
 # one it inherits (daemon/cli.py arm_drills).
 FAULT_ENV = "DDTOP_FAULT"
@@ -113,7 +113,7 @@ def describe_exit(exit_code: int | None, signal: str | None, short: bool = False
 
 class ErrorReport(msgspec.Struct, kw_only=True):
     """Why a rank failed, in its own words: logs/rank-<k>.error.json, written by
-    the rank (training/worker.py), read by the daemon (daemon/blame.py)."""
+    the rank (training/worker.py), read by the daemon (core/blame.py)."""
 
     kind: Literal["usage", "exception"] = "exception"  # usage: bad input, the run exits 2
     message: str = ""

@@ -1,6 +1,6 @@
 """What a run sends out beyond its own folder, checked before anything starts:
 `--metrics` (Prometheus, daemon/exporter.py) and `--tensorboard` (TensorBoard
-files, daemon/tbwriter.py). Each check raises ValueError with one line naming
+files, core/tbwriter.py). Each check raises ValueError with one line naming
 the flag and the fix; config.py (and `ddtop export`) report it as a UsageError.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 
-from ddtop.daemon.listen import parse_listen
+from ddtop.core.listen import parse_listen
 
 
 def require_tensorboard(flag: str) -> None:
-    """ValueError in one line when tensorboard (daemon/tbwriter.py) is not installed."""
+    """ValueError in one line when tensorboard (core/tbwriter.py) is not installed."""
     if importlib.util.find_spec("tensorboard") is None:
         raise ValueError(f"{flag} writes TensorBoard files, which needs the tensorboard "
                          "package, not installed here: pip install 'ddtop[tensorboard]'")

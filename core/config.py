@@ -22,8 +22,8 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from ddtop.daemon import outlets
-from ddtop.daemon.bounds import (
+from ddtop.core import outlets
+from ddtop.core.bounds import (
     JOB_RANKS_WHY,
     MAX_BATCH_SIZE,
     MAX_EPOCHS,
@@ -45,8 +45,8 @@ from ddtop.daemon.bounds import (
     job_size_problem,
     non_empty,
 )
-from ddtop.daemon.contract import RUNS_DIR_ENV
-from ddtop.daemon.strategy_names import SyncStrategy
+from ddtop.core.contract import RUNS_DIR_ENV
+from ddtop.core.strategy_names import SyncStrategy
 
 T = TypeVar("T")
 

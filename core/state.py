@@ -13,9 +13,9 @@ Per rank, messages are ordered by their sequence number `seq`:
   its samples to the totals but does not overwrite newer readings;
 - a number already seen is a duplicate: counted and ignored;
 - a `hello` with a new pid (a restarted rank) starts a new sequence
-  (RankView.sequence and new_incarnation, daemon/rankview.py).
+  (RankView.sequence and new_incarnation, core/rankview.py).
 
-It records typed events for people (daemon/events.py); `summary` is a RunSummary (summary.py).
+It records typed events for people (core/events.py); `summary` is a RunSummary (summary.py).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ddtop.daemon import alone, hangs, nodesummary, rankstates, stragglers, wire
-from ddtop.daemon import summary as told
-from ddtop.daemon.bounds import MAX_JOB_RANKS
-from ddtop.daemon.contract import describe_exit
-from ddtop.daemon.events import MAX_EVENTS, EventData, EventKind, RunEvent, shown
-from ddtop.daemon.rankview import DEAD as DEAD  # re-exported: rank states live here too
-from ddtop.daemon.rankview import FINISHED as FINISHED
-from ddtop.daemon.rankview import (
+from ddtop.core import alone, hangs, nodesummary, rankstates, stragglers, wire
+from ddtop.core import summary as told
+from ddtop.core.bounds import MAX_JOB_RANKS
+from ddtop.core.contract import describe_exit
+from ddtop.core.events import MAX_EVENTS, EventData, EventKind, RunEvent, shown
+from ddtop.core.rankview import DEAD as DEAD  # re-exported: rank states live here too
+from ddtop.core.rankview import FINISHED as FINISHED
+from ddtop.core.rankview import (
     HISTORY_POINTS,
     RUNNING,
     SILENT_AFTER_S,
@@ -41,13 +41,13 @@ from ddtop.daemon.rankview import (
     RankView,
     history_points,
 )
-from ddtop.daemon.rankview import SILENT as SILENT
-from ddtop.daemon.rankview import STARTING as STARTING
-from ddtop.daemon.rankview import UNREACHED as UNREACHED
-from ddtop.daemon.scalars import keep_newest, summaries
-from ddtop.daemon.summary import LOST, Failure, RunSummary, ScalarSummary, Status
+from ddtop.core.rankview import SILENT as SILENT
+from ddtop.core.rankview import STARTING as STARTING
+from ddtop.core.rankview import UNREACHED as UNREACHED
+from ddtop.core.scalars import keep_newest, summaries
+from ddtop.core.summary import LOST, Failure, RunSummary, ScalarSummary, Status
 
-MAX_RANKS = MAX_JOB_RANKS  # the ranks one fold holds: a job's (daemon/bounds.py)
+MAX_RANKS = MAX_JOB_RANKS  # the ranks one fold holds: a job's (core/bounds.py)
 # A rank that has spoken sends its next message with the next sequence number, or
 # a few later where some were lost; a jump of more than this (a day of messages at
 # ten a second) is no rank's: it is refused (rejected `seq_jump`), so that a
@@ -87,15 +87,15 @@ class RunState(msgspec.Struct, kw_only=True):
     ranks: dict[int, RankView] = {}
     aggregate: wire.Aggregate | None = None  # newest global metrics
     epochs_done: list[wire.Aggregate] = []
-    events: list[RunEvent] = []  # the newest MAX_EVENTS (daemon/events.py)
+    events: list[RunEvent] = []  # the newest MAX_EVENTS (core/events.py)
     event_count: int = 0  # events ever recorded: readers print those after the last they saw
     global_history: list[GlobalPoint] = []  # metric syncs, newest HISTORY_POINTS
     scalars: dict[str, dict[int, float]] = {}  # ddtop.log: key -> rank -> newest value
-    scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS (daemon/scalars.py), ignored
+    scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS (core/scalars.py), ignored
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
-    alone: str | None = None  # ranks that never communicated, in words (daemon/alone.py)
+    alone: str | None = None  # ranks that never communicated, in words (core/alone.py)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
     # A multi-node job (daemon/nodes.py): each rank's node, and each node's state
     # (up, unreachable, lost, done), from the hub's node events.
@@ -337,7 +337,7 @@ class RunState(msgspec.Struct, kw_only=True):
 
     # -- what the fold tells -----------------------------------------------------------
     def rank_states(self, now: float) -> dict[int, RankState]:
-        """Each rank's state at `now`, by rank number (daemon/rankstates.py)."""
+        """Each rank's state at `now`, by rank number (core/rankstates.py)."""
         return rankstates.derive(self.ranks, now, world_size=self.world_size,
                                  young=self._young(now), local_ranks=self.local_ranks,
                                  rank_nodes=self.rank_nodes, node_states=self.node_states,
@@ -350,7 +350,7 @@ class RunState(msgspec.Struct, kw_only=True):
         """(slowest rank, how much longer it computes per step than the median of
         the others in s, straggling ranks): the ranks the others have persistently
         waited for in the all-reduce over the last windows of steps, among those
-        still stepping (daemon/stragglers.py); (None, 0.0, []) without evidence."""
+        still stepping (core/stragglers.py); (None, 0.0, []) without evidence."""
         return stragglers.named(
             (r, v.evidence) for r, v in self.ranks.items()
             if v.evidence.verdict.named and not v.exited and v.bye_code is None
@@ -363,7 +363,7 @@ class RunState(msgspec.Struct, kw_only=True):
 
     def hung(self, now: float) -> tuple[list[int], str] | None:
         """When some ranks are stalled: the ranks the others wait for, and the hang
-        in words (daemon/hangs.py); None when none is."""
+        in words (core/hangs.py); None when none is."""
         return hangs.hung(self.ranks, self.rank_states(now))
 
     def telemetry_loss(self) -> float:
@@ -409,12 +409,12 @@ class RunState(msgspec.Struct, kw_only=True):
         return max(0.0, now - self.started) if self.started is not None else 0.0
 
     def scalar_summaries(self) -> list[ScalarSummary]:
-        """Each ddtop.log key across ranks (daemon/scalars.py)."""
+        """Each ddtop.log key across ranks (core/scalars.py)."""
         return summaries(self.scalars)
 
     def summary(self, now: float) -> RunSummary:
         """The run as it stands at `now`: what `status`, `list`, run.json and the
-        headless summary show (daemon/summary.py)."""
+        headless summary show (core/summary.py)."""
         states = self.rank_states(now)  # once: the ranks, the rate and the hang read it
         slowest, skew, slow = self.stragglers()
         done, total = self.progress()

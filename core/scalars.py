@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from ddtop.daemon.summary import ScalarSummary
+from ddtop.core.summary import ScalarSummary
 
 # Distinct ddtop.log keys the run keeps (each rank may send wire.MAX_SCALAR_KEYS
 # per message); newer keys beyond it are dropped and counted.

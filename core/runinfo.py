@@ -21,17 +21,17 @@ from pathlib import Path
 
 import msgspec
 
-from ddtop.daemon import control, journal, protocol, wire
-from ddtop.daemon.config import TrainConfig, UsageError
-from ddtop.daemon.processes import (
+from ddtop.core import control, journal, protocol, wire
+from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.processes import (
     ProcessId,
     command_line,
     is_daemon_command,
     pid_alive,
     same_process,
 )
-from ddtop.daemon.runs import RunPaths, is_run_dir
-from ddtop.daemon.summary import (
+from ddtop.core.runs import RunPaths, is_run_dir
+from ddtop.core.summary import (
     LOST,
     RECORD_SCHEMA,
     RunRecord,

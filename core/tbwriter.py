@@ -1,6 +1,6 @@
 """TensorBoard event files: a run's telemetry as TensorBoard reads it.
 
-    EventFiles      one event file per folder under DIR/<run id>/ (daemon/tbpoints.py
+    EventFiles      one event file per folder under DIR/<run id>/ (core/tbpoints.py
                     says which folders and tags), written with tensorboard's own
                     record writer and protos, in the caller's thread
     TensorBoardTap  `ddtrain start/watch --tensorboard DIR`: the daemon's one writer
@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ddtop.daemon import tbpoints, wire
-from ddtop.daemon.state import RunState
+from ddtop.core import tbpoints, wire
+from ddtop.core.state import RunState
 
 FLUSH_S = 5.0  # the live writer flushes its files at most this often (and at the end)
 HELD_BYTES = 1 << 20  # records held in memory before they are written all the same
