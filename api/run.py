@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
-from ddtop.core.config import UsageError
-from ddtop.core.contract import EXIT_FAILED, EXIT_OK, EXIT_USAGE, telemetry_endpoint
+from ddtop.core.contract import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, telemetry_endpoint
 from ddtop.core.program import check_program
 from ddtop.training import asmain, starthook
 

@@ -45,7 +45,7 @@ from ddtop.core.bounds import (
     job_size_problem,
     non_empty,
 )
-from ddtop.core.contract import RUNS_DIR_ENV
+from ddtop.core.contract import RUNS_DIR_ENV, UsageError
 from ddtop.core.strategy_names import SyncStrategy
 
 T = TypeVar("T")
@@ -79,10 +79,6 @@ RESUME_FIXED = (
 # The --help section of the built-in trainer's flags: given with a script, one is
 # bad input (the script takes its own flags after its name).
 BUILT_IN = "built-in trainer (without a script)"
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line, exit code 2, never a traceback."""
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,11 @@ EXIT_FAILED = 1  # a rank failed (or the daemon was lost)
 EXIT_USAGE = 2  # bad input: one line naming the flag to fix
 EXIT_INTERRUPTED = 130  # stopped: Ctrl-C or `ddtrain stop`
 
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit code 2 (EXIT_USAGE), never a traceback."""
+
+
 # The exit code that tells a run's outcome, by the run's final status.
 EXIT_BY_STATUS = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "lost": EXIT_FAILED,
                   "stopped": EXIT_INTERRUPTED}

@@ -27,8 +27,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ddtop.core.config import UsageError
-from ddtop.core.contract import FAULT_ENV
+from ddtop.core.contract import FAULT_ENV, UsageError
 
 FLAG = "--inject"
 # What each action does, for --help and errors (docs/cli.md#failure-drills says more).

@@ -31,7 +31,7 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 
 # Where a rank finds its run's keys when DDTOP_TELEMETRY is a tcp:// endpoint
 # (set by the daemon for its ranks; set it by hand for ranks started another way).

@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 
 
 def check_program(program: str | None, module: str | None, workdir: str) -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 import msgspec
 
 from ddtop.core import control, journal, protocol, wire
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.core.processes import (
     ProcessId,
     command_line,

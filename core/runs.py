@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 
 # Checkpoint files, named by the global step after which they were written.
 CHECKPOINT_GLOB = "step-*.pt"

@@ -30,7 +30,6 @@ from pathlib import Path
 from ddtop.core import control, inject, protocol
 from ddtop.core.config import (
     TrainConfig,
-    UsageError,
     add_runs_dir_argument,
     resume_mismatch,
 )
@@ -40,6 +39,7 @@ from ddtop.core.contract import (
     EXIT_OK,
     EXIT_USAGE,
     FAULT_ENV,
+    UsageError,
     owner_only_umask,
 )
 from ddtop.core.flags import OneLineParser

@@ -26,7 +26,7 @@ from typing import Any, TextIO, get_args
 import msgspec
 
 from ddtop.core import wire
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 from ddtop.core.listen import parse_listen, url
 from ddtop.core.rankview import RankState
 from ddtop.core.state import RunState

@@ -9,7 +9,8 @@ import argparse
 import sys
 import time
 
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.core.printer import Printer, check_output_arguments
 from ddtop.core.runs import RunPaths, remove_unstarted
 from ddtop.core.state import RunState

@@ -20,7 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.core.processes import LogTail, OwnProcess, ProcessId, read_stat, send_signal
 from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState

@@ -37,7 +37,8 @@ from typing import Any, Final
 import zmq
 
 from ddtop.core import nodesummary, protocol, wire
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.core.keys import RunKeys
 from ddtop.core.rankview import RankView
 from ddtop.core.runs import RunPaths, write_json_atomic

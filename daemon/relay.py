@@ -49,7 +49,7 @@ from typing import Any
 import zmq
 
 from ddtop.core import protocol, wire
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 from ddtop.core.journal import JournalWriter
 from ddtop.core.keys import RunKeys
 from ddtop.core.state import RunState

@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 
 from ddtop.core import control, manyranks, protocol
-from ddtop.core.config import UsageError, default_runs_dir
-from ddtop.core.contract import EXIT_FAILED, EXIT_OK
+from ddtop.core.config import default_runs_dir
+from ddtop.core.contract import EXIT_FAILED, EXIT_OK, UsageError
 from ddtop.core.processes import LogTail, same_process, send_signal
 from ddtop.core.runinfo import RunInfo, list_runs
 from ddtop.core.runs import RunPaths, locate_run

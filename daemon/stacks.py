@@ -15,8 +15,8 @@ import argparse
 import time
 
 from ddtop.core import control, protocol
-from ddtop.core.config import UsageError, default_runs_dir
-from ddtop.core.contract import EXIT_FAILED, EXIT_OK, STACKS_SIGNAL
+from ddtop.core.config import default_runs_dir
+from ddtop.core.contract import EXIT_FAILED, EXIT_OK, STACKS_SIGNAL, UsageError
 from ddtop.core.hangs import rank_list
 from ddtop.core.processes import ProcessId, catches, send_signal
 from ddtop.core.runinfo import RunInfo

@@ -26,7 +26,8 @@ from typing import Protocol
 
 from ddtop.core import wire
 from ddtop.core.blame import RankEnd
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.core.processes import LogTail, Process, ProcessId
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddtop.core.config import BUILT_IN, Flag, TrainConfig, UsageError, default_runs_dir
+from ddtop.core.config import BUILT_IN, Flag, TrainConfig, default_runs_dir
+from ddtop.core.contract import UsageError
 from ddtop.core.flags import add_train_arguments, explicit_overrides
 from ddtop.core.program import check_program
 

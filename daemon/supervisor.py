@@ -31,7 +31,7 @@ from types import FrameType
 from typing import TextIO
 
 from ddtop.core import wire
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -41,6 +41,7 @@ from ddtop.core.contract import (
     STOP_SECRET_ENV,
     TELEMETRY_ENV,
     ErrorReport,
+    UsageError,
     describe_exit,
     signal_name,
 )

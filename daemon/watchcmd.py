@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ddtop.core.bounds import MAX_JOB_RANKS
-from ddtop.core.config import TrainConfig, UsageError, default_runs_dir
+from ddtop.core.config import TrainConfig, default_runs_dir
 from ddtop.core.contract import (
     EXIT_USAGE,
+    UsageError,
     owner_only_umask,
 )
 from ddtop.core.runs import new_run

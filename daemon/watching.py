@@ -30,8 +30,14 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ddtop.core.config import TrainConfig, UsageError
-from ddtop.core.contract import DAEMON_PID_ENV, RUN_ID_ENV, STACKS_DIR_ENV, TELEMETRY_ENV
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import (
+    DAEMON_PID_ENV,
+    RUN_ID_ENV,
+    STACKS_DIR_ENV,
+    TELEMETRY_ENV,
+    UsageError,
+)
 from ddtop.core.keys import KEYS_ENV
 from ddtop.core.processes import (
     AgentProcess,

@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 from ddtop.core.config import (
-    UsageError,
     add_runs_dir_argument,
     default_runs_dir,
 )
-from ddtop.core.contract import EXIT_USAGE
+from ddtop.core.contract import EXIT_USAGE, UsageError
 from ddtop.core.flags import (
     OneLineParser,
 )

@@ -21,11 +21,10 @@ from pathlib import Path
 
 from ddtop.core import journal, outlets, wire
 from ddtop.core.config import (
-    UsageError,
     add_runs_dir_argument,
     default_runs_dir,
 )
-from ddtop.core.contract import EXIT_OK, EXIT_USAGE
+from ddtop.core.contract import EXIT_OK, EXIT_USAGE, UsageError
 from ddtop.core.flags import OneLineParser
 from ddtop.core.runs import RunPaths, locate_run
 from ddtop.core.state import RunState

@@ -30,7 +30,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 from ddtop.core.runs import RunPaths
 
 DEFAULT_HOST = "127.0.0.1"

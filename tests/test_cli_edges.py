@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from helpers import BIN, DDTRAIN, Detached, ddtrain, finish, running, start, tagged_env
 
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 from ddtop.core.keys import RunKeys
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does

@@ -12,7 +12,8 @@ from dataset_files import write_cifar, write_mnist_like
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.training.data import (
     SYNTHETIC_SPEC,
     ShardSampler,

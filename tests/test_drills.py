@@ -34,7 +34,8 @@ import pytest
 from helpers import DDTRAIN, Run, finish, metric_records, start
 
 from ddtop.core import inject, journal, wire
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.training.drills import Drills
 
 SCRIPTS = Path(__file__).parent / "scripts"

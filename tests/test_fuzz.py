@@ -28,7 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddtop.core import blame, journal, protocol, wire
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.core.keys import RunKeys
 from ddtop.core.runinfo import RunInfo
 from ddtop.core.runs import RunPaths, read_json

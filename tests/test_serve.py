@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 from helpers import BIN, Detached, running, tagged_env, tagged_pids, wait_until_gone
 
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 from ddtop.dashboard import cli
 from ddtop.dashboard.serve import Address, parse_address, session_command
 

@@ -285,7 +285,7 @@ def test_without_fsdp2_every_other_strategy_trains_and_fsdp_says_why() -> None:
     code = BLOCK + textwrap.dedent("""
         import torch
         import torch.distributed as dist
-        from ddtop.core.config import UsageError
+        from ddtop.core.contract import UsageError
         from ddtop.training import strategies, trainer
         from ddtop.training.data import SYNTHETIC_SPEC
         from ddtop.training.models import build_model

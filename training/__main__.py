@@ -11,9 +11,8 @@ from pathlib import Path
 
 from ddtop.core.config import (
     TrainConfig,
-    UsageError,
 )
-from ddtop.core.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE
+from ddtop.core.contract import CONFIG_ENV, DAEMON_PID_ENV, EXIT_USAGE, UsageError
 from ddtop.core.flags import (
     OneLineParser,
     add_train_arguments,

@@ -19,7 +19,8 @@ from typing import IO, Any, cast
 
 import torch
 
-from ddtop.core.config import TrainConfig, UsageError, resume_mismatch
+from ddtop.core.config import TrainConfig, resume_mismatch
+from ddtop.core.contract import UsageError
 from ddtop.core.runs import CHECKPOINT_GLOB, CHECKPOINT_TEMP_GLOB, atomic_file, checkpoint_name
 
 FORMAT = 1

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 from ddtop.training.distributed import RankEnv
 
 Batch = tuple[torch.Tensor, ...]  # (images, labels)

@@ -12,7 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import UsageError
 
 # How long a collective (and the rendezvous) may wait for a missing peer before
 # raising. The daemon stops the other ranks as soon as one dies, so this only

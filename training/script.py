@@ -32,12 +32,13 @@ from typing import Any
 # Imported here so that the forkserver pays for torch once, not every rank.
 import torch._dynamo  # noqa: F401
 
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import (
     CONFIG_ENV,
     DAEMON_PID_ENV,
     EXIT_USAGE,
     RUN_ID_ENV,
+    UsageError,
     restore_user_umask,
 )
 from ddtop.core.runs import RunPaths, read_json

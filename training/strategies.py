@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddtop
-from ddtop.core.config import UsageError
+from ddtop.core.contract import UsageError
 from ddtop.core.strategy_names import STRATEGIES, SyncStrategy
 from ddtop.training.commledger import CommLedger, allreduce_factor
 from ddtop.training.shardcomm import timed_comm_types

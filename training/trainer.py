@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddtop
-from ddtop.core.config import TrainConfig, UsageError
-from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE, UsageError
 from ddtop.core.runs import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import api, checkpoint, data, starthook, strategies
 from ddtop.training.checkpoint import Position

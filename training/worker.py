@@ -24,7 +24,7 @@ from typing import Any
 # torch._dynamo too, which DDP's constructor imports (~1 s, 900 modules).
 import torch._dynamo  # noqa: F401
 
-from ddtop.core.config import TrainConfig, UsageError
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import (
     ATTEMPT_ENV,
     EXIT_FAILED,
@@ -32,6 +32,7 @@ from ddtop.core.contract import (
     EXIT_USAGE,
     STACKS_SIGNAL,
     ErrorReport,
+    UsageError,
 )
 from ddtop.core.processes import lead_own_session, pid_alive, set_parent_death_signal
 from ddtop.core.runs import RunPaths, log_stream
