@@ -61,15 +61,16 @@ def rss_bytes(pid: int) -> int:
 
 
 def measure(world: int, per: int, seconds: float, fps: float, sims: int) -> dict[str, Any]:
-    from ddtop.core import control, nodesummary, protocol
+    from ddtop.core import control, protocol
     from ddtop.core.keys import KEYS_ENV
+    from ddtop.daemon import summariser
     from ddtop.dashboard.app import DashboardApp
     from ddtop.dashboard.live import LiveFeed
 
     nodes = world // per
     victim = world // 2 + 3  # its node says it died, DEAD_AT_S into the simulation
     # The ranks' steps of one summary in one message: a node merges them (its own work).
-    batch = max(1, round(STEP_HZ * nodesummary.every_s(nodes + 1)))
+    batch = max(1, round(STEP_HZ * summariser.every_s(nodes + 1)))
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         run_s = seconds + 60

@@ -8,7 +8,7 @@ and bench/hub.py.
 DIR holds the hub's endpoints (hub.json: control, nodes) and the job's keys
 (keys/). Nodes K .. K+N-1, each of P ranks (node k: ranks (k-1)P .. kP-1;
 node 0, the hub, runs none here), run in this one process: per node a
-real `daemon/nodesummary.Summariser` takes its ranks' synthetic messages as a
+real `daemon/summariser.Summariser` takes its ranks' synthetic messages as a
 node's relay would hand them on, and its summaries go to the hub's `nodes`
 socket (one CURVE PUSH for all of them, each forward naming its node), with a
 `node` heartbeat per node every second on one CURVE DEALER, as
@@ -72,9 +72,9 @@ class SimNodes:
                  step_hz: float, steps_per_message: int, scenario: dict[str, Any]) -> None:
         import zmq
 
-        from ddtop.core import nodesummary
         from ddtop.core.keys import RunKeys
         from ddtop.core.rankview import RankView
+        from ddtop.daemon import summariser
 
         hub = json.loads((folder / "hub.json").read_text())
         keys = RunKeys.load(folder / "keys")
@@ -93,8 +93,8 @@ class SimNodes:
         self.dealer.connect(hub["control"])
         # A summary as often as a node of this job sends one, or each tick where ticks
         # are longer (a little less, so that a tick on time finds it due).
-        every = max(nodesummary.every_s(world // per + 1), steps_per_message / step_hz) * 0.95
-        self.summarisers = {k: nodesummary.Summariser(run, k, every) for k in nodes}
+        every = max(summariser.every_s(world // per + 1), steps_per_message / step_hz) * 0.95
+        self.summarisers = {k: summariser.Summariser(run, k, every) for k in nodes}
         self.views = {k: {r: RankView(rank=r) for r in self.ranks(k)} for k in nodes}
         self.seq = {r: 0 for k in nodes for r in self.ranks(k)}
         self.daemon_seq = dict.fromkeys(nodes, 0)

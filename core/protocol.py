@@ -100,7 +100,7 @@ class Stacks(Request, tag="stacks"):
 class Focus(Request, tag="focus"):
     """Rank `rank`'s every step for FOCUS_S: a dashboard's open rank detail. A hub
     passes it to the rank's node, which sends that rank's Step messages unmerged
-    (core/nodesummary.py); on one machine every step is there anyway."""
+    (daemon/summariser.py); on one machine every step is there anyway."""
 
     refusal: ClassVar[str] = "rank must be a rank of this run"
     rank: Rank
@@ -179,7 +179,7 @@ class NodeReply(Reply):
 
     stop: Seconds | None = None
     nodes: ForwardTo = ""
-    # Ranks a dashboard has open: their Step messages unmerged (core/nodesummary.py).
+    # Ranks a dashboard has open: their Step messages unmerged (daemon/summariser.py).
     focus: Annotated[list[Rank], msgspec.Meta(max_length=MAX_FOCUS)] = []
 
 

@@ -56,13 +56,14 @@ def history_points(world_size: int) -> int:
 
 
 class Point(msgspec.Struct, array_like=True):
-    """One Step message's reading, for charts."""
+    """One Step message's reading, for charts: None where the rank did not report it
+    (a zero-code rank's loss and samples), never 0."""
 
     t: float
     global_step: int
-    loss: float
-    samples_per_s: float
-    comm_share: float
+    loss: float | None
+    samples_per_s: float | None
+    comm_share: float | None
 
 
 class RankView(msgspec.Struct, kw_only=True):

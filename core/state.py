@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ddtop.core import alone, hangs, nodesummary, rankstates, stragglers, wire
+from ddtop.core import alone, hangs, rankstates, stragglers, wire
 from ddtop.core import summary as told
 from ddtop.core.bounds import MAX_JOB_RANKS
 from ddtop.core.contract import describe_exit
@@ -112,7 +112,7 @@ class RunState(msgspec.Struct, kw_only=True):
             self.started = received
         self.updated = max(self.updated or received, received)
         if isinstance(message, wire.NodeSummary):
-            return message.rank == wire.DAEMON_RANK and nodesummary.fold(self, message, received)
+            return message.rank == wire.DAEMON_RANK and self._apply_summary(message, received)
         if message.rank == wire.DAEMON_RANK:
             self._apply_daemon(message, received)
             self.folded += 1
@@ -132,11 +132,35 @@ class RunState(msgspec.Struct, kw_only=True):
             return False
         view.received += 1
         view.sender_dropped += message.dropped
-        self.fold_rank(view, message, late, received)
+        self._fold_rank(view, message, late, received)
         return True
 
-    def fold_rank(self, view: RankView, message: wire.Message, late: bool,
-                  received: float) -> None:
+    def _apply_summary(self, summary: wire.NodeSummary, received: float) -> bool:
+        """Node `summary.node`'s summary (daemon/summariser.py): its ranks' messages in
+        the order the node sent them, without their sequence numbers; its accounting
+        (received, lost, duplicates, dropped) as the node counted it."""
+        for message in summary.messages:
+            rank = message.rank
+            if not 0 <= rank < (self.world_size or MAX_RANKS):
+                continue
+            view = self.ranks.get(rank)
+            if view is None:
+                view = self.ranks[rank] = RankView(rank=rank)
+            if (isinstance(message, wire.Hello) and (view.max_seq >= 0 or view.pid is not None)
+                    and message.pid != view.pid):
+                view.new_incarnation()  # a restarted rank, as apply tells it
+            view.max_seq = max(view.max_seq, message.seq)
+            self.rank_nodes[rank] = summary.node
+            self._fold_rank(view, message, False, received)
+        for account in summary.accounts:
+            view = self.ranks.get(account.rank)
+            if view is not None:
+                view.received, view.lost = account.received, account.lost
+                view.duplicates, view.sender_dropped = account.duplicates, account.dropped
+        return True
+
+    def _fold_rank(self, view: RankView, message: wire.Message, late: bool,
+                   received: float) -> None:
         """One rank message, its order settled (`late`: counted lost before)."""
         view.first_seen = view.first_seen or received
         view.last_seen = max(view.last_seen or received, received)
@@ -203,7 +227,7 @@ class RunState(msgspec.Struct, kw_only=True):
             # Wall clock, so syncs count; never less than the steps took (a message sent
             # right after the previous one, at an epoch end, would otherwise spike).
             span = max(m.t - view.last_step_t, m.step_s)
-        rate = m.samples / span if span > 0 else None
+        rate = m.samples_per_s(span)
         view.stepping_s += span
         view.last_step_t = m.t
         view.epoch, view.step, view.steps_per_epoch = m.epoch, m.step, m.steps_per_epoch
@@ -213,8 +237,7 @@ class RunState(msgspec.Struct, kw_only=True):
                 and (said := alone.never_communicated(self.ranks, self.world_size))):
             self.alone = said
             self._event(m.t, wire.DAEMON_RANK, "warning", said)
-        weight = m.samples if isinstance(m.loss_weight, msgspec.UnsetType) else m.loss_weight
-        view.loss = m.loss_sum / weight if weight else None
+        view.loss = m.mean_loss()
         view.step_time_s = m.step_s / steps
         view.samples_per_s = rate
         view.comm_s = m.comm_s / steps
@@ -228,8 +251,7 @@ class RunState(msgspec.Struct, kw_only=True):
                             "backward": m.backward_s / steps, "optimizer": m.optimizer_s / steps}
         view.lr = m.lr
         view.cuda_allocated, view.cuda_reserved, view.rss = m.cuda_allocated, m.cuda_reserved, m.rss
-        view.history.append(Point(m.t, m.global_step, view.loss or 0.0, rate or 0.0,
-                                  view.comm_share or 0.0))
+        view.history.append(Point(m.t, m.global_step, view.loss, rate, view.comm_share))
         if len(view.history) > (keep := history_points(self.world_size)):
             del view.history[: len(view.history) - keep]
 
@@ -372,18 +394,22 @@ class RunState(msgspec.Struct, kw_only=True):
         total = lost + sum(v.received for v in self.ranks.values())
         return lost / total if total else 0.0
 
-    def throughput(self, now: float) -> float:
+    def throughput(self, now: float) -> float | None:
         """Samples per second, all ranks that are running or stalled; once the run has
-        ended, its average: each rank's samples over the time its steps took, summed."""
+        ended, its average: each rank's samples over the time its steps took, summed.
+        None where no rank reported its samples (a zero-code run): never 0 for missing."""
         return self._throughput(now, None)
 
-    def _throughput(self, now: float, states: Mapping[int, RankState] | None) -> float:
+    def _throughput(self, now: float, states: Mapping[int, RankState] | None) -> float | None:
         """throughput(now), from the `states` at `now` where the caller has them."""
         if told.ended(self.status):
-            return sum(v.samples / v.stepping_s for v in self.ranks.values() if v.stepping_s)
-        states = self.rank_states(now) if states is None else states
-        return sum(v.samples_per_s or 0.0 for r, v in self.ranks.items()
-                   if states.get(r) in (RUNNING, STALLED))
+            rates = [v.samples / v.stepping_s for v in self.ranks.values()
+                     if v.stepping_s and v.samples]
+        else:
+            states = self.rank_states(now) if states is None else states
+            rates = [v.samples_per_s for r, v in self.ranks.items()
+                     if v.samples_per_s is not None and states.get(r) in (RUNNING, STALLED)]
+        return sum(rates) if rates else None
 
     def progress(self) -> tuple[int, int]:
         """(global steps done by the slowest rank, total global steps)."""
@@ -401,7 +427,7 @@ class RunState(msgspec.Struct, kw_only=True):
             times = [v.step_time_s for v in self.ranks.values() if v.step_time_s]
             return (total - done) * max(times) if times else None
         rate = self.throughput(now)
-        if rate <= 0:
+        if rate is None or rate <= 0:
             return None
         return (total - done) * self.global_batch / rate
 

@@ -167,7 +167,9 @@ class RunSummary(msgspec.Struct, kw_only=True):
     failure: Failure | None = None
     global_step: int = 0  # done by the slowest rank
     total_steps: int = 0
-    samples_per_s: float = 0.0  # running: the ranks' rates summed; ended: the run's average
+    # Running: the ranks' rates summed; ended: the run's average; None where no rank
+    # reported its samples (a zero-code run).
+    samples_per_s: float | None = None
     telemetry_loss: float = 0.0  # the fraction of telemetry messages lost (0..1), not a loss
     rejected: dict[str, int] = {}
     journal_dropped: int = 0  # records the daemon could not write to its journal (a full disk)
@@ -235,9 +237,12 @@ def ended(status: str) -> bool:
     return status in (*wire.FINAL_STATUSES, LOST)
 
 
-def rate_words(samples_per_s: float, status: str) -> str:
+def rate_words(samples_per_s: float | None, status: str) -> str:
     """'2,345 samples/s' while the run goes on; once it has ended, its average
-    (RunState.throughput): '2,345 samples/s on average'."""
+    (RunState.throughput): '2,345 samples/s on average'; 'samples/s not reported'
+    where no rank reported its samples (a zero-code run): missing is not zero."""
+    if samples_per_s is None:
+        return "samples/s not reported"
     return f"{samples_per_s:,.0f} samples/s" + (" on average" if ended(status) else "")
 
 

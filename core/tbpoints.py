@@ -77,11 +77,10 @@ def step_values(m: wire.Step) -> tuple[tuple[str, float], ...]:
               ("step/comm_seconds", m.comm_s / steps)]
     if m.step_s > 0:
         values.append(("step/comm_share", min(1.0, m.comm_s / m.step_s)))
-    weight = m.samples if isinstance(m.loss_weight, msgspec.UnsetType) else m.loss_weight
-    if weight:
-        values.append(("train/loss", m.loss_sum / weight))
-    if m.step_s > 0 and m.samples:
-        values.append(("train/samples_per_second", m.samples / m.step_s))
+    if (loss := m.mean_loss()) is not None:
+        values.append(("train/loss", loss))
+    if (rate := m.samples_per_s(m.step_s)) is not None:
+        values.append(("train/samples_per_second", rate))
     return tuple(values)
 
 
@@ -110,7 +109,7 @@ class Translator:
         """What `message` (just folded into `state`, received at `received`) adds."""
         wall = message.t if message.t > 0 else received
         out: list[Item] = []
-        # A node's summary (core/nodesummary.py): its ranks' messages, each a point.
+        # A node's summary (daemon/summariser.py): its ranks' messages, each a point.
         for m in message.messages if isinstance(message, wire.NodeSummary) else (message,):
             out.extend(self._points(m, state, m.t if m.t > 0 else wall))
         events, self.events_seen = new_events(state, self.events_seen)

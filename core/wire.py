@@ -183,6 +183,21 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     # the straggler rule weighs (core/stragglers.py).
     compute_trim_s: float | None = None
 
+    def weight(self) -> float:
+        """What `loss_sum` is a sum over (the one place the rule is written):
+        `loss_weight` where the rank said it, else `samples`."""
+        return self.samples if isinstance(self.loss_weight, UnsetType) else self.loss_weight
+
+    def mean_loss(self) -> float | None:
+        """The loss per weight unit; None where no loss was reported (weight 0)."""
+        weight = self.weight()
+        return self.loss_sum / weight if weight else None
+
+    def samples_per_s(self, span: float) -> float | None:
+        """Samples a second over `span` seconds; None where no samples were reported
+        (a zero-code rank knows its steps, not its batch): missing is not zero."""
+        return self.samples / span if self.samples and span > 0 else None
+
 
 class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):
     phase: Phase
@@ -293,13 +308,13 @@ class RankAccount(msgspec.Struct, array_like=True):
     dropped: int  # what the rank could not send
 
 
-# What a node daemon sums up for the hub, by rank (core/nodesummary.py).
+# What a node daemon sums up for the hub, by rank (daemon/summariser.py).
 Summed = Hello | Step | Heartbeat | Aggregate | Event | Scalars | Bye
 
 
 class NodeSummary(_Header, tag="node_summary", tag_field="kind", kw_only=True):
     """From node K's daemon (as rank -1) to the hub, and relayed by it: its ranks'
-    messages since its previous summary, summed up (core/nodesummary.py): per
+    messages since its previous summary, summed up (daemon/summariser.py): per
     rank every Step merged into one, the newest Heartbeat and Scalars, and at
     once what cannot wait (hellos, events, byes, new global metrics); with each
     rank's accounting. Folded without the ranks' sequence numbers (a summary

@@ -10,7 +10,8 @@ moment; no lock is held while it is copied or formatted. A loop that does not
 pass within ANSWER_S (stopping ranks, waiting for other nodes) is answered
 for with the previous reading. Between scrapes the loop checks one flag a pass.
 
-`read` and `families` are pure (tested without a server); `Exporter` is the
+`read` and `families` are pure (tested without a server; `families` walks SERIES, the
+table of every family served); `Exporter` is the
 server (prometheus_client's, bound to 127.0.0.1 unless a host is given) and
 the hand-off; `NoExporter` stands in without --metrics. docs/monitoring.md
 lists what is served.
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, TextIO, get_args
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, TextIO, get_args
 
 import msgspec
 
@@ -69,7 +71,7 @@ class Reading(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int
     global_step: int
     total_steps: int
-    samples_per_s: float
+    samples_per_s: float | None
     hung: bool
     lost: int
     rejected: dict[str, int]
@@ -127,106 +129,130 @@ def _text(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
+@dataclass(frozen=True)
+class Series:
+    """One metric family of a table row: `ddtop_<per>_<name>`, a gauge or a counter, its
+    help text, and how a reading gives its value (a rank's or the run's; None: no sample,
+    never a made-up 0)."""
+
+    per: Literal["rank", "run"]
+    kind: Literal["gauge", "counter"]
+    name: str
+    doc: str
+    value: Callable[[Any], float | None]
+
+
+def _rank(field: str) -> Callable[[RankReading], float | None]:
+    return lambda rank: getattr(rank, field)
+
+
+def _agg(field: str) -> Callable[[Reading], float | None]:
+    return lambda reading: None if reading.aggregate is None else getattr(reading.aggregate, field)
+
+
+# Every family /metrics serves, in the order served; "state", "status", "info" and
+# "rejected" are labelled by what they count (built in `families`). A new series is a row.
+SERIES: tuple[Series | str, ...] = (
+    Series("rank", "gauge", "global_step", "optimizer steps the rank has done",
+           _rank("global_step")),
+    Series("rank", "gauge", "last_step_timestamp_seconds", "when the rank's newest step ended "
+           "(Unix time, the rank's clock); frozen while the rank takes no step",
+           _rank("last_step_t")),
+    Series("rank", "gauge", "step_seconds", "seconds per step, newest window", _rank("step_s")),
+    Series("rank", "gauge", "compute_seconds", "seconds per step outside exposed communication",
+           _rank("compute_s")),
+    Series("rank", "gauge", "comm_seconds", "seconds per step in collectives", _rank("comm_s")),
+    Series("rank", "gauge", "comm_share_ratio", "comm seconds over step seconds, 0 to 1",
+           _rank("comm_share")),
+    Series("rank", "gauge", "bus_bandwidth_bytes_per_second", "collectives' bus bandwidth "
+           "(nccl-tests' busbw)", _rank("busbw_bytes")),
+    Series("rank", "gauge", "samples_per_second", "the rank's training samples per second",
+           _rank("samples_per_s")),
+    Series("rank", "gauge", "loss", "the rank's training loss, newest window", _rank("loss")),
+    "state",
+    Series("rank", "gauge", "straggler", "1 when the others persistently wait for this rank",
+           _rank("straggler")),
+    Series("rank", "gauge", "hang", "1 when the run hangs and the others wait for this rank",
+           _rank("waited_for")),
+    Series("rank", "counter", "restarts", "restarts of the run this rank's failures caused",
+           _rank("restarts")),
+    Series("rank", "counter", "messages_lost", "telemetry messages of the rank lost on the way",
+           _rank("lost")),
+    "status",
+    "info",
+    Series("run", "gauge", "world_size", "ranks of the run", lambda r: r.world_size),
+    Series("run", "gauge", "global_step", "optimizer steps done by the slowest rank",
+           lambda r: r.global_step),
+    Series("run", "gauge", "total_steps", "optimizer steps the run will take (when known)",
+           lambda r: r.total_steps or None),
+    Series("run", "gauge", "samples_per_second", "training samples per second, all ranks",
+           lambda r: r.samples_per_s),
+    Series("run", "gauge", "hung", "1 while ranks are stalled in a collective",
+           lambda r: r.hung),
+    Series("run", "gauge", "loss", "global training loss, newest metric sync",
+           _agg("train_loss")),
+    Series("run", "gauge", "accuracy_ratio", "global training accuracy, newest metric sync",
+           _agg("train_accuracy")),
+    Series("run", "gauge", "val_loss", "validation loss, newest epoch", _agg("val_loss")),
+    Series("run", "gauge", "val_accuracy_ratio", "validation accuracy, newest epoch",
+           _agg("val_accuracy")),
+    Series("run", "counter", "restarts", "restarts of every rank after a failure",
+           lambda r: r.restarts),
+    Series("run", "counter", "messages_lost", "telemetry messages lost on the way, all ranks",
+           lambda r: r.lost),
+    "rejected",
+    Series("run", "counter", "journal_dropped", "records not written to the journal "
+           "(a full disk)", lambda r: r.journal_dropped),
+)
+
+
 def families(reading: Reading) -> list[Any]:
-    """The metric families of one reading, in prometheus_client's types (imported
-    here: only a daemon serving --metrics needs prometheus_client)."""
+    """The metric families of one reading (SERIES walked), in prometheus_client's types
+    (imported here: only a daemon serving --metrics needs prometheus_client)."""
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
         InfoMetricFamily,
     )
 
-    def rank_gauge(name: str, doc: str, value: str) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"ddtop_rank_{name}", doc, labels=RANK_LABELS)
-        for rank in reading.ranks:
-            number = getattr(rank, value)
-            if number is not None:  # not known yet: no sample (never a made-up 0)
-                family.add_metric(rank.labels, float(number))
-        return family
-
-    def rank_counter(name: str, doc: str, value: str) -> CounterMetricFamily:
-        family = CounterMetricFamily(f"ddtop_rank_{name}", doc, labels=RANK_LABELS)
-        for rank in reading.ranks:
-            family.add_metric(rank.labels, float(getattr(rank, value)))
-        return family
-
     run = (reading.run,)
-    state = GaugeMetricFamily("ddtop_rank_state", "1 for the state the rank is in, 0 for "
-                              "the others", labels=(*RANK_LABELS, "state"))
-    for rank in reading.ranks:
-        for name in RANK_STATES:
-            state.add_metric((*rank.labels, name), float(rank.state == name))
-    status = GaugeMetricFamily("ddtop_run_status", "1 for the run's status, 0 for the others",
-                               labels=("run", "status"))
-    for name in RUN_STATUSES:
-        status.add_metric((*run, name), float(reading.status == name))
-    rejected = CounterMetricFamily("ddtop_run_messages_rejected", "frames the daemon refused, "
-                                   "by reason", labels=("run", "reason"))
-    for reason, count in sorted(reading.rejected.items()):
-        rejected.add_metric((*run, reason), float(count))
-    info = InfoMetricFamily("ddtop_run", "what the run trains", labels=("run",))
-    info.add_metric(run, reading.info)
 
-    def run_gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"ddtop_run_{name}", doc, labels=("run",))
-        if value is not None:
-            family.add_metric(run, float(value))
-        return family
+    def family(series: Series) -> Any:
+        kind = GaugeMetricFamily if series.kind == "gauge" else CounterMetricFamily
+        labelled = (RANK_LABELS if series.per == "rank" else ("run",))
+        made = kind(f"ddtop_{series.per}_{series.name}", series.doc, labels=labelled)
+        rows = ([(rank.labels, series.value(rank)) for rank in reading.ranks]
+                if series.per == "rank" else [(run, series.value(reading))])
+        for labels, number in rows:
+            if number is not None:  # not known yet: no sample (never a made-up 0)
+                made.add_metric(labels, float(number))
+        return made
 
-    def run_counter(name: str, doc: str, value: int) -> CounterMetricFamily:
-        family = CounterMetricFamily(f"ddtop_run_{name}", doc, labels=("run",))
-        family.add_metric(run, float(value))
-        return family
+    def labelled(name: str) -> Any:
+        if name == "state":
+            state = GaugeMetricFamily("ddtop_rank_state", "1 for the state the rank is in, 0 "
+                                      "for the others", labels=(*RANK_LABELS, "state"))
+            for rank in reading.ranks:
+                for each in RANK_STATES:
+                    state.add_metric((*rank.labels, each), float(rank.state == each))
+            return state
+        if name == "status":
+            status = GaugeMetricFamily("ddtop_run_status", "1 for the run's status, 0 for the "
+                                       "others", labels=("run", "status"))
+            for each in RUN_STATUSES:
+                status.add_metric((*run, each), float(reading.status == each))
+            return status
+        if name == "info":
+            info = InfoMetricFamily("ddtop_run", "what the run trains", labels=("run",))
+            info.add_metric(run, reading.info)
+            return info
+        rejected = CounterMetricFamily("ddtop_run_messages_rejected", "frames the daemon "
+                                       "refused, by reason", labels=("run", "reason"))
+        for reason, count in sorted(reading.rejected.items()):
+            rejected.add_metric((*run, reason), float(count))
+        return rejected
 
-    agg = reading.aggregate
-    return [
-        rank_gauge("global_step", "optimizer steps the rank has done", "global_step"),
-        rank_gauge("last_step_timestamp_seconds", "when the rank's newest step ended (Unix "
-                   "time, the rank's clock); frozen while the rank takes no step",
-                   "last_step_t"),
-        rank_gauge("step_seconds", "seconds per step, newest window", "step_s"),
-        rank_gauge("compute_seconds", "seconds per step outside exposed communication",
-                   "compute_s"),
-        rank_gauge("comm_seconds", "seconds per step in collectives", "comm_s"),
-        rank_gauge("comm_share_ratio", "comm seconds over step seconds, 0 to 1", "comm_share"),
-        rank_gauge("bus_bandwidth_bytes_per_second", "collectives' bus bandwidth "
-                   "(nccl-tests' busbw)", "busbw_bytes"),
-        rank_gauge("samples_per_second", "the rank's training samples per second",
-                   "samples_per_s"),
-        rank_gauge("loss", "the rank's training loss, newest window", "loss"),
-        state,
-        rank_gauge("straggler", "1 when the others persistently wait for this rank",
-                   "straggler"),
-        rank_gauge("hang", "1 when the run hangs and the others wait for this rank",
-                   "waited_for"),
-        rank_counter("restarts", "restarts of the run this rank's failures caused",
-                     "restarts"),
-        rank_counter("messages_lost", "telemetry messages of the rank lost on the way",
-                     "lost"),
-        status,
-        info,
-        run_gauge("world_size", "ranks of the run", reading.world_size),
-        run_gauge("global_step", "optimizer steps done by the slowest rank",
-                  reading.global_step),
-        run_gauge("total_steps", "optimizer steps the run will take (when known)",
-                  reading.total_steps or None),
-        run_gauge("samples_per_second", "training samples per second, all ranks",
-                  reading.samples_per_s),
-        run_gauge("hung", "1 while ranks are stalled in a collective", float(reading.hung)),
-        run_gauge("loss", "global training loss, newest metric sync",
-                  agg.train_loss if agg else None),
-        run_gauge("accuracy_ratio", "global training accuracy, newest metric sync",
-                  agg.train_accuracy if agg else None),
-        run_gauge("val_loss", "validation loss, newest epoch", agg.val_loss if agg else None),
-        run_gauge("val_accuracy_ratio", "validation accuracy, newest epoch",
-                  agg.val_accuracy if agg else None),
-        run_counter("restarts", "restarts of every rank after a failure", reading.restarts),
-        run_counter("messages_lost", "telemetry messages lost on the way, all ranks",
-                    reading.lost),
-        rejected,
-        run_counter("journal_dropped", "records not written to the journal (a full disk)",
-                    reading.journal_dropped),
-    ]
+    return [labelled(row) if isinstance(row, str) else family(row) for row in SERIES]
 
 
 class Exporter:

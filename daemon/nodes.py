@@ -1,7 +1,7 @@
 """Multi-node jobs: node daemons forward to node 0's daemon, the hub.
 
     node K's daemon ── PUSH (CURVE) ──► hub's `nodes` PULL    its ranks' summaries (2 a second,
-                                                               core/nodesummary.py), its own
+                                                               daemon/summariser.py), its own
                                                                messages (exits, events) at once
                     ── DEALER (CURVE) ─► hub's control ROUTER  a NodeHeartbeat once a second;
                                                                the NodeReply carries a stop
@@ -36,13 +36,14 @@ from typing import Any, Final
 
 import zmq
 
-from ddtop.core import nodesummary, protocol, wire
+from ddtop.core import protocol, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.keys import RunKeys
 from ddtop.core.rankview import RankView
 from ddtop.core.runs import RunPaths, write_json_atomic
 from ddtop.core.summary import Status
+from ddtop.daemon import summariser
 
 HEARTBEAT_S = 1.0  # a node daemon's `node` request, this often
 NODE_TIMEOUT_S = 5.0  # no heartbeat for this long: the node is unreachable
@@ -147,13 +148,13 @@ class Hub:
                                   focus=focus[:protocol.MAX_FOCUS])
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
-        """What node `node` sent: its ranks' summary (core/nodesummary.py),
+        """What node `node` sent: its ranks' summary (daemon/summariser.py),
         journalled and relayed as it came, or its own message, said by the hub."""
         if not 0 < node < self.config.nnodes:
             self.relay.reject("bad_forward")
             return
         if isinstance(message, wire.NodeSummary):
-            why = nodesummary.problem(message, node, self.relay.run, self.config.world_size)
+            why = summariser.problem(message, node, self.relay.run, self.config.world_size)
             if why is None:
                 self.relay.accept_forwarded(message, frame, received)
             else:
@@ -266,15 +267,15 @@ def read_hub_file(path: Path) -> tuple[str, Path] | None:
 
 class Forwarder:
     """Node K's side: its ranks' messages summed up for the hub, a summary every
-    SUMMARY_S (core/nodesummary.py), its own messages as they are (bounded,
+    SUMMARY_S (daemon/summariser.py), its own messages as they are (bounded,
     never blocking), plus a heartbeat with this node's ranks and status.
     `accounts()`: the node's RankViews (their telemetry accounting)."""
 
     def __init__(self, config: TrainConfig, control: str, keys: RunKeys, run: str,
                  accounts: Callable[[], dict[int, RankView]]) -> None:
         self.node = config.node_rank
-        self.summariser = nodesummary.Summariser(run, self.node,
-                                                 nodesummary.every_s(config.nnodes))
+        self.summariser = summariser.Summariser(run, self.node,
+                                                 summariser.every_s(config.nnodes))
         self.accounts = accounts
         self.context = zmq.Context()
         self.control = self.context.socket(zmq.DEALER)

@@ -349,7 +349,7 @@ class Relay:
 
     def accept_forwarded(self, message: wire.Message, frame: bytes, received: float) -> None:
         """A rank's message from a node daemon: its rank in range, its pid for display
-        (or a node's summary, which its hub checked: daemon/nodesummary.problem)."""
+        (or a node's summary, which its hub checked: daemon/summariser.problem)."""
         if (self.world_size is not None and not 0 <= message.rank < self.world_size
                 and not isinstance(message, wire.NodeSummary)):
             self.reject("rank_out_of_range")

@@ -184,9 +184,12 @@ class RankDetail(Screen[None]):
         # every point): at most once a CHARTS_EVERY_S, and at once when the run is over.
         if self.feed.finished or time.monotonic() - self.charts_at >= CHARTS_EVERY_S:
             self.charts_at = time.monotonic()
-            self._chart("#detail-loss", [p.loss for p in history])
-            self._chart("#detail-rate", [p.samples_per_s for p in history])
-            self._chart("#detail-comm", [p.comm_share for p in history])
+            # A reading the rank did not report (a zero-code loss) is left out, not 0.
+            self._chart("#detail-loss", [p.loss for p in history if p.loss is not None])
+            self._chart("#detail-rate", [p.samples_per_s for p in history
+                                         if p.samples_per_s is not None])
+            self._chart("#detail-comm", [p.comm_share for p in history
+                                         if p.comm_share is not None])
         self._show("#detail-log", self._log_tail())
 
     def _show(self, selector: str, content: Text) -> None:

@@ -12,7 +12,6 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ddtop.core.rankview import Point
 from ddtop.core.state import RunState
 
 PER_RANK_LINES = 4  # up to this many ranks, the comm chart has a line per rank; more: the spread
@@ -67,23 +66,28 @@ def global_loss(state: RunState) -> ChartData:
 
 
 def rank_loss(state: RunState, rank: int | None) -> ChartData:
-    """The selected rank's loss at each of its Step messages."""
+    """The selected rank's loss at each of its Step messages that reported one; a
+    rank that reports none (zero-code) is said to, never charted as 0."""
     view = state.ranks.get(rank) if rank is not None else None
     if view is None or not view.history:
         return ChartData("loss: selected rank" if rank is None else f"loss: rank {rank}", "loss")
-    last = view.history[-1]
+    points = [(p.global_step, p.loss) for p in view.history if p.loss is not None]
+    if not points:
+        return ChartData(f"loss: rank {rank}", "loss", latest="not reported")
+    step, loss = points[-1]
     return ChartData(f"loss: rank {rank}", "loss",
-                     (Line(f"rank {rank}", tuple(p.global_step for p in view.history),
-                           tuple(p.loss for p in view.history)),),
-                     f"{last.loss:.4f}", last.global_step)
+                     (Line(f"rank {rank}", tuple(s for s, _ in points),
+                           tuple(y for _, y in points)),), f"{loss:.4f}", step)
 
 
-def _by_step(state: RunState, points: int) -> list[tuple[int, list[Point]]]:
-    """The ranks' readings grouped by global step, the newest `points` steps, oldest first."""
-    steps: defaultdict[int, list[Point]] = defaultdict(list)
+def _by_step(state: RunState, points: int, field: str) -> list[tuple[int, list[float]]]:
+    """The ranks' readings of `field` (a Point's) grouped by global step, the newest
+    `points` steps, oldest first; a reading not reported (None) is left out."""
+    steps: defaultdict[int, list[float]] = defaultdict(list)
     for view in state.ranks.values():
         for p in view.history:
-            steps[p.global_step].append(p)
+            if (value := getattr(p, field)) is not None:
+                steps[p.global_step].append(value)
     return sorted(steps.items())[-points:]
 
 
@@ -91,12 +95,13 @@ def throughput(state: RunState, points: int) -> ChartData:
     """Run-wide samples/s at each global step: the sum over the ranks that reported
     it, scaled to all ranks with a history (a rank's reading not yet in counts as
     the mean of the others')."""
-    reporting = sum(1 for v in state.ranks.values() if v.history)
-    steps = _by_step(state, points)
+    reporting = sum(1 for v in state.ranks.values()
+                    if any(p.samples_per_s is not None for p in v.history))
+    steps = _by_step(state, points, "samples_per_s")
     if not steps:
-        return ChartData("samples/s", "samples/s")
-    ys = tuple(sum(p.samples_per_s for p in readings) * reporting / len(readings)
-               for _, readings in steps)
+        latest = "not reported" if any(v.history for v in state.ranks.values()) else ""
+        return ChartData("samples/s", "samples/s", latest=latest)
+    ys = tuple(sum(readings) * reporting / len(readings) for _, readings in steps)
     return ChartData("samples/s", "samples/s", (Line("all ranks", tuple(s for s, _ in steps), ys),),
                      f"{ys[-1]:,.0f}", steps[-1][0])
 
@@ -104,7 +109,7 @@ def throughput(state: RunState, points: int) -> ChartData:
 def comm_share(state: RunState, points: int) -> ChartData:
     """The share of the step spent communicating, in percent: a line per rank up to
     PER_RANK_LINES ranks, else the spread over ranks (min, median, max) per step."""
-    steps = _by_step(state, points)
+    steps = _by_step(state, points, "comm_share")
     if not steps:
         return ChartData("comm %", "% of step")
     xs = tuple(s for s, _ in steps)
@@ -112,14 +117,14 @@ def comm_share(state: RunState, points: int) -> ChartData:
     if len(ranks) <= PER_RANK_LINES:
         lines = []
         for rank in ranks:
-            mine = [(p.global_step, 100 * p.comm_share)
-                    for p in state.ranks[rank].history if p.global_step >= xs[0]]
+            mine = [(p.global_step, 100 * p.comm_share) for p in state.ranks[rank].history
+                    if p.global_step >= xs[0] and p.comm_share is not None]
             lines.append(Line(f"rank {rank}", tuple(s for s, _ in mine),
                               tuple(y for _, y in mine)))
         latest = " ".join(f"r{rank} {line.ys[-1]:.0f}"
                           for rank, line in zip(ranks, lines, strict=True) if line.ys)
         return ChartData("comm %", "% of step", tuple(lines), latest, xs[-1])
-    shares = [[100 * p.comm_share for p in readings] for _, readings in steps]
+    shares = [[100 * share for share in readings] for _, readings in steps]
     spread = (Line("max", xs, tuple(max(s) for s in shares)),
               Line("median", xs, tuple(statistics.median(s) for s in shares)),
               Line("min", xs, tuple(min(s) for s in shares)))

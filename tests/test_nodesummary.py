@@ -1,4 +1,4 @@
-"""Node summaries (core/nodesummary.py): a real hub, 64 simulated nodes.
+"""Node summaries (daemon/summariser.py): a real hub, 64 simulated nodes.
 
 The hub is node 0's real relay (TCP with CURVE, the `nodes` socket) and node
 table (daemon/nodes.Hub), served here; 64 nodes of 8 ranks each run in one
@@ -22,12 +22,12 @@ import msgspec
 import pytest
 import zmq
 
-from ddtop.core import journal, nodesummary, protocol, stragglers, wire
+from ddtop.core import journal, protocol, stragglers, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.keys import RunKeys
 from ddtop.core.rankview import DEAD, UNREACHABLE, RankView
 from ddtop.core.state import RunState
-from ddtop.daemon import nodes
+from ddtop.daemon import nodes, summariser
 from ddtop.daemon.relay import Relay
 
 SIM = Path(__file__).resolve().parents[1] / "bench" / "simnodes.py"
@@ -146,7 +146,7 @@ def _step(seq: int, compute: float, comm: float = 0.03, **extra: object) -> wire
 
 
 def test_merged_steps_sum_and_keep_the_newest_readings() -> None:
-    s = nodesummary.Summariser("r", 2)
+    s = summariser.Summariser("r", 2)
     computes = [0.07, 0.07, 0.30, 0.07, 0.07]  # one step descheduled
     for i, c in enumerate(computes, start=1):
         s.take(_step(i, c, lr=0.1 * i), 200.0 + i)
@@ -173,7 +173,7 @@ def test_merged_steps_sum_and_keep_the_newest_readings() -> None:
     assert window is not None and window.robust and window.steps == 5
     assert window.compute_s == pytest.approx(0.07 * 5)
     # fewer steps than a trim takes: no trim, as one node's fold would do
-    few = nodesummary.Summariser("r", 2)
+    few = summariser.Summariser("r", 2)
     few.take(_step(1, 0.07), 1.0)
     few.take(_step(2, 0.07), 1.0)
     (f,) = few.frames({}, now=10.0, t=2.0)
@@ -183,7 +183,7 @@ def test_merged_steps_sum_and_keep_the_newest_readings() -> None:
 
 
 def test_a_heartbeat_after_the_steps_goes_after_them_with_its_phase_time_brought_on() -> None:
-    s = nodesummary.Summariser("r", 1)
+    s = summariser.Summariser("r", 1)
     s.take(_step(1, 0.07), 100.0)
     beat = wire.Heartbeat(run="r", rank=3, seq=2, t=100.5, phase="forward", epoch=0,
                           global_step=1, phase_s=1.0)
@@ -209,7 +209,7 @@ def test_a_heartbeat_after_the_steps_goes_after_them_with_its_phase_time_brought
 
 
 def test_what_cannot_wait_goes_at_once_after_the_ranks_held_readings() -> None:
-    s = nodesummary.Summariser("r", 1)
+    s = summariser.Summariser("r", 1)
     assert s.take(_step(1, 0.07), 1.0) is False
     bye = wire.Bye(run="r", rank=3, seq=2, t=2.0, exit_code=0)
     assert s.take(bye, 2.0) is True
@@ -231,11 +231,11 @@ def test_what_cannot_wait_goes_at_once_after_the_ranks_held_readings() -> None:
 
 
 def test_a_node_of_many_ranks_sends_frames_under_the_bound() -> None:
-    s = nodesummary.Summariser("r", 1)
+    s = summariser.Summariser("r", 1)
     for rank in range(1024):
         s.take(msgspec.structs.replace(_step(1, 0.07), rank=rank), 1.0)
     frames = s.frames({}, now=10.0, t=2.0)
-    assert len(frames) > 1 and all(len(f) <= nodesummary.SUMMARY_BYTES + 4096 for f in frames)
+    assert len(frames) > 1 and all(len(f) <= summariser.SUMMARY_BYTES + 4096 for f in frames)
     state = RunState(run="r", world_size=1024)
     for f in frames:
         state.apply(wire.decode([f], "r"), 2.0)
@@ -247,18 +247,18 @@ def test_the_hub_refuses_a_summary_that_speaks_for_another_node_or_rank() -> Non
         step = msgspec.structs.replace(_step(1, 0.07), rank=rank, run=run)
         return wire.NodeSummary(run="r", rank=wire.DAEMON_RANK, node=node, messages=[step])
 
-    assert nodesummary.problem(summary(), 1, "r", 8) is None
-    assert nodesummary.problem(summary(node=2), 1, "r", 8) == "bad_forward"
-    assert nodesummary.problem(summary(rank=8), 1, "r", 8) == "rank_out_of_range"
-    assert nodesummary.problem(summary(run="other"), 1, "r", 8) == "bad_forward"
+    assert summariser.problem(summary(), 1, "r", 8) is None
+    assert summariser.problem(summary(node=2), 1, "r", 8) == "bad_forward"
+    assert summariser.problem(summary(rank=8), 1, "r", 8) == "rank_out_of_range"
+    assert summariser.problem(summary(run="other"), 1, "r", 8) == "bad_forward"
     forged = msgspec.structs.replace(summary(), rank=5)
-    assert nodesummary.problem(forged, 1, "r", 8) == "bad_forward"
+    assert summariser.problem(forged, 1, "r", 8) == "bad_forward"
     state = RunState(run="r", world_size=8)
     assert state.apply(forged, 1.0) is False and state.ranks == {}
 
 
 def test_what_does_not_fit_a_summary_still_goes() -> None:
-    s = nodesummary.Summariser("r", 1)
+    s = summariser.Summariser("r", 1)
     # a message too large to wrap goes alone, as its rank sent it
     big = wire.Event(run="r", rank=3, seq=1, t=1.0, type="error", message="x" * 60_000)
     assert s.take(big, 1.0) is True
@@ -275,7 +275,7 @@ def test_what_does_not_fit_a_summary_still_goes() -> None:
 
 
 def test_a_ranks_held_readings_go_before_its_exit_and_a_restart_is_a_new_life() -> None:
-    s = nodesummary.Summariser("r", 1)
+    s = summariser.Summariser("r", 1)
     s.take(_step(1, 0.07), 1.0)
     s.hurry(3, 2.0)  # its node is about to say it exited
     (frame,) = s.frames({}, now=0.0, t=2.0)
@@ -295,7 +295,7 @@ def test_a_ranks_held_readings_go_before_its_exit_and_a_restart_is_a_new_life() 
 
 
 def test_a_focused_ranks_steps_go_unmerged() -> None:
-    s = nodesummary.Summariser("r", 1)
+    s = summariser.Summariser("r", 1)
     s.focus = {3}
     for i in (1, 2, 3):
         s.take(_step(i, 0.07), float(i))

@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from ddtop.core import nodesummary, protocol
+from ddtop.core import protocol
 from ddtop.core.blame import Cause
 from ddtop.core.config import TrainConfig
-from ddtop.daemon import nodes, requests
+from ddtop.daemon import nodes, requests, summariser
 from ddtop.daemon.relay import Relay
 
 RUN = "20261126-000000-protocol"
@@ -247,7 +247,7 @@ def forwarder() -> nodes.Forwarder:
     """A node daemon's forwarder: its reply handling, not its sockets."""
     forwarder = object.__new__(nodes.Forwarder)
     forwarder.push, forwarder.stop, forwarder.heard = None, None, None
-    forwarder.summariser = nodesummary.Summariser("r", 1)
+    forwarder.summariser = summariser.Summariser("r", 1)
     forwarder.connected = []  # type: ignore[attr-defined]
     forwarder._connect = forwarder.connected.append  # type: ignore[attr-defined,method-assign]
     return forwarder

@@ -1,4 +1,4 @@
-"""Node summaries: at scale, the hub's work grows with nodes, not ranks.
+"""Node summaries, node K's side: at scale, the hub's work grows with nodes, not ranks.
 
 A node daemon folds and journals every message of its own ranks, as any
 daemon does (its full per-step detail stays there); to the hub it sends a
@@ -22,10 +22,10 @@ A summary is one frame of at most SUMMARY_BYTES of messages, or of at most
 ACCOUNTS_PER_FRAME accounts (a node of many ranks sends several; a message too
 large to wrap goes alone, as its rank sent it). A node of 8 ranks stepping 10
 times a second sends 2 summaries a second in place of 88 messages; from
-LARGE_JOB_NODES nodes, one a second (`every_s`). The hub journals and relays summaries as they
-come; `fold` folds one into a RunState, the hub's, a dashboard's and a
-replay's alike, without the ranks' sequence numbers (most are left out by
-design): lost, late and duplicate counts are the node's.
+LARGE_JOB_NODES nodes, one a second (`every_s`). The hub checks each (`problem`), then
+journals and relays it as it came; RunState folds one (core/state.py), the hub's, a
+dashboard's and a replay's alike, without the ranks' sequence numbers (most are left
+out by design): lost, late and duplicate counts are the node's.
 
 A rank open on a dashboard (its detail: protocol.Focus, passed on by the hub in
 its replies to the node's heartbeats) is not merged: its Step messages go as
@@ -40,12 +40,10 @@ Everything here is pure but the clock the caller passes.
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import msgspec
 
 from ddtop.core import events, stragglers, wire
-from ddtop.core.bounds import MAX_JOB_RANKS
 from ddtop.core.rankview import RankView
 
 SUMMARY_S = 0.5  # a node's summary, this often ...
@@ -73,47 +71,7 @@ def every_s(nnodes: int) -> float:
     return SUMMARY_LARGE_S if nnodes >= LARGE_JOB_NODES else SUMMARY_S
 
 
-# -- the hub's side (and every reader's): the fold ------------------------------------
-class RunState(Protocol):
-    """What the fold takes of daemon/state.RunState."""
-
-    started: float | None
-    updated: float | None
-    world_size: int
-    ranks: dict[int, RankView]
-    rank_nodes: dict[int, int]
-
-    def fold_rank(self, view: RankView, message: wire.Message, late: bool,
-                  received: float) -> None: ...
-
-
-def fold(state: RunState, summary: wire.NodeSummary, received: float) -> bool:
-    """Fold node `summary.node`'s summary into `state`; its ranks' messages in the
-    order the node sent them, its accounting as the node counted."""
-    if state.started is None:
-        state.started = received
-    for message in summary.messages:
-        rank = message.rank
-        if not 0 <= rank < (state.world_size or MAX_JOB_RANKS):
-            continue
-        view = state.ranks.get(rank)
-        if view is None:
-            view = state.ranks[rank] = RankView(rank=rank)
-        if (isinstance(message, wire.Hello) and (view.max_seq >= 0 or view.pid is not None)
-                and message.pid != view.pid):
-            view.new_incarnation()  # a restarted rank, as RunState.apply tells it
-        view.max_seq = max(view.max_seq, message.seq)
-        state.rank_nodes[rank] = summary.node
-        state.fold_rank(view, message, False, received)
-    for account in summary.accounts:
-        view = state.ranks.get(account.rank)
-        if view is not None:
-            view.received, view.lost = account.received, account.lost
-            view.duplicates, view.sender_dropped = account.duplicates, account.dropped
-    state.updated = max(state.updated or received, received)
-    return True
-
-
+# -- the hub's side: what it takes ------------------------------------------------------
 def problem(summary: wire.NodeSummary, node: int, run: str, world_size: int) -> str | None:
     """Why the hub refuses a summary forwarded by `node` (a rejected reason), or None."""
     if summary.rank != wire.DAEMON_RANK or summary.node != node:
@@ -159,8 +117,7 @@ def merge_steps(merged: _Merged, step: wire.Step) -> _Merged:
     a = merged.step
     compute, robust = _compute(step)
     steps = a.steps + step.steps
-    weight = (a.samples if isinstance(a.loss_weight, msgspec.UnsetType) else a.loss_weight) + (
-        step.samples if isinstance(step.loss_weight, msgspec.UnsetType) else step.loss_weight)
+    weight = a.weight() + step.weight()
     overlap = (msgspec.UNSET if isinstance(a.comm_overlap_s, msgspec.UnsetType)
                or isinstance(step.comm_overlap_s, msgspec.UnsetType)
                else a.comm_overlap_s + step.comm_overlap_s)
