@@ -351,3 +351,41 @@ def test_every_json_record_names_its_layout() -> None:
     printer.Printer("jsonl", out=out).finish(s, 102.0)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert lines and all(line["schema"] == 1 for line in lines)
+
+
+def test_a_zero_code_run_reports_no_loss_and_no_rate_never_zero() -> None:
+    """A zero-code rank knows its steps, not its loss nor its batch: its loss, its
+    samples/s and the run's are missing everywhere, shown as '-' or 'not reported',
+    never as 0 (a chart at 0.0000, '0 samples/s' in the progress line)."""
+    from ddtop.core import printer
+    from ddtop.dashboard import panels, series
+
+    def unreported(rank: int, seq: int, global_step: int) -> wire.Step:
+        return msgspec.structs.replace(step(rank, seq, global_step), samples=0, loss_sum=0.0)
+
+    s = fold(hello(0), hello(1), unreported(0, 1, 10), unreported(1, 1, 10),
+             unreported(0, 2, 20), unreported(1, 2, 20))
+    assert [v.loss for v in s.ranks.values()] == [None, None]
+    assert [v.samples_per_s for v in s.ranks.values()] == [None, None]
+    assert all(p.loss is None and p.samples_per_s is None
+               for v in s.ranks.values() for p in v.history)
+    assert s.throughput(103.0) is None and s.summary(103.0).samples_per_s is None
+    assert s.eta(103.0) is None
+    assert "samples/s not reported" in printer.progress_text(s, 103.0)
+    assert "0 samples/s" not in printer.progress_text(s, 103.0)
+    assert "samples/s not reported" in panels.header(s, 103.0).plain
+    assert printer.progress_record(s, 103.0)["samples_per_s"] is None
+    loss = series.rank_loss(s, 0)
+    assert loss.empty and loss.title == "loss: rank 0 not reported"
+    rate = series.throughput(s, 120)
+    assert rate.empty and rate.title == "samples/s not reported"
+    # The comm share was measured: it is charted as before.
+    assert not series.comm_share(s, 120).empty
+    # One rank that reports its loss and samples: its numbers, the other's still missing.
+    s.apply(step(0, 3, 30, t=104.0), 104.0)
+    assert s.ranks[0].loss == pytest.approx(2.0) and s.ranks[1].loss is None
+    assert series.rank_loss(s, 0).lines[0].ys == (pytest.approx(2.0),)
+    assert s.throughput(104.0) == pytest.approx(s.ranks[0].samples_per_s)
+    # Ended: the average over the ranks that reported samples only.
+    s.apply(daemon(wire.RunStatus, 0, status="succeeded", world_size=2, exit_code=0), 105.0)
+    assert s.throughput(200.0) == pytest.approx(320 / s.ranks[0].stepping_s)
