@@ -39,7 +39,6 @@ from ddtop.core.summary import (
     RunSummary,
     as_lost,
     decode_record,
-    record_layout,
 )
 
 
@@ -49,9 +48,6 @@ class RunInfo:
     record: RunRecord  # run.json (an empty record when missing or unreadable)
     config: TrainConfig | None  # config.json (None when unreadable)
     problem: str | None = None  # why run.json could not be read, if it could not
-    # The layout run.json was written in: an older one is read as this one, but what
-    # it did not hold (an ended run's average rate) the journal tells (summary()).
-    layout: int = RECORD_SCHEMA
     # Set by summary(): whether the live daemon answered (None: not asked, the run
     # is not live), and when it did not, why (then run.json's last record is shown).
     answered: bool | None = None
@@ -59,10 +55,9 @@ class RunInfo:
 
     @classmethod
     def load(cls, paths: RunPaths) -> RunInfo:
-        record, problem, layout = RunRecord(run_id=paths.run_id), None, RECORD_SCHEMA
+        record, problem = RunRecord(run_id=paths.run_id), None
         try:
-            data = paths.status.read_bytes()
-            record, layout = decode_record(data), record_layout(data)
+            record = decode_record(paths.status.read_bytes())
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:  # msgspec's errors are ValueErrors
@@ -74,7 +69,7 @@ class RunInfo:
         except (OSError, ValueError, RecursionError, UsageError):
             # missing, not JSON, nested too deeply, not a config, absurd
             config = None
-        return cls(paths, record, config, problem, layout)
+        return cls(paths, record, config, problem)
 
     @staticmethod
     def _from_journal(paths: RunPaths) -> RunRecord:
@@ -186,9 +181,8 @@ class RunInfo:
                     self.answered, self.no_answer = False, str(e)
         if summary is None and self.status == LOST:
             summary = as_lost(self._replayed())
-        elif summary is None and min(self.record.schema, self.layout) < RECORD_SCHEMA:
-            # run.json was unreadable (its record made from the journal), or of an older
-            # layout: the journal tells.
+        elif summary is None and self.record.schema < RECORD_SCHEMA:
+            # run.json was unreadable (its record made from the journal): the journal tells.
             summary = msgspec.structs.replace(self._replayed(), status=self.record.status,
                                               exit_code=self.record.exit_code)
         if summary is None:

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 # A run whose daemon is gone although it never reached a final status: it was killed.
 LOST: Literal["lost"] = "lost"
 Status = wire.RunStatusName | Literal["lost"]
-# run.json's layout version. 3: epochs count from 1 (each rank's `epoch`,
-# `metrics.epoch`), as `ddtrain status --json` and the training log count them;
-# a file of layout 2 (or none named) counted them from 0 and is read as 3.
+# run.json's layout version: epochs count from 1 (each rank's `epoch`,
+# `metrics.epoch`), as `ddtrain status --json` and the training log count them.
+# A file of another layout (the unreleased ones before it) is unreadable: the run is
+# told from its journal.
 RECORD_SCHEMA = 3
 # Lines of a failed rank's traceback that status, the headless summary and the
 # daemon's final report show.
@@ -278,17 +279,15 @@ class _Layout(msgspec.Struct):
 
 
 def decode_record(data: bytes) -> RunRecord:
-    """run.json as this version writes it, or of layout 2 (its epochs counted from 0)
-    read as this one; raises ValueError when it is neither."""
+    """run.json as this version writes it; raises ValueError when it is not (another
+    layout among them)."""
     try:
         record = _decode_record(data)
     except RecursionError:
         raise ValueError("nested too deeply to be a run.json") from None
-    if record_layout(data) >= RECORD_SCHEMA:
-        return record
-    ranks = [msgspec.structs.replace(r, epoch=r.epoch + 1) for r in record.ranks]
-    return msgspec.structs.replace(record, schema=RECORD_SCHEMA, ranks=ranks,
-                                   metrics=user_epochs(record.metrics))
+    if (layout := record_layout(data)) != RECORD_SCHEMA:
+        raise ValueError(f"layout {layout}, this ddtop reads layout {RECORD_SCHEMA}")
+    return record
 
 
 def _decode_record(data: bytes) -> RunRecord:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -18,10 +17,10 @@ from textual.widgets import Footer, Sparkline, Static
 from ddtop.core import control, protocol
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed
+from ddtop.dashboard.pacing import CHARTS_EVERY_S, Every
 from ddtop.dashboard.widgets import TextPanel, set_chart
 
 LOG_TAIL_LINES = 15
-CHARTS_EVERY_S = 1.0
 LOG_TAIL_BYTES = 16 * 1024
 
 HELP = """\
@@ -106,7 +105,7 @@ class RankDetail(Screen[None]):
         # The log file's size and time with the tail read from it (read again only
         # when they change). The panels redraw only lines that changed (TextPanel).
         self.tail: tuple[object, Text] | None = None
-        self.charts_at = 0.0  # when the charts were last handed new data
+        self.charts_every = Every(CHARTS_EVERY_S)  # the charts handed new data, as the main view's
 
     @property
     def stacks_path(self) -> Path | None:
@@ -182,8 +181,7 @@ class RankDetail(Screen[None]):
         self._show("#detail-events", events)
         # The charts as often as the main view's run-wide ones (each redraw renders
         # every point): at most once a CHARTS_EVERY_S, and at once when the run is over.
-        if self.feed.finished or time.monotonic() - self.charts_at >= CHARTS_EVERY_S:
-            self.charts_at = time.monotonic()
+        if self.charts_every.due(None, force=self.feed.finished):
             # A reading the rank did not report (a zero-code loss) is left out, not 0.
             self._chart("#detail-loss", [p.loss for p in history if p.loss is not None])
             self._chart("#detail-rate", [p.samples_per_s for p in history

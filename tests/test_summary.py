@@ -280,22 +280,24 @@ def test_epochs_count_from_one_where_a_user_reads_them() -> None:
     assert row.split()[header.split().index("EPOCH")] == "1"
 
 
-def test_a_run_json_of_layout_2_counted_epochs_from_0_and_is_read_counting_from_1() -> None:
+def test_a_run_json_of_another_layout_is_unreadable_and_the_journal_tells() -> None:
+    """The layouts before RECORD_SCHEMA were never released: one is refused in one
+    line naming both layouts, and the run is told from its journal (epochs from 1)."""
     data = (FIXTURES / "recorded-failed" / "run.json").read_bytes()
+    assert json.loads(data)["schema"] == RECORD_SCHEMA == 3
     old = json.loads(data)
-    assert old["schema"] == 2 and [r["epoch"] for r in old["ranks"]] == [1, 1]
-    assert old["metrics"]["epoch"] == 0
-    record = decode_record(data)
-    assert record.schema == RECORD_SCHEMA == 3
-    assert [r.epoch for r in record.ranks] == [2, 2]
-    assert record.metrics is not None and record.metrics.epoch == 1
-    del old["schema"]  # a layout that named none counted from 0 as well
-    assert [r.epoch for r in decode_record(json.dumps(old).encode()).ranks] == [2, 2]
-    # It wrote 0 samples/s for an ended run: its journal tells the run's average.
+    old["schema"] = 2
+    with pytest.raises(ValueError, match="layout 2, this ddtop reads layout 3"):
+        decode_record(json.dumps(old).encode())
+    del old["schema"]  # a layout that named none
+    with pytest.raises(ValueError, match="layout 1, this ddtop reads layout 3"):
+        decode_record(json.dumps(old).encode())
     info = RunInfo.load(RunPaths(FIXTURES / "recorded-ok"))
-    assert info.layout == 2 and json.loads(info.paths.status.read_bytes())["samples_per_s"] == 0
+    assert info.problem is None and info.record.samples_per_s is not None
+    assert info.record.samples_per_s > 1000  # an ended run's average, not 0
     summary = info.summary()
-    assert summary.samples_per_s > 1000 and [r.epoch for r in summary.ranks] == [2, 2]
+    assert summary.samples_per_s is not None and summary.samples_per_s > 1000
+    assert [r.epoch for r in summary.ranks] == [2, 2]
     assert summary.metrics is not None and summary.metrics.epoch == 2
     from ddtop.daemon import run_commands
     assert " samples/s on average" in run_commands.status_lines(info, summary)[1]
