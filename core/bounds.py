@@ -42,6 +42,7 @@ MAX_SEED = 2**32 - 1
 # Every K steps: a billion steps is more than any run takes (11 days at 1000 steps/s).
 MAX_EVERY_STEPS = 1_000_000_000
 MAX_KEEP_CHECKPOINTS = 10_000  # 0 keeps all of them
+MAX_STEP_DELAY_S = 3600.0  # --step-delay: an hour between steps is a paused run, not a slow one
 MAX_RESTARTS = 1000  # each restarts every rank; a run failing that often will not finish
 MAX_PORT = 65535
 # A run id names a folder, and the sockets inside it: short enough for any file system.

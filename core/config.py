@@ -36,6 +36,7 @@ from ddtop.core.bounds import (
     MAX_RESTARTS,
     MAX_RUN_ID_CHARS,
     MAX_SEED,
+    MAX_STEP_DELAY_S,
     MAX_SYNTHETIC_SAMPLES,
     MAX_THREADS_PER_RANK,
     MAX_WORKERS,
@@ -190,6 +191,9 @@ class TrainConfig:
     every rank from it"""
     progress_every: float = flag(2.0, metavar="SEC")
     """seconds between progress lines printed by rank 0"""
+    step_delay: float = flag(0.0, metavar="SEC")
+    """seconds each rank waits before every training step, counted as its data phase:
+    a run to watch at leisure, or one that leaves the machine's cores to others"""
     launcher: Literal["local", "torchrun"] = flag("local", group="run")
     """local: ranks forked from one process that imported torch; torchrun: the daemon
     runs torchrun --standalone"""
@@ -306,6 +310,9 @@ class TrainConfig:
             raise UsageError(f"--lr must be positive and finite (got {self.lr})")
         if not self.progress_every > 0:
             raise UsageError(f"--progress-every must be positive (got {self.progress_every})")
+        if not 0 <= self.step_delay <= MAX_STEP_DELAY_S:
+            raise UsageError(f"--step-delay must be 0 to {MAX_STEP_DELAY_S:g} seconds "
+                             f"(got {self.step_delay})")
         if self.batch_size % self.world_size:
             lower = self.batch_size - self.batch_size % self.world_size
             hint = f"{lower} or {lower + self.world_size}" if lower else str(self.world_size)

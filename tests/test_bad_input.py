@@ -68,6 +68,8 @@ def assert_usage_error(run: Run, *fragments: str) -> None:
     (("--epochs", "10000000"), ("--epochs must be at most 1000000",)),
     (("--lr", "inf"), ("--lr must be positive and finite (got inf)",)),
     (("--lr", "nan"), ("--lr must be positive and finite (got nan)",)),
+    (("--step-delay", "-1"), ("--step-delay must be 0 to 3600 seconds (got -1.0)",)),
+    (("--step-delay", "nan"), ("--step-delay must be 0 to 3600 seconds (got nan)",)),
     (("--run-id", "r" * 300), ("--run-id is 300 characters long", "at most 100")),
     (("--runs-dir", "d" * 300), ("--runs-dir", "longer than 255 bytes")),
 ])

@@ -54,6 +54,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--local-addr": (str, ""),
     "--tensorboard": (str, ""),  # added with TensorBoard files (docs/monitoring.md)
     "--metrics": (str, ""),  # added with Prometheus metrics (docs/monitoring.md)
+    "--step-delay": (float, 0.0),  # added for runs watched at leisure (docs/cli.md)
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
 NO_FLAG = {"extra", "program", "program_args", "workdir", "watch", "idle"}  # watch: ddtrain watch

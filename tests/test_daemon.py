@@ -24,7 +24,10 @@ from ddtop.core import blame, control, journal, protocol, state, wire
 
 pytestmark = pytest.mark.processes  # every test here starts processes, or shares a run that does
 
-LONG_RUN = ("-n", "2", "--epochs", "50", "--run-id", "live")
+# It trains until the module ends, while its tests look at it: --step-delay keeps it
+# stepping (20 steps/s a rank at most) without taking the cores from the other tests.
+STEP_DELAY_S = 0.05
+LONG_RUN = ("-n", "2", "--epochs", "50", "--run-id", "live", "--step-delay", str(STEP_DELAY_S))
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,7 @@ def test_status_json_has_every_rank_live(live: Detached) -> None:
     for r in status["ranks"]:
         assert r["state"] == "running" and r["pid"] > 0 and r["exit_code"] is None
         assert r["loss"] is not None and r["samples_per_s"] > 0
+        assert r["step_time_s"] >= STEP_DELAY_S  # --step-delay: each step waits for it
     assert status["model"] == "mlp" and status["world_size"] == 2
     table = live.cli("status")  # the newest run, for people
     assert table.returncode == 0
@@ -128,9 +132,12 @@ def test_a_late_subscriber_gets_a_snapshot_that_agrees_with_the_journal(live: De
     for seq, message in live_messages:
         if seq > seen:
             snapshot.apply(message, time.time())
-    time.sleep(0.5)  # the daemon flushes its journal every loop (0.1 s)
-    replayed, last = journal.replay(live.cwd / "runs" / "live" / "telemetry.journal", "live",
-                                    upto=seqs[-1])
+    # The daemon flushes its journal every loop (0.1 s): wait until it holds the last.
+    path, deadline = live.cwd / "runs" / "live" / "telemetry.journal", time.monotonic() + 10.0
+    replayed, last = journal.replay(path, "live", upto=seqs[-1])
+    while last < seqs[-1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        replayed, last = journal.replay(path, "live", upto=seqs[-1])
     assert last == seqs[-1]
     assert sorted(snapshot.ranks) == sorted(replayed.ranks) == [0, 1]
     for rank in (0, 1):

@@ -36,7 +36,9 @@ def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
     stays in the run); rank 1 cannot answer, which is said. Then a stop that times
     out (rank 1 can neither finish its step nor die of SIGTERM) is still a stop,
     not a failure, and names the rank that would not stop."""
-    with detached("-n", "2", "--epochs", "200", "--run-id", "frozen", cwd=tmp_path) as run:
+    # --step-delay: it steps while the module's other runs do, without taking their cores.
+    with detached("-n", "2", "--epochs", "200", "--run-id", "frozen", "--step-delay", "0.05",
+                  cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         status = run.wait_for("frozen", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))
         stuck = status["ranks"][1]["pid"]

@@ -60,7 +60,9 @@ def test_ddtop_headless_follows_a_detached_run_to_its_end(tmp_path: Path) -> Non
 def test_ddtop_headless_says_lost_when_the_daemon_is_killed(tmp_path: Path) -> None:
     """The daemon SIGKILLed while `ddtop --headless` watches: its summary says
     `lost`, for the run and for each rank, as `ddtrain status` does; exit 1."""
-    with detached("-n", "2", "--epochs", "40", "--run-id", "gone", cwd=tmp_path) as run:
+    # --step-delay: it steps while the module's other runs do, without taking their cores.
+    with detached("-n", "2", "--epochs", "40", "--run-id", "gone", "--step-delay", "0.05",
+                  cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         pid = json.loads((tmp_path / "runs" / "gone" / "run.json").read_text())["daemon_pid"]
         watcher = subprocess.Popen(

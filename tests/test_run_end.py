@@ -7,9 +7,9 @@ with no stray colon, also for a lost run that no rank is blamed for."""
 from __future__ import annotations
 
 import json
+import select
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,11 @@ def test_rejected_counts_outlive_the_run(tmp_path: Path) -> None:
                                    cwd=tmp_path, env=tagged_env(run.tag), text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    stdin=subprocess.DEVNULL)
-        time.sleep(2)  # attached: its snapshot has no rejected frames yet
+        assert watcher.stdout is not None
+        ready, _, _ = select.select([watcher.stdout], [], [], 30.0)
+        assert ready, "ddtop --headless printed nothing in 30 s"
+        first = watcher.stdout.readline()  # attached: its snapshot has no rejected frames yet
+        assert json.loads(first)["rejected"] == {}
         endpoints = json.loads((tmp_path / "runs/rj/run.json").read_text())["endpoints"]
         context = zmq.Context()
         push = context.socket(zmq.PUSH)
@@ -59,6 +63,7 @@ def test_rejected_counts_outlive_the_run(tmp_path: Path) -> None:
         stopped = run.cli("stop", "rj", "--timeout", "30")
         assert stopped.returncode == 0, stopped.stderr
         out, err = watcher.communicate(timeout=60)
+        out = first + out
         assert watcher.returncode == 130, err  # stopped
         assert last_json(out)["rejected"] == {"malformed": JUNK}  # live, to the end
         assert run.leftovers() == []

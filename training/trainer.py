@@ -182,6 +182,8 @@ class Trainer:
                 self.report.stopped(at, self.global_step)
                 return False
             with ddtop.phase("data"):
+                if cfg.step_delay:
+                    time.sleep(cfg.step_delay)  # --step-delay: a throttled run
                 x, y = next(batches)
                 x = x.to(self.device, non_blocking=True)
                 y = y.to(self.device, non_blocking=True)
