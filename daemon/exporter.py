@@ -29,7 +29,7 @@ import msgspec
 
 from ddtop.core import wire
 from ddtop.core.contract import UsageError
-from ddtop.core.listen import parse_listen, url
+from ddtop.core.outlets import parse_listen, url
 from ddtop.core.rankview import RankState
 from ddtop.core.state import RunState
 from ddtop.core.summary import LOST

@@ -54,7 +54,7 @@ from ddtop.core.text import count_of
 from ddtop.daemon import leftovers, nodes
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter, open_exporter
-from ddtop.daemon.hangtimer import HangTimer
+from ddtop.daemon.hangtimeout import HangTimer
 from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
 from ddtop.daemon.relay import Relay

@@ -23,7 +23,7 @@ from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import RankSummary, RunRecord, encode_record, rank_summaries
 from ddtop.daemon import cli
-from ddtop.daemon.hangtimer import HangTimer
+from ddtop.daemon.hangtimeout import HangTimer
 
 
 @pytest.fixture(scope="module")

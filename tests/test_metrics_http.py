@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_bad_input import in_tmp, usage_error_in_process
 
 from ddtop.core import wire
-from ddtop.core.listen import parse_listen
+from ddtop.core.outlets import parse_listen
 from ddtop.core.state import RunState
 from ddtop.daemon.exporter import ANSWER_S, Exporter, read
 
