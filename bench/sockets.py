@@ -121,6 +121,8 @@ def make_relay(transport: str, folder: Path) -> tuple[Any, Path | None]:
 def relay_main(transport: str, folder: Path, expect: int) -> int:
     """Serve until asked to stop; write when the relay accepted its first message
     and its `expect`-th (wall clock and process CPU) to folder/relay.json."""
+    from ddtop.core import protocol
+
     relay, keys = make_relay(transport, folder)
     (folder / "endpoints.tmp").write_text(json.dumps(
         {"endpoints": relay.endpoints, "keys": str(keys) if keys else None}))
@@ -129,8 +131,10 @@ def relay_main(transport: str, folder: Path, expect: int) -> int:
     first: tuple[float, float, int, int] | None = None
     last: tuple[float, float, int, int] | None = None
     calls = 0
-    while relay.stop_request is None:
+    stopped = False
+    while not stopped:
         relay.serve(0.05)
+        stopped = any(isinstance(r, protocol.Stop) for r in relay.asked.take())
         calls += 1
         if first is None and relay.seq >= 1:
             first = (time.perf_counter(), time.process_time(), relay.seq, calls)

@@ -300,7 +300,8 @@ class HubRelay(Protocol):
     """What the hub asks of its relay (daemon/relay.Relay)."""
 
     run: str
-    focus_requests: dict[int, float]
+
+    def focused(self, now: float) -> list[int]: ...
 
     def reject(self, reason: str) -> None: ...
 

@@ -78,20 +78,23 @@ class NodeRole:
         self._say(f"node {self.config.node_rank} forwards to the hub at {control}")
         return keys
 
+    def stopping(self, timeout: float) -> None:
+        """This daemon begins a stop (asked, or Ctrl-C): the hub's is every node's too."""
+        if self.hub is not None and self.hub.stop is None:
+            self.hub.stop = timeout
+
     # -- every tick ----------------------------------------------------------------
     def tick(self) -> None:
         relay = self.relay
         if self.hub is not None:
             self.hub.check()
-            if self.hub.stop is None and relay.stop_request is not None:
-                self.hub.stop = relay.stop_request  # every node stops too
             self._say_ranks(0, local=False)
         if self.forwarder is not None:
             ranks = self._say_ranks(self.config.node_rank, local=True)
             self.forwarder.tick(ranks, relay.state.status)
             self._watch_hub()
-            if self.forwarder.stop is not None and relay.stop_request is None:
-                relay.stop_request = self.forwarder.stop
+            if self.forwarder.stop is not None:  # the hub's stop: this node's too
+                relay.asked.put(protocol.Stop(timeout=self.forwarder.stop), time.monotonic())
 
     def _say_ranks(self, node: int, local: bool) -> list[int]:
         """This node's ranks, said once each time they change (node K's are shown

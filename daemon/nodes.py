@@ -142,10 +142,8 @@ class Hub:
         elif was != UP and seen.state != DONE:
             seen.state = UP
             self._say(node, "info", f"node {node} ({seen.host}) is reachable again")
-        now = time.monotonic()
-        focus = sorted(r for r, until in self.relay.focus_requests.items() if until > now)
         return protocol.NodeReply(ok=True, stop=self.stop, nodes=self.nodes_endpoint,
-                                  focus=focus[:protocol.MAX_FOCUS])
+                                  focus=self.relay.focused(time.monotonic()))
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
         """What node `node` sent: its ranks' summary (daemon/summariser.py),

@@ -109,9 +109,9 @@ class Relay:
         self.state = RunState(run=run)
         self.seq = 0  # relay sequence number of the newest accepted message
         self.daemon_seq = 0
-        self.stop_request: float | None = None  # a `stop` request's timeout, once asked
-        self.stacks_requests: list[int | None] = []  # ranks asked for stacks (None: all)
-        self.focus_requests: dict[int, float] = {}  # ranks open on a dashboard (requests.py)
+        # What the control socket was asked, for its owners (daemon/requests.py): the
+        # supervisor takes the stop and stacks requests, the hub reads the focus.
+        self.asked = requests.Asked()
         self.bind, self.keys = bind, keys
         # A multi-node job (daemon/nodes.py): the hub's node table, or a node
         # daemon's forwarder, fed every message this relay folds.
@@ -236,6 +236,10 @@ class Relay:
     def _flush_journal(self) -> None:
         self.journal.flush()
         self._watch_journal()
+
+    def focused(self, now: float) -> list[int]:
+        """The ranks open on a dashboard at monotonic time `now` (requests.Asked)."""
+        return self.asked.focused(now)
 
     def guarded(self, where: str, handler: Callable[[], None]) -> None:
         """Run one handler of the daemon's loop; an exception it raises is said and

@@ -11,9 +11,10 @@ The requests and replies are typed (core/protocol.py), decoded by the socket's
 one decoder (a hub's also takes `node`). What is not a request of a kind the
 socket takes is answered with {"ok": false, "error": ...} and counted in
 `RunState.rejected["bad_request"]`; a known request with an argument of the wrong
-kind or out of range is answered so too, not counted. The answer only records
-what was asked (a stop's timeout, the ranks asked for stacks): the supervisor
-acts on it at its next tick, in its own loop.
+kind or out of range is answered so too, not counted. The answer only hands what
+was asked, as the typed request, to `Asked`: the supervisor takes the stop and
+stacks requests at its next tick, in its own loop (`Asked.take`), and a hub passes
+the ranks open on a dashboard to the nodes (`Asked.focused`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,52 @@ from ddtop.core.state import RunState, encode_snapshot
 
 MAX_STACKS_REQUESTS = 16  # asked between two ticks of the supervisor; more are answered, not kept
 
+Taken = protocol.Stop | protocol.Stacks
+
+
+class Asked:
+    """The requests the daemon acts on, kept for their owners as they came: a stop
+    (the first one asked holds; later ones are answered, not kept), stacks (at most
+    MAX_STACKS_REQUESTS between two takes), and focus (a rank's detail open on a
+    dashboard, for FOCUS_S from its last request: `focus` maps each rank to the
+    monotonic time it ends)."""
+
+    def __init__(self) -> None:
+        self._pending: list[Taken] = []
+        self._stopped = False  # a stop was asked: the first holds
+        self.focus: dict[int, float] = {}
+
+    def put(self, request: Taken | protocol.Focus, now: float) -> None:
+        """Keep `request`, received at monotonic time `now`."""
+        match request:
+            case protocol.Stop():
+                if not self._stopped:
+                    self._stopped = True
+                    self._pending.append(request)
+            case protocol.Stacks():
+                if sum(isinstance(r, protocol.Stacks) for r in self._pending) < MAX_STACKS_REQUESTS:
+                    self._pending.append(request)
+            case protocol.Focus(rank=rank):
+                for old in [r for r, until in self.focus.items() if until <= now]:
+                    del self.focus[old]
+                if rank in self.focus or len(self.focus) < protocol.MAX_FOCUS:
+                    self.focus[rank] = now + protocol.FOCUS_S
+
+    def interrupt(self, timeout: float) -> None:
+        """The daemon's own Ctrl-C: a stop with `timeout`, whatever was asked before."""
+        self._pending = [r for r in self._pending if not isinstance(r, protocol.Stop)]
+        self._stopped = True
+        self._pending.append(protocol.Stop(timeout=timeout))
+
+    def take(self) -> list[Taken]:
+        """The stop and stacks requests kept since the last take, in order."""
+        taken, self._pending = self._pending, []
+        return taken
+
+    def focused(self, now: float) -> list[int]:
+        """The ranks open on a dashboard at monotonic time `now`, at most MAX_FOCUS."""
+        return sorted(r for r, until in self.focus.items() if until > now)[:protocol.MAX_FOCUS]
+
 
 class Answering(Protocol):
     """What a request is answered from and may change: the relay (daemon/relay.py)."""
@@ -34,9 +81,7 @@ class Answering(Protocol):
     seq: int
     state: RunState
     world_size: int | None
-    stop_request: float | None
-    stacks_requests: list[int | None]
-    focus_requests: dict[int, float]  # rank -> monotonic time its focus ends
+    asked: Asked
     hub: protocol.NodeHub | None
 
     @property
@@ -64,24 +109,18 @@ def answer(relay: Answering, body: bytes) -> protocol.Reply:
         case protocol.Snapshot():
             return protocol.SnapshotReply(ok=True, seq=relay.seq,
                                           state=encode_snapshot(relay.state))
-        case protocol.Stop(timeout=timeout):
-            if relay.stop_request is None:
-                relay.stop_request = timeout
+        case protocol.Stop():
+            relay.asked.put(request, time.monotonic())
             return protocol.StopReply(ok=True, status="stopping")
         case protocol.Stacks(rank=rank):
             if rank is not None and relay.world_size and rank >= relay.world_size:
                 return protocol.refused(protocol.Stacks.refusal)
-            if len(relay.stacks_requests) < MAX_STACKS_REQUESTS:
-                relay.stacks_requests.append(rank)
+            relay.asked.put(request, time.monotonic())
             return protocol.Reply(ok=True)
         case protocol.Focus(rank=rank):
             if relay.world_size and rank >= relay.world_size:
                 return protocol.refused(protocol.Focus.refusal)
-            now = time.monotonic()
-            for old in [r for r, until in relay.focus_requests.items() if until <= now]:
-                del relay.focus_requests[old]
-            if rank in relay.focus_requests or len(relay.focus_requests) < protocol.MAX_FOCUS:
-                relay.focus_requests[rank] = now + protocol.FOCUS_S
+            relay.asked.put(request, time.monotonic())
             return protocol.Reply(ok=True)
         case protocol.NodeHeartbeat():
             assert relay.hub is not None  # only a hub's decoder takes it

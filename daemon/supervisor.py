@@ -30,7 +30,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import TextIO
 
-from ddtop.core import wire
+from ddtop.core import protocol, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import (
     EXIT_FAILED,
@@ -100,6 +100,7 @@ class Supervisor:
         self.relay: Relay | None = None
         self.restarts = 0
         self.stopping: float | None = None  # deadline of a graceful stop in progress
+        self.stop_timeout = 0.0  # the seconds it was given
         self.interrupted = False  # the stop came from Ctrl-C
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
@@ -264,8 +265,7 @@ class Supervisor:
         drills = os.environ.get(FAULT_ENV)
         if drills and not self.restarts:  # --inject (checked by ddtrain start)
             message = f"fault drills armed: {drills} (in the first attempt only)"
-            print(f"ddtrain: {message}", file=self.err, flush=True)
-            self.relay.emit(wire.Event, type="info", message=message)
+            self._tell("info", message)
         self.starter.start(self.config, self.restarts, self.exits.begin())
         self._status("running", f"watching {self.config.program_label}" if self.watching
                      else f"{count_of(self.config.world_size, 'rank')} started")
@@ -275,7 +275,7 @@ class Supervisor:
         if signum == signal.SIGINT and self.stopping is None and self.ranks:
             self.interrupted = True  # the first Ctrl-C: graceful; the loop acts on it
             assert self.relay is not None
-            self.relay.stop_request = INTERRUPT_STOP_TIMEOUT_S
+            self.relay.asked.interrupt(INTERRUPT_STOP_TIMEOUT_S)
             return
         raise Stopped(signum)
 
@@ -299,8 +299,7 @@ class Supervisor:
             self.relay.guarded("tick", self._tick)
             assert self.role is not None
             self.relay.guarded("nodes", self.role.tick)
-            self._check_stop()
-            self.relay.guarded("stacks", self._serve_stacks)
+            self._serve_requests()
             self.relay.guarded("logs", self._echo_logs)
             stopping = self.stopping is not None
             if self.exits.collect(running, stopping):
@@ -327,40 +326,55 @@ class Supervisor:
         if self.on_tick is not None:
             self.on_tick(state)
 
-    def _check_stop(self) -> None:
+    def _serve_requests(self) -> None:
+        """What the control socket was asked since the last pass (daemon/requests.py):
+        a stop begun, the ranks asked for their stacks; then a stop's deadline."""
         assert self.relay is not None and self.starter is not None
-        if self.stopping is None and self.relay.stop_request is not None:
-            timeout = self.relay.stop_request
-            self.stopping = time.monotonic() + timeout
-            how = "Ctrl-C" if self.interrupted else "a stop request"
-            what = ("the ranks get SIGTERM" if self.config.runs_user_code
-                    else "ranks finish their step, rank 0 checkpoints")
-            message = f"stopping on {how}: {what}; anything left after {timeout:g} s is terminated"
-            if self.interrupted:
-                message += " (Ctrl-C again to stop at once)"
-            # Only processes the starter started (or its agent did), each checked to be
-            # still that process: never a pid a telemetry message claimed. Rank 0 last: the
-            # built-in trainer's rank 0 picks the step every rank stops after as soon as it
-            # sees the signal, 3 steps ahead, so the others must have theirs first (signalled
-            # first and the daemon descheduled before the next, rank 1 once ran past the
-            # target and waited forever for rank 0). The ranks first, then run.json (an
-            # fsync): another node's ranks must hear of the stop before the target step
-            # rank 0 picks (training/stopping.py).
-            numbered = self.starter.numbered()
-            for rank in sorted(numbered, key=lambda k: (k == 0, k)):
-                send_signal(numbered[rank], rank_program(self.config).stop_signal)
-            print(f"ddtrain: {message}", file=self.err, flush=True)
-            self.relay.emit(wire.Event, type="stop_requested", message=message)
-            self._status("stopping", message)
+        asked = self.relay.asked.take()
+        stop = next((r for r in asked if isinstance(r, protocol.Stop)), None)
+        if stop is not None and self.stopping is None:
+            self._begin_stop(stop.timeout)
         elif self.stopping is not None and time.monotonic() > self.stopping:
-            assert self.exits is not None
-            late = [r for r in self.ranks if r.process.exitcode is None]
-            message = (f"{self.exits.describe(late)} did not stop within "
-                       f"{self.relay.stop_request or 0:g} s: terminating (SIGTERM, then SIGKILL)")
-            print(f"ddtrain: {message}", file=self.err, flush=True)
-            self.relay.emit(wire.Event, type="warning", message=message)
-            self.exits.stop_all()
-            self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
+            self._stop_late()
+        stacks = [r.rank for r in asked if isinstance(r, protocol.Stacks)]
+        if stacks:
+            numbered = self.starter.numbered
+            self.relay.guarded("stacks", lambda: signal_stacks(numbered(), stacks))
+
+    def _begin_stop(self, timeout: float) -> None:
+        assert self.relay is not None and self.starter is not None and self.role is not None
+        self.role.stopping(timeout)  # a hub's stop is every node's too
+        self.stop_timeout = timeout
+        self.stopping = time.monotonic() + timeout
+        how = "Ctrl-C" if self.interrupted else "a stop request"
+        what = ("the ranks get SIGTERM" if self.config.runs_user_code
+                else "ranks finish their step, rank 0 checkpoints")
+        message = f"stopping on {how}: {what}; anything left after {timeout:g} s is terminated"
+        if self.interrupted:
+            message += " (Ctrl-C again to stop at once)"
+        # Only processes the starter started (or its agent did), each checked to be
+        # still that process: never a pid a telemetry message claimed. Rank 0 last: the
+        # built-in trainer's rank 0 picks the step every rank stops after as soon as it
+        # sees the signal, 3 steps ahead, so the others must have theirs first (signalled
+        # first and the daemon descheduled before the next, rank 1 once ran past the
+        # target and waited forever for rank 0). The ranks first, then run.json (an
+        # fsync): another node's ranks must hear of the stop before the target step
+        # rank 0 picks (training/stopping.py).
+        numbered = self.starter.numbered()
+        for rank in sorted(numbered, key=lambda k: (k == 0, k)):
+            send_signal(numbered[rank], rank_program(self.config).stop_signal)
+        self._tell("stop_requested", message)
+        self._status("stopping", message)
+
+    def _stop_late(self) -> None:
+        """A stop's deadline passed: whatever is left is terminated, then killed."""
+        assert self.relay is not None and self.exits is not None
+        late = [r for r in self.ranks if r.process.exitcode is None]
+        message = (f"{self.exits.describe(late)} did not stop within "
+                   f"{self.stop_timeout:g} s: terminating (SIGTERM, then SIGKILL)")
+        self._tell("warning", message)
+        self.exits.stop_all()
+        self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
 
     def _check_hang(self) -> Outcome | None:
         """--hang-timeout: a hang the state has declared (core/state.py: ranks
@@ -373,9 +387,8 @@ class Supervisor:
             return None
         blamed, reason, text = judged
         message = f"rank {blamed} {reason}: {text}"
-        print(f"ddtrain: {message}; stopping the ranks (their stacks first: "
-              f"{self.paths.logs}/rank-K.stacks)", file=self.err, flush=True)
-        self.relay.emit(wire.Event, type="warning", message=message)
+        self._tell("warning", message, f"; stopping the ranks (their stacks first: "
+                   f"{self.paths.logs}/rank-K.stacks)")
         assert self.starter is not None and self.exits is not None
         verdict = ErrorReport(rank=blamed, message=f"{reason}: {text}")
         self.exits.verdicts[blamed] = verdict
@@ -397,12 +410,6 @@ class Supervisor:
         return Outcome("failed", EXIT_FAILED, failed, verdict,
                        reason=f"{reason} and was stopped")
 
-    def _serve_stacks(self) -> None:
-        assert self.relay is not None and self.starter is not None
-        if self.relay.stacks_requests:
-            asked, self.relay.stacks_requests = self.relay.stacks_requests, []
-            signal_stacks(self.starter.numbered(), asked)
-
     # -- the end of an attempt ---------------------------------------------------
     def _end_ranks(self, culprit: int | None = None, tell: bool = True) -> None:
         """The one clean-up of an attempt, whatever ended it: every rank still
@@ -417,9 +424,14 @@ class Supervisor:
             self.exits.note(culprit)
         found, killed = leftovers.end(self.starter.left_behind)
         for line in leftovers.describe(found, killed):
-            print(f"ddtrain: {line}", file=self.err, flush=True)
-            if self.relay is not None:
-                self.relay.emit(wire.Event, type="warning", message=line)
+            self._tell("warning", line)
+
+    def _tell(self, type: wire.EventType, message: str, more: str = "") -> None:
+        """Said twice, once: on the daemon's stderr (`more` added there) and as the
+        run's event (every dashboard, the journal)."""
+        print(f"ddtrain: {message}{more}", file=self.err, flush=True)
+        if self.relay is not None:
+            self.relay.emit(wire.Event, type=type, message=message)
 
     def _status(self, status: wire.RunStatusName, message: str, write: bool = True,
                 exit_code: int | None = None) -> None:

@@ -142,7 +142,7 @@ def control_request(data: bytes, relay: Relay, **_: Any) -> None:
     reply = requests.answer(relay, data)
     assert isinstance(msgspec.to_builtins(reply).get("ok"), bool)
     msgspec.msgpack.encode(reply)  # and it can be sent
-    relay.stop_request, relay.stacks_requests = None, []
+    relay.asked = requests.Asked()
     with contextlib.suppress(protocol.BadRequest):
         protocol.REQUESTS.decode(data)
 

@@ -9,6 +9,7 @@ one-line error reply, counted as a bad request or not, nothing kept.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,16 +124,32 @@ def test_requests_are_answered_by_their_type(relay: Relay) -> None:
     assert status.summary.run_id == RUN
     assert ask(relay, {"op": "stop", "timeout": 7}) == protocol.StopReply(ok=True,
                                                                           status="stopping")
-    assert relay.stop_request == 7.0
     ask(relay, {"op": "stop", "timeout": 1})
-    assert relay.stop_request == 7.0  # the first stop asked holds
     assert ask(relay, {"op": "stacks", "rank": 3}).ok and ask(relay, {"op": "stacks"}).ok
-    assert relay.stacks_requests == [3, None]
+    # Handed to the supervisor as the typed requests, in order; the first stop asked holds.
+    assert relay.asked.take() == [protocol.Stop(timeout=7.0), protocol.Stacks(rank=3),
+                                  protocol.Stacks(rank=None)]
+    assert relay.asked.take() == []  # taken once
+    ask(relay, {"op": "stop", "timeout": 2})
+    assert relay.asked.take() == []  # a stop was asked: later ones are answered, not kept
     # a rank's detail open on a dashboard: its every step for FOCUS_S, renewed
-    assert ask(relay, {"op": "focus", "rank": 2}).ok and list(relay.focus_requests) == [2]
+    assert ask(relay, {"op": "focus", "rank": 2}).ok and list(relay.asked.focus) == [2]
     assert not ask(relay, {"op": "focus", "rank": WORLD}).ok  # not a rank of this run
-    assert not ask(relay, {"op": "focus"}).ok and list(relay.focus_requests) == [2]
+    assert not ask(relay, {"op": "focus"}).ok and list(relay.asked.focus) == [2]
+    assert relay.asked.focused(time.monotonic()) == [2]
+    assert relay.asked.focused(time.monotonic() + protocol.FOCUS_S + 1) == []
     assert relay.state.rejected == {}
+
+
+def test_the_daemons_own_ctrl_c_is_a_stop_whatever_was_asked() -> None:
+    asked = requests.Asked()
+    asked.put(protocol.Stop(timeout=60.0), 0.0)
+    asked.put(protocol.Stacks(rank=1), 0.0)
+    asked.interrupt(5.0)
+    assert asked.take() == [protocol.Stacks(rank=1), protocol.Stop(timeout=5.0)]
+    for _ in range(requests.MAX_STACKS_REQUESTS + 3):
+        asked.put(protocol.Stacks(rank=None), 0.0)
+    assert len(asked.take()) == requests.MAX_STACKS_REQUESTS  # more are answered, not kept
 
 
 @pytest.mark.parametrize(("body", "error"), [
@@ -170,7 +187,7 @@ def test_a_known_request_with_a_bad_argument_is_refused_not_counted(
     reply = ask(relay, request_)
     assert (reply.ok, reply.error) == (False, error)
     assert relay.state.rejected == {}
-    assert relay.stop_request is None and relay.stacks_requests == []
+    assert relay.asked.take() == []
 
 
 # -- the hub ------------------------------------------------------------------------------
@@ -281,6 +298,6 @@ def test_the_hub_passes_the_ranks_open_on_a_dashboard_to_the_nodes(relay: Relay,
     assert ask(relay, {"op": "focus", "rank": 3}).ok
     reply = ask(relay, beat())
     assert isinstance(reply, protocol.NodeReply) and reply.focus == [3]
-    relay.focus_requests[3] = 0.0  # its time is up: no longer passed on
+    relay.asked.focus[3] = 0.0  # its time is up: no longer passed on
     reply = ask(relay, beat())
     assert isinstance(reply, protocol.NodeReply) and reply.focus == []
