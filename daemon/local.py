@@ -104,6 +104,9 @@ class LocalRanks:
     def is_rank(self, rank: int, pid: int) -> bool:
         return any(r.rank == rank and r.process.pid == pid for r in self.ranks)
 
+    def local_ranks(self) -> list[int]:
+        return []
+
     def numbered(self) -> dict[int, ProcessId]:
         return {r.rank: r.process.identity for r in self.ranks
                 if r.process.exitcode is None and r.process.identity is not None}

@@ -117,6 +117,12 @@ class RankStarter(Protocol):
         """The live ranks this starter (or its agent) started, by rank number."""
         ...
 
+    def local_ranks(self) -> list[int]:
+        """This node's ranks as a multi-node job's node says them: the ranks this
+        starter found by their processes (torchrun's agent's, a watch's); none for
+        ranks it forks itself."""
+        ...
+
     def left_behind(self) -> list[Leftover]:
         """The processes this attempt's exited ranks started that are still running
         (daemon/leftovers.py): never a live rank's, nor one whose identity cannot

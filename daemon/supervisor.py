@@ -1,90 +1,43 @@
-"""The daemon's loop: start the ranks, supervise them, relay their telemetry,
-and end the run with one outcome.
+"""The daemon of one run, set up and closed: its folder and lock, its config, the
+exporter (--metrics), the relay's sockets (with the run's keys over TCP), the starter
+of its ranks, its part in a multi-node job (hub, node, or none) and how its ranks end.
+Each part is made once, in order, and handed whole to the loop (daemon/runloop.py),
+which supervises the run; every way out closes every part made, in reverse.
 
-One loop waits on the ranks' process sentinels and the relay's sockets together. Each
-rank's stdout and stderr go to its own log file (echoed with a `[rank K]` prefix in the
-foreground). When a rank fails, the supervisor lets the ranks that already reported an
-error exit by themselves, stops the others (they would otherwise wait in their next
-collective until it times out), names the culprit (core/blame.py), and either restarts
-every rank from the newest checkpoint (`--max-restarts`) or ends the run as failed.
-
-Stopping: a `stop` request (or the first Ctrl-C) is graceful: every rank of the built-in
-trainer gets SIGUSR1, the ranks agree on a step to stop after, rank 0 checkpoints, they
-exit (a user's program gets SIGTERM, as torchrun would send it); whatever is still running
-after the timeout is terminated. SIGTERM (or a second Ctrl-C) stops at once.
-
-How ranks are started is a `RankStarter`'s business (daemon/starters.py); what is written
-down and printed at the end, the report's (daemon/report.py); --metrics, the exporter's
-(daemon/exporter.py).
+A start refused (a port in use, a run directory it cannot write, bad input found
+late) leaves no run folder behind and raises UsageError: one line, exit code 2.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import signal
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import replace
-from types import FrameType
 from typing import TextIO
 
-from ddtop.core import protocol, wire
 from ddtop.core.config import TrainConfig
-from ddtop.core.contract import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    FAULT_ENV,
-    STOP_SECRET_ENV,
-    TELEMETRY_ENV,
-    ErrorReport,
-    UsageError,
-    describe_exit,
-    signal_name,
-)
-from ddtop.core.keys import KEYS_ENV, RunKeys
-from ddtop.core.processes import send_signal
+from ddtop.core.contract import UsageError
+from ddtop.core.keys import RunKeys
 from ddtop.core.runs import RunPaths, hold_run, write_json_atomic
 from ddtop.core.state import RunState
-from ddtop.core.summary import ProcessRecord
 from ddtop.core.text import count_of
-from ddtop.daemon import leftovers, nodes
+from ddtop.daemon import nodes
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter, open_exporter
-from ddtop.daemon.hangtimeout import HangTimer
 from ddtop.daemon.launchers import make_starter
 from ddtop.daemon.noderole import NodeRole
 from ddtop.daemon.relay import Relay
-from ddtop.daemon.report import Outcome, RunReport
-from ddtop.daemon.stacks import signal_stacks
-from ddtop.daemon.starters import (
-    Rank,
-    RankStarter,
-    choose_port,
-    process_name,
-    rank_program,
-)
-
-# Seconds between looks at the sockets and the ranks' logs while they run.
-POLL_S = 0.1
-# Seconds ranks get to stop gracefully after the first Ctrl-C.
-INTERRUPT_STOP_TIMEOUT_S = 30.0
-# A hang failed by --hang-timeout: seconds the ranks get to write their stacks first.
-STACKS_GRACE_S = 0.3
-
-
-class Stopped(Exception):
-    """The daemon was asked to stop at once (a second Ctrl-C, or SIGTERM)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+from ddtop.daemon.report import RunReport
+from ddtop.daemon.runloop import RunLoop
+from ddtop.daemon.starters import RankStarter, choose_port, rank_program
 
 
 class Supervisor:
+    """`run()`: the run set up, supervised by a RunLoop, and closed; its exit code.
+    `starter` is the run's starter once made (`ddtrain watch` reads its command's
+    exit code after the run)."""
+
     def __init__(self, config: TrainConfig, paths: RunPaths, out: TextIO = sys.stdout,
                  err: TextIO = sys.stderr, echo: bool = True,
                  on_tick: Callable[[RunState], None] | None = None) -> None:
@@ -93,366 +46,70 @@ class Supervisor:
         # Called with the RunState after every poll of the sockets (about 10 times a second)
         # and once at the end: `ddtrain start --foreground --headless` prints from it.
         self.on_tick = on_tick
-        self.report = RunReport(config, paths)
         self.starter: RankStarter | None = None
-        # How this attempt's ranks end (daemon/exits.py): made once the relay is.
-        self.exits: Exits | None = None
-        self.relay: Relay | None = None
-        self.restarts = 0
-        self.stopping: float | None = None  # deadline of a graceful stop in progress
-        self.stop_timeout = 0.0  # the seconds it was given
-        self.interrupted = False  # the stop came from Ctrl-C
-        self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
-        self.lock: int | None = None  # the run's lock (runs.hold_run), held while supervising
-        self.hang = HangTimer(config.hang_timeout)
-        self.world_told = 0  # `ddtrain watch`: the world size run.json has
-        # Its part in a multi-node job (node 0's hub, node K's forwarder, or none).
-        self.role: NodeRole | None = None
-        self.exporter: Exporter | NoExporter = NoExporter()  # --metrics (daemon/exporter.py)
-        # Signs the stop step in torch's store (training/stopping.py): this daemon's
-        # own, or a multi-node job's, derived from its keys (the same on every node).
-        self.stop_secret = secrets.token_hex(32)
 
-    # -- public ----------------------------------------------------------------
     def run(self) -> int:
-        port = choose_port(self.config.master_addr, self.config.master_port)
+        config, paths = self.config, self.paths
+        report = RunReport(config, paths)
+        port = choose_port(config.master_addr, config.master_port)
+        lock: int | None = None
+        exporter: Exporter | NoExporter = NoExporter()
+        relay: Relay | None = None
         try:
-            self.paths.create()
-            self.lock = hold_run(self.paths)  # the one daemon of this run, until it exits
-            write_json_atomic(self.paths.config, self.config.to_dict())
+            paths.create()
+            lock = hold_run(paths)  # the one daemon of this run, until it exits
+            write_json_atomic(paths.config, config.to_dict())
             # A port in use: refused before the journal exists (the folder is removed then).
-            self.exporter = open_exporter(self.config.metrics, self.err)
-            hub = self.config.multi_node and self.config.is_hub
-            bind = nodes.hub_bind_address(self.config) if hub else self.config.bind
-            keys = RunKeys.create(self.paths.keys) if bind else None
-            self.relay = Relay(self.paths.run_id, self.paths.journal, self.paths.sockets,
-                               world_size=None if self.watching else self.config.world_size,
-                               bind=bind or None, keys=keys, nodes=hub,
-                               tensorboard=self.config.tensorboard)
-            self.role = NodeRole(self.config, self.paths, self.relay, self.err, self._local_ranks)
+            exporter = open_exporter(config.metrics, self.err)
+            hub = config.multi_node and config.is_hub
+            bind = nodes.hub_bind_address(config) if hub else config.bind
+            keys = RunKeys.create(paths.keys) if bind else None
+            watching = config.watch is not None
+            relay = Relay(paths.run_id, paths.journal, paths.sockets,
+                          world_size=None if watching else config.world_size,
+                          bind=bind or None, keys=keys, nodes=hub,
+                          tensorboard=config.tensorboard)
+            if not config.master_port:
+                # Chosen again once the relay's own ports are bound, so it cannot be one of them.
+                port = choose_port(config.master_addr, 0)
+            starter = self.starter = make_starter(config, paths, port, report.started,
+                                                  relay.state)
+            relay.rank_pid = starter.is_rank  # a hello from any other pid: dropped
+            role = NodeRole(config, paths, relay, self.err, starter.local_ranks)
+            # Signs the stop step in torch's store (training/stopping.py): this daemon's
+            # own, or a multi-node job's, derived from its keys (the same on every node).
+            stop_secret = secrets.token_hex(32)
             if hub:
                 assert keys is not None
-                self.stop_secret = keys.stop_secret()
-                self.role.become_hub(bind)
-            if not self.config.master_port:
-                # Chosen again once the relay's own ports are bound, so it cannot be one of them.
-                port = choose_port(self.config.master_addr, 0)
-            self.starter = make_starter(self.config, self.paths, port, self.report.started,
-                                        self.relay.state)
-            self.relay.rank_pid = self.starter.is_rank  # a hello from any other pid: dropped
-            self.exits = Exits(self.paths, self.relay, self.starter,
-                               rank_program(self.config).stop_signal)
-            self._status("starting", f"run {self.paths.run_id} starting {self._what()}")
-            if self.config.multi_node and not self.config.is_hub:
-                self.stop_secret = self.role.join_hub().stop_secret()
+                stop_secret = keys.stop_secret()
+                role.become_hub(bind)
+            exits = Exits(paths, relay, starter, rank_program(config).stop_signal)
+            loop = RunLoop(config, paths, report, relay, role, starter, exits, exporter,
+                           stop_secret, self.out, self.err, self.echo, self.on_tick)
+            what = (f"watching {config.program_label}" if watching
+                    else count_of(config.world_size, "rank"))
+            loop.status("starting", f"run {paths.run_id} starting {what}")
+            if config.multi_node and not config.is_hub:
+                loop.stop_secret = role.join_hub().stop_secret()
         except (OSError, UsageError) as e:
-            self.exporter.close()
-            if self.relay is not None:
-                self.relay.close()
-            if self.lock is not None:
-                os.close(self.lock)  # the folder is free (a start refused leaves none behind)
+            exporter.close()
+            if relay is not None:
+                relay.close()
+            if lock is not None:
+                os.close(lock)  # the folder is free (a start refused leaves none behind)
             if isinstance(e, UsageError):
                 raise
-            raise UsageError(f"cannot write the run directory {self.paths.root}: {e.strerror}; "
+            raise UsageError(f"cannot write the run directory {paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
         try:
-            return self._run()
+            return loop.run()
         finally:
             # Every way out, an error the loop did not survive included: its ranks
             # must not train on unsupervised, nothing they left may hold the helpers.
-            self._end_ranks(tell=False)
-            if self.role is not None:
-                self.role.close()
-            self.starter.close()  # the forkserver and resource tracker, waited for
-            self.exporter.close()
-            self.relay.close()  # its sockets (and a private sockets folder) go with it
-            if self.lock is not None:
-                os.close(self.lock)
-
-    def _run(self) -> int:
-        assert self.relay is not None and self.role is not None
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            try:
-                assert self.exits is not None
-                outcome = self.role.settle(self._attempts(), self.exits.note, self._on_state)
-            except Stopped as stop:
-                for s in previous:  # a second Ctrl-C must not interrupt the clean-up
-                    signal.signal(s, signal.SIG_IGN)
-                self._end_ranks()
-                code = EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 128 + stop.signum
-                outcome = Outcome("stopped", code)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        self._echo_logs(final=True)
-        headline = self.report.headline(outcome)
-        if self.late:  # the ranks a stop had to kill: named, not blamed
-            names = ", ".join(process_name(r.rank) for r in self.late)
-            headline += f" ({names} did not stop in time and was killed with SIGKILL)"
-            print(f"ddtrain: {names} did not stop in time and was killed with SIGKILL",
-                  file=self.err, flush=True)
-        self._status(outcome.status, headline, exit_code=outcome.exit_code)
-        self.role.record_final(outcome, headline)
-        self.relay.guarded("tick", self._tick)
-        self.report.print_outcome(outcome, self.out, self.err)
-        return outcome.exit_code
-
-    def _attempts(self) -> Outcome:
-        """Run the ranks; after a failure restart them, up to --max-restarts times."""
-        while True:
-            self._start_ranks()
-            outcome = self._supervise()
-            self._end_ranks()  # the ranks have ended: so does what they left running
-            if (outcome.status != "failed" or outcome.exit_code == EXIT_USAGE
-                    or self.restarts >= self.config.max_restarts or self.stopping is not None):
-                return outcome
-            self._restart(outcome)
-
-    def _restart(self, outcome: Outcome) -> None:
-        rank = outcome.failed_rank
-        assert rank is not None and rank.exitcode is not None and self.relay is not None
-        self.restarts += 1
-        newest = self.paths.newest_checkpoint()
-        view = self.relay.state.ranks.get(rank.rank)
-        reason = outcome.reason or describe_exit(rank.exitcode, None)
-        step = view.global_step if view else None
-        entry = wire.Restart(
-            restart=self.restarts, rank=rank.rank, pid=rank.process.pid, reason=reason,
-            exit_code=rank.exitcode if rank.exitcode >= 0 else None,
-            signal=signal_name(rank.exitcode), global_step=step,
-            checkpoint=newest.name if newest else None, time=time.time())
-        source = ("(the program resumes by its own means)" if self.config.runs_user_code
-                  else f"from {newest.name}" if newest else "from the start (no checkpoint yet)")
-        message = (f"restart {self.restarts}/{self.config.max_restarts}: rank {rank.rank} "
-                   f"{reason} at step {step}; restarting {source}")
-        print(f"ddtrain: {message}", file=self.err, flush=True)
-        self.relay.emit(wire.Restarting, message=message, restart=entry)
-        self._status("restarting", message, write=False)
-        self.config = replace(self.config, resume=newest is not None)
-        assert self.exits is not None
-        self.exits.begin()  # a signal before the new ranks exist stops at once
-        self.relay.retire_senders()  # the old processes' pids are not the ranks' now
-        self.hang.reset()
-
-    # -- start -----------------------------------------------------------------
-    @property
-    def watching(self) -> bool:
-        """`ddtrain watch`: ranks this daemon did not start."""
-        return self.config.watch is not None
-
-    def _what(self) -> str:
-        if self.watching:
-            return f"watching {self.config.program_label}"
-        return count_of(self.config.world_size, "rank")
-
-    def _start_ranks(self) -> None:
-        # Set before the forkserver starts, so that it and every rank inherit
-        # them: one intra-op thread per rank unless told otherwise (as torchrun
-        # does), and where to send telemetry (this daemon, unless the user said).
-        if not self.watching:  # a watched command's threads are its own business
-            os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
-        assert self.relay is not None and self.starter is not None and self.exits is not None
-        if not os.environ.get(TELEMETRY_ENV) or self.watching:
-            endpoint = self.relay.endpoints["telemetry"]  # a watch's ranks may be elsewhere
-            os.environ[TELEMETRY_ENV] = nodes.reachable(endpoint) if self.watching else endpoint
-            if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
-                os.environ[KEYS_ENV] = str(self.paths.keys.resolve())
-        if self.config.runs_user_code:  # only the built-in trainer reads it
-            os.environ.pop(STOP_SECRET_ENV, None)
-        else:
-            os.environ[STOP_SECRET_ENV] = self.stop_secret
-        drills = os.environ.get(FAULT_ENV)
-        if drills and not self.restarts:  # --inject (checked by ddtrain start)
-            message = f"fault drills armed: {drills} (in the first attempt only)"
-            self._tell("info", message)
-        self.starter.start(self.config, self.restarts, self.exits.begin())
-        self._status("running", f"watching {self.config.program_label}" if self.watching
-                     else f"{count_of(self.config.world_size, 'rank')} started")
-
-    # -- supervise -------------------------------------------------------------
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.stopping is None and self.ranks:
-            self.interrupted = True  # the first Ctrl-C: graceful; the loop acts on it
-            assert self.relay is not None
-            self.relay.asked.interrupt(INTERRUPT_STOP_TIMEOUT_S)
-            return
-        raise Stopped(signum)
-
-    @property
-    def ranks(self) -> list[Rank]:
-        """The supervised processes of this attempt."""
-        return self.exits.ranks if self.exits is not None else []
-
-    def _supervise(self) -> Outcome:
-        assert self.relay is not None and self.exits is not None
-        while True:
-            running = self.exits.running()
-            if not running:
-                if self.stopping is not None:
-                    return Outcome("stopped", EXIT_INTERRUPTED)
-                return Outcome("succeeded", EXIT_OK)
-            self.relay.serve(POLL_S, [r.process.sentinel for r in running])
-            # What these act on came from outside (the printer's reading of the state,
-            # the other nodes, requests, the ranks' output): an exception in one is
-            # said and counted by the relay, and the ranks stay supervised.
-            self.relay.guarded("tick", self._tick)
-            assert self.role is not None
-            self.relay.guarded("nodes", self.role.tick)
-            self._serve_requests()
-            self.relay.guarded("logs", self._echo_logs)
-            stopping = self.stopping is not None
-            if self.exits.collect(running, stopping):
-                self.exits.settle(stopping)
-                self.exits.stop_all()  # the others would wait in their next collective
-                return self.exits.failure(stopping)
-            hung = self._check_hang()
-            if hung is not None:
-                return hung
-
-    def _local_ranks(self) -> list[int]:
-        return sorted(seen) if isinstance(seen := getattr(self.starter, "seen", None), dict) else []
-
-    def _tick(self) -> None:
-        assert self.relay is not None
-        world = self.relay.state.world_size
-        if self.watching and world != self.world_told and self.stopping is None:
-            self.world_told = world  # run.json says the ranks' world size once they do
-            self._status("running", f"watching {count_of(world, 'rank')}")
-        self._on_state(self.relay.state)
-
-    def _on_state(self, state: RunState) -> None:  # every pass of the loop
-        self.exporter.serve(state)  # a reading for a scrape waiting, if one is
-        if self.on_tick is not None:
-            self.on_tick(state)
-
-    def _serve_requests(self) -> None:
-        """What the control socket was asked since the last pass (daemon/requests.py):
-        a stop begun, the ranks asked for their stacks; then a stop's deadline."""
-        assert self.relay is not None and self.starter is not None
-        asked = self.relay.asked.take()
-        stop = next((r for r in asked if isinstance(r, protocol.Stop)), None)
-        if stop is not None and self.stopping is None:
-            self._begin_stop(stop.timeout)
-        elif self.stopping is not None and time.monotonic() > self.stopping:
-            self._stop_late()
-        stacks = [r.rank for r in asked if isinstance(r, protocol.Stacks)]
-        if stacks:
-            numbered = self.starter.numbered
-            self.relay.guarded("stacks", lambda: signal_stacks(numbered(), stacks))
-
-    def _begin_stop(self, timeout: float) -> None:
-        assert self.relay is not None and self.starter is not None and self.role is not None
-        self.role.stopping(timeout)  # a hub's stop is every node's too
-        self.stop_timeout = timeout
-        self.stopping = time.monotonic() + timeout
-        how = "Ctrl-C" if self.interrupted else "a stop request"
-        what = ("the ranks get SIGTERM" if self.config.runs_user_code
-                else "ranks finish their step, rank 0 checkpoints")
-        message = f"stopping on {how}: {what}; anything left after {timeout:g} s is terminated"
-        if self.interrupted:
-            message += " (Ctrl-C again to stop at once)"
-        # Only processes the starter started (or its agent did), each checked to be
-        # still that process: never a pid a telemetry message claimed. Rank 0 last: the
-        # built-in trainer's rank 0 picks the step every rank stops after as soon as it
-        # sees the signal, 3 steps ahead, so the others must have theirs first (signalled
-        # first and the daemon descheduled before the next, rank 1 once ran past the
-        # target and waited forever for rank 0). The ranks first, then run.json (an
-        # fsync): another node's ranks must hear of the stop before the target step
-        # rank 0 picks (training/stopping.py).
-        numbered = self.starter.numbered()
-        for rank in sorted(numbered, key=lambda k: (k == 0, k)):
-            send_signal(numbered[rank], rank_program(self.config).stop_signal)
-        self._tell("stop_requested", message)
-        self._status("stopping", message)
-
-    def _stop_late(self) -> None:
-        """A stop's deadline passed: whatever is left is terminated, then killed."""
-        assert self.relay is not None and self.exits is not None
-        late = [r for r in self.ranks if r.process.exitcode is None]
-        message = (f"{self.exits.describe(late)} did not stop within "
-                   f"{self.stop_timeout:g} s: terminating (SIGTERM, then SIGKILL)")
-        self._tell("warning", message)
-        self.exits.stop_all()
-        self.late = [r for r in late if r.process.exitcode == -signal.SIGKILL]
-
-    def _check_hang(self) -> Outcome | None:
-        """--hang-timeout: a hang the state has declared (core/state.py: ranks
-        stalled in a collective) for that long fails the run, blamed on the rank
-        the others wait for; every rank is stopped."""
-        assert self.relay is not None
-        if self.stopping is not None:
-            return None
-        if (judged := self.hang.judge(self.relay.state, time.time())) is None:
-            return None
-        blamed, reason, text = judged
-        message = f"rank {blamed} {reason}: {text}"
-        self._tell("warning", message, f"; stopping the ranks (their stacks first: "
-                   f"{self.paths.logs}/rank-K.stacks)")
-        assert self.starter is not None and self.exits is not None
-        verdict = ErrorReport(rank=blamed, message=f"{reason}: {text}")
-        self.exits.verdicts[blamed] = verdict
-        numbered = self.starter.numbered()
-        signal_stacks(numbered, [None])  # where each rank hangs, kept
-        time.sleep(STACKS_GRACE_S)
-        for r in self.ranks:
-            if r.process.exitcode is None:
-                r.stopped_by_us = True
-                r.process.terminate()
-        # A rank frozen with SIGSTOP dies of its pending SIGTERM once continued (at
-        # once, taking no step; it writes no stacks), not 5 s later of SIGKILL.
-        for process in numbered.values():
-            send_signal(process, signal.SIGCONT)
-        self._end_ranks(culprit=blamed)
-        ends = self.exits.ends(self.ranks)
-        failed = next((e for e in ends if e.rank == blamed), None) or next(
-            p for p in self.ranks if p.exitcode is not None)
-        return Outcome("failed", EXIT_FAILED, failed, verdict,
-                       reason=f"{reason} and was stopped")
-
-    # -- the end of an attempt ---------------------------------------------------
-    def _end_ranks(self, culprit: int | None = None, tell: bool = True) -> None:
-        """The one clean-up of an attempt, whatever ended it: every rank still
-        running stopped (daemon/exits.py), each exit told (the culprit's first)
-        unless `tell` is False (the way out of an error), and what the ranks left
-        running ended (daemon/leftovers.py), named in one line per rank, so that
-        nothing they started outlives the run or keeps the command waiting."""
-        if self.exits is None or self.starter is None:
-            return
-        self.exits.stop_all()
-        if tell:
-            self.exits.note(culprit)
-        found, killed = leftovers.end(self.starter.left_behind)
-        for line in leftovers.describe(found, killed):
-            self._tell("warning", line)
-
-    def _tell(self, type: wire.EventType, message: str, more: str = "") -> None:
-        """Said twice, once: on the daemon's stderr (`more` added there) and as the
-        run's event (every dashboard, the journal)."""
-        print(f"ddtrain: {message}{more}", file=self.err, flush=True)
-        if self.relay is not None:
-            self.relay.emit(wire.Event, type=type, message=message)
-
-    def _status(self, status: wire.RunStatusName, message: str, write: bool = True,
-                exit_code: int | None = None) -> None:
-        """Announce the run's status (state, journal, dashboards), then record it in
-        run.json from the state it is now in."""
-        assert self.relay is not None and self.starter is not None
-        # A watched run's world size is what its ranks say (0: not known here).
-        world = 0 if self.watching else self.config.world_size
-        self.relay.emit(wire.RunStatus, status=status, world_size=world,
-                        restarts=self.restarts, message=message, exit_code=exit_code)
-        if write:
-            self.report.write(self.relay.state, {**self.relay.endpoints,
-                                                 **self.exporter.endpoints}, self.starter.port,
-                              [ProcessRecord.of(r.rank, r.process.pid, r.process.identity)
-                               for r in self.ranks],
-                              ended=status in wire.FINAL_STATUSES)
-
-    def _echo_logs(self, final: bool = False) -> None:
-        if not self.echo or self.starter is None:
-            return
-        for prefix, tail in self.starter.tails:
-            for line in tail.lines(final):
-                print(f"{prefix} {line}" if prefix else line, file=self.out, flush=True)
-
+            loop.end_ranks(tell=False)
+            role.close()
+            starter.close()  # the forkserver and resource tracker, waited for
+            exporter.close()
+            relay.close()  # its sockets (and a private sockets folder) go with it
+            if lock is not None:
+                os.close(lock)

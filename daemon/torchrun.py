@@ -118,6 +118,9 @@ class TorchrunRanks:
         self.seen.update({rank: process for rank, (_, process) in found.items()})
         return [process for _, process in found.values()]
 
+    def local_ranks(self) -> list[int]:
+        return sorted(self.seen)
+
     def numbered(self) -> dict[int, ProcessId]:
         self.rank_processes()  # who is below the agent now
         return dict(self.seen)

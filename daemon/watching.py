@@ -88,6 +88,9 @@ class _Ranks:
     def numbered(self) -> dict[int, ProcessId]:
         return {rank: p for rank, p in self.seen.items() if same_process(p)}
 
+    def local_ranks(self) -> list[int]:
+        return sorted(self.seen)
+
     def _ends(self, state: RunState, launcher_code: int, summary: dict[int, tuple[int, int]],
               quiet_is_lost: bool) -> list[Rank]:
         """Each rank heard from (or named in a failure summary): its goodbye's code,
