@@ -334,18 +334,15 @@ class RunState(msgspec.Struct, kw_only=True):
             self.timeline.append(m.restart)
             self._event(m.t, m.rank, "restart", m.message, msgspec.to_builtins(m.restart))
         elif isinstance(m, wire.Event):
-            self._apply_node(m.data)
+            if m.node is not None:
+                self._apply_node(m.node)
             self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
-    def _apply_node(self, data: EventData) -> None:
-        news = wire.read_node_news(data)
-        if news is None:
-            return  # an event about no node, or node news not whole: only shown
+    def _apply_node(self, news: wire.NodeNews) -> None:
         if len(self.node_states) < MAX_RANKS or news.node in self.node_states:
             self.node_states[news.node] = news.node_state
-        for rank in news.rank_list()[:MAX_RANKS]:
-            if rank < MAX_RANKS:
-                self.rank_nodes[rank] = news.node
+        for rank in news.ranks:
+            self.rank_nodes[rank] = news.node
         if news.local and news.ranks:
             self.local_ranks = sorted(r for r, k in self.rank_nodes.items() if k == news.node)
 

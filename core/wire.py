@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from ddtop.core.bounds import MAX_JOB_RANKS, MAX_MACHINE_RANKS
+
 SCHEMA_VERSION = 1
 # Larger frames are refused unread; error events keep their traceback under it.
 MAX_FRAME_BYTES = 64 * 1024
@@ -61,43 +63,28 @@ MAX_NODES = 1 << 16
 
 
 class NodeNews(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What an event says of a node, in its data: the hub's events about a node,
-    and a node's own event naming its ranks. Written by `node_news`, read by the
-    fold (RunState) with one `msgspec.convert`: an event whose data is not this
-    is only shown."""
+    """What an event says of a node (`Event.node`): the hub's events about a node,
+    and a node's own event naming its ranks. Typed from the daemon that writes it to
+    the fold that reads it; a frame whose news is not whole (a state no hub says, a
+    node or rank out of bounds, a field of the wrong kind or unknown) is refused at
+    decode, as any malformed message."""
 
     node: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NODES)]
     node_state: NodeState
-    ranks: Annotated[str, msgspec.Meta(max_length=8 * MAX_NODES)] = ""  # "0,1,2,3"
+    ranks: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_JOB_RANKS)]],
+                     msgspec.Meta(max_length=MAX_MACHINE_RANKS)] = []
     host: Annotated[str, msgspec.Meta(max_length=255)] = ""
     # Said by a node of its own ranks, for its own view: not the job's news (the
     # hub does not take it from a forwarder).
     local: bool = False
 
-    def rank_list(self) -> list[int]:
-        """Its ranks (the ones written in `ranks` that are numbers)."""
-        return [int(p) for p in self.ranks.split(",") if p.isdigit() and len(p) <= 6]
-
-
-def read_node_news(data: dict[str, Any]) -> NodeNews | None:
-    """An event's data as node news; None when it says nothing of a node, or is
-    not whole node news (then the event is only shown)."""
-    if "node" not in data:
-        return None
-    try:
-        return msgspec.convert(data, NodeNews)
-    except msgspec.ValidationError:
-        return None
-
 
 def node_news(node: int, state: NodeState, ranks: list[int], host: str,
-              local: bool = False) -> dict[str, Any]:
-    """An event's data that says `NodeNews` (the one place it is written)."""
-    data: dict[str, Any] = {"node": node, "node_state": state,
-                            "ranks": ",".join(map(str, ranks)), "host": host[:255]}
-    if local:
-        data["local"] = True
-    return data
+              local: bool = False) -> NodeNews:
+    """NodeNews as the daemon says it (its host cut to the bound, its ranks to a
+    machine's)."""
+    return NodeNews(node=node, node_state=state, ranks=sorted(ranks)[:MAX_MACHINE_RANKS],
+                    host=host[:255], local=local)
 
 
 class Collective(msgspec.Struct, frozen=True, kw_only=True):
@@ -227,6 +214,7 @@ class Event(_Header, tag="event", tag_field="kind", kw_only=True):
     message: str
     data: dict[str, str | int | float | bool | None] = {}
     traceback: str | None = None
+    node: NodeNews | None = None  # what it says of a node of a multi-node job
 
 
 class Scalars(_Header, tag="scalars", tag_field="kind", kw_only=True):

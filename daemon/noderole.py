@@ -104,7 +104,7 @@ class NodeRole:
             self.ranks_said = ranks
             host = socket.gethostname()
             self.relay.emit(wire.Event, type="info",
-                            data=wire.node_news(node, nodes.UP, ranks, host, local),
+                            node=wire.node_news(node, nodes.UP, ranks, host, local),
                             message=f"node {node} ({host}): ranks {', '.join(map(str, ranks))}")
         return ranks
 

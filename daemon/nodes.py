@@ -166,7 +166,8 @@ class Hub:
                 fields = {f: getattr(message, f) for f in message.__struct_fields__
                           if f not in ("run", "rank", "seq", "t", "kind")}
                 self.relay.emit(wire.RankExit, **fields)
-        elif isinstance(message, wire.Event) and message.data.get("local") is not True:
+        elif isinstance(message, wire.Event) and (message.node is None
+                                                  or not message.node.local):
             self._say(node, message.type if message.type != "restart" else "info",
                       f"node {node}: {message.message}", traceback=message.traceback)
         # A node's RunStatus is its own: the hub learns it from its heartbeat.
@@ -212,9 +213,9 @@ class Hub:
 
     def _say(self, node: int, type: Any, message: str, traceback: str | None = None) -> None:
         seen = self.nodes.get(node)
-        data = (wire.node_news(node, seen.state, seen.ranks, seen.host) if seen
+        news = (wire.node_news(node, seen.state, seen.ranks, seen.host) if seen
                 else wire.node_news(node, UP, [], ""))
-        self.relay.emit(wire.Event, type=type, message=message, data=data, traceback=traceback)
+        self.relay.emit(wire.Event, type=type, message=message, node=news, traceback=traceback)
 
 
 def write_hub_file(paths: RunPaths, control: str, nodes: str) -> None:

@@ -36,7 +36,7 @@ def hello(rank: int) -> wire.Hello:
 def node_up(node: int) -> wire.Event:
     ranks = list(range(node * PER_NODE, (node + 1) * PER_NODE))
     return wire.Event(run=RUN, rank=wire.DAEMON_RANK, seq=node, t=100.0, type="info",
-                      message="node up", data=wire.node_news(node, "up", ranks,
+                      message="node up", node=wire.node_news(node, "up", ranks,
                                                               f"host-{node}"))
 
 

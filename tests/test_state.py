@@ -388,9 +388,10 @@ def test_a_rank_ahead_and_stuck_is_still_named_as_the_one_waited_for() -> None:
     assert s.hung(111.0) == ([1], "rank 0 wait in allreduce #41; rank 1 is in forward of step 46")
 
 
-def node_event(seq: int, data: dict[str, object]) -> wire.Event:
+def node_event(seq: int, news: wire.NodeNews | None,
+               data: dict[str, object] | None = None) -> wire.Event:
     return wire.Event(run=RUN, rank=wire.DAEMON_RANK, seq=seq, t=100.0, type="info",
-                      message="node news", data=data)  # type: ignore[arg-type]
+                      message="node news", node=news, data=data or {})  # type: ignore[arg-type]
 
 
 def test_node_news_is_believed_only_whole_and_a_lost_nodes_ranks_are_unknown() -> None:
@@ -399,22 +400,30 @@ def test_node_news_is_believed_only_whole_and_a_lost_nodes_ranks_are_unknown() -
              node_event(1, wire.node_news(1, "up", [2, 3], "b")))
     assert s.rank_nodes == {0: 0, 1: 0, 2: 1, 3: 1}
     assert s.node_states == {0: "up", 1: "up"}
-    # Data that is not whole node news is shown as the event it is, and changes nothing:
-    # a state no hub says, a node number too big, a field of the wrong kind, a field
-    # no hub writes.
+    # Node news is typed from the daemon that writes it to the fold: what only an
+    # event's data says of a node is shown as the event it is, and changes nothing.
+    s.apply(node_event(2, None, {"node": 1, "node_state": "lost", "ranks": "2,3"}), 100.0)
+    # News that is not whole is refused with its frame, as any malformed message: a
+    # state no hub says, a node number too big, a field of the wrong kind, a field no
+    # hub writes, a rank beyond any job.
     bad: list[dict[str, object]] = [
-        {"node": 1, "node_state": "gone", "ranks": "0,1"},
-        {"node": 1 << 40, "node_state": "lost", "ranks": "0"},
+        {"node": 1, "node_state": "gone", "ranks": [0, 1]},
+        {"node": 1 << 40, "node_state": "lost", "ranks": [0]},
         {"node": "1", "node_state": "lost"},
         {"node": True, "node_state": "lost"},
         {"node": 1, "node_state": "lost", "ranks": 3},
+        {"node": 1, "node_state": "lost", "ranks": "0,1"},
         {"node": 1, "node_state": "lost", "extra": 1},
+        {"node": 1, "node_state": "lost", "ranks": [1 << 20]},
     ]
-    for seq, data in enumerate(bad, start=2):
-        s.apply(node_event(seq, data), 100.0)
+    for seq, news in enumerate(bad, start=3):
+        frame = msgspec.msgpack.encode({**msgspec.to_builtins(node_event(seq, None)),
+                                        "node": news})
+        with pytest.raises(wire.WireError):
+            wire.decode([frame], RUN)
     assert s.rank_nodes == {0: 0, 1: 0, 2: 1, 3: 1}
     assert s.node_states == {0: "up", 1: "up"}
-    assert len([e for e in s.events if e.message == "node news"]) == 2 + len(bad)
+    assert len([e for e in s.events if e.message == "node news"]) == 3
     # The hub says node 1 lost: its ranks are no longer known to run.
     s.apply(node_event(99, wire.node_news(1, "lost", [2, 3], "b")), 100.0)
     assert s.node_states[1] == "lost"
