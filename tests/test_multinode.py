@@ -632,8 +632,8 @@ def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[J
     table = ddtrain("status", "lostjob", "--runs-dir", str(job.runs), cwd=tmp_path).stdout
     assert "failure: node 1 lost: its daemon" in table, table
     said = [t for t, m in journal_messages(job.runs / "lostjob" / "telemetry.journal")
-            if isinstance(m, wire.Event) and m.data.get("node") == 1
-            and m.data.get("node_state") == "unreachable"]
+            if isinstance(m, wire.Event) and m.node is not None and m.node.node == 1
+            and m.node.node_state == "unreachable"]
     assert said, "no unreachable event for node 1"
     print(f"\nnode 1's daemon killed: the hub said node 1 unreachable {said[0] - killed:.1f} s "
           f"later, node 0 exited naming it lost {ended - killed:.1f} s later")
@@ -680,9 +680,10 @@ def test_the_dashboard_shows_each_ranks_node_and_a_silent_nodes_ranks_as_unreach
                           global_batch=64)
 
     def node_event(seq: int, node: int, ranks: str, node_state: str) -> wire.Event:
+        ranks_of = [int(r) for r in ranks.split(",")]
+        news = wire.node_news(node, node_state, ranks_of, "vm")  # type: ignore[arg-type]
         return wire.Event(run="j", rank=wire.DAEMON_RANK, seq=seq, t=100.0, type="info",
-                          message=f"node {node}", data={"node": node, "ranks": ranks,
-                                                        "node_state": node_state, "host": "vm"})
+                          message=f"node {node}", node=news)
 
     for rank in range(4):
         state.apply(hello(rank), 100.0)
