@@ -714,7 +714,7 @@ def test_the_dashboard_shows_each_ranks_node_and_a_silent_nodes_ranks_as_unreach
     for rank in (2, 3):
         node1.apply(hello(rank), 100.0)
     event = node_event(0, 1, "2,3", "up")
-    event.data["local"] = True
+    event.node = wire.node_news(1, "up", [2, 3], "vm", local=True)
     node1.apply(event, 100.0)
     assert sorted(node1.rank_states(140.0)) == [2, 3]
 
