@@ -15,42 +15,38 @@ daemon that does not answer never freezes the screen (answered by `StopAnswered`
 from __future__ import annotations
 
 import time
-from typing import ClassVar, cast
+from typing import ClassVar
 
-from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Container, Horizontal, Vertical
+from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.message import Message
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Footer, Input
 from textual.worker import get_current_worker
 
 from ddtop.core import control, protocol
 from ddtop.core.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
-from ddtop.dashboard import panels, rankmap, series
-from ddtop.dashboard.charts import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH, Chart
+from ddtop.dashboard import panels, rankmap
+from ddtop.dashboard.charts import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH
 from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.feed import Pacer
-from ddtop.dashboard.pacing import CHARTS_EVERY_S, HEADER_EVERY_S, PANELS_EVERY_S, Every
+from ddtop.dashboard.mainpanels import Banner, ChartGrid, CommPanel, EventsPanel, RunHeader
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
-from ddtop.dashboard.widgets import RankTable, TextPanel
+from ddtop.dashboard.widgets import RankTable
 
 # A live feed of a few ranks is folded once per half frame, within these bounds (see pump).
 PUMP_S, PUMP_MAX_S = 0.05, 0.25
-CHART_POINTS = 120  # global steps a run-wide chart shows
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
 IDLE_REDRAW_S, URGENT_GAP_S = 1.0, 0.1  # an event is drawn at once unless a frame just was
 # Lines around the table (ddtop.tcss): header, footer, least for the panels, for the table.
 HEADER_LINES, FOOTER_LINES, LOWER_MIN_LINES, TABLE_MIN_LINES = 4, 1, 10, 3
 NARROW_WIDTH = 100  # narrower: the charts are one column of sparklines (ddtop.tcss: .narrow)
 CHARTS_SHARE, CHARTS_MARGIN = 0.6, 8  # their width: #charts 3fr of 5, padding and gutters
-CHARTS = (("loss-global", "loss: global", "loss"), ("loss-rank", "loss: selected rank", "loss"),
-          ("rate", "samples/s", "samples/s"), ("comm-share", "comm %", "% of step"))
 
 
 class FeedChanged(Message):
@@ -111,35 +107,27 @@ class DashboardApp(App[None]):
         self.filter_text, self.problems_only = "", False
         self.frames = 0
         self.map_shown: bool | None = None  # the rank map (rankmap.py); None: not decided yet
-        self.shown: dict[str, object] = {}  # panel -> what it shows (see _show)
         self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
-        self.events_key: tuple[int, int, int] | None = None  # what events_text was built from
-        self.events_text = Text()
-        # The comm panel, the charts and (for the map) the header: when, and what (pacing.py).
-        self.comm_every, self.charts_every = Every(PANELS_EVERY_S), Every(CHARTS_EVERY_S)
-        self.header_every, self.header_text = Every(HEADER_EVERY_S), Text()
-        self.banner_text: Text | None = None
-        self.charts: dict[str, series.ChartData] = {}
-        self.chart_turn = 0  # the chart first in line for new data (see _hand_charts)
-        self.comm_text = Text()
 
     def compose(self) -> ComposeResult:
-        yield TextPanel(id="header")
-        yield Static(id="banner")
+        yield RunHeader(id="header")
+        yield Banner(id="banner")
         yield RankTable(id="ranks")
         yield rankmap.MapView(id="mapview")
         with Horizontal(id="lower"):
-            with Container(id="charts"):
-                for name, title, unit in CHARTS:
-                    yield Chart(title, unit, id=name)
+            yield ChartGrid(id="charts")
             with Vertical(id="side"):
-                yield TextPanel(id="comm")
-                yield TextPanel(id="events")
+                yield CommPanel(id="comm")
+                yield EventsPanel(id="events")
         yield Input(placeholder="filter: rank, host, state or 'straggler'; Enter applies, "
                     "empty clears", id="filter")
         yield Footer()
 
     def on_mount(self) -> None:
+        # The panels, each owning what it shows (mainpanels.py): found once.
+        self.header, self.banner = self.query_one(RunHeader), self.query_one(Banner)
+        self.chart_grid, self.comm = self.query_one(ChartGrid), self.query_one(CommPanel)
+        self.events = self.query_one(EventsPanel)
         self.query_one(RankTable).focus()
         self.query_one("#filter", Input).display = False
         self.pump()
@@ -215,15 +203,15 @@ class DashboardApp(App[None]):
         self._render(table)
 
     def _render(self, table: RankTable) -> None:
-        with self.feed.lock:
-            state, now = self.feed.state, self.feed.now()
+        """One frame: each panel is handed the feed and builds from it, under the
+        feed's lock for its own build only (mainpanels.py); the rows are built here,
+        the table and the map draw them."""
+        feed = self.feed
+        now = feed.now()
+        banner = self.header.show_run(feed, now, self._note(), paced=bool(self.map_shown))
+        with feed.lock:
+            state = feed.state
             self.shown_folded = self._folded()
-            note, feed = self._note(), self.feed
-            if self.header_every.due((id(state), note, state.status, state.event_count,
-                                      feed.connection, feed.detail), not self.map_shown):
-                self.header_text = panels.header(state, now, note)
-                self.banner_text = panels.banner(state, now, feed.connection, feed.detail)
-            header, banner = self.header_text, self.banner_text
             if self.map_shown is None and state.ranks:
                 self.action_rank_map(rankmap.wanted(state))
                 self.refresh_bindings()
@@ -235,63 +223,19 @@ class DashboardApp(App[None]):
             # The map instead of the rows (thousands of them: a waste); False: not laid out.
             laid_out = not self.map_shown or self.query_one(rankmap.MapView).draw(state, now)
             rows = [] if self.map_shown else fmt.rank_rows(state, now, scalars)
-            rows = fmt.filter_rows(rows, self.filter_text, self.problems_only)
-            rows = fmt.sort_rows(rows, self.sort_key, self.sort_reverse)
-            selected = table.selected_rank
-            key = (id(state), selected, max(4, self._height("#comm")))
-            # Built again once a second (or for another rank, size or state), not every
-            # frame: each costs Textual a redraw of the whole panel; the charts every
-            # other second: plotext takes 5 to 20 ms a plot. Not at all behind the map.
-            if not self.map_shown and self.comm_every.due(key, self.feed.finished):
-                if self.charts_every.due(key, self.feed.finished):
-                    self.charts = series.charts(state, selected, CHART_POINTS)
-                self.comm_text = panels.comm(state, now, selected, key[2])
-            charts, comm = self.charts, self.comm_text
-            lines = max(3, self._height("#events") - 1)
-            if self.events_key != (state.event_count, id(state), lines):
-                # The events change seldom: the panel is built again when one comes.
-                self.events_key = (state.event_count, id(state), lines)
-                self.events_text = panels.events(state, lines)
-            events = self.events_text
-        self._show("#header", header)
-        banner_widget = self.query_one("#banner", Static)
-        if banner_widget.display != (banner is not None):
-            banner_widget.display = banner is not None
-        if banner is not None:
-            self._show("#banner", banner, layout=True)  # its height follows its lines
+        rows = fmt.filter_rows(rows, self.filter_text, self.problems_only)
+        rows = fmt.sort_rows(rows, self.sort_key, self.sort_reverse)
+        self.banner.text = banner
         table.set_rows(rows)
-        self._fit_table(table, len(rows), banner_widget.outer_size.height if banner else 0)
-        self._hand_charts(charts)
-        self._show("#comm", comm)
-        self._show("#events", events)
+        self._fit_table(table, len(rows), self.banner.outer_size.height if banner else 0)
+        if not self.map_shown:  # behind the map: not built at all
+            selected = table.selected_rank
+            self.chart_grid.show_run(feed, selected)
+            self.comm.show_run(feed, now, selected)
+        self.events.show_run(feed)
         self.frames += 1
         self.dirty = not laid_out  # the map just shown: drawn at the next tick, laid out
         self.last_render = time.monotonic()
-
-    def _show(self, selector: str, content: str | Text, layout: bool = False) -> None:
-        """Hand a panel its content, only when it differs from what it shows: an update
-        makes Textual render the widget again (and, with `layout`, lay out the screen),
-        which costs far more than building the content. The panels have fixed sizes
-        (ddtop.tcss), so only the banner's height follows its content."""
-        key = (content.plain, content.spans, content.style) if isinstance(content, Text) \
-            else content
-        if self.shown.get(selector) != key:
-            self.shown[selector] = key
-            widget = self.query_one(selector)
-            if isinstance(widget, TextPanel):
-                widget.set_text(content)  # redraws the lines that changed
-            else:
-                cast(Static, widget).update(content, layout=layout)
-
-    def _hand_charts(self, charts: dict[str, series.ChartData]) -> None:
-        """New data to one chart a frame, taking turns (all of them once the run is
-        over): plotext takes 5 to 20 ms a plot, and four at once would hold up a frame."""
-        names = list(charts)
-        for i in range(len(names)):
-            name = names[(self.chart_turn + i) % len(names)]
-            if self.query_one(f"#{name}", Chart).set_data(charts[name]) and not self.feed.finished:
-                self.chart_turn = (self.chart_turn + i + 1) % len(names)
-                return
 
     def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
         """The table takes the lines its rows need, up to what leaves the panels below
@@ -391,9 +335,7 @@ class DashboardApp(App[None]):
         if not self.paused:
             self.render_view()
         else:
-            with self.feed.lock:
-                header = panels.header(self.feed.state, self.feed.now(), self._note())
-            self._show("#header", header)
+            self.header.show_note(self.feed, self.feed.now(), self._note())
 
     def action_speed(self, factor: float) -> None:
         if self.feed.replay_controls:

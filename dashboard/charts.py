@@ -9,7 +9,7 @@ sparkline.
 plotext builds a plot in 5 to 20 milliseconds (in Python, a cell at a time), so
 a Chart draws again only when its data or size changed, and keeps what it drew;
 the app builds the data every other second (pacing.CHARTS_EVERY_S) and hands it
-to one chart a frame (app.DashboardApp._hand_charts).
+to one chart a frame (mainpanels.ChartGrid.hand_out).
 A series has at most two points per cell of width (a braille cell is two dots
 wide): more would cost time and show nothing.
 """

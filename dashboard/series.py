@@ -134,6 +134,6 @@ def comm_share(state: RunState, points: int) -> ChartData:
 
 
 def charts(state: RunState, selected: int | None, points: int) -> dict[str, ChartData]:
-    """The main view's four charts, by widget id (app.CHARTS)."""
+    """The main view's four charts, by widget id (mainpanels.CHARTS)."""
     return {"loss-global": global_loss(state), "loss-rank": rank_loss(state, selected),
             "rate": throughput(state, points), "comm-share": comm_share(state, points)}
