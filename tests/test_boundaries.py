@@ -43,7 +43,8 @@ HEAVY = {
     "torchvision": lambda module: module.startswith("ddtop.training."),
     "textual": lambda module: module in {"ddtop.dashboard.app", "ddtop.dashboard.widgets",
                                          "ddtop.dashboard.screens", "ddtop.dashboard.charts",
-                                         "ddtop.dashboard.rankmap"},
+                                         "ddtop.dashboard.rankmap",
+                                         "ddtop.dashboard.mainpanels"},
     # The charts are drawn by plotext through textual-plotext, in their own module.
     "textual_plotext": lambda module: module == "ddtop.dashboard.charts",
     "plotext": lambda module: False,
