@@ -56,7 +56,7 @@ class NodeRole:
     def become_hub(self, bind: str) -> None:
         """Node 0: serve the node daemons, and tell them where (hub.json)."""
         self.hub = nodes.Hub(self.config, self.relay)
-        self.relay.hub = self.hub
+        self.relay.serve_hub(self.hub)
         # On every interface: as the rendezvous names this host (a watch has none: its name).
         host = (self.config.rdzv_host or socket.gethostname()) if bind in ("0.0.0.0", "::") \
             else bind
@@ -74,7 +74,7 @@ class NodeRole:
         control, keys = nodes.find_hub(self.config, job, self._say)
         self.forwarder = nodes.Forwarder(self.config, control, keys, self.relay.run,
                                          lambda: self.relay.state.ranks)
-        self.relay.forward = self.forwarder.forward
+        self.relay.forward_to(self.forwarder.forward)
         self._say(f"node {self.config.node_rank} forwards to the hub at {control}")
         return keys
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -56,10 +55,8 @@ from ddtop.core.state import RunState
 from ddtop.core.tbwriter import TensorBoardTap
 from ddtop.daemon import requests
 from ddtop.daemon.gate import Gate
+from ddtop.daemon.ipc import SOCKET_NAMES, peer_pid, private_folder
 
-# Room for an ipc socket's path: a unix socket address holds 107 bytes and a NUL.
-IPC_PATH_MAX = 100
-SOCKET_NAMES = ("telemetry", "publish", "control")
 # Frames larger than this make ZeroMQ drop the connection unread (memory bound);
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
@@ -67,19 +64,6 @@ BATCH = 2000  # messages read per socket per serve() call, so no socket starves 
 # An internal error in one handler is said (stderr, a warning event) at most this often;
 # every one is counted.
 INTERNAL_ERROR_EVERY_S = 60.0
-
-
-def peer_pid(frame: zmq.Frame) -> int | None:
-    """The pid of the process that sent `frame` over ipc (ZeroMQ's Peer-Address
-    there ends ':uid:gid:pid'); None where the platform does not say."""
-    try:
-        address = frame.get("Peer-Address")
-    except zmq.ZMQError:
-        return None
-    if not isinstance(address, str):
-        return None
-    pid = address.rpartition(":")[2]
-    return int(pid) if pid.isdigit() and int(pid) > 0 else None
 
 
 # What the daemon says in its own name (as rank -1).
@@ -236,6 +220,20 @@ class Relay:
     def _flush_journal(self) -> None:
         self.journal.flush()
         self._watch_journal()
+
+    # -- what the relay is told, once, by the part that owns it ------------------------
+    def believe(self, rank_pid: Callable[[int, int], bool]) -> None:
+        """Who may speak as which rank: asked of a hello's pid and, over ipc, of the
+        process that sent each frame (the starter's `is_rank`, once it exists)."""
+        self.rank_pid = rank_pid
+
+    def serve_hub(self, hub: protocol.NodeHub) -> None:
+        """A multi-node job's hub: node heartbeats answered, node frames taken."""
+        self.hub = hub
+
+    def forward_to(self, forward: Callable[[wire.Message, bytes, float], None]) -> None:
+        """Node K: every message this relay folds goes on to the hub too."""
+        self.forward = forward
 
     def focused(self, now: float) -> list[int]:
         """The ranks open on a dashboard at monotonic time `now` (requests.Asked)."""
@@ -440,16 +438,3 @@ def _say(type: wire.EventType, message: str) -> None:
     with contextlib.suppress(OSError):  # stderr on the same full disk: the event said it
         print(f"ddtrain: {'warning: ' if type == 'warning' else ''}{message}",
               file=sys.stderr, flush=True)
-
-
-def private_folder(preferred: Path | None) -> tuple[Path, bool]:
-    """An owner-only folder for the ipc sockets: `preferred` when a socket path
-    in it fits a unix socket address, else a new one under the temp folder;
-    True when the folder is new and the relay's own to remove."""
-    if preferred is not None:
-        preferred = preferred.absolute()
-        if len(str(preferred / max(SOCKET_NAMES, key=len)).encode()) <= IPC_PATH_MAX:
-            preferred.mkdir(mode=0o700, exist_ok=True)
-            preferred.chmod(0o700)
-            return preferred, False
-    return Path(tempfile.mkdtemp(prefix="ddtop-")), True

@@ -1,6 +1,7 @@
 """The daemon of one run, set up and closed: its folder and lock, its config, the
 exporter (--metrics), the relay's sockets (with the run's keys over TCP), the starter
-of its ranks, its part in a multi-node job (hub, node, or none) and how its ranks end.
+of its ranks (which one: `make_starter`), its part in a multi-node job (hub, node, or
+none) and how its ranks end.
 Each part is made once, in order, and handed whole to the loop (daemon/runloop.py),
 which supervises the run; every way out closes every part made, in reverse.
 
@@ -25,12 +26,35 @@ from ddtop.core.text import count_of
 from ddtop.daemon import nodes
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter, open_exporter
-from ddtop.daemon.launchers import make_starter
+from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.noderole import NodeRole
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import RunReport
 from ddtop.daemon.runloop import RunLoop
 from ddtop.daemon.starters import RankStarter, choose_port, rank_program
+from ddtop.daemon.torchrun import TorchrunRanks
+from ddtop.daemon.watching import WatchedCommand, WatchedRanks
+
+# Which RankStarter a run gets: by `--launcher` for `ddtrain start`, by whether it
+# was given a command for `ddtrain watch` (starter_name).
+STARTERS: dict[str, Callable[[RunPaths, int, float], RankStarter]] = {
+    "local": LocalRanks, "torchrun": TorchrunRanks,
+    "watch": WatchedCommand, "watch-elsewhere": WatchedRanks}
+
+
+def starter_name(config: TrainConfig) -> str:
+    if config.watch is not None:
+        return "watch" if config.watch else "watch-elsewhere"
+    return config.launcher
+
+
+def make_starter(config: TrainConfig, paths: RunPaths, port: int, started: float,
+                 state: RunState) -> RankStarter:
+    """The run's starter; a commandless watch ends by what `state` says of its ranks."""
+    starter = STARTERS[starter_name(config)](paths, port, started)
+    if isinstance(starter, WatchedRanks):
+        starter.state = state
+    return starter
 
 
 class Supervisor:
@@ -74,7 +98,7 @@ class Supervisor:
                 port = choose_port(config.master_addr, 0)
             starter = self.starter = make_starter(config, paths, port, report.started,
                                                   relay.state)
-            relay.rank_pid = starter.is_rank  # a hello from any other pid: dropped
+            relay.believe(starter.is_rank)  # a hello from any other pid: dropped
             role = NodeRole(config, paths, relay, self.err, starter.local_ranks)
             # Signs the stop step in torch's store (training/stopping.py): this daemon's
             # own, or a multi-node job's, derived from its keys (the same on every node).

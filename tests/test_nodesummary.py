@@ -49,7 +49,7 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
     config = TrainConfig(world_size=WORLD, nnodes=NODES + 1, nproc_per_node=PER,
                          rdzv_endpoint="127.0.0.1:1", run_id="sim", launcher="torchrun")
     hub = nodes.Hub(config, relay)
-    relay.hub = hub
+    relay.serve_hub(hub)
     hub.nodes_endpoint = relay.endpoints["nodes"]
     (tmp_path / "hub.json").write_text(json.dumps(relay.endpoints))
     scenario = {"slow": {str(SLOW): 1.5}, "dead": [DEAD_RANK, DEAD_AT],

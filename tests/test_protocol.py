@@ -39,7 +39,7 @@ def relay(tmp_path: Path) -> Iterator[Relay]:
 def hub(relay: Relay) -> nodes.Hub:
     """The relay as the hub of a 2-node job."""
     hub = nodes.Hub(TrainConfig(world_size=WORLD, nnodes=2), relay)
-    relay.hub = hub
+    relay.serve_hub(hub)
     return hub
 
 

@@ -220,7 +220,7 @@ def test_a_hello_from_a_pid_that_is_not_the_ranks_is_dropped_and_counted(
 def needs_sender_pids() -> None:
     """Skip where this libzmq does not name the sending process of an ipc frame
     (its Peer-Address without a pid): the daemon then checks the hello alone."""
-    from ddtop.daemon.relay import peer_pid
+    from ddtop.daemon.ipc import peer_pid
 
     short = Path(tempfile.mkdtemp(prefix="ddtop-peer-", dir="/tmp"))  # a unix socket path
     context = zmq.Context()
