@@ -324,7 +324,10 @@ def test_a_forged_hello_cannot_make_stop_signal_a_stranger(tmp_path: Path) -> No
         record = json.loads((tmp_path / "runs" / "forged" / "run.json").read_text())
         send(record["endpoints"]["telemetry"],
              [forged_hello("forged", 9, stranger.pid), forged_hello("forged", 1, stranger.pid)])
-        time.sleep(1.0)  # folded (or dropped) by the daemon before the stop
+        # Dropped by the daemon before the stop: rank 9 is no rank of the run, and the
+        # hello for rank 1 came from a process that is not rank 1.
+        run.wait_for("forged", lambda s: {"rank_out_of_range", "foreign_pid"} <= set(
+            s["rejected"]), timeout=30)
         stopped = run.cli("stop", "forged")
         assert stopped.returncode == 0 and "run forged stopped" in stopped.stdout, (
             stopped.stdout + stopped.stderr)
