@@ -11,6 +11,7 @@ ranks, when it started, the daemon's own verdicts) starts again with `begin`.
 
 from __future__ import annotations
 
+import signal
 import time
 
 from ddtop.core import blame, wire
@@ -87,14 +88,17 @@ class Exits:
         exit recorded (the one way the daemon ends ranks that did not end)."""
         alive = self.running()
         for r in alive:
-            r.stopped_by_us = True
             r.process.terminate()
         deadline = time.monotonic() + TERM_GRACE_S
+        killed = set()
         for r in alive:
             r.process.join(max(0.0, deadline - time.monotonic()))
             if r.process.exitcode is None:
                 r.process.kill()
                 r.process.join()
+                killed.add(r.rank)
+        for r in alive:
+            r.stopped_by_us = stopped_by_us(r.process.exitcode, r.rank in killed)
         for r in self.ranks:
             r.exitcode = r.process.exitcode
 
@@ -182,6 +186,17 @@ class Exits:
                 found = ErrorReport(message=view.error, traceback=view.traceback or "",
                                     time=view.last_seen or self.started, rank=rank)
         return found
+
+
+def stopped_by_us(exitcode: int | None, killed: bool) -> bool:
+    """Whether the daemon's stop explains a rank's exit: SIGTERM, the SIGKILL it sent
+    after TERM_GRACE_S, or an exit after its SIGTERM. A signal it did not send (the
+    rank's own SIGKILL, a segfault, the OOM killer) is the rank's own end, reported
+    late: a forkserver's rank is seen to exit only once the forkserver has reaped it,
+    so a rank that died first may be seen after a peer that only lost it."""
+    if exitcode is None or exitcode >= 0:
+        return True
+    return exitcode == -signal.SIGTERM or (killed and exitcode == -signal.SIGKILL)
 
 
 def left_early(rank: Rank) -> str | None:

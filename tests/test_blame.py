@@ -204,3 +204,21 @@ LOST_NODE = NodeEnd(3, "running", lost=True)
 def test_a_jobs_verdict_across_nodes(status: str, ours: Cause, others: list[NodeEnd],
                                      verdict: JobVerdict) -> None:
     assert job_verdict(status, ours, others) == verdict
+
+
+def test_a_signal_the_daemon_did_not_send_is_the_ranks_own_end() -> None:
+    """A stop ends what still runs; a rank seen to exit only now (a forkserver's,
+    reaped after a peer that only lost it) is stopped by the daemon only where the
+    daemon's own signal explains its exit, so a rank that killed itself is blamed."""
+    from ddtop.daemon.exits import stopped_by_us
+
+    assert stopped_by_us(-signal.SIGTERM, killed=False)
+    assert stopped_by_us(-signal.SIGKILL, killed=True)  # after TERM_GRACE_S
+    assert stopped_by_us(0, killed=False) and stopped_by_us(1, killed=False)
+    assert not stopped_by_us(-signal.SIGKILL, killed=False)  # its own, or the OOM killer's
+    assert not stopped_by_us(-signal.SIGSEGV, killed=False)
+    assert not stopped_by_us(-signal.SIGSEGV, killed=True)
+    own = RankEnd(-signal.SIGKILL, stopped_by_daemon=stopped_by_us(-signal.SIGKILL, False))
+    peer = RankEnd(1)
+    lost = ErrorReport(message="RuntimeError: Connection closed by peer", rank=0)
+    assert culprit({0: peer, 1: own}, {0: lost}) == 1
