@@ -75,6 +75,23 @@ def test_work_outside_the_steps_is_said_at_once_step_phases_are_not() -> None:
     assert beats.due(2.6, "data")
 
 
+def test_an_evaluation_begun_again_is_said_though_its_end_could_not_be() -> None:
+    """Evaluation every few steps: its end came less than a second after the heartbeat
+    before it (not said then), and the next evaluation, by name the phase the daemon
+    holds, is said as soon as the second is up, not a second after the last step."""
+    beats = Beats()
+    beats.beat(0.0, "evaluation", sent=True, since=0.0)
+    beats.beat(1.0, "evaluation", sent=True, since=0.0)  # a second in: still evaluating
+    assert not beats.due(1.3, "data", since=1.3)  # its end: within the second
+    for now in (1.4, 1.5, 1.6):
+        beats.stepped(now)
+    assert not beats.due(1.9, "evaluation", since=1.7)  # the next: not before 2.0
+    assert beats.due(2.0, "evaluation", since=1.7)  # then said, at once
+    assert not beats.due(2.0, "evaluation", since=0.0)  # the one told, still going: no news
+    beats.beat(2.0, "evaluation", sent=True, since=1.7)
+    assert beats.told_since == 1.7 and not beats.due(2.1, "evaluation", since=1.7)
+
+
 def test_a_phase_that_flips_every_step_costs_a_heartbeat_a_second_at_most() -> None:
     """A script that runs an evaluation forward in each training step."""
     beats = Beats()

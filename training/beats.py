@@ -18,7 +18,11 @@ stepping rank needs no heartbeat. One goes out:
   last heartbeat, so that a script whose phase flips every step (an evaluation
   forward in each training step) sends no more than one a second, as before.
   A change between two step phases is not worth a message (the Step message
-  carries each phase's time), nor is "done" (the bye says it).
+  carries each phase's time), nor is "done" (the bye says it). Work outside the
+  steps entered again is news too, though its name is the one told: an
+  evaluation every few steps whose end could not be said in time (less than a
+  second after the heartbeat before it) is said when it begins again, not only
+  a second after the rank's last step.
 
 The collective a rank enters is not worth a message of its own: while the rank
 steps, the next Step message ends it; once it stops stepping, in the
@@ -55,16 +59,19 @@ class Beats:
         # The phase the daemon holds: its newest heartbeat's, as its fold moves it
         # on (a Step message ends set-up). None: no heartbeat has gone out.
         self.told: wire.Phase | None = None
+        self.told_since: float | None = None  # when the rank entered the phase told
         self.last = -math.inf  # a Step message went out, or a heartbeat was tried
         self.beat_at = -math.inf  # a heartbeat was tried
 
-    def due(self, now: float, phase: wire.Phase) -> bool:
-        """Whether a heartbeat saying `phase` goes out at `now`."""
+    def due(self, now: float, phase: wire.Phase, since: float | None = None) -> bool:
+        """Whether a heartbeat saying `phase`, entered at `since`, goes out at `now`."""
         if now - self.last >= HEARTBEAT_INTERVAL_S:
             return True
         if self.told is None or now - self.beat_at < HEARTBEAT_INTERVAL_S:
             return False
-        return phase_news(phase, self.told)
+        again = (phase == self.told and phase not in wire.STEP_PHASES and phase != "done"
+                 and since is not None and since != self.told_since)
+        return again or phase_news(phase, self.told)
 
     def next_at(self) -> float:
         """When one is due at the latest, if nothing goes out until then."""
@@ -77,8 +84,10 @@ class Beats:
         if self.told == "setup":
             self.told = "data"
 
-    def beat(self, now: float, phase: wire.Phase, sent: bool) -> None:
-        """A heartbeat saying `phase` was tried at `now`; `sent`: it went out."""
+    def beat(self, now: float, phase: wire.Phase, sent: bool,
+             since: float | None = None) -> None:
+        """A heartbeat saying `phase` (entered at `since`) was tried at `now`;
+        `sent`: it went out."""
         self.last = self.beat_at = now
         if sent:
-            self.told = phase
+            self.told, self.told_since = phase, since

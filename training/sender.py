@@ -167,8 +167,8 @@ class Sender:
                 if now >= next_step:
                     next_step = now + SEND_INTERVAL_S
                 said = self._said.phase  # (one read: the phase and since when)
-                if beats.due(now, said[0]):
-                    beats.beat(now, said[0], self._send(sock, self._heartbeat(said)))
+                if beats.due(now, said[0], said[1]):
+                    beats.beat(now, said[0], self._send(sock, self._heartbeat(said)), said[1])
                 if stopping:
                     self._send_events(sock)  # what the last fold said (a warning), before bye
                     if self._bye is not None:
