@@ -101,6 +101,7 @@ def test_a_small_run_keeps_the_table() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow  # 16,384 ranks, a frame per key: 19 s on 2 cores (make test runs it)
 def test_the_map_shows_every_rank_and_opens_a_ranks_detail() -> None:
     app = DashboardApp(FixedClockFeed(big_run()), fps=10)
 
