@@ -196,7 +196,8 @@ def test_replay_plays_the_journal_in_its_own_time(recorded: Path) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.processes
 def test_live_run_rows_advance_quit_leaves_it_running_and_x_stops_it(tmp_path: Path) -> None:
-    with detached("-n", "2", "--epochs", "40", "--run-id", "tui", cwd=tmp_path) as run:
+    with detached("-n", "2", "--epochs", "40",
+                  "--step-delay", "0.05", "--run-id", "tui", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         paths = RunPaths(tmp_path / "runs" / "tui")
 
@@ -265,7 +266,8 @@ def test_a_daemon_that_does_not_answer_gets_a_banner_and_retries() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.processes
 def test_killed_daemon_shows_the_run_lost(tmp_path: Path) -> None:
-    with detached("-n", "2", "--epochs", "40", "--run-id", "gone", cwd=tmp_path) as run:
+    with detached("-n", "2", "--epochs", "40",
+                  "--step-delay", "0.05", "--run-id", "gone", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         paths = RunPaths(tmp_path / "runs" / "gone")
         pid = RunInfo.load(paths).daemon_pid

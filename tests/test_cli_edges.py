@@ -36,7 +36,8 @@ COMMAND_TIMEOUT_S = 30  # a command that hangs (what damaged keys did) fails the
 @pytest.fixture(scope="module")
 def over_tcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, Path]]:
     cwd = tmp_path_factory.mktemp("edges")
-    with running(cwd, RUN, "-n", "1", "--epochs", "200", "--bind", "127.0.0.1") as run:
+    with running(cwd, RUN, "-n", "1", "--epochs", "200",
+                 "--step-delay", "0.05", "--bind", "127.0.0.1") as run:
         yield run, cwd / "runs" / RUN
 
 

@@ -236,7 +236,8 @@ def test_a_killed_rank_fails_the_run_and_is_named(tmp_path: Path) -> None:
 
 
 def test_killing_the_daemon_leaves_no_rank_behind(tmp_path: Path) -> None:
-    with detached("-n", "2", "--epochs", "50", "--run-id", "orphans", cwd=tmp_path) as run:
+    with detached("-n", "2", "--epochs", "50",
+                  "--step-delay", "0.05", "--run-id", "orphans", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         pid = run_json(run, "orphans")["daemon_pid"]
         os.kill(pid, signal.SIGKILL)
@@ -263,7 +264,8 @@ def test_torchrun_launcher_restarts_a_killed_rank(restarted: Together) -> None:
 
 
 def test_torchrun_launcher_stops_gracefully(tmp_path: Path) -> None:
-    with detached("--launcher", "torchrun", "-n", "2", "--epochs", "50", "--run-id", "trs",
+    with detached("--launcher", "torchrun", "-n", "2", "--epochs", "50",
+                  "--step-delay", "0.05", "--run-id", "trs",
                   cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         run.wait_for("trs", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))

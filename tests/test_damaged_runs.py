@@ -186,7 +186,8 @@ def test_the_same_as_real_processes(runs: Path, kind: str, file: str,
 
 @pytest.mark.processes
 def test_a_live_run_with_damaged_files_is_watched_and_stopped(tmp_path: Path) -> None:
-    with detached("-n", "2", "--epochs", "50", "--run-id", "live", cwd=tmp_path) as run:
+    with detached("-n", "2", "--epochs", "50",
+                  "--step-delay", "0.05", "--run-id", "live", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         root = tmp_path / "runs" / "live"
         (root / "config.json").write_text("[]")  # read at start only: nothing changes

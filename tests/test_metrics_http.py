@@ -218,7 +218,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, s
     """A 2-rank run serving /metrics on a free port; rank 1 takes 20 times its step
     time (a step every few tenths of a second), then freezes after STOP_STEP."""
     cwd = tmp_path_factory.mktemp("metrics")
-    with detached("-n", "2", "--epochs", "50", "--metrics", "0", "--run-id", "prom",
+    with detached("-n", "2", "--epochs", "50",
+                  "--step-delay", "0.05", "--metrics", "0", "--run-id", "prom",
                   "--inject", "1:slow=20x", "--inject", f"1:stop@step={STOP_STEP}",
                   cwd=cwd) as run:
         assert run.started.returncode == 0, run.started.stdout + run.started.stderr

@@ -317,7 +317,8 @@ def test_a_forged_hello_cannot_make_stop_signal_a_stranger(tmp_path: Path) -> No
     """Hellos claiming rank 9 and rank 1 with an unrelated process's pid, then a
     stop: the daemon asks only the ranks torchrun's agent started; the stranger
     (which SIGUSR1 would kill) lives on."""
-    with detached("--launcher", "torchrun", "-n", "2", "--epochs", "50", "--run-id", "forged",
+    with detached("--launcher", "torchrun", "-n", "2", "--epochs", "50",
+                  "--step-delay", "0.05", "--run-id", "forged",
                   cwd=tmp_path) as run, sleeper() as stranger:
         assert run.started.returncode == 0, run.started.stderr
         run.wait_for("forged", lambda s: all(r["global_step"] > 0 for r in s["ranks"]))

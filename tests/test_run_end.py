@@ -39,7 +39,8 @@ def last_json(text: str) -> dict[str, Any]:
 
 @pytest.mark.processes
 def test_rejected_counts_outlive_the_run(tmp_path: Path) -> None:
-    with detached("-n", "2", "--epochs", "50", "--run-id", "rj", cwd=tmp_path) as run:
+    with detached("-n", "2", "--epochs", "50",
+                  "--step-delay", "0.05", "--run-id", "rj", cwd=tmp_path) as run:
         assert run.started.returncode == 0, run.started.stderr
         watcher = subprocess.Popen([DDTOP, "--headless", "--format", "jsonl", "rj"],
                                    cwd=tmp_path, env=tagged_env(run.tag), text=True,

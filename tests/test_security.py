@@ -79,7 +79,7 @@ def guarded() -> Iterator[tuple[Detached, Path]]:
         base.chmod(0o755)
         (base / "runs").mkdir(mode=0o755)
         (base / "runs").chmod(0o755)
-        with running(base, RUN, "-n", "2", "--epochs", "200") as run:
+        with running(base, RUN, "-n", "2", "--epochs", "200", "--step-delay", "0.05") as run:
             yield run, base / "runs" / RUN
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)

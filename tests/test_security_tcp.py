@@ -54,7 +54,8 @@ FORGED_LOSS = 12345.0
 @pytest.fixture(scope="module")
 def over_tcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, Path]]:
     cwd = tmp_path_factory.mktemp("tcp")
-    with running(cwd, TCP_RUN, "-n", "2", "--epochs", "200", "--bind", "127.0.0.1") as run:
+    with running(cwd, TCP_RUN, "-n", "2", "--epochs", "200",
+                 "--step-delay", "0.05", "--bind", "127.0.0.1") as run:
         yield run, cwd / "runs" / TCP_RUN
 
 

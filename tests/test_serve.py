@@ -358,7 +358,7 @@ def test_what_a_page_sends_is_checked(replayed: Server) -> None:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, Server]]:
     """A live 2-rank run, served on loopback."""
     cwd = tmp_path_factory.mktemp("serve-live")
-    with running(cwd, RUN, "-n", "2", "--epochs", "1000") as run, \
+    with running(cwd, RUN, "-n", "2", "--epochs", "1000", "--step-delay", "0.05") as run, \
             serving(cwd, "127.0.0.1", "127.0.0.1", str(cwd / "runs" / RUN)) as server:
         yield run, server
 
