@@ -331,8 +331,9 @@ def torch_aborted_at_exit(run: Run, what: str) -> bool:
     """Whether `run` (ranks under plain torchrun) ended in torch's own abort at
     interpreter exit: seen in CI in 2 of 4 runs of the suite on a loaded machine,
     once with and once *without* ddtop in the script (so not ddtop's), never in 95
-    runs here; and once in a start-up hook test's torchrun. Said, so that a rerun
-    is never silent."""
+    runs here; once in a start-up hook test's torchrun, and once (2026-12-06, a
+    clean-clone run) in its script that starts its own second rank. Said, so that
+    a rerun is never silent."""
     if run.returncode != 0 and TORCH_EXIT_ABORT in run.stderr:
         print(f"\n{what} aborted at exit in torch ({TORCH_EXIT_ABORT!r}): running it again")
         return True

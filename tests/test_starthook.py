@@ -186,11 +186,17 @@ if not child:
 def test_a_script_that_starts_its_own_second_rank_is_two_ranks(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SPAWNS_ITS_OWN_RANK)
-    with collecting() as collector:
-        code, _, err = run([sys.executable, str(script)], tmp_path,
-                           {"DDTOP_TELEMETRY": collector.endpoint, "PORT": str(free_port())})
-        assert code == 0, err[-3000:]
-        assert_watched(collector, 2, STEPS, (8 * 2 + 2) * 4)
+    for attempt in (1, 2):  # a second only after torch's abort at exit (helpers.py)
+        with collecting() as collector:
+            code, out, err = run([sys.executable, str(script)], tmp_path,
+                                 {"DDTOP_TELEMETRY": collector.endpoint,
+                                  "PORT": str(free_port())})
+            if attempt == 1 and torch_aborted_at_exit(Run(code, out, err, []),
+                                                      "a script's own second rank"):
+                continue
+            assert code == 0, err[-3000:]
+            assert_watched(collector, 2, STEPS, (8 * 2 + 2) * 4)
+        break
 
 
 ONE_RANK = """\
