@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from stats import median_ratio  # bench/stats.py, beside this script
+from tui_cpu import baseline_tree  # bench/tui_cpu.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 PER_NODE = 8
@@ -124,29 +125,6 @@ def measure(world: int, repeats: int) -> dict[str, float]:
             ok=True, seq=1, summary=state.summary(now))), repeats),
         "reply_mb": len(protocol.encode(protocol.StatusReply(ok=True, summary=summary))) / 1e6,
     }
-
-
-def baseline_tree(ref: str, into: Path) -> Path:
-    """A package tree importing as `ddtop` that is `ref`'s whole: every part as that
-    commit lays it out (api/ as `ddtop`, core/ where it has one, daemon/, dashboard/,
-    training/), so a baseline from before a move imports as it did. Returns the folder
-    for PYTHONPATH."""
-    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref],
-                            capture_output=True, text=True, check=True).stdout.split()
-    parts = [p for p in ("api", "core", "daemon", "dashboard", "training") if p in listed]
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, *parts],
-                             capture_output=True, check=True).stdout
-    src = into / "src"
-    src.mkdir(parents=True)
-    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    package = into / "pkg" / "ddtop"
-    package.mkdir(parents=True)
-    for module in (src / "api").iterdir():
-        (package / module.name).symlink_to(module)
-    for part in parts:
-        if part != "api":
-            (package / part).symlink_to(src / part)
-    return into / "pkg"
 
 
 def run_child(world: int, repeats: int, pythonpath: str | None) -> dict[str, float]:
