@@ -2,7 +2,7 @@
 
 What each rank runs (the built-in trainer, or the user's own script) is a
 `RankProgram`; how ranks are started is a `RankStarter`'s business. The
-supervisor (daemon/supervisor.py) does not know how ranks come to be: it
+run's loop (daemon/runloop.py) does not know how ranks come to be: it
 asks a `RankStarter` to start them, waits on the processes it returns, and
 asks it again, once those exited, how each rank ended. Two starters exist:
 
