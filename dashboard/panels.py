@@ -1,7 +1,8 @@
 """What each panel of the dashboard says, as rich Text built from a RunState.
 
-Pure functions (state in, Text out): the app calls them under the feed's lock
-once per frame and hands the results to its widgets, which only display.
+Pure functions (state in, Text out): each main-view panel (mainpanels.py) calls
+its own under the feed's lock, at its own pace, and shows the result; the rank
+detail screen does the same for its panels.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What the dashboard's charts plot, as plain data built from a RunState.
 
-Pure functions (state in, ChartData out), as panels.py is for text: the app
-calls them under the feed's lock and hands the results to the Chart widgets
-(charts.py), which only draw. The x axis is the global step; each chart has a
+Pure functions (state in, ChartData out), as panels.py is for text: the chart
+grid (mainpanels.py) calls them under the feed's lock and hands the results to
+the Chart widgets (charts.py), which only draw. The x axis is the global step; each chart has a
 unit for its y axis and a title that says the latest value.
 """
 
