@@ -49,10 +49,15 @@ def test_rejected_counts_outlive_the_run(tmp_path: Path) -> None:
         assert watcher.stdout is not None
         ready, _, _ = select.select([watcher.stdout], [], [], 30.0)
         assert ready, "ddtop --headless printed nothing in 30 s"
-        # Attached (its first line: an event of the snapshot, or progress): the snapshot
-        # has no rejected frames yet.
-        first = watcher.stdout.readline()
-        assert json.loads(first).get("rejected", {}) == {}
+        # Attached, its snapshot taken before any junk is sent: its first progress line
+        # (after the snapshot's events). Read until it comes (the test's timeout bounds it).
+        first = ""
+        while True:
+            line = watcher.stdout.readline()
+            assert line, "ddtop --headless ended before its first progress line"
+            first += line
+            if json.loads(line).get("kind") == "progress":
+                break
         endpoints = json.loads((tmp_path / "runs/rj/run.json").read_text())["endpoints"]
         context = zmq.Context()
         push = context.socket(zmq.PUSH)
