@@ -332,8 +332,10 @@ def torch_aborted_at_exit(run: Run, what: str) -> bool:
     interpreter exit: seen in CI in 2 of 4 runs of the suite on a loaded machine,
     once with and once *without* ddtop in the script (so not ddtop's), never in 95
     runs here; once in a start-up hook test's torchrun, and once (2026-12-06, a
-    clean-clone run) in its script that starts its own second rank. Said, so that
-    a rerun is never silent."""
+    clean-clone run) in its script that starts its own second rank, and once
+    (2026-12-06 again) in an FSDP2 script's rank under `ddtrain watch -- torchrun`,
+    after the script's destroy_process_group. Said, so that a rerun is never
+    silent."""
     if run.returncode != 0 and TORCH_EXIT_ABORT in run.stderr:
         print(f"\n{what} aborted at exit in torch ({TORCH_EXIT_ABORT!r}): running it again")
         return True
