@@ -16,7 +16,7 @@ import msgspec
 from ddtop.core import control, manyranks, protocol
 from ddtop.core.config import default_runs_dir
 from ddtop.core.contract import EXIT_FAILED, EXIT_OK, UsageError
-from ddtop.core.processes import LogTail, same_process, send_signal
+from ddtop.core.processes import LogTail, ProcessId, same_process, send_signal
 from ddtop.core.runinfo import RunInfo, list_runs
 from ddtop.core.runs import RunPaths, locate_run
 from ddtop.core.summary import (
@@ -27,6 +27,8 @@ from ddtop.core.summary import (
     rate_words,
 )
 from ddtop.core.text import count_of
+from ddtop.daemon.leftovers import end
+from ddtop.daemon.watchguard import describe, started_by
 
 FOLLOW_POLL_S = 0.2
 # `ddtrain stop` waits this long past --timeout before it kills the daemon itself
@@ -200,7 +202,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
         reused = (f"; pid {pid} is another process now, left alone" if info.status == LOST
                   and info.pid_reused and not unverifiable else "")
         said = f"; {unverifiable}" if info.status == LOST and unverifiable else ""
-        print(f"ddtrain: run {rid} is not running ({info.status}{reused}){said}")
+        print(f"ddtrain: run {rid} is not running ({info.status}{reused}){said}", flush=True)
+        if info.status == LOST and daemon is not None and daemon.start is not None:
+            _end_what_it_started(rid, daemon, args.timeout)
         return EXIT_OK
     assert pid is not None
     try:
@@ -234,6 +238,22 @@ def cmd_stop(args: argparse.Namespace) -> int:
             if info.paths.checkpoint_files() and final.status != "succeeded" else "")
     print(f"ddtrain: run {rid} {final.status}{hint}")
     return EXIT_OK
+
+
+def _end_what_it_started(rid: str, daemon: ProcessId, timeout: float) -> None:
+    """A lost run's processes (a watched command and its ranks, whose guard did
+    not end them: killed with it), found by the environment the daemon gave them
+    (daemon/watchguard.py), never by a recorded pid alone: SIGTERM, then SIGKILL
+    after `timeout`."""
+    found = started_by(daemon.pid, rid, daemon)
+    if not found:
+        return
+    print(f"ddtrain: its daemon (pid {daemon.pid}) is gone, but what it started is not: "
+          f"stopping {describe(found)} (up to {timeout:g} s)...", flush=True)
+    ended, killed = end(lambda: started_by(daemon.pid, rid, daemon), timeout)
+    hard = f", {len(killed)} with SIGKILL" if killed else ""
+    noun = "process" if len(ended) == 1 else "processes"
+    print(f"ddtrain: run {rid}: ended {len(ended)} {noun}{hard}", flush=True)
 
 
 # -- logs ---------------------------------------------------------------------------

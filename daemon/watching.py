@@ -48,15 +48,21 @@ from ddtop.core.processes import (
     environ_value,
     read_stat,
     same_process,
+    set_parent_death_signal,
 )
 from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.starters import COMMAND, WATCH, Rank
 from ddtop.daemon.torchrun import FAILURE_SUMMARY, REFUSED_MAX
+from ddtop.daemon.watchguard import start_guard
 
 COMMAND_LOG = "command.log"
 NO_GOODBYE = "ended without saying goodbye (its launcher has its exit status)"
+
+
+def _term_with_parent() -> None:
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def watch_environment(paths: RunPaths) -> dict[str, str]:
@@ -126,6 +132,7 @@ class WatchedCommand(_Ranks):
         self.agent: ProcessId | None = None
         self.log_start = 0
         self.over_tcp = False  # --bind: ranks on other machines may report
+        self.guard: subprocess.Popen[bytes] | None = None  # ends them all if the daemon dies
 
     def start(self, config: TrainConfig, attempt: int, started: list[Rank]) -> None:
         assert config.watch
@@ -133,8 +140,11 @@ class WatchedCommand(_Ranks):
         env = {**os.environ, **watch_environment(self.paths)}
         try:
             with self.log.open("ab") as log:
+                # Its own session, and SIGTERM when the daemon dies; the guard ends
+                # whatever outlives both (daemon/watchguard.py).
                 popen = subprocess.Popen(config.watch, env=env, cwd=config.workdir,
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         start_new_session=True, preexec_fn=_term_with_parent)
         except OSError as e:
             raise UsageError(f"cannot run {config.watch[0]!r}: {e.strerror}; check the "
                              "command after --") from None
@@ -143,6 +153,8 @@ class WatchedCommand(_Ranks):
         self.tails = [("", tail)]
         agent = AgentProcess(popen)
         self.agent, self.seen, self.refused = agent.identity, {}, {}
+        if self.guard is None and agent.identity is not None:
+            self.guard = start_guard(self.paths.run_id, agent.identity, self.log)
         started.append(Rank(COMMAND, agent))
 
     def is_rank(self, rank: int, pid: int) -> bool:
@@ -191,7 +203,8 @@ class WatchedCommand(_Ranks):
         return with_environment(DAEMON_PID_ENV, str(os.getpid()), self.agent)
 
     def close(self) -> None:
-        """Nothing of its own: the command has exited."""
+        """The command has exited; the guard exits once the daemon has (and finds
+        nothing left). Its pipe-less Popen is let go without a wait."""
 
 
 @dataclass
