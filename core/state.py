@@ -49,10 +49,14 @@ from ddtop.core.summary import LOST, Failure, RunSummary, ScalarSummary, Status
 
 MAX_RANKS = MAX_JOB_RANKS  # the ranks one fold holds: a job's (core/bounds.py)
 # A rank that has spoken sends its next message with the next sequence number, or
-# a few later where some were lost; a jump of more than this (a day of messages at
-# ten a second) is no rank's: it is refused (rejected `seq_jump`), so that a
-# message forged with a huge number cannot make the rank's own look old.
-MAX_SEQ_JUMP = 1_000_000
+# a few later where some were lost. A message further ahead than this is held, not
+# folded (counted in rejected `seq_jump`): it is taken only when the rank's next
+# message follows it (a real gap: both folded, the count taken back); when the
+# next one follows the rank's own sequence instead, the held one was forged and
+# is dropped. So a message forged with a number far ahead, by any amount, cannot
+# make the rank's own look old.
+MAX_SEQ_JUMP = 1_000
+MAX_HELD = 64  # messages held at once (a forger's flood); the oldest is dropped
 
 
 class GlobalPoint(msgspec.Struct, array_like=True):
@@ -94,6 +98,7 @@ class RunState(msgspec.Struct, kw_only=True):
     scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS (core/scalars.py), ignored
     folded: int = 0
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
+    held: dict[int, wire.Message] = {}  # rank -> a message far ahead of its sequence (apply)
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
     alone: str | None = None  # ranks that never communicated, in words (core/alone.py)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
@@ -124,9 +129,14 @@ class RunState(msgspec.Struct, kw_only=True):
             view = self.ranks[message.rank] = RankView(rank=message.rank)
         if isinstance(message, wire.Hello) and view.max_seq >= 0 and message.pid != view.pid:
             view.new_incarnation()
+            self.held.pop(message.rank, None)
         elif view.max_seq >= 0 and message.seq - view.max_seq > MAX_SEQ_JUMP:
-            self.rejected["seq_jump"] = self.rejected.get("seq_jump", 0) + 1
-            return False
+            return self._jump(view, message, received)
+        elif self.held.pop(message.rank, None) is not None:
+            pass  # the rank's own sequence goes on: what was held was forged (counted)
+        return self._sequenced(view, message, received)
+
+    def _sequenced(self, view: RankView, message: wire.Message, received: float) -> bool:
         late = view.sequence(message.seq)
         if late is None:
             return False
@@ -134,6 +144,22 @@ class RunState(msgspec.Struct, kw_only=True):
         view.sender_dropped += message.dropped
         self._fold_rank(view, message, late, received)
         return True
+
+    def _jump(self, view: RankView, message: wire.Message, received: float) -> bool:
+        """A message more than MAX_SEQ_JUMP ahead of the rank's sequence: folded,
+        with the one held before it, when it follows that one; else held."""
+        held = self.held.pop(message.rank, None)
+        if held is not None and 0 < message.seq - held.seq <= MAX_SEQ_JUMP:
+            self.rejected["seq_jump"] -= 1  # a real gap after all
+            if not self.rejected["seq_jump"]:
+                del self.rejected["seq_jump"]
+            self._sequenced(view, held, received)
+            return self._sequenced(view, message, received)
+        if len(self.held) >= MAX_HELD:
+            del self.held[next(iter(self.held))]
+        self.held[message.rank] = message
+        self.rejected["seq_jump"] = self.rejected.get("seq_jump", 0) + 1
+        return False
 
     def _apply_summary(self, summary: wire.NodeSummary, received: float) -> bool:
         """Node `summary.node`'s summary (daemon/summariser.py): its ranks' messages in

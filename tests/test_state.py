@@ -90,6 +90,34 @@ def test_a_forged_huge_sequence_number_is_refused_so_the_ranks_own_are_not_old()
     assert s.apply(step(0, 2 + state.MAX_SEQ_JUMP, 30), 103.0) is True  # a real gap: lost
 
 
+def test_a_forged_jump_of_any_size_is_held_and_dropped_when_the_rank_goes_on() -> None:
+    """Under the old bound (a jump of 990,000 < 1,000,000 was folded) one forged
+    Step froze rank 0 at its step and loss for hours of its own messages. Now a
+    jump is held until the rank's next message: the rank's own sequence going on
+    drops it; a message that follows the held one (a real gap) takes both."""
+    for jump in (990_000, state.MAX_SEQ_JUMP + 1, 2**40):
+        s = fold(hello(0), step(0, 1, 10))
+        assert s.apply(step(0, 1 + jump, 99_999), 101.0) is False
+        assert s.rejected == {"seq_jump": 1} and s.ranks[0].global_step == 10
+        for seq in range(2, 6):
+            assert s.apply(step(0, seq, 10 * seq), 101.0 + seq) is True
+        assert (s.ranks[0].global_step, s.ranks[0].lost, s.held) == (50, 0, {})
+        assert s.rejected == {"seq_jump": 1}
+    # A real gap (the sender lost 5,000 messages): held, then taken with the next.
+    s = fold(hello(0), step(0, 1, 10))
+    assert s.apply(step(0, 5_002, 20), 101.0) is False
+    assert s.apply(step(0, 5_003, 30), 102.0) is True
+    v = s.ranks[0]
+    assert (v.global_step, v.lost, s.rejected, s.held) == (30, 5_000, {}, {})
+    # A forger's flood of jumps holds at most MAX_HELD messages.
+    s = fold(*[hello(r) for r in range(state.MAX_HELD + 10)],
+             *[step(r, 1, 10) for r in range(state.MAX_HELD + 10)])
+    for r in range(state.MAX_HELD + 10):
+        s.apply(step(r, 10**9, 1), 101.0)
+    assert len(s.held) == state.MAX_HELD
+    assert s.rejected == {"seq_jump": state.MAX_HELD + 10}
+
+
 def test_out_of_order_delivery_ends_in_the_same_state() -> None:
     messages = [hello(0), step(0, 1, 10), step(0, 2, 20), step(0, 3, 30), hello(1),
                 step(1, 1, 10), step(1, 2, 20)]
