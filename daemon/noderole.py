@@ -55,7 +55,7 @@ class NodeRole:
     # -- joining -------------------------------------------------------------------
     def become_hub(self, bind: str) -> None:
         """Node 0: serve the node daemons, and tell them where (hub.json)."""
-        self.hub = nodes.Hub(self.config, self.relay)
+        self.hub = nodes.Hub(self.config, self.relay, self.local_ranks)
         self.relay.serve_hub(self.hub)
         # On every interface: as the rendezvous names this host (a watch has none: its name).
         host = (self.config.rdzv_host or socket.gethostname()) if bind in ("0.0.0.0", "::") \

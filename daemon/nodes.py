@@ -29,7 +29,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -58,6 +58,7 @@ NODE_FINAL_WAIT_S = 10.0  # how long the hub waits, at the end, for nodes to say
 UP: Final = "up"
 UNREACHABLE: Final = "unreachable"
 LOST: Final = "lost"
+NOT_ITS_RANK = "not_its_rank"  # rejected: a node spoke for a rank that is not its own
 DONE: Final = "done"
 
 
@@ -107,9 +108,15 @@ class Hub:
     """Node 0's side: the node table, fed by the relay (forwarded frames, `node`
     requests); `check` turns silences into `unreachable` events."""
 
-    def __init__(self, config: TrainConfig, relay: protocol.HubRelay) -> None:
+    def __init__(self, config: TrainConfig, relay: protocol.HubRelay,
+                 local_ranks: Callable[[], list[int]] = list) -> None:
         self.config, self.relay = config, relay
+        self.local_ranks = local_ranks  # node 0's own ranks: no other node speaks for them
         self.nodes: dict[int, NodeSeen] = {}
+        # rank -> the node that speaks for it: the first to claim it, until its
+        # heartbeat no longer does (an elastic restart may move a rank).
+        self.owner: dict[int, int] = {}
+        self.warned: set[int] = set()  # nodes told once that they spoke for another's rank
         self.nodes_endpoint = ""  # where node daemons push (public address)
         self.stop: float | None = None  # a stop for every node (its timeout)
         self.checked = 0.0  # monotonic time of the last look for silent nodes
@@ -129,7 +136,11 @@ class Hub:
         seen.beat = time.monotonic()
         seen.host, seen.pid, seen.status, seen.dropped = (beat.host, beat.pid, beat.status,
                                                           beat.dropped)
-        ranks = sorted({r for r in beat.ranks if r < world_size})
+        claimed = sorted({r for r in beat.ranks if r < world_size})
+        ranks = self._claim(node, claimed, all_or_none=False) or []
+        for gone in set(seen.ranks) - set(ranks):
+            if self.owner.get(gone) == node:
+                del self.owner[gone]
         if ranks != seen.ranks:
             seen.ranks = ranks
             self._say(node, "info", f"node {node} ({seen.host}): ranks "
@@ -153,16 +164,27 @@ class Hub:
             return
         if isinstance(message, wire.NodeSummary):
             why = summariser.problem(message, node, self.relay.run, self.config.world_size)
+            if why is None and self._claim(
+                    node, {m.rank for m in message.messages} | {a.rank for a in message.accounts}
+            ) is None:
+                why = NOT_ITS_RANK
             if why is None:
                 self.relay.accept_forwarded(message, frame, received)
             else:
                 self.relay.reject(why)
             return
         if message.rank != wire.DAEMON_RANK:
-            self.relay.accept_forwarded(message, frame, received)
+            if self._claim(node, {message.rank}) is not None:
+                self.relay.accept_forwarded(message, frame, received)
+            else:
+                self.relay.reject(NOT_ITS_RANK)
             return
         if isinstance(message, wire.RankExit):
-            if 0 <= message.exited < self.config.world_size:
+            if not 0 <= message.exited < self.config.world_size:
+                pass
+            elif self._claim(node, {message.exited}) is None:
+                self.relay.reject(NOT_ITS_RANK)
+            else:
                 fields = {f: getattr(message, f) for f in message.__struct_fields__
                           if f not in ("run", "rank", "seq", "t", "kind")}
                 self.relay.emit(wire.RankExit, **fields)
@@ -171,6 +193,31 @@ class Hub:
             self._say(node, message.type if message.type != "restart" else "info",
                       f"node {node}: {message.message}", traceback=message.traceback)
         # A node's RunStatus is its own: the hub learns it from its heartbeat.
+
+    def _claim(self, node: int, ranks: Iterable[int], all_or_none: bool = True
+               ) -> list[int] | None:
+        """The ranks of `ranks` node `node` may speak for: its own, or nobody's yet
+        (then its own from now on); never node 0's, nor another node's. With
+        `all_or_none`, None unless all (a summary is refused whole). A refused
+        claim is counted (rejected `not_its_rank`) and said once per node."""
+        local = set(self.local_ranks())
+        ranks = sorted(ranks)
+        mine = [r for r in ranks if r not in local and self.owner.get(r, node) == node]
+        if len(mine) < len(ranks):
+            taken = [r for r in ranks if r not in mine]
+            if not all_or_none:  # a heartbeat's refused ranks are counted here
+                self.relay.reject(NOT_ITS_RANK)
+            if node not in self.warned:
+                self.warned.add(node)
+                whose = ", ".join(f"rank {r} (node {0 if r in local else self.owner[r]}'s)"
+                                  for r in taken[:4])
+                self._say(node, "warning", f"node {node} spoke for {whose}: refused, a node "
+                          "speaks only for its own ranks (counted: rejected.not_its_rank)")
+            if all_or_none:
+                return None
+        for r in mine:
+            self.owner[r] = node
+        return mine
 
     # -- the hub's loop ------------------------------------------------------------
     def check(self) -> None:

@@ -12,6 +12,7 @@ and nothing else is named. The merge itself is tested in-process below.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -309,3 +310,74 @@ def test_a_focused_ranks_steps_go_unmerged() -> None:
     state = RunState(run="r", world_size=4)
     state.apply(m, 4.0)
     assert len(state.ranks[3].history) == 3 and len(state.ranks[2].history) == 1
+
+
+def test_a_node_speaks_only_for_its_own_ranks_over_the_real_node_plane(tmp_path: Path) -> None:
+    """A key holder's node daemon (node 2) sends a Step for rank 0, which node 0
+    runs, and for rank 2, node 1's, and a forged exit of rank 2: before, the hub
+    showed rank 0 on node 2 at step 99,999 with loss 54,321 to the end, and a live
+    rank dead. Now each claim is refused and counted, and node 1's own go on. A
+    rank that node 1's heartbeat no longer claims (an elastic restart) is node 2's
+    to take. Real CURVE sockets: the hub's relay and two real Forwarders."""
+    keys = RunKeys.create(tmp_path / "keys")
+    relay = Relay("r", tmp_path / "telemetry.journal", world_size=4, bind="127.0.0.1",
+                  keys=keys, nodes=True)
+    config = TrainConfig(world_size=4, nnodes=3, nproc_per_node=2, run_id="r",
+                         rdzv_endpoint="127.0.0.1:1", launcher="torchrun")
+    hub = nodes.Hub(config, relay, lambda: [0, 1])
+    relay.serve_hub(hub)
+    hub.nodes_endpoint = relay.endpoints["nodes"]
+    node = {k: nodes.Forwarder(dataclasses.replace(config, node_rank=k),
+                               relay.endpoints["control"], keys, "r", dict) for k in (1, 2)}
+    said = {1: [2], 2: [3]}
+
+    def step(rank: int, seq: int, global_step: int, loss: float = 2.0) -> wire.Step:
+        return msgspec.structs.replace(_step(seq, 0.07), rank=rank, global_step=global_step,
+                                       loss_sum=loss * 32)
+
+    def send(k: int, message: wire.Message) -> None:
+        node[k].forward(message, wire.encode(message)[0], time.time())
+        node[k].summariser.last = 0.0  # due now
+        node[k].tick(said[k], "running")
+
+    def serve_until(done) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 10
+        while not done() and time.monotonic() < deadline:
+            relay.serve(0.05)
+            for k in node:
+                node[k].tick(said[k], "running")
+        assert done()
+
+    try:
+        serve_until(lambda: all(f.push is not None for f in node.values())
+                    and hub.nodes.get(1) and hub.nodes.get(2))
+        send(1, step(2, 1, 10))
+        serve_until(lambda: 2 in relay.state.ranks)
+        send(2, step(0, 1, 99_999, loss=54_321.0))
+        send(2, step(2, 2, 99_999, loss=54_321.0))
+        exit2 = wire.RankExit(run="r", rank=wire.DAEMON_RANK, seq=1, t=time.time(), exited=2,
+                              pid=None, exit_code=-9, signal="SIGKILL")
+        node[2].forward(exit2, wire.encode(exit2)[0], time.time())
+        said[2] = [2, 3]  # and its heartbeat claims rank 2 too
+        node[2].last_beat = 0.0
+        serve_until(lambda: relay.state.rejected.get(nodes.NOT_ITS_RANK, 0) >= 4)
+        state = relay.state
+        assert 0 not in state.ranks
+        assert (state.ranks[2].global_step, state.ranks[2].exited) == (10, False)
+        assert hub.nodes[2].ranks == [3] and hub.owner[2] == 1
+        warnings = [e.message for e in state.events if "spoke for" in e.message]
+        assert warnings == ["node 2 spoke for rank 0 (node 0's): refused, a node speaks only "
+                            "for its own ranks (counted: rejected.not_its_rank)"], warnings
+        # Node 1's own rank goes on.
+        send(1, step(2, 2, 20))
+        serve_until(lambda: state.ranks[2].global_step == 20)
+        # An elastic restart moves rank 2: node 1 no longer claims it, node 2 may.
+        said[1] = []
+        node[1].last_beat = 0.0
+        serve_until(lambda: 2 not in hub.owner)
+        node[2].last_beat = 0.0
+        serve_until(lambda: hub.nodes[2].ranks == [2, 3])
+    finally:
+        for f in node.values():
+            f.close([], protocol.NodeFinal(status="succeeded"))
+        relay.close()
