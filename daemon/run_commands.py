@@ -260,6 +260,9 @@ def _end_what_it_started(rid: str, daemon: ProcessId, timeout: float) -> None:
 def cmd_logs(args: argparse.Namespace) -> int:
     paths = run_of(args)
     info = RunInfo.load(paths)
+    if paths.logs.exists() and not paths.logs.is_dir():
+        raise UsageError(f"{paths.logs} is not a folder: a run's logs/ holds its rank "
+                         "logs (move what is there aside)")
     world = info.world_size or len(list(paths.logs.glob("rank-*.log")))
     host = f" {info.record.host}" if info.record.host else ""  # unknown: run.json unreadable
     command = paths.logs / "command.log"  # `ddtrain watch`: the ranks' output is the command's
@@ -277,8 +280,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
     def pump(final: bool) -> None:
         for name, tail in tails.items():
-            for line in tail.lines(final):
-                sys.stdout.write(f"[{name}] {line}\n")
+            try:
+                for line in tail.lines(final):
+                    sys.stdout.write(f"[{name}] {line}\n")
+            except OSError as e:  # a log that is a folder, or unreadable
+                raise UsageError(f"cannot read {tail.path}: {e.strerror or e}") from None
         sys.stdout.flush()
 
     try:

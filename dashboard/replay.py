@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from ddtop.core import journal, wire
+from ddtop.core.contract import UsageError
 from ddtop.core.runs import RunPaths
 from ddtop.core.summary import LOST
 from ddtop.dashboard.feed import BATCH, REPLAY, Feed, conclude
@@ -27,6 +29,7 @@ class ReplayFeed(Feed):
         self.instant_step_s = instant_step_s
         self.replaying = replaying  # False: a finished run read at once, not played back
         self.paths = paths
+        _readable(paths.journal)
         recorded = journal.recorded_run(paths.journal) if paths.journal.exists() else None
         if recorded not in (None, paths.run_id):
             self.note = (f"{paths.root}'s telemetry journal is of run {recorded!r}: the folder "
@@ -100,3 +103,19 @@ class ReplayFeed(Feed):
             state = conclude(self.state, self.paths)
         self.finished = True
         self.detail = state.status_message if state.status == LOST else ""
+
+
+def _readable(path: Path) -> None:
+    """A journal that is there must be a file this process can read: else one line
+    (UsageError), not a traceback. None there is a run with nothing recorded."""
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        if not path.is_file():
+            raise IsADirectoryError(0, "not a file")
+        with path.open("rb"):
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot read the run's telemetry journal {path}: "
+                         f"{e.strerror or e}; it should be the file the daemon wrote "
+                         "(move what is there aside)") from None

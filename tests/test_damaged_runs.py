@@ -5,8 +5,10 @@ command that reads a run (`ddtrain status`, `list`, `logs`, `stop`, `start
 unreadable and goes on with what else is known (the journal), or refuses in
 one line naming the file. Table-driven: every kind of damage x every command,
 in-process; a few kinds again as real processes; and a live run damaged under
-its daemon. Also: a renamed run folder replays its journal, and pids read back
-from run.json are bounded before anything can signal them."""
+its daemon. Also: a journal that is a folder, or a logs/ that is a file, is one
+line and exit 2 for the command that reads it; a renamed run folder replays its
+journal, and pids read back from run.json are bounded before anything can
+signal them."""
 
 from __future__ import annotations
 
@@ -163,6 +165,39 @@ def test_every_command_on_a_damaged_run_is_one_line_or_a_best_effort(
             returncode = ddtrain_cli.main([*args, "--runs-dir", str(runs)])
         out, err = capsys.readouterr()
         check(name, file, code, returncode, out, err)
+
+
+# A file where a folder belongs, or a folder where a file does: each command that
+# reads it refuses in one line naming it (exit 2), never a traceback.
+WRONG_KIND: list[tuple[str, str, list[str]]] = [
+    ("journal-is-a-folder", "telemetry.journal", ["@ddtop", RUN, "--headless"]),
+    ("journal-is-a-folder-replay", "telemetry.journal",
+     ["@ddtop", RUN, "--headless", "--replay", "--speed", "0"]),
+    ("logs-is-a-file", "logs", ["logs", RUN]),
+    ("rank-log-is-a-folder", "logs/rank-0.log", ["logs", RUN]),
+]
+
+
+@pytest.mark.parametrize(("kind", "file", "args"), WRONG_KIND, ids=[w[0] for w in WRONG_KIND])
+def test_a_file_or_folder_of_the_wrong_kind_is_one_line_and_exit_2(
+        runs: Path, kind: str, file: str, args: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    path = runs / RUN / file
+    if path.is_dir():
+        shutil.rmtree(path)
+        path.write_text("not a folder\n")
+    else:
+        path.unlink()
+        path.mkdir()
+    if args[0] == "@ddtop":
+        returncode = ddtop_cli.main([*args[1:], "--runs-dir", str(runs)])
+    else:
+        returncode = ddtrain_cli.main([*args, "--runs-dir", str(runs)])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert returncode == 2, (out, err)
+    assert len(err.strip().splitlines()) == 1 and file in err, err
+    assert err.startswith(("ddtrain: error: ", "ddtop: error: ")), err
 
 
 AS_PROCESSES = [d for d in DAMAGE
