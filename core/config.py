@@ -291,6 +291,10 @@ class TrainConfig:
         _check_path("--runs-dir", self.runs_dir)
         if self.tensorboard:
             _check_path("--tensorboard", self.tensorboard)
+            from ddtop.core.tbwriter import folder_problem  # tensorboard is imported later
+
+            if (problem := folder_problem("--tensorboard", Path(self.tensorboard))) is not None:
+                raise UsageError(problem)
         self.check_nodes()
         try:
             if self.tensorboard:

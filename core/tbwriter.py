@@ -10,8 +10,13 @@ The files are written synchronously, not through tensorboard's EventFileWriter:
 that one writes from a thread of its own, raises a failed write there (a
 traceback on the daemon's stderr) and blocks its caller when its queue is full.
 Here a write the file system refuses (a full disk, no permission) is an OSError
-in the caller: the tap says it once, as a warning, and writes no more; the run
-goes on. Records are held in memory and written every FLUSH_S and at the end.
+in the caller, and the tap does what the journal does (core/journal.py): the
+records it held are dropped and counted, it says so once, as a warning, and for
+RETRY_S what comes is dropped and counted without touching the disk; then it
+tries again, with new event files (a file a failed write may have left torn is
+never appended to). Once a write goes through, it says how many records the
+outage cost. The run goes on throughout. Records are held in memory and written
+every FLUSH_S and at the end.
 
 tensorboard is imported only here, and only when a writer is made (`pip install
 'ddtop[tensorboard]'`; outlets.require_tensorboard checks it first). tensorboardX
@@ -21,7 +26,6 @@ the daemon never does.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import socket
@@ -32,14 +36,40 @@ from typing import Any
 
 from ddtop.core import tbpoints, wire
 from ddtop.core.state import RunState
+from ddtop.core.text import count_of
 
 FLUSH_S = 5.0  # the live writer flushes its files at most this often (and at the end)
 HELD_BYTES = 1 << 20  # records held in memory before they are written all the same
+RETRY_S = 1.0  # after a refused write, records are dropped unwritten this long
 
 
-def event_file_name() -> str:
-    """As TensorBoard names its own (it reads the files whose name holds 'tfevents')."""
-    return f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+def event_file_name(generation: int = 0) -> str:
+    """As TensorBoard names its own (it reads the files whose name holds 'tfevents');
+    a writer's later generations (after a refused write) get files of their own."""
+    name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+    return f"{name}.{generation}" if generation else name
+
+
+def folder_problem(flag: str, path: Path) -> str | None:
+    """Why event files could not be written under `path`, found before a run
+    starts (a file there, or a folder above it that is a file or cannot be
+    written to), or None. Tried for real, as root too: nothing is left behind."""
+    if path.exists() and not path.is_dir():
+        return f"{flag} {path} is a file: give a folder (it is made if missing)"
+    above = path
+    while not above.exists():
+        if above.parent == above:
+            break
+        above = above.parent
+    if not above.is_dir():
+        return f"{flag} {path}: {above} is a file, not a folder; pick another path"
+    try:
+        probe = above / f".ddtop-write-test-{os.getpid()}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        return f"{flag} {path}: {above} cannot be written ({e.strerror or e}); pick another path"
+    return None
 
 
 class EventFiles:
@@ -49,7 +79,7 @@ class EventFiles:
     hold HELD_BYTES. Every method may raise OSError (the caller decides what a
     refused write is)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, generation: int = 0) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.plugins.text import metadata as text_metadata
         from tensorboard.summary.writer.record_writer import RecordWriter
@@ -61,17 +91,25 @@ class EventFiles:
         self._record_writer = RecordWriter
         self._held: dict[str, tuple[io.BytesIO, Any]] = {}  # folder -> its records, writer
         self._made: set[str] = set()  # folders made
-        self.name = event_file_name()
+        self._counts: dict[str, int] = {}  # folder -> records held (the version record too)
+        self.name = event_file_name(generation)
         root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def held(self) -> int:
+        """Records held in memory, not yet written."""
+        return sum(self._counts.values())
 
     def _writer(self, folder: str) -> Any:
         found = self._held.get(folder)
         if found is None:
             buffer = io.BytesIO()
             found = self._held[folder] = (buffer, self._record_writer(buffer))
+            self._counts[folder] = 0
             if folder not in self._made:  # a new file begins with its version
                 found[1].write(self._event(wall_time=time.time(),
                                            file_version="brain.Event:2").SerializeToString())
+        self._counts[folder] += 1
         return found[1]
 
     def write(self, items: Iterable[tbpoints.Item]) -> None:
@@ -100,7 +138,7 @@ class EventFiles:
                 self._made.add(folder)
             with (path / self.name).open("ab") as file:
                 file.write(buffer.getbuffer())
-            del self._held[folder]
+            del self._held[folder], self._counts[folder]
 
     def close(self) -> None:
         self.flush()
@@ -114,55 +152,82 @@ def _tensor_protos() -> tuple[Any, Any]:
 
 class TensorBoardTap:
     """The daemon's live writer (one for all ranks): `take` each message the relay
-    folded, with the state it was folded into. Never raises OSError: the first
-    failure is returned once as a warning, and nothing more is written."""
+    folded, with the state it was folded into. Never raises OSError: a refused
+    write drops what was held, is said once (returned as a warning), and is tried
+    again after RETRY_S with new files; the first write that goes through after
+    it is said too, with what the outage cost."""
 
     def __init__(self, root: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
         self.clock = clock
         self.translator = tbpoints.Translator()
         self.files: EventFiles | None = None
-        self.error: str | None = None
-        self._told = False
+        self.error: str | None = None  # the outage now going on, in words
+        self.dropped = 0  # records not written, in all
+        self._outage_from = 0  # self.dropped as the outage now going on began
+        self._retry_at = 0.0
+        self._generation = 0
+        self._say: str | None = None  # what to return next
         self._flushed_at = clock()
+        self._open()
+
+    def _open(self) -> None:
         try:
-            self.files = EventFiles(root)
+            self.files = EventFiles(self.root, self._generation)
         except OSError as e:
             self._failed(e)
 
     def take(self, message: wire.Message, state: RunState, received: float) -> str | None:
-        """Write what `message` adds; a warning to say (once), else None."""
-        if self.files is not None:
-            try:
-                self.files.write(self.translator.items(message, state, received))
-                if self.clock() - self._flushed_at >= FLUSH_S:
-                    self._flushed_at = self.clock()
-                    self.files.flush()
-            except OSError as e:
-                self._failed(e)
-        return self._untold()
+        """Write what `message` adds; a warning to say, else None."""
+        items = self.translator.items(message, state, received)
+        if self.files is None and self.clock() >= self._retry_at:
+            self._generation += 1
+            self._open()
+        if self.files is None:
+            self.dropped += len(items)
+            return self._told()
+        try:
+            self.files.write(items)
+            if self.clock() - self._flushed_at >= FLUSH_S:
+                self._flushed_at = self.clock()
+                self._flush()
+        except OSError as e:
+            self._failed(e)
+        return self._told()
 
     def close(self) -> str | None:
-        """Flush and close; a warning line when that failed (the first time)."""
+        """Flush and close; a warning line when that failed, or what to say."""
         if self.files is not None:
             try:
-                self.files.close()
+                self._flush()
             except OSError as e:
                 self._failed(e)
-        return self._untold()
+        return self._told()
 
-    def _untold(self) -> str | None:
-        """The write error, the first time it is asked for; else None."""
-        if self.error is not None and not self._told:
-            self._told = True
-            return self.error
-        return None
+    def _flush(self) -> None:
+        assert self.files is not None
+        self.files.flush()
+        if self.error is not None:  # written again: the outage is over
+            lost = self.dropped - self._outage_from
+            self._say = (f"tensorboard: writing to {self.root} again; dropped meanwhile: "
+                         f"{count_of(lost, 'record')}")
+            self.error = None
+
+    def _told(self) -> str | None:
+        said, self._say = self._say, None
+        return said
 
     def _failed(self, error: OSError) -> None:
+        new = self.error is None  # a new outage: said once
+        if new:
+            self._outage_from = self.dropped
         if self.files is not None:
-            with contextlib.suppress(OSError):  # the same disk: the first error is said
-                self.files.close()
-        self.files = None
-        self.error = (f"tensorboard: {error.strerror or error} on "
-                      f"{getattr(error, 'filename', None) or self.root}: no more TensorBoard "
-                      "files are written for this run (the run goes on)")
+            self.dropped += self.files.held
+            self.files = None
+        self._retry_at = self.clock() + RETRY_S
+        if new:
+            self.error = (f"tensorboard: {error.strerror or error} on "
+                          f"{getattr(error, 'filename', None) or self.root}: TensorBoard records "
+                          f"are dropped until it can be written again, tried every "
+                          f"{RETRY_S:g} s (the run goes on)")
+            self._say = self.error

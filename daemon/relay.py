@@ -370,7 +370,7 @@ class Relay:
         if self.forward is not None:
             self.forward(message, frame, received)
         if self.tensorboard and (said := self.tensorboard.take(message, self.state, received)):
-            self._emit(wire.Event, type="warning", message=said)  # once: it writes no more
+            self._emit(wire.Event, type="warning", message=said)  # an outage, or its end
             _say("warning", said)
 
     def emit(self, kind: DaemonSays, **fields: Any) -> None:

@@ -255,13 +255,16 @@ def test_the_live_writer_says_a_folder_it_cannot_make_once(tmp_path: Path) -> No
     hello = wire.Event(run="r", rank=-1, seq=0, t=1.0, type="info", message="hi")
     state.apply(hello, 1.0)
     said = tap.take(hello, state, 1.0)
-    assert said == (f"tensorboard: Not a directory on {tmp_path / 'file' / 'run-1'}: no more "
-                    "TensorBoard files are written for this run (the run goes on)")
+    assert said == (f"tensorboard: Not a directory on {tmp_path / 'file' / 'run-1'}: "
+                    "TensorBoard records are dropped until it can be written again, tried "
+                    "every 1 s (the run goes on)")
     assert tap.take(hello, state, 2.0) is None and tap.close() is None
 
 
-def test_a_disk_that_fills_up_is_one_warning_and_nothing_more(tmp_path: Path) -> None:
-    """The rank's event file is /dev/full: the write buffered is refused at the flush."""
+def test_a_disk_that_fills_up_is_one_warning_and_a_retry_with_new_files(tmp_path: Path) -> None:
+    """The rank's event file is /dev/full: the write buffered is refused at the flush.
+    What was held is dropped and counted; RETRY_S later the tap writes again, to a
+    file of its own (the torn one is never appended to), and says what it lost."""
     clock = [0.0]
     tap = TensorBoardTap(tmp_path / "run-1", clock=lambda: clock[0])
     assert tap.files is not None
@@ -279,10 +282,23 @@ def test_a_disk_that_fills_up_is_one_warning_and_nothing_more(tmp_path: Path) ->
         state.apply(step, float(seq))
         said.append(tap.take(step, state, float(seq)))
     warnings = [s for s in said if s is not None]
-    assert warnings == [f"tensorboard: No space left on device on {tmp_path / 'run-1'}: no more "
-                        "TensorBoard files are written for this run (the run goes on)"]
+    root = tmp_path / "run-1"
+    assert warnings == [f"tensorboard: No space left on device on {root}: TensorBoard "
+                        "records are dropped until it can be written again, tried every 1 s "
+                        "(the run goes on)",
+                        f"tensorboard: writing to {root} again; dropped meanwhile: 6 records"]
     assert said.index(warnings[0]) == 5  # the first flush, FLUSH_S after the start
+    assert said.index(warnings[1]) == 10  # reopened at 6, written at the next flush (5 + 5)
     assert tap.close() is None
+    assert tap.dropped == 6  # the 6 steps held when the flush was refused
+    files = sorted(p.name for p in (root / "rank0").iterdir())
+    assert len(files) == 2 and files[1] == files[0] + ".1", files  # /dev/full, then its own
+    # What the retry wrote reads back: global steps 7 to 30 (1 to 6 were dropped).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(root / "rank0"))
+    acc.Reload()
+    tag = acc.Tags()["scalars"][0]
+    assert [e.step for e in acc.Scalars(tag)] == list(range(7, 31)), tag
 
 
 def test_a_thousand_ranks_hold_no_file_open(tmp_path: Path) -> None:
@@ -306,6 +322,26 @@ def test_a_thousand_ranks_hold_no_file_open(tmp_path: Path) -> None:
     assert len(list((tmp_path / "big").glob("rank*/events.out.tfevents.*"))) == 1100
     assert [p.step for p in read_back(tmp_path / "big" / "rank1099").Scalars("step/seconds")
             ] == [1, 2]
+
+
+@pytest.mark.parametrize("command", [["start", "--foreground", "-n", "1"],
+                                     ["watch", "--", "true"]], ids=["start", "watch"])
+@pytest.mark.parametrize(("where", "said"), [
+    ("file", "--tensorboard {file} is a file: give a folder (it is made if missing)"),
+    ("file/tb", "--tensorboard {file}/tb: {file} is a file, not a folder; pick another path"),
+], ids=["a-file", "under-a-file"])
+def test_a_tensorboard_folder_that_cannot_be_written_is_refused_before_the_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str], where: str,
+        said: str) -> None:
+    """As --summary-json is: one line, exit 2, no run folder (before, the run
+    started and only warned)."""
+    (tmp_path / "file").write_text("not a folder\n")
+    flag = ["--tensorboard", str(tmp_path / where), "--runs-dir", str(tmp_path / "runs")]
+    at = command.index("--") if "--" in command else len(command)
+    assert cli.main([*command[:at], *flag, *command[at:]]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"ddtrain: error: {said.format(file=tmp_path / 'file')}\n", err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_ddtrain_watch_takes_the_flag_too() -> None:
@@ -339,13 +375,16 @@ def test_a_live_run_writes_what_its_journal_exports(tmp_path: Path) -> None:
 @pytest.mark.processes
 def test_a_live_run_that_cannot_write_its_files_succeeds_with_one_warning(
         tmp_path: Path) -> None:
-    (tmp_path / "tb").write_text("a file, not a folder\n")
+    """The run's own folder under DIR is a file (DIR itself is fine, so the run
+    starts): every retry is refused, and said once."""
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "nowrite").write_text("a file, not a folder\n")
     run = ddtrain("start", "--foreground", "-n", "2", "--epochs", "1", "--run-id", "nowrite",
                   "--synthetic-train-samples", "2048", "--tensorboard", "tb", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.leftovers == []
-    line = ("tensorboard: Not a directory on tb/nowrite: no more TensorBoard files are "
-            "written for this run (the run goes on)")
+    line = ("tensorboard: File exists on tb/nowrite: TensorBoard records are dropped "
+            "until it can be written again, tried every 1 s (the run goes on)")
     assert run.stderr.count(line) == 1, run.stderr
     warnings = [m for m in journal_messages(tmp_path / "runs" / "nowrite")
                 if isinstance(m, wire.Event) and m.type == "warning"]
