@@ -18,6 +18,11 @@ A page is easier to reach than a terminal, so:
   compared in constant time. On loopback too: the run directory is the
   owner's alone, and a port on 127.0.0.1 is open to every user of the machine;
 - the server binds to 127.0.0.1 unless a HOST is given;
+- no user can shut the owner out by holding connections: each must complete
+  a request's headers within 3 s; they are bounded per address and in total,
+  the oldest without a request closed for a newcomer beyond a bound, those
+  that carried the token never (dashboard/sessions.py: Doors); what is turned
+  away is one counted line on stderr now and then, never a traceback;
 - a session cannot stop the run (`ddtop --no-stop`) unless --allow-stop.
 """
 
@@ -36,7 +41,7 @@ from ddtop.core.runs import RunPaths
 DEFAULT_HOST = "127.0.0.1"
 TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters, 256 bits
 INSTALL_HINT = "pip install 'ddtop[serve]'"
-BACKLOG = 16
+BACKLOG = 16  # until the server's loop starts; then sessions.ACCEPT_BACKLOG
 _WILDCARDS = ("0.0.0.0", "::")
 
 

@@ -10,7 +10,14 @@ things change here (dashboard/serve.py says why):
 - a session's command is run without a shell, in a session of its own (the
   terminal's Ctrl-C reaches the server alone), and the server keeps every one;
 - the server ends on SIGINT or SIGTERM, and ends its sessions first: each is
-  told to quit, then SIGTERM, then SIGKILL, and waited for. None outlives it.
+  told to quit, then SIGTERM, then SIGKILL, and waited for. None outlives it;
+- its connections pass through Doors (dashboard/doors.py): bounded per address
+  and in total, each closed unless it completes a request's headers within
+  HEADER_TIMEOUT_S. A newcomer beyond a bound closes the oldest that has not (on loopback the
+  owner and any other user share 127.0.0.1: refusing newcomers would refuse
+  the owner too); one that carried the token is never closed for another.
+  What is turned away is one counted line on stderr now and then, never a
+  traceback (Refusals).
 """
 
 from __future__ import annotations
@@ -30,6 +37,16 @@ from aiohttp.typedefs import Handler
 from textual_serve.app_service import AppService
 from textual_serve.server import Server
 
+from ddtop.dashboard.doors import (
+    ACCEPT_BACKLOG,
+    KEEPALIVE_S,
+    Doors,
+    Limits,
+    Refusals,
+    counted_errors,
+    raise_open_files_limit,
+)
+
 SESSION_QUIT_S = 3.0  # a session told to quit has this long to exit before SIGTERM
 SESSION_TERM_S = 2.0  # ... and this long after SIGTERM before SIGKILL
 SHUTDOWN_S = 2.0  # aiohttp's wait for the handlers still running when it stops
@@ -41,6 +58,7 @@ FORBIDDEN = ("ddtop: 403: this server answers only the link with its token, "
              "as printed when it started\n")
 
 log = logging.getLogger("ddtop.serve")
+
 
 
 def token_matches(path: str, token: str) -> bool:
@@ -88,6 +106,7 @@ class DashboardServer(Server):
         self.argv, self.token = argv, token
         self.sessions: set[Session] = set()
         self.sockets: set[web.WebSocketResponse] = set()
+        self.doors: Doors | None = None  # while serving
 
     async def _make_app(self) -> web.Application:
         root = web.Application(middlewares=[self._guard])
@@ -98,8 +117,15 @@ class DashboardServer(Server):
     @web.middleware
     async def _guard(self, request: web.Request,
                      handler: Handler) -> web.StreamResponse:
-        if not token_matches(request.path, self.token):
-            raise web.HTTPForbidden(text=FORBIDDEN)
+        """403 and the connection closed without the token; with it, the connection
+        is the owner's, never closed for another (Doors.answered)."""
+        matches = token_matches(request.path, self.token)
+        if self.doors is not None:
+            self.doors.answered(request.protocol, trusted=matches)
+        if not matches:
+            forbidden = web.HTTPForbidden(text=FORBIDDEN)
+            forbidden.force_close()
+            raise forbidden
         return await handler(request)
 
     @staticmethod
@@ -176,21 +202,29 @@ class DashboardServer(Server):
         asyncio.run(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
-        runner = web.AppRunner(await self._make_app(), handle_signals=False, access_log=None,
-                               shutdown_timeout=SHUTDOWN_S)
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        ended = asyncio.Event()
         loop = asyncio.get_running_loop()
+        refusals = Refusals(loop)
+        self.doors = doors = Doors(Limits.for_open_files(raise_open_files_limit()), refusals)
+        runner = web.AppRunner(await self._make_app(), handle_signals=False, access_log=None,
+                               shutdown_timeout=SHUTDOWN_S, keepalive_timeout=KEEPALIVE_S)
+        await runner.setup()
+        assert runner.server is not None
+        ended = asyncio.Event()
         for number in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(number, ended.set)
-        try:
-            await ended.wait()
-        finally:
-            await asyncio.gather(*(session.end() for session in list(self.sessions)))
-            for websocket in list(self.sockets):
-                await websocket.close()
-            await runner.cleanup()
+        with counted_errors(loop, refusals):
+            # aiohttp's SockSite, with every connection through the doors.
+            listening = await loop.create_server(doors.wrap(runner.server), sock=sock,
+                                                 backlog=ACCEPT_BACKLOG)
+            try:
+                await ended.wait()
+            finally:
+                listening.close()
+                await asyncio.gather(*(session.end() for session in list(self.sessions)))
+                for websocket in list(self.sockets):
+                    await websocket.close()
+                await runner.cleanup()
+                refusals.say()
 
 
 def _size(given: str | int | None, default: int) -> int:

@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -182,14 +183,22 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(cwd: Path, bind: str, reach: str, *args: str) -> Iterator[Server]:
-    """`ddtop --serve BIND:0 ARGS`, reached at REACH:PORT; Ctrl-C afterwards."""
+def serving(cwd: Path, bind: str, reach: str, *args: str,
+            open_files: int | None = None) -> Iterator[Server]:
+    """`ddtop --serve BIND:0 ARGS`, reached at REACH:PORT; Ctrl-C afterwards. With
+    `open_files`, the server's open-files limit, soft and hard, is that."""
     tag = uuid.uuid4().hex
     stderr = cwd / f"serve-{tag}.err"
+
+    def limit() -> None:  # in the child, before ddtop starts
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     with stderr.open("w") as err:
         proc = subprocess.Popen([DDTOP, "--serve", f"{bind}:0", *args], cwd=cwd, text=True,
                                 env=tagged_env(tag), stdout=subprocess.PIPE, stderr=err,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=limit if open_files is not None else None)
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],  # type: ignore[union-attr]
