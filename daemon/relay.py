@@ -61,6 +61,7 @@ from ddtop.daemon.ipc import SOCKET_NAMES, peer_pid, private_folder
 # frames over wire.MAX_FRAME_BYTES but under it are read and counted as oversized.
 SOCKET_MAX_BYTES = 1 << 20
 BATCH = 2000  # messages read per socket per serve() call, so no socket starves another
+FOCUS_OP = b"\xa5focus"  # "focus" in msgpack: a focus request's op, near its start
 # An internal error in one handler is said (stderr, a warning event) at most this often;
 # every one is counted.
 INTERNAL_ERROR_EVERY_S = 60.0
@@ -398,23 +399,36 @@ class Relay:
 
     # -- requests --------------------------------------------------------------------
     def _drain_router(self) -> None:
+        """Up to BATCH requests, answered in the order they came, except that
+        focus requests (a flood of which one client could send) are answered after
+        the others: a status never waits behind them."""
+        later: list[tuple[list[bytes], bytes, str]] = []
         for _ in range(BATCH):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
             # [identity, b"", request] from REQ; [identity, request] from DEALER.
-            if len(frames) < 2:
+            if len(parts) < 2:
                 self.reject("bad_request")
                 continue
-            envelope, body = frames[:-1], frames[-1]
-            try:
-                reply = requests.answer(self, body)
-            except Exception as e:  # noqa: BLE001 -- a request must not stop the daemon: said, counted
-                self.internal_error("control", e)
-                reply = protocol.refused(f"the daemon could not answer ({type(e).__name__})")
-            with contextlib.suppress(zmq.ZMQError):  # the asker is gone
-                self.router.send_multipart([*envelope, protocol.encode(reply)], zmq.NOBLOCK)
+            envelope, body = [p.bytes for p in parts[:-1]], parts[-1].bytes
+            peer = _peer(parts[-1], envelope[0])
+            if FOCUS_OP in body[:16]:
+                later.append((envelope, body, peer))
+            else:
+                self._answer(envelope, body, peer)
+        for envelope, body, peer in later:
+            self._answer(envelope, body, peer)
+
+    def _answer(self, envelope: list[bytes], body: bytes, peer: str) -> None:
+        try:
+            reply = requests.answer(self, body, peer)
+        except Exception as e:  # noqa: BLE001 -- a request must not stop the daemon: said, counted
+            self.internal_error("control", e)
+            reply = protocol.refused(f"the daemon could not answer ({type(e).__name__})")
+        with contextlib.suppress(zmq.ZMQError):  # the asker is gone
+            self.router.send_multipart([*envelope, protocol.encode(reply)], zmq.NOBLOCK)
 
     def close(self) -> None:
         self.journal.close()
@@ -438,3 +452,16 @@ def _say(type: wire.EventType, message: str) -> None:
     with contextlib.suppress(OSError):  # stderr on the same full disk: the event said it
         print(f"ddtrain: {'warning: ' if type == 'warning' else ''}{message}",
               file=sys.stderr, flush=True)
+
+
+def _peer(frame: zmq.Frame, identity: bytes) -> str:
+    """Who sent a request, for per-client limits: its process over ipc (the kernel
+    says), its address over TCP, else its connection."""
+    pid = peer_pid(frame)
+    if pid is not None:
+        return f"pid {pid}"
+    with contextlib.suppress(zmq.ZMQError):
+        address = frame.get("Peer-Address")
+        if isinstance(address, str) and address:
+            return address
+    return identity.hex()

@@ -26,6 +26,15 @@ from ddtop.core import protocol
 from ddtop.core.state import RunState, encode_snapshot
 
 MAX_STACKS_REQUESTS = 16  # asked between two ticks of the supervisor; more are answered, not kept
+# Focus, per peer (a process over ipc, an address over TCP): at most FOCUS_RATE requests
+# a second (FOCUS_BURST at once; a dashboard asks every few seconds while a rank's
+# detail is open), and at most FOCUS_PER_PEER ranks held, its newest; so that one
+# client can neither hold every slot nor keep the daemon answering it.
+FOCUS_RATE = 4.0
+FOCUS_BURST = 8.0
+FOCUS_PER_PEER = 4
+MAX_PEERS = 1024  # peers remembered (the least recently heard from is forgotten)
+FOCUS_FLOOD = "focus_rate"  # rejected: a focus request over its peer's rate
 
 Taken = protocol.Stop | protocol.Stacks
 
@@ -35,15 +44,29 @@ class Asked:
     (the first one asked holds; later ones are answered, not kept), stacks (at most
     MAX_STACKS_REQUESTS between two takes), and focus (a rank's detail open on a
     dashboard, for FOCUS_S from its last request: `focus` maps each rank to the
-    monotonic time it ends)."""
+    monotonic time it ends; each peer holds at most FOCUS_PER_PEER, asked at most
+    FOCUS_RATE a second)."""
 
     def __init__(self) -> None:
         self._pending: list[Taken] = []
         self._stopped = False  # a stop was asked: the first holds
         self.focus: dict[int, float] = {}
+        self.focus_by: dict[int, str] = {}  # rank -> the peer that holds it
+        # peer -> (tokens, monotonic time they were counted), least recent first
+        self._buckets: dict[str, tuple[float, float]] = {}
 
-    def put(self, request: Taken | protocol.Focus, now: float) -> None:
-        """Keep `request`, received at monotonic time `now`."""
+    def allowed(self, peer: str, now: float) -> bool:
+        """Whether `peer` may ask for focus now (a token bucket of FOCUS_RATE a second,
+        FOCUS_BURST deep); one token taken if so."""
+        tokens, at = self._buckets.pop(peer, (FOCUS_BURST, now))
+        tokens = min(FOCUS_BURST, tokens + (now - at) * FOCUS_RATE)
+        if len(self._buckets) >= MAX_PEERS:
+            del self._buckets[next(iter(self._buckets))]
+        self._buckets[peer] = (tokens - 1 if tokens >= 1 else tokens, now)
+        return tokens >= 1
+
+    def put(self, request: Taken | protocol.Focus, now: float, peer: str = "") -> None:
+        """Keep `request`, received at monotonic time `now` from `peer`."""
         match request:
             case protocol.Stop():
                 if not self._stopped:
@@ -55,8 +78,14 @@ class Asked:
             case protocol.Focus(rank=rank):
                 for old in [r for r, until in self.focus.items() if until <= now]:
                     del self.focus[old]
+                    self.focus_by.pop(old, None)
+                held = sorted((until, r) for r, until in self.focus.items()
+                              if self.focus_by.get(r) == peer and r != rank)
+                if len(held) >= FOCUS_PER_PEER:  # its oldest makes room
+                    del self.focus[held[0][1]], self.focus_by[held[0][1]]
                 if rank in self.focus or len(self.focus) < protocol.MAX_FOCUS:
                     self.focus[rank] = now + protocol.FOCUS_S
+                    self.focus_by[rank] = peer
 
     def interrupt(self, timeout: float) -> None:
         """The daemon's own Ctrl-C: a stop with `timeout`, whatever was asked before."""
@@ -90,8 +119,9 @@ class Answering(Protocol):
     def reject(self, reason: str) -> None: ...
 
 
-def answer(relay: Answering, body: bytes) -> protocol.Reply:
-    """The reply to one request `body` received by `relay`."""
+def answer(relay: Answering, body: bytes, peer: str = "") -> protocol.Reply:
+    """The reply to one request `body` received by `relay` from `peer` (its process
+    or address, as the socket tells it)."""
     decoder = protocol.REQUESTS if relay.hub is None else protocol.HUB_REQUESTS
     try:
         request = decoder.decode(body)
@@ -120,7 +150,12 @@ def answer(relay: Answering, body: bytes) -> protocol.Reply:
         case protocol.Focus(rank=rank):
             if relay.world_size and rank >= relay.world_size:
                 return protocol.refused(protocol.Focus.refusal)
-            relay.asked.put(request, time.monotonic())
+            now = time.monotonic()
+            if not relay.asked.allowed(peer, now):
+                relay.reject(FOCUS_FLOOD)
+                return protocol.refused(f"focus asked too often: at most {FOCUS_RATE:g} a "
+                                        "second from one client")
+            relay.asked.put(request, now, peer)
             return protocol.Reply(ok=True)
         case protocol.NodeHeartbeat():
             assert relay.hub is not None  # only a hub's decoder takes it
