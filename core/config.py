@@ -206,6 +206,15 @@ class TrainConfig:
     metrics: str = flag("", metavar="[HOST:]PORT", group="run", default_text="off")
     """serve every rank's metrics to Prometheus at http://HOST:PORT/metrics (HOST
     127.0.0.1 unless given; PORT 0: a free one, in run.json); docs/monitoring.md"""
+    metrics_auth: str = flag("", metavar="FILE", group="run", default_text="none")
+    """with --metrics: every scrape must send the credential in FILE, one line: a bearer
+    token, or USER:PASSWORD for basic auth (at least 16 characters of secret; the file
+    private to its owner, chmod 600); else 401"""
+    metrics_cert: str = flag("", metavar="FILE", group="run", default_text="plain HTTP")
+    """with --metrics and --metrics-key: serve https:// with this certificate (PEM, its
+    chain after it)"""
+    metrics_key: str = flag("", metavar="FILE", group="run", default_text="none")
+    """with --metrics-cert: its private key (PEM, unencrypted, chmod 600)"""
     nnodes: int = flag(1, metavar="N", group="multi-node", torchrun=True, low=1,
                        high=MAX_NNODES, why=JOB_RANKS_WHY)
     """machines (nodes) of the job, one `ddtrain start` on each; more than 1 runs the
@@ -299,8 +308,9 @@ class TrainConfig:
         try:
             if self.tensorboard:
                 outlets.require_tensorboard("--tensorboard")
-            if self.metrics:
-                outlets.check_metrics(self.metrics, self.is_hub, self.node_rank)
+            if self.metrics or self.metrics_auth or self.metrics_cert or self.metrics_key:
+                outlets.check_metrics(self.metrics, self.is_hub, self.node_rank,
+                                      self.metrics_auth, self.metrics_cert, self.metrics_key)
         except ValueError as e:
             raise UsageError(str(e)) from None
         if self.hang_timeout is not None and not (

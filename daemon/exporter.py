@@ -11,10 +11,11 @@ pass within ANSWER_S (stopping ranks, waiting for other nodes) is answered
 for with the previous reading. Between scrapes the loop checks one flag a pass.
 
 `read` and `families` are pure (tested without a server; `families` walks SERIES, the
-table of every family served); `Exporter` is the
-server (prometheus_client's, bound to 127.0.0.1 unless a host is given) and
-the hand-off; `NoExporter` stands in without --metrics. docs/monitoring.md
-lists what is served.
+table of every family served); `Exporter` is the hand-off, and the server
+(daemon/metricserver.py: bounded threads and connections, timeouts, and the doors of
+--metrics-auth and --metrics-cert/--metrics-key; bound to 127.0.0.1 unless a host is
+given); the text is prometheus_client's encoder's. `NoExporter` stands in without
+--metrics. docs/monitoring.md lists what is served.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any, Literal, TextIO, get_args
 
 import msgspec
 
-from ddtop.core import wire
+from ddtop.core import outlets, wire
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.outlets import parse_listen, url
 from ddtop.core.rankview import RankState
@@ -256,18 +258,25 @@ def families(reading: Reading) -> list[Any]:
 
 
 class Exporter:
-    """prometheus_client's HTTP server, and the hand-off of readings from the
-    daemon's loop (`serve`, every pass) to scrapes (`collect`, its threads)."""
+    """The /metrics server (daemon/metricserver.py), and the hand-off of readings from
+    the daemon's loop (`serve`, every pass) to scrapes (`collect`, the server's render
+    workers). `auth`, `cert` and `key`: the files of --metrics-auth, --metrics-cert and
+    --metrics-key (core/outlets.py reads them), or none."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, auth: str = "", cert: str = "", key: str = "") -> None:
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry
+            from prometheus_client.exposition import choose_encoder
         except ImportError:
             raise UsageError("--metrics needs prometheus_client, not installed here: "
                              "pip install 'ddtop[metrics]'") from None
-        try:
+        from ddtop.daemon.metricserver import MetricServer
+
+        try:  # checked by config.py already; read again here, as the server uses them
             host, port = parse_listen("--metrics", address)
-        except ValueError as e:  # a config.json written by hand
+            credential = outlets.read_metrics_auth(auth) if auth else None
+            tls = outlets.metrics_tls(cert, key) if cert or key else None
+        except ValueError as e:  # a config.json written by hand, a file changed since
             raise UsageError(str(e)) from None
         self._asked = threading.Event()  # a scrape waits for a reading
         self._fresh = threading.Event()  # the loop has taken it
@@ -276,12 +285,17 @@ class Exporter:
         self._closed = False
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
+
+        def render(accept: str) -> tuple[bytes, str]:  # a render worker: the text asked for
+            encoder, content_type = choose_encoder(accept)
+            return encoder(registry), content_type
+
         try:
-            self.server, self._thread = start_http_server(port, host, registry)
+            self.server = MetricServer(host, port, render, credential, tls)
         except OSError as e:
             raise UsageError(f"--metrics {address}: cannot listen there "
                              f"({e.strerror or e})") from None
-        self.url = url(host, self.server.server_address[1], "/metrics")
+        self.url = url(host, self.server.port, "/metrics", "https" if tls else "http")
 
     @property
     def endpoints(self) -> dict[str, str]:
@@ -295,7 +309,7 @@ class Exporter:
             self._fresh.set()
 
     def collect(self) -> Iterator[Any]:
-        """A scrape (the server's thread): the loop's next reading, as metrics."""
+        """A scrape (a render worker): the loop's next reading, as metrics."""
         with self._one:
             if not self._closed:
                 self._fresh.clear()
@@ -308,9 +322,7 @@ class Exporter:
     def close(self) -> None:
         self._closed = True
         self._fresh.set()  # a scrape waiting is answered now
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join()
+        self.server.close()
 
 
 class NoExporter:
@@ -329,11 +341,13 @@ class NoExporter:
         pass
 
 
-def open_exporter(address: str, err: TextIO) -> Exporter | NoExporter:
-    """The server for `--metrics ADDRESS`, its address said on `err` (UsageError: a
-    bad address or a port in use), or the stand-in without it."""
-    if not address:
+def open_exporter(config: TrainConfig, err: TextIO) -> Exporter | NoExporter:
+    """The server for `--metrics ADDRESS` (and its --metrics-auth, --metrics-cert and
+    --metrics-key), its address said on `err` (UsageError: a bad address, a port in
+    use, a credential or certificate refused), or the stand-in without it."""
+    if not config.metrics:
         return NoExporter()
-    exporter = Exporter(address)
+    exporter = Exporter(config.metrics, config.metrics_auth, config.metrics_cert,
+                        config.metrics_key)
     print(f"ddtrain: metrics at {exporter.url}", file=err, flush=True)
     return exporter

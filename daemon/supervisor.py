@@ -84,7 +84,7 @@ class Supervisor:
             lock = hold_run(paths)  # the one daemon of this run, until it exits
             write_json_atomic(paths.config, config.to_dict())
             # A port in use: refused before the journal exists (the folder is removed then).
-            exporter = open_exporter(config.metrics, self.err)
+            exporter = open_exporter(config, self.err)
             hub = config.multi_node and config.is_hub
             bind = nodes.hub_bind_address(config) if hub else config.bind
             keys = RunKeys.create(paths.keys) if bind else None

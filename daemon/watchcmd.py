@@ -74,6 +74,14 @@ def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser
                        help="serve every rank's metrics to Prometheus at "
                        "http://HOST:PORT/metrics (HOST 127.0.0.1 unless given; PORT 0: a "
                        "free one, in run.json; docs/monitoring.md)")
+    watch.add_argument("--metrics-auth", default="", metavar="FILE",
+                       help="with --metrics: every scrape must send the credential in FILE "
+                       "(a bearer token, or USER:PASSWORD; chmod 600); else 401")
+    watch.add_argument("--metrics-cert", default="", metavar="FILE",
+                       help="with --metrics and --metrics-key: serve https:// with this "
+                       "certificate (PEM)")
+    watch.add_argument("--metrics-key", default="", metavar="FILE",
+                       help="with --metrics-cert: its private key (PEM, unencrypted, chmod 600)")
     watch.add_argument("--idle", type=float, default=0.0, metavar="S",
                        help="without a command: end after S seconds without any rank's "
                        "message (default: wait until every rank has said goodbye)")
@@ -125,7 +133,8 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(run_id=args.run_id, runs_dir=args.runs_dir or default_runs_dir(),
                        bind=args.bind, hang_timeout=args.hang_timeout, watch=command,
                        tensorboard=args.tensorboard,
-                       metrics=args.metrics,
+                       metrics=args.metrics, metrics_auth=args.metrics_auth,
+                       metrics_cert=args.metrics_cert, metrics_key=args.metrics_key,
                        idle=args.idle, workdir=str(Path.cwd()), **nodes).validate()
 
 

@@ -54,6 +54,8 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--local-addr": (str, ""),
     "--tensorboard": (str, ""),  # added with TensorBoard files (docs/monitoring.md)
     "--metrics": (str, ""),  # added with Prometheus metrics (docs/monitoring.md)
+    # added with the doors of --metrics: a credential, TLS (docs/monitoring.md)
+    "--metrics-auth": (str, ""), "--metrics-cert": (str, ""), "--metrics-key": (str, ""),
     "--step-delay": (float, 0.0),  # added for runs watched at leisure (docs/cli.md)
 }
 # Fields with no flag of their own: PROGRAM and what follows `--` are positional.
