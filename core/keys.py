@@ -12,8 +12,11 @@ in the run directory:
         client.key_secret      the peer key pair (0600): ranks, dashboards,
                                `ddtrain status/stop`, and later node daemons
 
-A peer needs `client.key_secret` and `server.key` (copy the folder to another
-machine to watch from there: docs/security.md). The daemon's ZAP handler
+A peer needs `client.key_secret` and `server.key`, never `server.key_secret`
+(with that one anyone could pose as the daemon): `write_peer_folder` writes
+those two (and `client.key`) to a folder of their own, runs/<id>/peer-keys/,
+which is what a multi-node job's other nodes and a dashboard on another machine
+are given (docs/security.md). The daemon's ZAP handler
 (relay.py) admits exactly the run's client key: no key, a wrong key or
 another run's key completes no handshake, and each refusal is counted.
 """
@@ -98,6 +101,22 @@ class RunKeys:
         sock.curve_secretkey = self.client_secret
         sock.curve_publickey = self.client_public
         sock.curve_serverkey = self.server_public
+
+
+PEER_FILES = ("server.key", "client.key", "client.key_secret")
+
+
+def write_peer_folder(keys: Path, folder: Path) -> Path:
+    """`folder` (0700) with what a peer needs of the run's `keys` folder, and
+    nothing of the daemon's secret: server.key, client.key and client.key_secret
+    (0600). Written again each time (a resume)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    for name in PEER_FILES:
+        target = folder / name
+        target.write_bytes((keys / name).read_bytes())
+        target.chmod(0o600)
+    return folder
 
 
 def needs_keys(endpoint: str) -> bool:

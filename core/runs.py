@@ -112,6 +112,11 @@ class RunPaths:
     def keys(self) -> Path:
         return self.root / "keys"
 
+    @property
+    def peer_keys(self) -> Path:
+        """What a peer on another machine needs of `keys` (core/keys.py), to copy there."""
+        return self.root / "peer-keys"
+
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
 
@@ -272,8 +277,8 @@ def hold_run(paths: RunPaths) -> int:
 
 
 # What a start writes before its first status (run.json) and before any rank.
-BEFORE_ANY_RANK = {"config.json", "daemon.lock", "daemon.log", "keys", "logs", "checkpoints",
-                   "sock"}
+BEFORE_ANY_RANK = {"config.json", "daemon.lock", "daemon.log", "keys", "peer-keys", "logs",
+                   "checkpoints", "sock"}
 
 
 def remove_unstarted(paths: RunPaths) -> bool:

@@ -65,7 +65,8 @@ class NodeRole:
         control = nodes.public(endpoints["control"], host)
         nodes.write_hub_file(self.paths, control, self.hub.nodes_endpoint)
         self._say(f"node 0 is the hub of {self.config.nnodes} nodes: {control} "
-                  f"(keys in {self.paths.keys}; written to {self.paths.hub_file})")
+                  f"(the other nodes' keys in {self.paths.peer_keys}; written to "
+                  f"{self.paths.hub_file})")
 
     def join_hub(self) -> RunKeys:
         """Node K: find the hub (shared run directory, or --hub), forward to it; the

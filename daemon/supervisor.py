@@ -19,7 +19,7 @@ from typing import TextIO
 
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
-from ddtop.core.keys import RunKeys
+from ddtop.core.keys import RunKeys, write_peer_folder
 from ddtop.core.runs import RunPaths, hold_run, write_json_atomic
 from ddtop.core.state import RunState
 from ddtop.core.text import count_of
@@ -88,6 +88,8 @@ class Supervisor:
             hub = config.multi_node and config.is_hub
             bind = nodes.hub_bind_address(config) if hub else config.bind
             keys = RunKeys.create(paths.keys) if bind else None
+            if keys is not None:  # what other machines are given: no secret of this daemon's
+                write_peer_folder(paths.keys, paths.peer_keys)
             watching = config.watch is not None
             relay = Relay(paths.run_id, paths.journal, paths.sockets,
                           world_size=None if watching else config.world_size,

@@ -276,8 +276,9 @@ class WatchedRanks(_Ranks):
         self.waiting = Waiting(self.state, config.idle, time.time(), self.seen)
         lines = [f"export {TELEMETRY_ENV}={shlex.quote(os.environ[TELEMETRY_ENV])}",
                  f"export {RUN_ID_ENV}={shlex.quote(self.paths.run_id)}"]
-        if os.environ.get(KEYS_ENV):
-            lines.append(f"export {KEYS_ENV}={shlex.quote(os.environ[KEYS_ENV])}"
+        if os.environ.get(KEYS_ENV):  # what a rank needs, without the daemon's secret
+            peers = self.paths.peer_keys.resolve()
+            lines.append(f"export {KEYS_ENV}={shlex.quote(str(peers))}"
                          "   # a copy of this folder where each rank runs")
         ends = (f"or after {config.idle:g} s without a message" if config.idle
                 else "(Ctrl-C ends the watch)")

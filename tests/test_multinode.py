@@ -36,9 +36,10 @@ from helpers import listening_addresses, torchrun
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtop.core import journal, wire
-from ddtop.core.contract import ATTEMPT_ENV, STOP_SECRET_ENV
-from ddtop.core.keys import RunKeys
-from ddtop.core.processes import environ_value
+from ddtop.core.config import TrainConfig
+from ddtop.core.contract import ATTEMPT_ENV, STOP_SECRET_ENV, UsageError
+from ddtop.core.keys import RunKeys, write_peer_folder
+from ddtop.core.processes import ProcessId, environ_value
 from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon import nodes
@@ -151,7 +152,9 @@ class Job:
             assert time.monotonic() < deadline and self.nodes[0].poll() is None
             time.sleep(0.05)
         keys = self.tmp / "copied-keys"
-        shutil.copytree(self.runs / self.run_id / "keys", keys)
+        shutil.copytree(self.runs / self.run_id / "peer-keys", keys)
+        assert sorted(p.name for p in keys.iterdir()) == [
+            "client.key", "client.key_secret", "server.key"]  # never the hub's secret
         return ["--hub", json.loads(hub_file.read_text())["control"], "--hub-keys", str(keys)]
 
     def status(self, node: int = 0) -> dict:
@@ -756,3 +759,40 @@ def namespaces() -> Iterator[tuple[str, str, str, str] | None]:
         for name in made:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_dead_hubs_hub_json_is_waited_out_then_refused_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub.json left by a dead earlier run of the same run id on this machine
+    (before: node 1 forwarded to that dead hub) is waited out as if absent, said,
+    then refused in one line naming the file; one whose hub is alive is taken."""
+    job = RunPaths(tmp_path / "runs" / "again")
+    job.root.mkdir(parents=True)
+    RunKeys.create(job.keys)
+    write_peer_folder(job.keys, job.peer_keys)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = ProcessId.of(gone.pid)
+    gone.wait()
+    assert dead is not None and dead.start is not None
+    record = {"control": "tcp://127.0.0.1:1", "nodes": "tcp://127.0.0.1:2",
+              "keys": str(job.peer_keys), "pid": dead.pid, "host": socket.gethostname(),
+              "start": dead.start, "boot": dead.boot}
+    job.hub_file.write_text(json.dumps(record))
+    monkeypatch.setattr(nodes, "HUB_WAIT_S", 0.5)
+    said: list[str] = []
+    config = TrainConfig(world_size=4, nnodes=2, node_rank=1, nproc_per_node=2,
+                         run_id="again", rdzv_endpoint="127.0.0.1:1")
+    with pytest.raises(UsageError) as refused:
+        nodes.find_hub(config, job, said.append)
+    assert str(refused.value) == (
+        f"node 1: {job.hub_file} names a hub that is gone (pid {dead.pid} on "
+        f"{socket.gethostname()} is not running): a dead earlier run's with the same "
+        "--run-id; remove it, or start node 0 of this run")
+    assert said and "is a dead hub's" in said[0]
+    me = ProcessId.of(os.getpid())
+    assert me is not None
+    job.hub_file.write_text(json.dumps({**record, "pid": me.pid, "start": me.start}))
+    control, keys = nodes.find_hub(config, job, said.append)
+    assert control == "tcp://127.0.0.1:1" and keys.server_secret is None

@@ -172,7 +172,8 @@ def test_a_dashboard_elsewhere_needs_the_runs_keys_and_follows_the_run_with_them
     run, root = over_tcp
     control = record(root)["endpoints"]["control"]
     keys = tmp_path / "keys"
-    shutil.copytree(root / "keys", keys)  # as copied to the machine the dashboard runs on
+    shutil.copytree(root / "peer-keys", keys)  # as copied to the machine the dashboard runs on
+    assert not (keys / "server.key_secret").exists()
     bare = subprocess.run([DDTOP, "--headless", "--connect", control, "--wait", "2"],
                           cwd=tmp_path, env=tagged_env(run.tag), text=True,
                           capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
