@@ -85,6 +85,17 @@ class UsageError(Exception):
     """Bad input: reported as one line, exit code 2 (EXIT_USAGE), never a traceback."""
 
 
+class PortTaken(Exception):
+    """Rank 0 could not bind MASTER_PORT, which the daemon picked (PORT_PICKED_ENV):
+    another process bound it between the daemon's choice and rank 0's bind. Not the
+    user's doing: the daemon starts the ranks again on another port."""
+
+
+# Set (to "1") in the ranks' environment when the daemon picked MASTER_PORT itself
+# (no --master-port): a port in use is then the daemon's to pick again, not the user's.
+PORT_PICKED_ENV = "DDTOP_MASTER_PORT_PICKED"
+
+
 # The exit code that tells a run's outcome, by the run's final status.
 EXIT_BY_STATUS = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "lost": EXIT_FAILED,
                   "stopped": EXIT_INTERRUPTED}
@@ -120,7 +131,10 @@ class ErrorReport(msgspec.Struct, kw_only=True):
     """Why a rank failed, in its own words: logs/rank-<k>.error.json, written by
     the rank (training/worker.py), read by the daemon (core/blame.py)."""
 
-    kind: Literal["usage", "exception"] = "exception"  # usage: bad input, the run exits 2
+    # usage: bad input, the run exits 2; port_taken: MASTER_PORT, which the daemon
+    # picked, was bound by another process first (PortTaken): the daemon starts the
+    # ranks again on another port
+    kind: Literal["usage", "exception", "port_taken"] = "exception"
     message: str = ""
     traceback: str = ""
     time: float = msgspec.field(default_factory=time.time)  # wall clock when written

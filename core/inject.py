@@ -2,7 +2,7 @@
 
     SPEC    = RANK ":" ACTION [ "@" WHEN ]
     ACTION  = kill | stop | hang | raise | segfault | exit=CODE
-            | slow=FACTORx | stall-data=SECONDSs
+            | slow=FACTORx | stall-data=SECONDSs | take-port
     WHEN    = step=N | epoch=E
 
 e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
@@ -10,7 +10,8 @@ e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
 step N is done (steps count from 1, across epochs, as `ddtrain status` shows
 them), or once epoch E (counted from 1) is done, i.e. after its last step;
 `slow` acts on every step from there on (from the first step without WHEN),
-every other action once, and each needs WHEN.
+every other action once, and each needs WHEN; but `0:take-port` acts at the
+start, on rank 0 alone, without WHEN.
 
 `ddtrain start` parses and checks the specs before anything starts (bad input:
 one line naming the problem and the fix) and hands them to the daemon and the
@@ -40,9 +41,12 @@ ACTIONS = {
     "exit": "exit=CODE: exit at once with CODE (0-255; 0: a rank that leaves early)",
     "slow": "slow=FACTORx: take FACTOR times its normal step time (e.g. 1.5x)",
     "stall-data": "stall-data=SECONDSs: its data loading stalls that long, once (e.g. 2s)",
+    "take-port": ("rank 0 only, no WHEN: another process binds the rendezvous port the daemon "
+                  "picked before rank 0 does (the daemon starts the ranks again on another)"),
 }
-ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx or "
-          "stall-data=SECONDSs")
+ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx, "
+          "stall-data=SECONDSs or take-port")
+AT_START = ("take-port",)  # actions at the start, before any step: no WHEN
 SEPARATOR = ","
 MAX_EXIT_CODE = 255
 MAX_SLOW_FACTOR = 1000.0
@@ -73,7 +77,10 @@ class Drill:
 
     def first_step(self, steps_per_epoch: int) -> int | None:
         """The global step after which it fires (from which on, for slow); None
-        while an epoch trigger's steps per epoch are unknown (0)."""
+        while an epoch trigger's steps per epoch are unknown (0), and for one that
+        acts at the start (AT_START)."""
+        if self.action in AT_START:
+            return None
         if self.epoch is not None:
             return self.epoch * steps_per_epoch if steps_per_epoch > 0 else None
         return self.step if self.step is not None else 1
@@ -138,7 +145,10 @@ def parse(text: str, source: str = FLAG) -> Drill:
             step = count
         else:
             epoch = count
-    elif action != "slow":
+    if action in AT_START:
+        if when is not None or rank != 0:
+            raise bad(f"{action} acts on rank 0 at the start: write it as 0:{action}")
+    elif when is None and action != "slow":
         raise bad(f"say when: add @step=N (after global step N) or @epoch=E "
                   f"(after epoch E), e.g. {rank}:{match['action']}"
                   f"{'=' + match['value'] if match['value'] is not None else ''}@step=50")

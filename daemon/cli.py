@@ -220,6 +220,9 @@ def arm_drills(specs: list[str], world_size: int, epochs: int | None = None) -> 
     inject.check_ranks(drills, world_size)
     if epochs is not None:
         inject.check_epochs(drills, epochs)
+    elif any(d.action in inject.AT_START for d in drills):
+        raise UsageError(f"{inject.FLAG} 0:take-port drills the built-in trainer's rendezvous; "
+                         "a script binds its own port")
     os.environ[FAULT_ENV] = inject.encode(drills)
 
 

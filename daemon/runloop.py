@@ -37,6 +37,7 @@ from ddtop.core.contract import (
     EXIT_OK,
     EXIT_USAGE,
     FAULT_ENV,
+    PORT_PICKED_ENV,
     STOP_SECRET_ENV,
     TELEMETRY_ENV,
     ErrorReport,
@@ -60,6 +61,7 @@ from ddtop.daemon.stacks import signal_stacks
 from ddtop.daemon.starters import (
     Rank,
     RankStarter,
+    choose_port,
     process_name,
     rank_program,
 )
@@ -70,6 +72,9 @@ POLL_S = 0.1
 INTERRUPT_STOP_TIMEOUT_S = 30.0
 # A hang failed by --hang-timeout: seconds the ranks get to write their stacks first.
 STACKS_GRACE_S = 0.3
+# Starts again after rank 0 found the port the daemon picked taken by another
+# process (a race between the daemon's choice and rank 0's bind): not restarts.
+PORT_RETRIES = 3
 
 
 class Stopped(Exception):
@@ -101,6 +106,8 @@ class RunLoop:
         # and once at the end: `ddtrain start --foreground --headless` prints from it.
         self.on_tick = on_tick
         self.restarts = 0
+        self.port_retries = 0  # starts again after a picked port was taken (_port_taken)
+        self.launch = 0  # starts of the ranks so far, less one: the attempt they are told
         self.stopping: float | None = None  # deadline of a graceful stop in progress
         self.stop_timeout = 0.0  # the seconds it was given
         self.interrupted = False  # the stop came from Ctrl-C
@@ -137,20 +144,45 @@ class RunLoop:
         return outcome.exit_code
 
     def _attempts(self) -> Outcome:
-        """Run the ranks; after a failure restart them, up to --max-restarts times."""
+        """Run the ranks; after a failure restart them, up to --max-restarts times.
+        A port the daemon picked that another process took first is picked again,
+        and the ranks started again, up to PORT_RETRIES times: not a restart."""
         while True:
             self._start_ranks()
             outcome = self._supervise()
             self.end_ranks()  # the ranks have ended: so does what they left running
+            if self._port_taken(outcome):
+                continue
             if (outcome.status != "failed" or outcome.exit_code == EXIT_USAGE
                     or self.restarts >= self.config.max_restarts or self.stopping is not None):
                 return outcome
             self._restart(outcome)
 
+    def _port_taken(self, outcome: Outcome) -> bool:
+        """Rank 0 found the port the daemon picked taken (PortTaken): said, and the
+        next start gets a fresh one; False when that is not what happened, or after
+        PORT_RETRIES such starts."""
+        if (outcome.report is None or outcome.report.kind != "port_taken"
+                or self.port_retries >= PORT_RETRIES or self.stopping is not None):
+            return False
+        self.port_retries += 1
+        self.launch += 1
+        self.starter.port = choose_port(self.config.master_addr, 0)
+        message = (f"{outcome.report.message}: starting the ranks again on port "
+                   f"{self.starter.port} (not a restart; {self.port_retries} of at most "
+                   f"{PORT_RETRIES})")
+        self._tell("warning", message)
+        self.status("restarting", message, write=False)  # no failure: not the run's
+        self.exits.begin()
+        self.relay.retire_senders()
+        self.hang.reset()
+        return True
+
     def _restart(self, outcome: Outcome) -> None:
         rank = outcome.failed_rank
         assert rank is not None and rank.exitcode is not None
         self.restarts += 1
+        self.launch += 1
         newest = self.paths.newest_checkpoint()
         view = self.relay.state.ranks.get(rank.rank)
         reason = outcome.reason or describe_exit(rank.exitcode, None)
@@ -194,10 +226,11 @@ class RunLoop:
         else:
             os.environ[STOP_SECRET_ENV] = self.stop_secret
         drills = os.environ.get(FAULT_ENV)
-        if drills and not self.restarts:  # --inject (checked by ddtrain start)
+        if drills and not self.launch:  # --inject (checked by ddtrain start)
             message = f"fault drills armed: {drills} (in the first attempt only)"
             self._tell("info", message)
-        self.starter.start(self.config, self.restarts, self.exits.begin())
+        os.environ[PORT_PICKED_ENV] = "0" if self.config.master_port else "1"
+        self.starter.start(self.config, self.launch, self.exits.begin())
         self.status("running", f"watching {self.config.program_label}" if self.watching
                      else f"{count_of(self.config.world_size, 'rank')} started")
 

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import math
+import re
 import statistics
 import subprocess
 import time
@@ -68,6 +69,8 @@ RUNS: dict[str, tuple[str, ...]] = {
     # 500 steps of a few ms (one micro-batch each), rank 1 at twice its step time.
     "script-slow": (*JSONL, "-n", "2", "--inject", "1:slow=2x",
                     *ACCUM, "--steps", "500", "--accum", "1"),
+    # Another process binds the port the daemon picked before rank 0 does.
+    "take-port": ("--foreground", *SHORT, "--epochs", "1", "--inject", "0:take-port"),
     # DDTOP_FAULT set by hand (ENV below) without --inject: no drill, with either launcher.
     "ignored": ("--foreground", "-n", "2", *ACCUM, "--steps", "6"),
     "ignored-torchrun": ("--foreground", "--launcher", "torchrun", *SHORT, "--epochs", "1"),
@@ -154,6 +157,8 @@ def test_the_grammar_round_trips() -> None:
     ("1:20:SIGKILL", "write it as RANK:ACTION@step=N, e.g. 1:kill@step=20"),
     ("one:kill@step=1", "the rank 'one' must be a whole number"),
     ("", "write it as RANK:ACTION[@step=N|@epoch=E]"),
+    ("1:take-port", "take-port acts on rank 0 at the start: write it as 0:take-port"),
+    ("0:take-port@step=3", "take-port acts on rank 0 at the start: write it as 0:take-port"),
 ])
 def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> None:
     with pytest.raises(UsageError) as bad:
@@ -172,6 +177,8 @@ def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> N
     (("--epochs", "2", "--inject", "1:exit=3@epoch=3"), {},
      "ddtrain: error: --inject '1:exit=3@epoch=3': the run trains --epochs 2, so epoch 3 "
      "never ends"),
+    (("--inject", "0:take-port", str(Path(__file__).parent / "scripts" / "plain_ddp.py")), {},
+     "ddtrain: error: --inject 0:take-port drills the built-in trainer's rendezvous"),
 ])
 @pytest.mark.processes
 def test_bad_drills_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...],
@@ -230,6 +237,24 @@ def test_a_fault_set_by_hand_without_inject_does_nothing(drills: Started, name: 
 
 
 # -- dead ranks ----------------------------------------------------------------------------------
+@pytest.mark.processes
+def test_a_port_the_daemon_picked_and_another_took_is_picked_again(drills: Started) -> None:
+    """Before, rank 0 failed with "pick another --master-port, or leave it out",
+    though the user had left it out. Now the daemon picks another port and starts
+    the ranks again (not a restart), and the run succeeds."""
+    run = drills.result("take-port")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"ddtrain: port (\d+) \(MASTER_PORT\), which the daemon picked, was "
+                     r"bound by another process before rank 0 could bind it: starting the "
+                     r"ranks again on port (\d+) \(not a restart; 1 of at most 3\)",
+                     run.stderr), run.stderr
+    assert "--master-port" not in run.stdout + run.stderr
+    assert run.stderr.count("fault drills armed") == 1
+    got = record(drills.run_dir("take-port"))
+    assert (got["status"], got["restarts"], got["failure"]) == ("succeeded", 0, None)
+    assert run.leftovers == []
+
+
 @pytest.mark.processes
 def test_segfault_is_named_by_its_signal(drills: Started) -> None:
     run = drills.result("segv")

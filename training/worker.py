@@ -32,6 +32,7 @@ from ddtop.core.contract import (
     EXIT_USAGE,
     STACKS_SIGNAL,
     ErrorReport,
+    PortTaken,
     UsageError,
 )
 from ddtop.core.processes import lead_own_session, pid_alive, set_parent_death_signal
@@ -119,6 +120,11 @@ def _run_reported(body: Callable[[], object], rank: int, error_report: Path | No
                   own_frames: Callable[[str], bool]) -> int:
     try:
         body()
+    except PortTaken as e:  # not the user's doing: the daemon starts the ranks again
+        print(f"ddtrain: {e}", file=sys.stderr, flush=True)
+        write_error_report(error_report, ErrorReport(rank=rank, kind="port_taken",
+                                                     message=str(e)))
+        return EXIT_FAILED
     except UsageError as e:
         print(f"ddtrain: error: {e}", file=sys.stderr, flush=True)
         write_error_report(error_report, ErrorReport(rank=rank, kind="usage", message=str(e)))
