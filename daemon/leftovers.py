@@ -62,6 +62,7 @@ class Leftover:
     rank: int | None  # None: a rank, which one unknown
     process: ProcessId
     name: str  # its command name (/proc/<pid>/comm)
+    own: bool = False  # the rank's own process, outliving its launcher: not one it started
 
 
 def processes() -> Iterator[tuple[int, Stat]]:
@@ -158,7 +159,14 @@ def describe(found: list[Leftover], killed: set[ProcessId]) -> list[str]:
     for leftover in sorted(found, key=lambda f: (f.rank is None, f.rank or 0, f.process.pid)):
         by_rank.setdefault(leftover.rank, []).append(leftover)
     lines = []
+    for leftover in (f for f in found if f.own):  # the rank itself: its pid said once
+        how = "killed with SIGKILL" if leftover.process in killed else "terminated"
+        lines.append(f"rank {leftover.rank} (pid {leftover.process.pid}) was still running "
+                     f"after its launcher exited: {how}")
     for rank, left in by_rank.items():
+        left = [f for f in left if not f.own]
+        if not left:
+            continue
         who = f"rank {rank}" if rank is not None else "a rank"
         named = ", ".join(f"pid {f.process.pid} {f.name}" for f in left[:NAMED_MAX])
         if len(left) > NAMED_MAX:

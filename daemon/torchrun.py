@@ -14,6 +14,7 @@ ended is read from torchrun's failure summary in its log.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -130,7 +131,9 @@ class TorchrunRanks:
         environment it gave its workers, started after it (their RANK says whose)."""
         if self.agent is None or same_process(self.agent):
             return []
-        return with_environment(DAEMON_PID_ENV, str(os.getpid()), self.agent)
+        ranks = set(self.seen.values())  # a rank's own process is said as the rank's
+        return [dataclasses.replace(f, own=f.process in ranks)
+                for f in with_environment(DAEMON_PID_ENV, str(os.getpid()), self.agent)]
 
     def close(self) -> None:
         """Nothing of its own left: the agent has exited with its ranks."""

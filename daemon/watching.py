@@ -22,6 +22,7 @@ without a message (ranks that went quiet are lost).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import signal
@@ -200,7 +201,9 @@ class WatchedCommand(_Ranks):
     def left_behind(self) -> list[Leftover]:
         if self.agent is None or same_process(self.agent):
             return []
-        return with_environment(DAEMON_PID_ENV, str(os.getpid()), self.agent)
+        ranks = set(self.seen.values())  # a rank's own process is said as the rank's
+        return [dataclasses.replace(f, own=f.process in ranks)
+                for f in with_environment(DAEMON_PID_ENV, str(os.getpid()), self.agent)]
 
     def close(self) -> None:
         """The command has exited; the guard exits once the daemon has (and finds

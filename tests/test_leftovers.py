@@ -139,3 +139,15 @@ def test_the_line_counts_names_and_says_how_each_ended() -> None:
         "rank 0 left 6 processes behind (pid 100 python, pid 101 python, pid 102 python, "
         "pid 103 python and 2 more): 5 terminated, 1 killed with SIGKILL",
         "a rank left 1 process behind (pid 7 sh): terminated"]
+
+
+def test_a_ranks_own_process_outliving_its_launcher_is_said_once_as_the_rank() -> None:
+    """Before: a lost node's headline said "rank 0 (pid N) ..." and then "rank 0 left
+    1 process behind (pid N)", rank 0's own pid taken for something it started."""
+    own = leftovers.Leftover(0, ProcessId(4242, 1), "python", own=True)
+    child = leftovers.Leftover(0, ProcessId(4250, 1), "sleep")
+    assert leftovers.describe([own, child], {ProcessId(4242, 1)}) == [
+        "rank 0 (pid 4242) was still running after its launcher exited: killed with SIGKILL",
+        "rank 0 left 1 process behind (pid 4250 sleep): terminated"]
+    assert leftovers.describe([own], set()) == [
+        "rank 0 (pid 4242) was still running after its launcher exited: terminated"]
