@@ -49,7 +49,7 @@ def test_a_focus_flood_is_limited_per_client_and_never_slows_status(tmp_path: Pa
     sent = [0]
 
     def flood() -> None:
-        for k in range(CONNECTIONS):
+        for _ in range(CONNECTIONS):
             s = context.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 0)

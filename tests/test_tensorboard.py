@@ -340,7 +340,7 @@ def test_a_tensorboard_folder_that_cannot_be_written_is_refused_before_the_start
     at = command.index("--") if "--" in command else len(command)
     assert cli.main([*command[:at], *flag, *command[at:]]) == 2
     out, err = capsys.readouterr()
-    assert err == f"ddtrain: error: {said.format(file=tmp_path / 'file')}\n", err
+    assert out == "" and err == f"ddtrain: error: {said.format(file=tmp_path / 'file')}\n", err
     assert not (tmp_path / "runs").exists()
 
 
