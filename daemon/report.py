@@ -213,9 +213,11 @@ class RunReport:
             print(f"ddtrain: error: {report.message}", file=err, flush=True)
             return
         cause = f": {report.message}" if report is not None and report.message else ""
-        who = outcome.who or self._who(rank)
-        pid = f" (pid {rank.process.pid})" if rank.process.pid is not None else ""
-        lines = [f"ddtrain: run {rid} failed: {who}{pid} {self._how(outcome)}{cause}"]
+        who, how = outcome.who or self._who(rank), self._how(outcome)
+        pid = rank.process.pid
+        # Its pid once: a lost node's reason names its daemon's pid already.
+        said = f" (pid {pid})" if pid is not None and f"(pid {pid})" not in how else ""
+        lines = [f"ddtrain: run {rid} failed: {who}{said} {how}{cause}"]
         tb = report.traceback.rstrip().splitlines() if report is not None else []
         lines += [f"  | {line}" for line in tb[-TRACEBACK_TAIL_LINES:]]
         log = (self.paths.logs / "torchrun.log" if rank.rank == AGENT else
