@@ -354,6 +354,7 @@ def test_a_node_speaks_only_for_its_own_ranks_over_the_real_node_plane(tmp_path:
         send(1, step(2, 1, 10))
         serve_until(lambda: 2 in relay.state.ranks)
         send(2, step(0, 1, 99_999, loss=54_321.0))
+        serve_until(lambda: relay.state.rejected.get(nodes.NOT_ITS_RANK, 0) >= 1)
         send(2, step(2, 2, 99_999, loss=54_321.0))
         exit2 = wire.RankExit(run="r", rank=wire.DAEMON_RANK, seq=1, t=time.time(), exited=2,
                               pid=None, exit_code=-9, signal="SIGKILL")
