@@ -3,7 +3,8 @@
 Nothing is done per message: the daemon folds its messages into the RunState as
 always, and a scrape reads that state. The state belongs to the daemon's loop
 (one thread; the fold is not thread-safe), so a scrape, on the HTTP server's
-thread, asks the loop for a reading and waits: at its next pass (every 0.1 s)
+thread, asks the loop for a reading, wakes it (a byte on a pipe the loop waits
+on with its sockets), and waits: at once, not at its next pass (every 0.1 s),
 the loop copies the numbers a scrape shows into a `Reading`, plain and frozen,
 between two messages, so that every number of one scrape comes from the same
 moment; no lock is held while it is copied or formatted. A loop that does not
@@ -20,6 +21,8 @@ given); the text is prometheus_client's encoder's. `NoExporter` stands in withou
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -281,6 +284,10 @@ class Exporter:
         self._asked = threading.Event()  # a scrape waits for a reading
         self._fresh = threading.Event()  # the loop has taken it
         self._one = threading.Lock()  # one scrape at a time asks
+        # Written by a scrape, read by the daemon's loop, which waits on it with its
+        # sockets (`fds`): a scrape wakes the loop at once, not at its next pass.
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.fds: tuple[int, ...] = (self._wake_read,)
         self._reading: Reading | None = None
         self._closed = False
         registry = CollectorRegistry(auto_describe=False)
@@ -303,6 +310,8 @@ class Exporter:
 
     def serve(self, state: RunState) -> None:
         """The daemon's loop: a reading for the scrape waiting, if one is."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_read, 4096)
         if self._asked.is_set():
             self._asked.clear()
             self._reading = read(state, time.time())
@@ -314,6 +323,8 @@ class Exporter:
             if not self._closed:
                 self._fresh.clear()
                 self._asked.set()
+                with contextlib.suppress(BlockingIOError):  # full: the loop is waking anyway
+                    os.write(self._wake_write, b"!")
                 self._fresh.wait(ANSWER_S)
             reading = self._reading
         if reading is not None:
@@ -323,12 +334,15 @@ class Exporter:
         self._closed = True
         self._fresh.set()  # a scrape waiting is answered now
         self.server.close()
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
 
 
 class NoExporter:
     """Without --metrics: nothing served, nothing done."""
 
     url = ""
+    fds: tuple[int, ...] = ()
 
     @property
     def endpoints(self) -> dict[str, str]:

@@ -254,7 +254,9 @@ class RunLoop:
                 if self.stopping is not None:
                     return Outcome("stopped", EXIT_INTERRUPTED)
                 return Outcome("succeeded", EXIT_OK)
-            self.relay.serve(POLL_S, [r.process.sentinel for r in running])
+            # A scrape (--metrics) wakes the loop too: its reading is taken at once.
+            self.relay.serve(POLL_S, [*(r.process.sentinel for r in running),
+                                      *self.exporter.fds])
             # What these act on came from outside (the printer's reading of the state,
             # the other nodes, requests, the ranks' output): an exception in one is
             # said and counted by the relay, and the ranks stay supervised.

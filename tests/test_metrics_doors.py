@@ -462,7 +462,10 @@ def test_idle_connections_leave_the_threads_bounded_and_scrapes_fast(
         before, threads, after)
     assert sockets <= before["sockets"] + metricserver.MAX_CONNECTIONS, (before, sockets)
     assert median < LATENCY_S, latencies
-    assert max(latencies) < 1.0, latencies  # the daemon's loop passes every 0.1 s
+    # A scrape wakes the daemon's loop (before, it waited up to its next pass, 0.1 s):
+    # 9 in 10 within the bound even on a loaded machine, none past a second.
+    assert sorted(latencies)[int(0.9 * len(latencies)) - 1] < LATENCY_S, latencies
+    assert max(latencies) < 1.0, latencies
 
 
 @pytest.mark.processes
