@@ -4,6 +4,7 @@ panels): written once."""
 
 from __future__ import annotations
 
+import math
 import time
 
 
@@ -18,7 +19,7 @@ def num(value: float | None, spec: str = ".3f", none: str = "-") -> str:
 
 def seconds(s: float | None) -> str:
     """1.2 s, 3m05s, 2h01m."""
-    if s is None:
+    if s is None or not math.isfinite(s):
         return "-"
     if s < 60:
         return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"

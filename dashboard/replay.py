@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,12 +76,14 @@ class ReplayFeed(Feed):
         # that readers that print per interval of run time still see every interval.
         horizon = (self.anchor_replay + self.instant_step_s if self.speed == 0
                    else self.now())
+        reached = self.anchor_replay
         folded = 0
         with self.lock:
             while self.pending is not None and folded < BATCH:
                 record = self.pending
                 if record.received > horizon:
                     break
+                reached = record.received
                 try:
                     # Any run id: the journal holds only what its daemon accepted.
                     self.state.apply(wire.decode([record.frame]), record.received)
@@ -89,7 +92,10 @@ class ReplayFeed(Feed):
                     pass  # the journal holds only accepted frames; a damaged one is skipped
                 self.pending = next(self.records, None)
             if self.speed == 0:
-                self.anchor_replay = horizon
+                # All at once (instant_step_s infinite): the clock stands at the last
+                # record folded until the rest is, never at infinity.
+                self.anchor_replay = horizon if math.isfinite(horizon) else max(
+                    self.anchor_replay, reached)
         if self.pending is None:
             self._finish()
         elif not folded and self.speed:

@@ -460,3 +460,29 @@ def test_node_news_is_believed_only_whole_and_a_lost_nodes_ranks_are_unknown() -
     # A node's own news of its ranks (local) makes them the ones it shows.
     s.apply(node_event(100, wire.node_news(0, "up", [0, 1], "a", local=True)), 100.0)
     assert s.local_ranks == [0, 1]
+
+
+def test_a_finished_runs_journal_read_at_once_never_shows_an_infinite_clock(
+        tmp_path: Path) -> None:
+    """A finished run is read at once (speed 0, no step), BATCH records a pump:
+    between two pumps its clock stood at infinity, and a dashboard drawing then
+    crashed on an elapsed time of inf (seen once in CI). Now it stands at the
+    last record folded."""
+    from ddtop.core.runs import RunPaths
+    from ddtop.dashboard.feed import BATCH
+    from ddtop.dashboard.live import open_feed
+
+    root = tmp_path / "runs" / RUN
+    root.mkdir(parents=True)
+    writer = journal.JournalWriter(RunPaths(root).journal)
+    messages = [hello(0), *(step(0, i, i) for i in range(1, BATCH + 10))]
+    for i, m in enumerate(messages, 1):
+        writer.append(i, 100.0 + i / 1000, wire.encode(m)[0])
+    writer.close()
+    feed = open_feed(RunPaths(root))
+    assert feed.pump(0.0) == BATCH and not feed.finished
+    assert feed.now() == 100.0 + BATCH / 1000
+    assert feed.state.elapsed(feed.now()) == pytest.approx((BATCH - 1) / 1000)
+    while not feed.finished:
+        feed.pump(0.0)
+    assert feed.state.ranks[0].global_step == BATCH + 9
