@@ -183,7 +183,7 @@ class NodeRole:
             gone = [hub.nodes[k] for k in verdict.lost]
             first = gone[0]
             names = ", ".join(f"node {s.node} ({s.host or '?'})" for s in gone)
-            ranks = ", ".join(str(r) for s in gone for r in s.ranks) or "unknown"
+            ranks = ", ".join(str(r) for s in gone for r in hub.ranks_of(s)) or "unknown"
             reason = (f"lost: its daemon (pid {first.pid}) stopped answering the hub; "
                       f"ranks {ranks} unreachable")
             return self._node_failed(first, reason, names)

@@ -255,13 +255,17 @@ class Hub:
                 lost.append(seen)
         return lost
 
-    @staticmethod
-    def _ranks(seen: NodeSeen) -> str:
-        return ", ".join(map(str, seen.ranks)) or "unknown"
+    def ranks_of(self, seen: NodeSeen) -> list[int]:
+        """Node `seen`'s ranks: its heartbeat's, and those it has spoken for (a node
+        lost before a heartbeat listed its ranks has forwarded their messages)."""
+        return sorted(set(seen.ranks) | {r for r, n in self.owner.items() if n == seen.node})
+
+    def _ranks(self, seen: NodeSeen) -> str:
+        return ", ".join(map(str, self.ranks_of(seen))) or "unknown"
 
     def _say(self, node: int, type: Any, message: str, traceback: str | None = None) -> None:
         seen = self.nodes.get(node)
-        news = (wire.node_news(node, seen.state, seen.ranks, seen.host) if seen
+        news = (wire.node_news(node, seen.state, self.ranks_of(seen), seen.host) if seen
                 else wire.node_news(node, UP, [], ""))
         self.relay.emit(wire.Event, type=type, message=message, node=news, traceback=traceback)
 

@@ -627,6 +627,8 @@ def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[J
     for pid in map(int, re.findall(r"\(pid (\d+)\)", err0)):  # a rank's pid, once a line
         assert all(line.count(f"pid {pid}") <= 1 for line in err0.splitlines()), err0[-3000:]
     assert "left 1 process behind (pid" not in err0 or "was still running" not in err0
+    # Its ranks named, from what it forwarded, even before a heartbeat listed them.
+    assert "ranks 2, 3 unreachable" in err0, err0[-3000:]
     record = json.loads((job.runs / "lostjob" / "run.json").read_text())
     assert record["status"] == "failed"
     # One outcome, one culprit: node 1 in run.json, `status` and the headless
