@@ -61,7 +61,6 @@ from ddtop.daemon.stacks import signal_stacks
 from ddtop.daemon.starters import (
     Rank,
     RankStarter,
-    choose_port,
     process_name,
     rank_program,
 )
@@ -108,6 +107,7 @@ class RunLoop:
         self.restarts = 0
         self.port_retries = 0  # starts again after a picked port was taken (_port_taken)
         self.launch = 0  # starts of the ranks so far, less one: the attempt they are told
+        self.port_taken = ""  # why the ranks are started again on a fresh port (_port_taken)
         self.stopping: float | None = None  # deadline of a graceful stop in progress
         self.stop_timeout = 0.0  # the seconds it was given
         self.interrupted = False  # the stop came from Ctrl-C
@@ -166,13 +166,10 @@ class RunLoop:
                 or self.port_retries >= PORT_RETRIES or self.stopping is not None):
             return False
         self.port_retries += 1
-        self.launch += 1
-        self.starter.port = choose_port(self.config.master_addr, 0)
-        message = (f"{outcome.report.message}: starting the ranks again on port "
-                   f"{self.starter.port} (not a restart; {self.port_retries} of at most "
-                   f"{PORT_RETRIES})")
-        self._tell("warning", message)
-        self.status("restarting", message, write=False)  # no failure: not the run's
+        self.launch += 1  # a later launch: the starter picks a fresh port (LocalRanks.start)
+        self.port_taken = outcome.report.message  # said once the new port is known
+        self.status("restarting", f"{self.port_taken}: starting the ranks again on a fresh "
+                    "port", write=False)  # no failure: not the run's
         self.exits.begin()
         self.relay.retire_senders()
         self.hang.reset()
@@ -231,6 +228,11 @@ class RunLoop:
             self._tell("info", message)
         os.environ[PORT_PICKED_ENV] = "0" if self.config.master_port else "1"
         self.starter.start(self.config, self.launch, self.exits.begin())
+        if self.port_taken:
+            self._tell("warning", f"{self.port_taken}: starting the ranks again on port "
+                                  f"{self.starter.port} (not a restart; {self.port_retries} "
+                                  f"of at most {PORT_RETRIES})")
+            self.port_taken = ""
         self.status("running", f"watching {self.config.program_label}" if self.watching
                      else f"{count_of(self.config.world_size, 'rank')} started")
 
