@@ -88,6 +88,16 @@ def start(cmd: list[str], cwd: Path, env_extra: dict[str, str] | None = None
     return proc, tag
 
 
+def terminate(proc: subprocess.Popen[Any], wait_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `wait_s`; waited for."""
+    proc.terminate()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def finish(proc: subprocess.Popen[str], tag: str, timeout: float = RUN_TIMEOUT_S,
            staying: Callable[[], Collection[int]] = frozenset) -> Run:
     try:

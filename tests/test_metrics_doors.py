@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Detached, detached
+from helpers import Detached, detached, terminate
 from test_bad_input import in_tmp, usage_error_in_process
 from test_metrics_http import PROMETHEUS, _state, until
 
@@ -532,12 +532,7 @@ scrape_configs:
                       lambda: (found := query('ddtop_rank_global_step{rank="0"}'))
                       and len(found) == 2 and found)
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        terminate(server)
         stop.set()
         thread.join()
         exporter.close()

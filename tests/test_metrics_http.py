@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Detached, detached
+from helpers import Detached, detached, terminate
 from prometheus_client.parser import text_string_to_metric_families
 from test_bad_input import in_tmp, usage_error_in_process
 
@@ -337,12 +337,7 @@ def test_a_prometheus_server_reads_the_rank_series_back(
 
         result = until("Prometheus to answer for both ranks", answered)
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        terminate(server)
     series = {r["metric"]["rank"]: r for r in result}
     assert set(series) == {"0", "1"}
     ours = scrape(url)[RANK_SERIES]
