@@ -79,8 +79,8 @@ from typing import Any
 from stats import mean_interval, median_interval  # bench/stats.py, beside this script
 
 from ddtop.core import control, journal, protocol, wire
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import RunSummary
 

@@ -9,9 +9,9 @@ Heartbeat per second (11 N messages/s offered).
 - one node: bench/dashboard.py's live case: a real relay (ipc), fed in real
   time, and the real dashboard attached with `--connect`.
 - hub: a hub process runs a real node 0 relay (TCP with CURVE, the `nodes`
-  socket, daemon/nodes.Hub); each of --nodes node processes runs a real node
+  socket, daemon/hub.Hub); each of --nodes node processes runs a real node
   relay (ipc) that its N / nodes ranks' telemetry is pushed into, and a real
-  daemon/nodes.Forwarder that forwards every folded message to the hub (CURVE
+  daemon/forwarder.Forwarder that forwards every folded message to the hub (CURVE
   PUSH) and heartbeats on its control socket. The dashboard attaches to the
   hub with the job's keys.
 
@@ -52,14 +52,14 @@ def config_for(world: int, nodes: int) -> Any:
 def hub_process(folder: str, world: int, nodes: int, seconds: float) -> int:
     """Node 0's relay and node table, serving until the measurement is over."""
     from ddtop.core.keys import RunKeys
-    from ddtop.daemon import nodes as multi
+    from ddtop.daemon.hub import Hub
     from ddtop.daemon.relay import Relay
 
     base = Path(folder)
     keys = RunKeys.create(base / "keys")
     relay = Relay("bench", base / "telemetry.journal", world_size=world, bind="127.0.0.1",
                   keys=keys, nodes=True)
-    hub = multi.Hub(config_for(world, nodes), relay)
+    hub = Hub(config_for(world, nodes), relay)
     relay.hub = hub
     hub.nodes_endpoint = relay.endpoints["nodes"]
     (base / "hub.json").write_text(json.dumps(relay.endpoints))
@@ -78,7 +78,7 @@ def node_process(folder: str, k: int, world: int, nodes: int, seconds: float) ->
 
     from ddtop.core import wire
     from ddtop.core.keys import RunKeys
-    from ddtop.daemon import nodes as multi
+    from ddtop.daemon.forwarder import Forwarder
     from ddtop.daemon.relay import Relay
 
     base = Path(folder)
@@ -89,8 +89,8 @@ def node_process(folder: str, k: int, world: int, nodes: int, seconds: float) ->
     mine = range((k - 1) * per, k * per)
     with tempfile.TemporaryDirectory() as tmp:
         relay = Relay("bench", Path(tmp) / "telemetry.journal", world_size=world)
-        forwarder = multi.Forwarder(config, endpoints["control"], RunKeys.load(base / "keys"),
-                                    "bench", lambda: relay.state.ranks)
+        forwarder = Forwarder(config, endpoints["control"], RunKeys.load(base / "keys"),
+                              "bench", lambda: relay.state.ranks)
         relay.forward = forwarder.forward
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         push = context.socket(zmq.PUSH)

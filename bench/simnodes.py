@@ -12,7 +12,7 @@ real `daemon/summariser.Summariser` takes its ranks' synthetic messages as a
 node's relay would hand them on, and its summaries go to the hub's `nodes`
 socket (one CURVE PUSH for all of them, each forward naming its node), with a
 `node` heartbeat per node every second on one CURVE DEALER, as
-daemon/nodes.Forwarder sends them. What a node daemon does for its own ranks
+daemon/forwarder.Forwarder sends them. What a node daemon does for its own ranks
 (their sockets, its journal) is not simulated: it costs the node, not the hub.
 
 The ranks step together, STEP_HZ steps a second, --steps-per-message at a

@@ -45,7 +45,7 @@ from pathlib import Path
 from stats import mean_interval, median_interval  # bench/stats.py, beside this script
 
 from ddtop.core import journal, wire
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.tbwriter import TensorBoardTap
 from ddtop.dashboard import export

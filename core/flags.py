@@ -18,8 +18,9 @@ import typing
 from typing import Any, Literal
 
 from ddtop.core.bounds import field_range, non_empty
-from ddtop.core.config import Flag, TrainConfig
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import EXIT_USAGE
+from ddtop.core.flagspec import Flag
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

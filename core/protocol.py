@@ -12,7 +12,7 @@ field at its default may be left out (the receiver reads the default). Every
 bound (a text's length, a number's range) is written once, in the types below,
 and a field of the wrong kind or out of its bounds refuses the whole message,
 never a part of it. What only the receiver knows (the job's nodes, its world
-size) it checks itself (daemon/requests.py, daemon/nodes.py).
+size) it checks itself (daemon/requests.py, daemon/hub.py).
 
 One decoder per socket: REQUESTS on a daemon's control socket, HUB_REQUESTS
 on a hub's (the node heartbeat too), `decode_reply` on a client's socket by
@@ -127,7 +127,7 @@ class NodeFinal(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class NodeHeartbeat(Request, tag="node"):
-    """A node daemon's heartbeat, once a second (daemon/nodes.py): its ranks, its
+    """A node daemon's heartbeat, once a second (daemon/forwarder.py): its ranks, its
     run status, what it could not forward, and at the end how it ended."""
 
     node: NodeNumber
@@ -288,7 +288,7 @@ def forward_node(frames: list[bytes]) -> int | None:
 
 # -- the two sides of a hub -------------------------------------------------------------
 class NodeHub(Protocol):
-    """What a hub's relay hands on (daemon/nodes.Hub): heartbeats and forwards."""
+    """What a hub's relay hands on (daemon/hub.Hub): heartbeats and forwards."""
 
     def request(self, beat: NodeHeartbeat) -> Reply: ...
 

@@ -31,7 +31,7 @@ from ddtop.core.processes import (
     pid_alive,
     same_process,
 )
-from ddtop.core.runs import RunPaths, is_run_dir
+from ddtop.core.rundir import RunPaths, is_run_dir
 from ddtop.core.summary import (
     LOST,
     RECORD_SCHEMA,

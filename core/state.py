@@ -102,7 +102,7 @@ class RunState(msgspec.Struct, kw_only=True):
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
     alone: str | None = None  # ranks that never communicated, in words (core/alone.py)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
-    # A multi-node job (daemon/nodes.py): each rank's node, and each node's state
+    # A multi-node job (daemon/hub.py): each rank's node, and each node's state
     # (up, unreachable, lost, done), from the hub's node events.
     rank_nodes: dict[int, int] = {}
     node_states: dict[int, wire.NodeState] = {}

@@ -88,7 +88,7 @@ class RankSummary(msgspec.Struct):
     rank: int
     state: RankState
     host: str = ""
-    node: int | None = None  # a multi-node job: the node it runs on (daemon/nodes.py)
+    node: int | None = None  # a multi-node job: the node it runs on (daemon/hub.py)
     pid: int | None = None
     # The epoch it is in, counted from 1 as the training log prints it (the wire
     # and RunState count from 0: the summary is where a user reads it).

@@ -55,7 +55,7 @@ RunStatusName = Literal["starting", "running", "stopping", "restarting", "succee
                         "stopped"]
 # The statuses after which nothing more happens.
 FINAL_STATUSES: tuple[RunStatusName, ...] = ("succeeded", "failed", "stopped")
-# A node of a multi-node job, as node 0's hub sees it (daemon/nodes.py), and as
+# A node of a multi-node job, as node 0's hub sees it (daemon/hub.py), and as
 # the hub's events about it say (their data's "node_state").
 NodeState = Literal["up", "unreachable", "lost", "done"]
 # Nodes a job may have, as the events about them may number them.

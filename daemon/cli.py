@@ -30,7 +30,6 @@ from pathlib import Path
 from ddtop.core import control, inject, protocol
 from ddtop.core.config import (
     TrainConfig,
-    add_runs_dir_argument,
     resume_mismatch,
 )
 from ddtop.core.contract import (
@@ -43,9 +42,9 @@ from ddtop.core.contract import (
     owner_only_umask,
 )
 from ddtop.core.flags import OneLineParser
+from ddtop.core.flagspec import add_runs_dir_argument
 from ddtop.core.manyranks import MANY_RANKS
-from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import (
+from ddtop.core.rundir import (
     RunPaths,
     find_run,
     new_run,
@@ -53,8 +52,8 @@ from ddtop.core.runs import (
     remove_unstarted,
     write_json_atomic,
 )
+from ddtop.core.runinfo import RunInfo
 from ddtop.core.text import count_of
-from ddtop.daemon.run_commands import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.stacks import cmd_stacks
 from ddtop.daemon.startline import (
     add_start_command,
@@ -62,6 +61,7 @@ from ddtop.daemon.startline import (
     said_from_environment,
     start_overrides,
 )
+from ddtop.daemon.statuscmds import cmd_list, cmd_logs, cmd_status, cmd_stop
 from ddtop.daemon.watchcmd import add_watch_command, cmd_watch
 
 EXIT_CODES = ("Exit codes: 0 succeeded, 1 a rank failed, 2 bad input, "
@@ -324,7 +324,7 @@ def _start_failed(daemon: subprocess.Popen[bytes], paths: RunPaths) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The detached daemon: the same Supervisor as --foreground, output to daemon.log."""
-    from ddtop.core.runs import log_stream
+    from ddtop.core.rundir import log_stream
     from ddtop.daemon.supervisor import Supervisor
 
     owner_only_umask()  # inherited from ddtrain start; said again for a daemon started by hand

@@ -16,7 +16,7 @@ import time
 
 from ddtop.core import blame, wire
 from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE, ErrorReport, signal_name
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.summary import TRACEBACK_TAIL_LINES
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome

@@ -12,7 +12,7 @@ import time
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.printer import Printer, check_output_arguments
-from ddtop.core.runs import RunPaths, remove_unstarted
+from ddtop.core.rundir import RunPaths, remove_unstarted
 from ddtop.core.state import RunState
 from ddtop.daemon.supervisor import Supervisor
 

@@ -4,6 +4,7 @@ only from that rank's process)."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,19 @@ def peer_pid(frame: zmq.Frame) -> int | None:
         return None
     pid = address.rpartition(":")[2]
     return int(pid) if pid.isdigit() and int(pid) > 0 else None
+
+
+def peer(frame: zmq.Frame, identity: bytes) -> str:
+    """Who sent a request, for per-client limits: its process over ipc (the kernel
+    says), its address over TCP, else its connection."""
+    pid = peer_pid(frame)
+    if pid is not None:
+        return f"pid {pid}"
+    with contextlib.suppress(zmq.ZMQError):
+        address = frame.get("Peer-Address")
+        if isinstance(address, str) and address:
+            return address
+    return identity.hex()
 
 
 def private_folder(preferred: Path | None) -> tuple[Path, bool]:

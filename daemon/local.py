@@ -23,7 +23,7 @@ from typing import Any
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.processes import LogTail, OwnProcess, ProcessId, read_stat, send_signal
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, in_sessions
 from ddtop.daemon.starters import Rank, choose_port, rank_program

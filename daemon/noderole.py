@@ -1,8 +1,8 @@
 """A daemon's part in a multi-node job: node 0's hub, node K's forwarder, or none.
 
 The supervisor runs the ranks of its own node the same whatever its part; this
-is what the part adds (daemon/nodes.py has the hub's node table and the
-forwarder's sockets):
+is what the part adds (daemon/hub.py has the hub's node table, daemon/forwarder.py
+the forwarder's sockets):
 
 - node 0 (`become_hub`): serves the node daemons and writes hub.json; each tick
   turns their silences into `unreachable` events and passes a stop on to every
@@ -27,9 +27,22 @@ from ddtop.core.config import TrainConfig
 from ddtop.core.contract import EXIT_FAILED, ErrorReport, signal_name
 from ddtop.core.keys import RunKeys
 from ddtop.core.processes import ExitedProcess
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
-from ddtop.daemon import nodes
+from ddtop.daemon.forwarder import Forwarder
+from ddtop.daemon.hub import (
+    DONE,
+    FORWARD_HWM,
+    LOST,
+    NODE_FINAL_WAIT_S,
+    NODE_TIMEOUT_S,
+    UNREACHABLE,
+    UP,
+    Hub,
+    NodeSeen,
+    public,
+)
+from ddtop.daemon.hubfile import find_hub, write_hub_file
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome
 from ddtop.daemon.starters import AGENT, Rank
@@ -43,8 +56,8 @@ class NodeRole:
                  local_ranks: Callable[[], list[int]]) -> None:
         self.config, self.paths, self.relay, self.err = config, paths, relay, err
         self.local_ranks = local_ranks  # this node's ranks, as its starter knows them
-        self.hub: nodes.Hub | None = None
-        self.forwarder: nodes.Forwarder | None = None
+        self.hub: Hub | None = None
+        self.forwarder: Forwarder | None = None
         self.final: protocol.NodeFinal | None = None  # how this node ended, for the hub
         self.ranks_said: list[int] = []  # this node's own ranks, as last said
         self.hub_silent = False  # node K: the hub has not answered for a while
@@ -55,15 +68,15 @@ class NodeRole:
     # -- joining -------------------------------------------------------------------
     def become_hub(self, bind: str) -> None:
         """Node 0: serve the node daemons, and tell them where (hub.json)."""
-        self.hub = nodes.Hub(self.config, self.relay, self.local_ranks)
+        self.hub = Hub(self.config, self.relay, self.local_ranks)
         self.relay.serve_hub(self.hub)
         # On every interface: as the rendezvous names this host (a watch has none: its name).
         host = (self.config.rdzv_host or socket.gethostname()) if bind in ("0.0.0.0", "::") \
             else bind
         endpoints = self.relay.endpoints
-        self.hub.nodes_endpoint = nodes.public(endpoints["nodes"], host)
-        control = nodes.public(endpoints["control"], host)
-        nodes.write_hub_file(self.paths, control, self.hub.nodes_endpoint)
+        self.hub.nodes_endpoint = public(endpoints["nodes"], host)
+        control = public(endpoints["control"], host)
+        write_hub_file(self.paths, control, self.hub.nodes_endpoint)
         self._say(f"node 0 is the hub of {self.config.nnodes} nodes: {control} "
                   f"(the other nodes' keys in {self.paths.peer_keys}; written to "
                   f"{self.paths.hub_file})")
@@ -72,9 +85,9 @@ class NodeRole:
         """Node K: find the hub (shared run directory, or --hub), forward to it; the
         job's keys."""
         job = RunPaths(self.paths.root.parent.parent)
-        control, keys = nodes.find_hub(self.config, job, self._say)
-        self.forwarder = nodes.Forwarder(self.config, control, keys, self.relay.run,
-                                         lambda: self.relay.state.ranks)
+        control, keys = find_hub(self.config, job, self._say)
+        self.forwarder = Forwarder(self.config, control, keys, self.relay.run,
+                                   lambda: self.relay.state.ranks)
         self.relay.forward_to(self.forwarder.forward)
         self._say(f"node {self.config.node_rank} forwards to the hub at {control}")
         return keys
@@ -105,7 +118,7 @@ class NodeRole:
             self.ranks_said = ranks
             host = socket.gethostname()
             self.relay.emit(wire.Event, type="info",
-                            node=wire.node_news(node, nodes.UP, ranks, host, local),
+                            node=wire.node_news(node, UP, ranks, host, local),
                             message=f"node {node} ({host}): ranks {', '.join(map(str, ranks))}")
         return ranks
 
@@ -114,11 +127,11 @@ class NodeRole:
         what it forwards up to the high-water mark) and when it answers again."""
         assert self.forwarder is not None
         heard = self.forwarder.heard or self.forwarder.started
-        silent = time.monotonic() - heard > nodes.NODE_TIMEOUT_S
+        silent = time.monotonic() - heard > NODE_TIMEOUT_S
         if silent != self.hub_silent:
             self.hub_silent = silent
-            message = (f"the hub (node 0) has not answered for {nodes.NODE_TIMEOUT_S:g} s; "
-                       f"this node goes on, holding up to {nodes.FORWARD_HWM:,} summaries for it"
+            message = (f"the hub (node 0) has not answered for {NODE_TIMEOUT_S:g} s; "
+                       f"this node goes on, holding up to {FORWARD_HWM:,} summaries for it"
                        if silent else "the hub (node 0) answers again")
             self._say(f"{'warning: ' if silent else ''}{message}")
             self.relay.emit(wire.Event, type="warning" if silent else "info", message=message,
@@ -157,25 +170,25 @@ class NodeRole:
         if hub is None:
             return outcome
         note_exits()
-        deadline = time.monotonic() + nodes.NODE_FINAL_WAIT_S + nodes.NODE_TIMEOUT_S
+        deadline = time.monotonic() + NODE_FINAL_WAIT_S + NODE_TIMEOUT_S
         while not hub.settled() and time.monotonic() < deadline:
             relay.serve(SETTLE_POLL_S)
             relay.guarded("nodes", hub.check)  # as in the supervisor's loop
             if on_tick is not None:
                 relay.guarded("tick", lambda: on_tick(relay.state))
         for k in hub.missing():  # never heard from
-            hub.nodes[k] = nodes.NodeSeen(k, state=nodes.UNREACHABLE)
+            hub.nodes[k] = NodeSeen(k, state=UNREACHABLE)
         for seen in hub.nodes.values():
-            if seen.state == nodes.UP:  # still running at the deadline: silent to us
-                seen.state = nodes.UNREACHABLE
+            if seen.state == UP:  # still running at the deadline: silent to us
+                seen.state = UNREACHABLE
         hub.lose_unreachable()
         ours = outcome.failed_rank
         our_cause = blame.Cause.NONE
         if outcome.status == "failed" and ours is not None and ours.exitcode is not None:
             our_cause = blame.blame_order(ours.end(), outcome.report)[0]
         verdict = blame.job_verdict(outcome.status, our_cause, [
-            blame.NodeEnd(s.node, s.status, lost=s.state == nodes.LOST,
-                          cause=s.failure.cause if s.state == nodes.DONE and s.failure
+            blame.NodeEnd(s.node, s.status, lost=s.state == LOST,
+                          cause=s.failure.cause if s.state == DONE and s.failure
                           else None) for s in hub.nodes.values()])
         if verdict.kind == "their_rank":
             return self._their_rank_failed(hub.nodes[verdict.node])
@@ -193,7 +206,7 @@ class NodeRole:
                                      f"node {worst.node} ({worst.host})")
         return outcome
 
-    def _their_rank_failed(self, seen: nodes.NodeSeen) -> Outcome:
+    def _their_rank_failed(self, seen: NodeSeen) -> Outcome:
         """The job's culprit is a rank of node `seen` (as its node daemon blamed it):
         named in the state as in the headline."""
         f = seen.failure
@@ -213,7 +226,7 @@ class NodeRole:
                        log=f"{self.paths.node(seen.node).rank_log(rank)} on node "
                            f"{seen.node} ({seen.host})")
 
-    def _node_failed(self, seen: nodes.NodeSeen, reason: str, who: str) -> Outcome:
+    def _node_failed(self, seen: NodeSeen, reason: str, who: str) -> Outcome:
         """The job failed because of node `seen` as a whole (lost, or failed with no
         rank to blame): the one culprit, in the state (run.json, status, the
         headless summary, dashboards) as in the headline."""

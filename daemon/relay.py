@@ -53,7 +53,7 @@ from ddtop.core.journal import JournalWriter
 from ddtop.core.keys import RunKeys
 from ddtop.core.state import RunState
 from ddtop.core.tbwriter import TensorBoardTap
-from ddtop.daemon import requests
+from ddtop.daemon import ipc, requests
 from ddtop.daemon.gate import Gate
 from ddtop.daemon.ipc import SOCKET_NAMES, peer_pid, private_folder
 
@@ -98,7 +98,7 @@ class Relay:
         # supervisor takes the stop and stacks requests, the hub reads the focus.
         self.asked = requests.Asked()
         self.bind, self.keys = bind, keys
-        # A multi-node job (daemon/nodes.py): the hub's node table, or a node
+        # A multi-node job (daemon/hub.py, daemon/forwarder.py): the hub's node table, or a node
         # daemon's forwarder, fed every message this relay folds.
         self.hub: protocol.NodeHub | None = None
         self.forward: Callable[[wire.Message, bytes, float], None] | None = None
@@ -328,7 +328,7 @@ class Relay:
 
     def _drain_nodes(self) -> None:
         """What node daemons forward: [header, node, frame], from CURVE-authenticated
-        peers only; trusted for display (daemon/nodes.py)."""
+        peers only; trusted for display (daemon/hub.py)."""
         assert self.nodes is not None
         for _ in range(BATCH):
             try:
@@ -413,7 +413,7 @@ class Relay:
                 self.reject("bad_request")
                 continue
             envelope, body = [p.bytes for p in parts[:-1]], parts[-1].bytes
-            peer = _peer(parts[-1], envelope[0])
+            peer = ipc.peer(parts[-1], envelope[0])
             if FOCUS_OP in body[:16]:
                 later.append((envelope, body, peer))
             else:
@@ -452,16 +452,3 @@ def _say(type: wire.EventType, message: str) -> None:
     with contextlib.suppress(OSError):  # stderr on the same full disk: the event said it
         print(f"ddtrain: {'warning: ' if type == 'warning' else ''}{message}",
               file=sys.stderr, flush=True)
-
-
-def _peer(frame: zmq.Frame, identity: bytes) -> str:
-    """Who sent a request, for per-client limits: its process over ipc (the kernel
-    says), its address over TCP, else its connection."""
-    pid = peer_pid(frame)
-    if pid is not None:
-        return f"pid {pid}"
-    with contextlib.suppress(zmq.ZMQError):
-        address = frame.get("Peer-Address")
-        if isinstance(address, str) and address:
-            return address
-    return identity.hex()

@@ -27,7 +27,7 @@ from ddtop.core import wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import EXIT_USAGE, ErrorReport, describe_exit
 from ddtop.core.processes import ProcessId
-from ddtop.core.runs import RunPaths, atomic_file
+from ddtop.core.rundir import RunPaths, atomic_file
 from ddtop.core.state import RunState
 from ddtop.core.summary import TRACEBACK_TAIL_LINES, ProcessRecord, RunRecord, encode_record
 from ddtop.daemon.starters import AGENT, Rank, process_name

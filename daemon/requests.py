@@ -5,7 +5,7 @@
     snapshot  the whole RunState, for a dashboard that just subscribed
     stop      {"timeout": S}: stop gracefully, terminating what is left after S
     stacks    {"rank": K or nil}: the ranks write their stacks (ddtrain stacks)
-    node      a node daemon's heartbeat, answered by the hub (daemon/nodes.py)
+    node      a node daemon's heartbeat, answered by the hub (daemon/hub.py)
 
 The requests and replies are typed (core/protocol.py), decoded by the socket's
 one decoder (a hub's also takes `node`). What is not a request of a kind the

@@ -46,14 +46,15 @@ from ddtop.core.contract import (
 )
 from ddtop.core.keys import KEYS_ENV
 from ddtop.core.processes import send_signal
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import ProcessRecord
 from ddtop.core.text import count_of
-from ddtop.daemon import leftovers, nodes
+from ddtop.daemon import leftovers
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter
 from ddtop.daemon.hangtimeout import HangTimer
+from ddtop.daemon.hub import reachable
 from ddtop.daemon.noderole import NodeRole
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
@@ -215,7 +216,7 @@ class RunLoop:
             os.environ.setdefault("OMP_NUM_THREADS", str(self.config.threads_per_rank))
         if not os.environ.get(TELEMETRY_ENV) or self.watching:
             endpoint = self.relay.endpoints["telemetry"]  # a watch's ranks may be elsewhere
-            os.environ[TELEMETRY_ENV] = nodes.reachable(endpoint) if self.watching else endpoint
+            os.environ[TELEMETRY_ENV] = reachable(endpoint) if self.watching else endpoint
             if self.relay.keys is not None:  # over TCP: the run's keys let the ranks in
                 os.environ[KEYS_ENV] = str(self.paths.keys.resolve())
         if self.config.runs_user_code:  # only the built-in trainer reads it

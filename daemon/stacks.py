@@ -15,12 +15,12 @@ import argparse
 import time
 
 from ddtop.core import control, protocol
-from ddtop.core.config import default_runs_dir
 from ddtop.core.contract import EXIT_FAILED, EXIT_OK, STACKS_SIGNAL, UsageError
+from ddtop.core.flagspec import default_runs_dir
 from ddtop.core.hangs import rank_list
 from ddtop.core.processes import ProcessId, catches, send_signal
+from ddtop.core.rundir import locate_run
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import locate_run
 
 
 def signal_stacks(numbered: dict[int, ProcessId], asked: list[int | None]) -> None:

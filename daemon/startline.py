@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddtop.core.config import BUILT_IN, Flag, TrainConfig, default_runs_dir
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.flags import add_train_arguments, explicit_overrides
+from ddtop.core.flagspec import BUILT_IN, Flag, default_runs_dir
 from ddtop.core.program import check_program
 
 # torchrun's options that ddtrain start has, beside those of TrainConfig's fields.

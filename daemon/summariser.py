@@ -16,7 +16,7 @@ daemon does (its full per-step detail stays there); to the hub it sends a
   them, what cannot wait: hellos, events, byes, global metrics the node had not
   seen (not the events the fold does not record: every rank's word of the
   same checkpoint, an epoch's end). A rank's exit, the node's events: the
-  daemon's own messages, forwarded as they are (daemon/nodes.py).
+  daemon's own messages, forwarded as they are (daemon/forwarder.py).
 
 A summary is one frame of at most SUMMARY_BYTES of messages, or of at most
 ACCOUNTS_PER_FRAME accounts (a node of many ranks sends several; a message too

@@ -20,12 +20,12 @@ from typing import TextIO
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.keys import RunKeys, write_peer_folder
-from ddtop.core.runs import RunPaths, hold_run, write_json_atomic
+from ddtop.core.rundir import RunPaths, hold_run, write_json_atomic
 from ddtop.core.state import RunState
 from ddtop.core.text import count_of
-from ddtop.daemon import nodes
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter, open_exporter
+from ddtop.daemon.hub import hub_bind_address
 from ddtop.daemon.local import LocalRanks
 from ddtop.daemon.noderole import NodeRole
 from ddtop.daemon.relay import Relay
@@ -86,7 +86,7 @@ class Supervisor:
             # A port in use: refused before the journal exists (the folder is removed then).
             exporter = open_exporter(config, self.err)
             hub = config.multi_node and config.is_hub
-            bind = nodes.hub_bind_address(config) if hub else config.bind
+            bind = hub_bind_address(config) if hub else config.bind
             keys = RunKeys.create(paths.keys) if bind else None
             if keys is not None:  # what other machines are given: no secret of this daemon's
                 write_peer_folder(paths.keys, paths.peer_keys)

@@ -36,7 +36,7 @@ from ddtop.core.processes import (
     same_process,
     set_parent_death_signal,
 )
-from ddtop.core.runs import RunPaths, write_json_atomic
+from ddtop.core.rundir import RunPaths, write_json_atomic
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.starters import AGENT, Rank, rank_program

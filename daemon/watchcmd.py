@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from ddtop.core.bounds import MAX_JOB_RANKS
-from ddtop.core.config import TrainConfig, default_runs_dir
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import (
     EXIT_USAGE,
     UsageError,
     owner_only_umask,
 )
-from ddtop.core.runs import new_run
+from ddtop.core.flagspec import default_runs_dir
+from ddtop.core.rundir import new_run
 
 WATCH_USAGE = "ddtrain watch [options] -- COMMAND [ARGS ...]\n       ddtrain watch [options]"
 WATCH_DESCRIPTION = """\

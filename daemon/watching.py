@@ -51,7 +51,7 @@ from ddtop.core.processes import (
     same_process,
     set_parent_death_signal,
 )
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.starters import COMMAND, WATCH, Rank

@@ -22,16 +22,16 @@ import sys
 import time
 from pathlib import Path
 
-from ddtop.core.config import (
-    add_runs_dir_argument,
-    default_runs_dir,
-)
 from ddtop.core.contract import EXIT_USAGE, UsageError
 from ddtop.core.flags import (
     OneLineParser,
 )
+from ddtop.core.flagspec import (
+    add_runs_dir_argument,
+    default_runs_dir,
+)
+from ddtop.core.rundir import NoSuchRun, RunPaths, find_run, locate_run
 from ddtop.core.runinfo import list_runs
-from ddtop.core.runs import NoSuchRun, RunPaths, find_run, locate_run
 
 EXIT_CODES = ("Exit codes: 0 the run succeeded (or you quit the dashboard), 1 it failed, "
               "130 it was stopped, 2 bad input or no run reachable within --wait. "

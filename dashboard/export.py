@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 from ddtop.core import journal, outlets, wire
-from ddtop.core.config import (
+from ddtop.core.contract import EXIT_OK, EXIT_USAGE, UsageError
+from ddtop.core.flags import OneLineParser
+from ddtop.core.flagspec import (
     add_runs_dir_argument,
     default_runs_dir,
 )
-from ddtop.core.contract import EXIT_OK, EXIT_USAGE, UsageError
-from ddtop.core.flags import OneLineParser
-from ddtop.core.runs import RunPaths, locate_run
+from ddtop.core.rundir import RunPaths, locate_run
 from ddtop.core.state import RunState
 from ddtop.core.text import count_of
 

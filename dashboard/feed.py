@@ -35,8 +35,8 @@ import time
 
 from ddtop.core import wire
 from ddtop.core.keys import RunKeys
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo, merged_counts
-from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import LOST
 

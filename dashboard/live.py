@@ -21,8 +21,8 @@ import zmq
 
 from ddtop.core import control, journal, protocol, wire
 from ddtop.core.keys import peer_keys, secure
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo, merged_counts
-from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState, decode_snapshot
 from ddtop.core.summary import LOST
 from ddtop.dashboard.feed import BATCH, CONNECTING, ENDED, GONE, LIVE, Feed, conclude

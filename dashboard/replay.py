@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ddtop.core import journal, wire
 from ddtop.core.contract import UsageError
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.summary import LOST
 from ddtop.dashboard.feed import BATCH, REPLAY, Feed, conclude
 

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 
 from ddtop.core.contract import UsageError
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 
 DEFAULT_HOST = "127.0.0.1"
 TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters, 256 bits

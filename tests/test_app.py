@@ -34,8 +34,8 @@ from textual.pilot import Pilot
 
 from ddtop.core import wire
 from ddtop.core.control import STOP_REQUEST_TIMEOUT_S as STOP_REQUEST_S
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState, encode_snapshot
 from ddtop.daemon.relay import Relay
 from ddtop.dashboard.app import DashboardApp

@@ -18,8 +18,8 @@ from test_state import RUN
 from ddtop.core import printer, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.rankview import RankView
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import RankSummary, RunRecord, encode_record, rank_summaries
 from ddtop.daemon import cli

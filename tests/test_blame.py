@@ -26,7 +26,7 @@ from ddtop.core.blame import (
 )
 from ddtop.core.contract import ErrorReport
 from ddtop.core.processes import ExitedProcess
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon.starters import AGENT, Rank
 from ddtop.daemon.torchrun import TorchrunRanks

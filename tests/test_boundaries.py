@@ -251,7 +251,7 @@ def test_only_the_public_api_sets_its_own_state() -> None:
 
 TORCH_FREE = ["ddtop.daemon.cli", "ddtop.daemon.supervisor", "ddtop.core.config",
               "ddtop.core.flags",
-              "ddtop.core.runs", "ddtop.daemon.local", "ddtop.daemon.torchrun",
+              "ddtop.core.rundir", "ddtop.daemon.local", "ddtop.daemon.torchrun",
               "ddtop.dashboard.cli", "ddtop.dashboard.app", "ddtop.dashboard.headless",
               "ddtop.dashboard.feed"]
 

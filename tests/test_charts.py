@@ -27,7 +27,7 @@ import pytest
 from test_app import screen_text
 
 from ddtop.core import wire
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.dashboard import series
 from ddtop.dashboard.app import DashboardApp

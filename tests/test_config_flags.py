@@ -13,17 +13,14 @@ from typing import Any, Literal
 import pytest
 
 from ddtop.core.bounds import Range, check_ranges, non_empty
-from ddtop.core.config import (
-    Flag,
-    TrainConfig,
-    flag,
-)
+from ddtop.core.config import TrainConfig
 from ddtop.core.flags import (
     add_config_arguments,
     add_train_arguments,
     explicit_overrides,
     field_docs,
 )
+from ddtop.core.flagspec import Flag, flag
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 HINTS = typing.get_type_hints(TrainConfig)

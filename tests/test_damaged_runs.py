@@ -26,8 +26,8 @@ import msgspec
 import pytest
 from helpers import BIN, DDTRAIN, Run, detached, finish, start
 
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths
 from ddtop.core.summary import RECORD_SCHEMA, decode_record, encode_record
 from ddtop.daemon import cli as ddtrain_cli
 from ddtop.dashboard import cli as ddtop_cli

@@ -28,8 +28,8 @@ from helpers import DDTRAIN, finish, start, wait_until_gone
 from ddtop.core import control, journal, protocol, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import ErrorReport
+from ddtop.core.rundir import RunPaths, log_stream
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths, log_stream
 from ddtop.core.state import RunState, decode_snapshot
 from ddtop.core.summary import RunSummary, decode_record
 from ddtop.daemon.relay import Relay

@@ -31,10 +31,13 @@ from ddtop.core import blame, journal, protocol, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.keys import RunKeys
+from ddtop.core.rundir import RunPaths, read_json
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths, read_json
 from ddtop.core.state import RunState, decode_snapshot, encode_snapshot
-from ddtop.daemon import nodes, requests
+from ddtop.daemon import requests
+from ddtop.daemon.forwarder import Forwarder
+from ddtop.daemon.hub import Hub
+from ddtop.daemon.hubfile import read_hub_file
 from ddtop.daemon.relay import Relay
 
 RUN = "20261126-000000-fuzz"
@@ -107,7 +110,7 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
     in-process handlers of what its sockets receive."""
     folder = tmp_path_factory.mktemp("relay")
     relay = Relay(RUN, folder / "telemetry.journal", folder / "sock", world_size=4)
-    relay.hub = nodes.Hub(TrainConfig(world_size=4, nnodes=2), relay)
+    relay.hub = Hub(TrainConfig(world_size=4, nnodes=2), relay)
     yield relay
     relay.close()
 
@@ -161,7 +164,7 @@ def node_forward(data: bytes, relay: Relay, **_: Any) -> None:
 
 
 def hub_reply(data: bytes, **_: Any) -> None:
-    forwarder = object.__new__(nodes.Forwarder)  # its reply handling, not its sockets
+    forwarder = object.__new__(Forwarder)  # its reply handling, not its sockets
     forwarder.push, forwarder.stop, forwarder.heard = None, None, None
     forwarder._connect = lambda endpoint: None  # type: ignore[method-assign]
     forwarder.take_reply(data)
@@ -201,7 +204,7 @@ def error_report(data: bytes, run_dir: RunPaths, **_: Any) -> None:
 
 def hub_file(data: bytes, run_dir: RunPaths, **_: Any) -> None:
     run_dir.hub_file.write_bytes(data)
-    nodes.read_hub_file(run_dir.hub_file)
+    read_hub_file(run_dir.hub_file)
 
 
 def snapshot(data: bytes, **_: Any) -> None:

@@ -22,7 +22,7 @@ from test_fuzz import BAD_UTF8, DEEP, DEEP_IN_MAP
 from ddtop.core import protocol, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.keys import RunKeys
-from ddtop.daemon import nodes
+from ddtop.daemon.hub import Hub
 from ddtop.daemon.relay import Relay
 
 RUN = "frames"
@@ -83,7 +83,7 @@ def test_a_node_number_of_5000_digits_is_refused_and_the_hub_goes_on(tmp_path: P
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     try:
-        relay.serve_hub(nodes.Hub(TrainConfig(world_size=4, nnodes=2), relay))
+        relay.serve_hub(Hub(TrainConfig(world_size=4, nnodes=2), relay))
         push.setsockopt(zmq.LINGER, 0)
         RunKeys.load(tmp_path / "keys").client(push)
         push.connect(relay.endpoints["nodes"])

@@ -14,11 +14,11 @@ import pytest
 from test_state import RUN, beat, step
 
 from ddtop.core import manyranks, printer, wire
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import RunRecord, encode_record
-from ddtop.daemon import cli, run_commands
+from ddtop.daemon import cli, statuscmds
 
 NODES, PER_NODE = 2048, 8
 WORLD = NODES * PER_NODE
@@ -120,11 +120,11 @@ def test_jsonl_progress_is_compact_and_the_summary_keeps_every_rank(job: RunStat
 def test_status_says_a_digest_and_every_rank_when_asked(job: RunState) -> None:
     record = RunRecord(run_id=RUN).with_summary(job.summary(NOW))
     info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
-    lines = run_commands.status_lines(info, record)
+    lines = statuscmds.status_lines(info, record)
     assert len(lines) <= 12, lines
     named("\n".join(lines))
     assert f"  (every rank: ddtrain status {RUN} --ranks)" in lines
-    every = run_commands.status_lines(info, record, every_rank=True)
+    every = statuscmds.status_lines(info, record, every_rank=True)
     assert len(every) > WORLD and any(line.lstrip().startswith(f"{SLOW} ") for line in every)
 
 

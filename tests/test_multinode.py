@@ -40,9 +40,10 @@ from ddtop.core.config import TrainConfig
 from ddtop.core.contract import ATTEMPT_ENV, STOP_SECRET_ENV, UsageError
 from ddtop.core.keys import RunKeys, write_peer_folder
 from ddtop.core.processes import ProcessId, environ_value
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
-from ddtop.daemon import nodes
+from ddtop.daemon import hubfile
+from ddtop.daemon.hub import HEARTBEAT_S, NODE_TIMEOUT_S
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.app import DashboardApp
@@ -332,7 +333,7 @@ def test_node_1_trains_on_while_the_hub_is_stopped_and_the_hub_catches_up(
     assert sorted(during) == sorted(before), (before, during)
     assert all(during[r] > before[r] for r in before), (before, during)
     # (5 s after the hub's last reply, which came a heartbeat or more before it froze)
-    assert warned and (nodes.NODE_TIMEOUT_S - 2 * nodes.HEARTBEAT_S
+    assert warned and (NODE_TIMEOUT_S - 2 * HEARTBEAT_S
                        <= warned[0] - frozen < 12), (frozen, warned)
     # the hub catches up: node 1's ranks running again, and node 1 hears it answer
     deadline = time.monotonic() + 20
@@ -448,7 +449,7 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     # Milliseconds here (printed above); bounded by what the product promises: before
     # the job's outcome, and within a node's timeout (the hub reads nothing while it
     # is stopping its own ranks, up to a few seconds on a loaded machine).
-    assert 0 <= on_hub - on_node_1 < nodes.NODE_TIMEOUT_S and on_hub <= outcome, (
+    assert 0 <= on_hub - on_node_1 < NODE_TIMEOUT_S and on_hub <= outcome, (
         on_node_1, on_hub, outcome)
     assert (node1 / "run.json").is_file()
     control = json.loads((job.runs / "killjob" / "hub.json").read_text())["control"]
@@ -785,12 +786,12 @@ def test_a_dead_hubs_hub_json_is_waited_out_then_refused_naming_it(
               "keys": str(job.peer_keys), "pid": dead.pid, "host": socket.gethostname(),
               "start": dead.start, "boot": dead.boot}
     job.hub_file.write_text(json.dumps(record))
-    monkeypatch.setattr(nodes, "HUB_WAIT_S", 0.5)
+    monkeypatch.setattr(hubfile, "HUB_WAIT_S", 0.5)
     said: list[str] = []
     config = TrainConfig(world_size=4, nnodes=2, node_rank=1, nproc_per_node=2,
                          run_id="again", rdzv_endpoint="127.0.0.1:1")
     with pytest.raises(UsageError) as refused:
-        nodes.find_hub(config, job, said.append)
+        hubfile.find_hub(config, job, said.append)
     assert str(refused.value) == (
         f"node 1: {job.hub_file} names a hub that is gone (pid {dead.pid} on "
         f"{socket.gethostname()} is not running): a dead earlier run's with the same "
@@ -799,5 +800,5 @@ def test_a_dead_hubs_hub_json_is_waited_out_then_refused_naming_it(
     me = ProcessId.of(os.getpid())
     assert me is not None
     job.hub_file.write_text(json.dumps({**record, "pid": me.pid, "start": me.start}))
-    control, keys = nodes.find_hub(config, job, said.append)
+    control, keys = hubfile.find_hub(config, job, said.append)
     assert control == "tcp://127.0.0.1:1" and keys.server_secret is None

@@ -1,7 +1,7 @@
 """Node summaries (daemon/summariser.py): a real hub, 64 simulated nodes.
 
 The hub is node 0's real relay (TCP with CURVE, the `nodes` socket) and node
-table (daemon/nodes.Hub), served here; 64 nodes of 8 ranks each run in one
+table (daemon/hub.Hub), served here; 64 nodes of 8 ranks each run in one
 process of bench/simnodes.py, each a real Summariser sending its summaries and
 heartbeats over CURVE. One job, its faults one after the other: a 1.5x
 straggler on node 37 from the start; a rank of node 13 dies at 3 s; node 50
@@ -28,7 +28,9 @@ from ddtop.core.config import TrainConfig
 from ddtop.core.keys import RunKeys
 from ddtop.core.rankview import DEAD, UNREACHABLE, RankView
 from ddtop.core.state import RunState
-from ddtop.daemon import nodes, summariser
+from ddtop.daemon import summariser
+from ddtop.daemon.forwarder import Forwarder
+from ddtop.daemon.hub import NODE_TIMEOUT_S, NOT_ITS_RANK, Hub
 from ddtop.daemon.relay import Relay
 
 SIM = Path(__file__).resolve().parents[1] / "bench" / "simnodes.py"
@@ -49,7 +51,7 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
                   keys=keys, nodes=True)
     config = TrainConfig(world_size=WORLD, nnodes=NODES + 1, nproc_per_node=PER,
                          rdzv_endpoint="127.0.0.1:1", run_id="sim", launcher="torchrun")
-    hub = nodes.Hub(config, relay)
+    hub = Hub(config, relay)
     relay.serve_hub(hub)
     hub.nodes_endpoint = relay.endpoints["nodes"]
     (tmp_path / "hub.json").write_text(json.dumps(relay.endpoints))
@@ -117,7 +119,7 @@ def test_faults_among_64_nodes_are_named_at_the_hub_from_summaries(tmp_path: Pat
     # Counted from the scenario's clock: a fault is named within the time promised
     # on one node (and the run is not over before it).
     assert dead_at is not None and dead_at - DEAD_AT < 2.0, dead_at
-    assert silent_at is not None and silent_at - SILENT_AT < nodes.NODE_TIMEOUT_S + 2, silent_at
+    assert silent_at is not None and silent_at - SILENT_AT < NODE_TIMEOUT_S + 2, silent_at
     assert hang_at is not None and hang_at - HANG_AT < 4.5 + 3, hang_at
     assert f"rank {HANG_RANK} is in forward" in hang_text, hang_text
     assert relay.state.rejected == {}, relay.state.rejected
@@ -324,11 +326,11 @@ def test_a_node_speaks_only_for_its_own_ranks_over_the_real_node_plane(tmp_path:
                   keys=keys, nodes=True)
     config = TrainConfig(world_size=4, nnodes=3, nproc_per_node=2, run_id="r",
                          rdzv_endpoint="127.0.0.1:1", launcher="torchrun")
-    hub = nodes.Hub(config, relay, lambda: [0, 1])
+    hub = Hub(config, relay, lambda: [0, 1])
     relay.serve_hub(hub)
     hub.nodes_endpoint = relay.endpoints["nodes"]
-    node = {k: nodes.Forwarder(dataclasses.replace(config, node_rank=k),
-                               relay.endpoints["control"], keys, "r", dict) for k in (1, 2)}
+    node = {k: Forwarder(dataclasses.replace(config, node_rank=k),
+                         relay.endpoints["control"], keys, "r", dict) for k in (1, 2)}
     said = {1: [2], 2: [3]}
 
     def step(rank: int, seq: int, global_step: int, loss: float = 2.0) -> wire.Step:
@@ -354,14 +356,14 @@ def test_a_node_speaks_only_for_its_own_ranks_over_the_real_node_plane(tmp_path:
         send(1, step(2, 1, 10))
         serve_until(lambda: 2 in relay.state.ranks)
         send(2, step(0, 1, 99_999, loss=54_321.0))
-        serve_until(lambda: relay.state.rejected.get(nodes.NOT_ITS_RANK, 0) >= 1)
+        serve_until(lambda: relay.state.rejected.get(NOT_ITS_RANK, 0) >= 1)
         send(2, step(2, 2, 99_999, loss=54_321.0))
         exit2 = wire.RankExit(run="r", rank=wire.DAEMON_RANK, seq=1, t=time.time(), exited=2,
                               pid=None, exit_code=-9, signal="SIGKILL")
         node[2].forward(exit2, wire.encode(exit2)[0], time.time())
         said[2] = [2, 3]  # and its heartbeat claims rank 2 too
         node[2].last_beat = 0.0
-        serve_until(lambda: relay.state.rejected.get(nodes.NOT_ITS_RANK, 0) >= 4)
+        serve_until(lambda: relay.state.rejected.get(NOT_ITS_RANK, 0) >= 4)
         state = relay.state
         assert 0 not in state.ranks
         assert (state.ranks[2].global_step, state.ranks[2].exited) == (10, False)

@@ -36,7 +36,7 @@ from ddtop.core.processes import (
     same_process,
     send_signal,
 )
-from ddtop.core.runs import RunPaths, write_json_atomic
+from ddtop.core.rundir import RunPaths, write_json_atomic
 from ddtop.core.summary import ProcessRecord, RunRecord, encode_record
 
 # A command name that defeats splitting /proc/<pid>/stat on spaces, and on the first ')'.

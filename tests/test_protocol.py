@@ -20,7 +20,9 @@ import pytest
 from ddtop.core import protocol
 from ddtop.core.blame import Cause
 from ddtop.core.config import TrainConfig
-from ddtop.daemon import nodes, requests, summariser
+from ddtop.daemon import requests, summariser
+from ddtop.daemon.forwarder import Forwarder
+from ddtop.daemon.hub import DONE, UP, Hub
 from ddtop.daemon.relay import Relay
 
 RUN = "20261126-000000-protocol"
@@ -36,9 +38,9 @@ def relay(tmp_path: Path) -> Iterator[Relay]:
 
 
 @pytest.fixture
-def hub(relay: Relay) -> nodes.Hub:
+def hub(relay: Relay) -> Hub:
     """The relay as the hub of a 2-node job."""
-    hub = nodes.Hub(TrainConfig(world_size=WORLD, nnodes=2), relay)
+    hub = Hub(TrainConfig(world_size=WORLD, nnodes=2), relay)
     relay.serve_hub(hub)
     return hub
 
@@ -191,15 +193,15 @@ def test_a_known_request_with_a_bad_argument_is_refused_not_counted(
 
 
 # -- the hub ------------------------------------------------------------------------------
-def test_a_heartbeat_updates_the_node_table_within_the_job(relay: Relay, hub: nodes.Hub) -> None:
+def test_a_heartbeat_updates_the_node_table_within_the_job(relay: Relay, hub: Hub) -> None:
     hub.nodes_endpoint, hub.stop = "tcp://10.0.0.1:5000", 12.0
     reply = ask(relay, beat(ranks=[3, 2, 3, 9, 1000], dropped=4))
     assert reply == protocol.NodeReply(ok=True, stop=12.0, nodes="tcp://10.0.0.1:5000")
     seen = hub.nodes[1]
     assert (seen.host, seen.pid, seen.ranks, seen.status, seen.dropped, seen.state) == (
-        "n1", 4242, [2, 3], "running", 4, nodes.UP)  # ranks outside the job left out
+        "n1", 4242, [2, 3], "running", 4, UP)  # ranks outside the job left out
     ask(relay, beat(status="failed", message="failed: rank 3", failure=FAILURE))
-    assert (seen.state, seen.message) == (nodes.DONE, "failed: rank 3")
+    assert (seen.state, seen.message) == (DONE, "failed: rank 3")
     assert seen.failure == protocol.NodeFailure(rank=3, cause=Cause.OWN_ERROR, exit_code=1,
                                                 pid=77, how="rank 3 raised ValueError",
                                                 message="ValueError: boom")
@@ -232,7 +234,7 @@ LONG = "x" * (protocol.MAX_HOST_CHARS + 1)
     ({"status": "failed", "failure": "rank 3"}, "$.failure"),
 ])
 def test_a_heartbeat_that_does_not_fit_is_refused_whole(
-        relay: Relay, hub: nodes.Hub, fields: dict[str, Any], where: str) -> None:
+        relay: Relay, hub: Hub, fields: dict[str, Any], where: str) -> None:
     """Refused, answered with msgspec's words naming the field, not counted (as a
     bad node number was), and nothing of it kept."""
     reply = ask(relay, beat(**fields))
@@ -242,7 +244,7 @@ def test_a_heartbeat_that_does_not_fit_is_refused_whole(
 
 
 def test_a_node_number_past_the_jobs_nodes_is_refused_by_the_hub(relay: Relay,
-                                                                  hub: nodes.Hub) -> None:
+                                                                  hub: Hub) -> None:
     reply = ask(relay, beat(node=2))
     assert (reply.ok, reply.error) == (False, "node must be 1 to 1")
     assert hub.nodes == {} and relay.state.rejected == {}
@@ -260,9 +262,9 @@ def test_forwards_carry_a_node_number_of_at_most_six_digits() -> None:
         assert protocol.forward_node(bad) is None, bad
 
 
-def forwarder() -> nodes.Forwarder:
+def forwarder() -> Forwarder:
     """A node daemon's forwarder: its reply handling, not its sockets."""
-    forwarder = object.__new__(nodes.Forwarder)
+    forwarder = object.__new__(Forwarder)
     forwarder.push, forwarder.stop, forwarder.heard = None, None, None
     forwarder.summariser = summariser.Summariser("r", 1)
     forwarder.connected = []  # type: ignore[attr-defined]
@@ -292,7 +294,7 @@ def test_the_hubs_reply_is_taken_only_whole() -> None:
 
 
 def test_the_hub_passes_the_ranks_open_on_a_dashboard_to_the_nodes(relay: Relay,
-                                                                   hub: nodes.Hub) -> None:
+                                                                   hub: Hub) -> None:
     reply = ask(relay, beat())
     assert isinstance(reply, protocol.NodeReply) and reply.focus == []
     assert ask(relay, {"op": "focus", "rank": 3}).ok

@@ -16,7 +16,7 @@ from torch import nn
 from ddtop.core import wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import TELEMETRY_ENV
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv
 from ddtop.training.metrics import GlobalMetrics

@@ -13,8 +13,9 @@ import pytest
 from torch.distributed import argparse_util
 from torch.distributed.run import get_args_parser
 
-from ddtop.core.config import BUILT_IN, Flag, TrainConfig
+from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
+from ddtop.core.flagspec import BUILT_IN, Flag
 from ddtop.daemon.cli import build_parser
 from ddtop.daemon.startline import (
     parse_command_line,

@@ -468,7 +468,7 @@ def test_a_finished_runs_journal_read_at_once_never_shows_an_infinite_clock(
     between two pumps its clock stood at infinity, and a dashboard drawing then
     crashed on an elapsed time of inf (seen once in CI). Now it stands at the
     last record folded."""
-    from ddtop.core.runs import RunPaths
+    from ddtop.core.rundir import RunPaths
     from ddtop.dashboard.feed import BATCH
     from ddtop.dashboard.live import open_feed
 

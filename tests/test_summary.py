@@ -16,8 +16,8 @@ import pytest
 from test_state import RUN, fold, hello, step
 
 from ddtop.core import wire
+from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo
-from ddtop.core.runs import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import (
     RECORD_SCHEMA,
@@ -241,7 +241,7 @@ def test_an_unreadable_config_json_is_named_not_a_traceback(
 def test_the_global_metrics_are_said_the_same_by_status_and_the_headless_summary() -> None:
     from ddtop.core import printer
     from ddtop.core.summary import metrics_words
-    from ddtop.daemon import run_commands
+    from ddtop.daemon import statuscmds
 
     s = fold(hello(0), step(0, 1, 4, steps=4), wire.Aggregate(
         run=RUN, rank=0, seq=2, t=101.0, scope="epoch", epoch=1, global_step=4,
@@ -259,12 +259,12 @@ def test_the_global_metrics_are_said_the_same_by_status_and_the_headless_summary
         printer.final_summary(s, 102.0), 102.0)
     record = RunRecord(run_id=RUN).with_summary(summary)
     info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
-    assert f"  global {words}" in run_commands.status_lines(info, record)
+    assert f"  global {words}" in statuscmds.status_lines(info, record)
 
 
 def test_epochs_count_from_one_where_a_user_reads_them() -> None:
     from ddtop.core import printer
-    from ddtop.daemon import run_commands
+    from ddtop.daemon import statuscmds
 
     s = fold(hello(0), hello(1), step(0, 1, 20), step(1, 1, 20))  # the wire's epoch 0
     assert [v.epoch for v in s.ranks.values()] == [0, 0]  # the fold keeps the wire's count
@@ -276,7 +276,7 @@ def test_epochs_count_from_one_where_a_user_reads_them() -> None:
     record = RunRecord(run_id=RUN).with_summary(summary)
     assert decode_record(encode_record(record)) == record  # run.json keeps them from 1
     info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
-    header, row = run_commands.status_lines(info, record)[-3:-1]
+    header, row = statuscmds.status_lines(info, record)[-3:-1]
     assert row.split()[header.split().index("EPOCH")] == "1"
 
 
@@ -299,8 +299,8 @@ def test_a_run_json_of_another_layout_is_unreadable_and_the_journal_tells() -> N
     assert summary.samples_per_s is not None and summary.samples_per_s > 1000
     assert [r.epoch for r in summary.ranks] == [2, 2]
     assert summary.metrics is not None and summary.metrics.epoch == 2
-    from ddtop.daemon import run_commands
-    assert " samples/s on average" in run_commands.status_lines(info, summary)[1]
+    from ddtop.daemon import statuscmds
+    assert " samples/s on average" in statuscmds.status_lines(info, summary)[1]
 
 
 def test_telemetry_messages_lost_are_not_called_a_loss() -> None:
@@ -318,7 +318,7 @@ def test_telemetry_messages_lost_are_not_called_a_loss() -> None:
 
 def test_an_ended_run_shows_its_average_rate_not_zero() -> None:
     from ddtop.core import printer
-    from ddtop.daemon import run_commands
+    from ddtop.daemon import statuscmds
     from ddtop.dashboard import panels
 
     s = fold(hello(0), hello(1), step(0, 1, 10, t=101.0), step(1, 1, 10, t=101.0),
@@ -335,7 +335,7 @@ def test_an_ended_run_shows_its_average_rate_not_zero() -> None:
     assert summary.samples_per_s == pytest.approx(2 * 640 / 3.0)
     record = RunRecord(run_id=RUN).with_summary(summary)
     info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
-    assert "; 427 samples/s on average" in run_commands.status_lines(info, record)[1]
+    assert "; 427 samples/s on average" in statuscmds.status_lines(info, record)[1]
     assert "427 samples/s on average" in panels.header(s, 200.0).plain
     assert "427 samples/s on average" in printer.progress_text(s, 200.0)
 

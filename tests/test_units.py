@@ -11,7 +11,7 @@ import torch
 
 from ddtop.core.config import TrainConfig, resume_mismatch
 from ddtop.core.contract import TELEMETRY_ENV, UsageError, telemetry_endpoint
-from ddtop.core.runs import RunPaths, find_run, write_json_atomic
+from ddtop.core.rundir import RunPaths, find_run, write_json_atomic
 from ddtop.core.text import count_of
 from ddtop.training import checkpoint
 

@@ -18,7 +18,7 @@ from ddtop.core.flags import (
     add_train_arguments,
     explicit_overrides,
 )
-from ddtop.core.runs import RunPaths, read_json
+from ddtop.core.rundir import RunPaths, read_json
 from ddtop.training import stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.worker import (

@@ -21,7 +21,7 @@ import torch
 
 from ddtop.core.config import TrainConfig, resume_mismatch
 from ddtop.core.contract import UsageError
-from ddtop.core.runs import CHECKPOINT_GLOB, CHECKPOINT_TEMP_GLOB, atomic_file, checkpoint_name
+from ddtop.core.rundir import CHECKPOINT_GLOB, CHECKPOINT_TEMP_GLOB, atomic_file, checkpoint_name
 
 FORMAT = 1
 

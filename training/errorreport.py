@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from ddtop.core.contract import ErrorReport
-from ddtop.core.runs import atomic_file, error_report_reserve
+from ddtop.core.rundir import atomic_file, error_report_reserve
 
 # Room held for the report: its message and the tail of its traceback.
 RESERVE_BYTES = 64 * 1024

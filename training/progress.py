@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ddtop.core.config import TrainConfig
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.core.text import count_of
 from ddtop.training import api
 from ddtop.training.checkpoint import Position

@@ -30,7 +30,7 @@ from torch import nn
 
 import ddtop
 from ddtop.core.config import TrainConfig
-from ddtop.core.runs import RunPaths
+from ddtop.core.rundir import RunPaths
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv
 from ddtop.training.metrics import GlobalMetrics

@@ -41,7 +41,7 @@ from ddtop.core.contract import (
     UsageError,
     restore_user_umask,
 )
-from ddtop.core.runs import RunPaths, read_json
+from ddtop.core.rundir import RunPaths, read_json
 from ddtop.training import api, autowatch, drills, starthook, worker
 from ddtop.training.asmain import ours as asmain_frame
 from ddtop.training.asmain import run_as_main, run_module

@@ -28,7 +28,7 @@ from torch import nn
 import ddtop
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE, UsageError
-from ddtop.core.runs import RunPaths, find_run, new_run_id, write_json_atomic
+from ddtop.core.rundir import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import api, checkpoint, data, starthook, strategies
 from ddtop.training.checkpoint import Position
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device

@@ -36,7 +36,7 @@ from ddtop.core.contract import (
     UsageError,
 )
 from ddtop.core.processes import lead_own_session, pid_alive, set_parent_death_signal
-from ddtop.core.runs import RunPaths, log_stream
+from ddtop.core.rundir import RunPaths, log_stream
 from ddtop.training import errorreport, stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.rendezvous import install as install_loopback
@@ -76,7 +76,7 @@ def _wait_for_exit(pid: int, pidfd: int | None) -> None:
 
 def redirect_output(log: Path) -> None:
     """Send this process's stdout and stderr (Python's and C's) to its log; lines
-    a full disk refuses are dropped, never raised into training (runs.log_stream)."""
+    a full disk refuses are dropped, never raised into training (rundir.log_stream)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -14,11 +14,11 @@ from typing import Any
 import msgspec
 
 from ddtop.core import control, manyranks, protocol
-from ddtop.core.config import default_runs_dir
 from ddtop.core.contract import EXIT_FAILED, EXIT_OK, UsageError
+from ddtop.core.flagspec import default_runs_dir
 from ddtop.core.processes import LogTail, ProcessId, same_process, send_signal
+from ddtop.core.rundir import RunPaths, locate_run
 from ddtop.core.runinfo import RunInfo, list_runs
-from ddtop.core.runs import RunPaths, locate_run
 from ddtop.core.summary import (
     LOST,
     TRACEBACK_TAIL_LINES,
