@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +69,20 @@ def test_torchrun_runs_the_training_module(tmp_path: Path) -> None:
         assert [m.run for m in telemetry.of(wire.Hello, rank)] == [root.name]
         assert sum(m.steps for m in telemetry.of(wire.Step, rank)) == 8
         assert [m.exit_code for m in telemetry.of(wire.Bye, rank)] == [0]
+
+
+@pytest.mark.processes
+def test_a_ranks_imports_are_out_of_the_collectors_sight() -> None:
+    """Every launcher's rank imports ddtop.training.worker (the forkserver once, for
+    all its ranks): what that loaded (torch, dynamo) is frozen, so a full collection
+    in the rank walks only what came after (docs/training.md)."""
+    code = ("import gc; before = gc.get_freeze_count(); import ddtop.training.worker; "
+            "print(before, gc.get_freeze_count(), len(gc.get_objects()))")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert got.returncode == 0, got.stderr
+    before, frozen, walked = map(int, got.stdout.split())
+    assert before == 0 and frozen > 100_000 and walked < frozen / 100, (before, frozen, walked)
 
 
 @pytest.mark.processes
