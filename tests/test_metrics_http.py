@@ -46,7 +46,7 @@ from ddtop.daemon.exporter import ANSWER_S, Exporter, read
 __all__ = ["in_tmp"]  # a fixture of test_bad_input's, used here
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-STOP_STEP = 40  # rank 1 freezes after this step
+STOP_STEP = 15  # rank 1 freezes after this step
 WAIT_S = 60.0
 RANK_SERIES = "ddtop_rank_global_step"
 
