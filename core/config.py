@@ -208,6 +208,9 @@ class TrainConfig:
     idle: float = field(default=0.0, metadata={"flag": Flag(enabled=False)})
     """`ddtrain watch` without a command: seconds without any rank's message after
     which it ends (0: never)"""
+    allow_no_ranks: bool = field(default=False, metadata={"flag": Flag(enabled=False)})
+    """`ddtrain watch -- COMMAND`: a command that ends with no rank seen succeeds
+    when it exits 0 (by default such a watch fails: nothing was watched)"""
     workdir: str | None = field(default=None, metadata={"flag": Flag(enabled=False)})
     """the directory the script runs in: where `ddtrain start` was typed"""
     extra: dict[str, Any] = field(default_factory=dict, metadata={"flag": Flag(enabled=False)})

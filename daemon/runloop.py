@@ -45,7 +45,7 @@ from ddtop.core.contract import (
     signal_name,
 )
 from ddtop.core.keys import KEYS_ENV
-from ddtop.core.processes import send_signal
+from ddtop.core.processes import ExitedProcess, send_signal
 from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import ProcessRecord
@@ -60,6 +60,7 @@ from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.stacks import signal_stacks
 from ddtop.daemon.starters import (
+    COMMAND,
     Rank,
     RankStarter,
     process_name,
@@ -256,6 +257,8 @@ class RunLoop:
             if not running:
                 if self.stopping is not None:
                     return Outcome("stopped", EXIT_INTERRUPTED)
+                if self.config.watch and not self.relay.state.ranks:
+                    return self._no_rank_seen()
                 return Outcome("succeeded", EXIT_OK)
             # A scrape (--metrics) wakes the loop too: its reading is taken at once.
             self.relay.serve(POLL_S, [*(r.process.sentinel for r in running),
@@ -275,6 +278,25 @@ class RunLoop:
             hung = self._check_hang()
             if hung is not None:
                 return hung
+
+    def _no_rank_seen(self) -> Outcome:
+        """`ddtrain watch -- COMMAND`: the command ended well, and no process of it
+        reported as a rank. Nothing was watched, which a CI gate must not read as a
+        success: a failure naming the command, unless --allow-no-ranks."""
+        if self.config.allow_no_ranks:
+            self._tell("warning", "no rank seen: the command ended (exit 0) and no process "
+                                  "of it reported as a rank (--allow-no-ranks)")
+            return Outcome("succeeded", EXIT_OK)
+        pid = self.ranks[0].process.pid if self.ranks else None
+        reason = ("ended (exit 0) with no rank seen: none of its processes initialised a "
+                  "torch.distributed process group (a launcher told to start one plain "
+                  "process, or a script that never calls init_process_group); "
+                  "--allow-no-ranks accepts that")
+        self.relay.emit(wire.RankExit, exited=COMMAND, pid=pid, exit_code=0, signal=None,
+                        culprit=True, reason=reason)
+        return Outcome("failed", EXIT_FAILED,
+                       Rank(COMMAND, ExitedProcess(pid, 0), exitcode=0, noted=True),
+                       reason=reason)
 
     def _tick(self) -> None:
         world = self.relay.state.world_size

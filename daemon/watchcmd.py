@@ -24,6 +24,7 @@ from typing import Any
 from ddtop.core.bounds import MAX_JOB_RANKS
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import (
+    EXIT_OK,
     EXIT_USAGE,
     UsageError,
     owner_only_umask,
@@ -86,6 +87,9 @@ def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser
     watch.add_argument("--idle", type=float, default=0.0, metavar="S",
                        help="without a command: end after S seconds without any rank's "
                        "message (default: wait until every rank has said goodbye)")
+    watch.add_argument("--allow-no-ranks", action="store_true",
+                       help="with a command: succeed when it exits 0 though no process of "
+                       "it reported as a rank (default: such a watch fails, \"no rank seen\")")
     watch.add_argument("--hang-timeout", type=float, default=None, metavar="S",
                        help="fail the run (SIGTERM to its ranks) when it has hung for S "
                        "seconds, naming the rank the others wait for (default: off)")
@@ -121,6 +125,9 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
         if args.idle:
             raise UsageError("--idle is for a watch without a command (this one ends with "
                              "its command): leave it out")
+    elif args.allow_no_ranks:
+        raise UsageError("--allow-no-ranks is for a watch with a command (this one waits "
+                         "for its ranks): leave it out")
     elif not (args.idle >= 0 and args.idle < float("inf")):
         raise UsageError(f"--idle must be a number of seconds >= 0 (got {args.idle:g})")
     nodes: dict[str, Any] = {}
@@ -136,7 +143,8 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
                        tensorboard=args.tensorboard,
                        metrics=args.metrics, metrics_auth=args.metrics_auth,
                        metrics_cert=args.metrics_cert, metrics_key=args.metrics_key,
-                       idle=args.idle, workdir=str(Path.cwd()), **nodes).validate()
+                       idle=args.idle, allow_no_ranks=args.allow_no_ranks,
+                       workdir=str(Path.cwd()), **nodes).validate()
 
 
 def _check_command(name: str) -> None:
@@ -165,6 +173,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
     starter = supervisor.starter
     starter_code = starter.exit_code if isinstance(starter, WatchedCommand) else None
     if code == EXIT_USAGE or starter_code is None or not config.watch:
+        return code
+    if starter_code == 0 and code != EXIT_OK:  # the command succeeded; the watch did not
         return code
     return starter_code if starter_code >= 0 else 128 - starter_code
 

@@ -92,6 +92,7 @@ def status(cwd: Path, run: str) -> dict:  # type: ignore[type-arg]
     (["watch", "--", "./missing.sh"], "cannot run './missing.sh': no such file"),
     (["watch", "--idle", "5", "--", "true"], "--idle is for a watch without a command"),
     (["watch", "--idle", "-1"], "--idle must be a number of seconds >= 0"),
+    (["watch", "--allow-no-ranks"], "--allow-no-ranks is for a watch with a command"),
     (["watch", "--run-id", "a/b", "--", "true"], "--run-id 'a/b' may hold only"),
 ])
 def test_bad_watch_lines_are_one_line_and_exit_2(argv: list[str], said: str, tmp_path: Path,
@@ -124,6 +125,29 @@ def test_the_command_exit_code_is_returned_and_the_command_named(tmp_path: Path)
     assert "hello from the command" in (tmp_path / "runs/code3/logs/command.log").read_text()
     assert status(tmp_path, "code3")["status"] == "failed"
     assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_watch_that_saw_no_rank_fails_unless_allowed(tmp_path: Path) -> None:
+    """A command that ran one plain process (accelerate without its multi-process
+    flags) exits 0 with nothing watched: a failure naming the command, not a
+    success a CI gate would pass; --allow-no-ranks keeps it a success, said."""
+    plain = [sys.executable, "-c", "print('one plain process')"]
+    run = ddtrain("watch", "--run-id", "none", "--", *plain, cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
+    assert re.search(r"run none failed: the command \(pid \d+\) ended \(exit 0\) with no rank "
+                     r"seen: none of its processes initialised a torch.distributed process "
+                     r"group .*; --allow-no-ranks accepts that\n", run.stderr), run.stderr
+    got = status(tmp_path, "none")
+    assert got["status"] == "failed" and got["exit_code"] == 1
+    assert got["failure"]["rank"] == -2 and "no rank seen" in got["failure"]["reason"]
+    allowed = ddtrain("watch", "--run-id", "allowed", "--allow-no-ranks", "--", *plain,
+                      cwd=tmp_path)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "ddtrain: no rank seen: the command ended (exit 0)" in allowed.stderr
+    assert status(tmp_path, "allowed")["status"] == "succeeded"
+    assert not run.leftovers and not allowed.leftovers
 
 
 # -- torchrun of an unchanged script -------------------------------------------------------
