@@ -53,6 +53,7 @@ class Outcome:
     # "node 1 (host) lost", "rank 3 on node 1 (host)").
     who: str | None = None
     log: str | None = None  # where its log is, when not in this run's logs/
+    hint: str | None = None  # what to do next, where resuming is not it (no rank seen)
 
 
 class RunReport:
@@ -223,8 +224,9 @@ class RunReport:
         log = (self.paths.logs / "torchrun.log" if rank.rank == AGENT else
                self.paths.logs / "command.log" if self.config.watch else
                self.paths.rank_log(rank.rank))
+        hint = outcome.hint or self.resume_hint()
         if self.config.watch == [] and outcome.log is None:  # the ranks' output is elsewhere
-            lines.append(f"  {self.resume_hint()}")
+            lines.append(f"  {hint}")
         else:
-            lines.append(f"  log: {outcome.log or log}; {self.resume_hint()}")
+            lines.append(f"  log: {outcome.log or log}; {hint}")
         print("\n".join(lines), file=err, flush=True)

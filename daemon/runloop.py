@@ -296,7 +296,8 @@ class RunLoop:
                         culprit=True, reason=reason)
         return Outcome("failed", EXIT_FAILED,
                        Rank(COMMAND, ExitedProcess(pid, 0), exitcode=0, noted=True),
-                       reason=reason)
+                       reason=reason, hint="each launcher's spelling that starts ranks: "
+                                           "docs/own-scripts.md#every-launcher")
 
     def _tick(self) -> None:
         world = self.relay.state.world_size

@@ -138,7 +138,9 @@ def test_a_watch_that_saw_no_rank_fails_unless_allowed(tmp_path: Path) -> None:
     assert run.returncode == 1, run.stderr
     assert re.search(r"run none failed: the command \(pid \d+\) ended \(exit 0\) with no rank "
                      r"seen: none of its processes initialised a torch.distributed process "
-                     r"group .*; --allow-no-ranks accepts that\n", run.stderr), run.stderr
+                     r"group .*; --allow-no-ranks accepts that\n  log: .*command.log; each "
+                     r"launcher's spelling that starts ranks: docs/own-scripts.md#every-launcher\n",
+                     run.stderr), run.stderr
     got = status(tmp_path, "none")
     assert got["status"] == "failed" and got["exit_code"] == 1
     assert got["failure"]["rank"] == -2 and "no rank seen" in got["failure"]["reason"]
