@@ -348,7 +348,7 @@ def summary_text(final: FinalSummary, now: float) -> list[str]:
 def _rank_line(r: RankSummary) -> str:
     how = r.signal or (f"exit {r.exit_code}" if r.exit_code is not None else "")
     if how and r.stopped_by_daemon and r.exit_code != 0:
-        how += " (stopped by the daemon)"
+        how += " (stopped)"  # by the daemon, or by whoever runs the job (scancel)
     where = f" node {r.node} {r.host or '?'}" if r.node is not None else ""
     return (f"  rank {r.rank:>3}{where} {r.state:<9} step {num(r.global_step, 'd')}"
             f" loss {num(r.loss, '.4f')} {how}".rstrip())

@@ -345,7 +345,8 @@ class RunState(msgspec.Struct, kw_only=True):
                                        traceback=view.traceback, global_step=view.global_step,
                                        node=self.rank_nodes.get(m.exited), reason=m.reason)
             if failed or m.exit_code != 0:
-                by = " (stopped by the daemon)" if m.stopped_by_daemon else ""
+                # A reason says who stopped it where the daemon did not (SLURM's scancel).
+                by = " (stopped by the daemon)" if m.stopped_by_daemon and not m.reason else ""
                 self._event(m.t, m.exited, "exit" if not failed else "error",
                             f"rank {m.exited} (pid {m.pid}) {how}{by}",
                             traceback=view.traceback if failed else None)

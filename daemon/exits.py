@@ -15,7 +15,13 @@ import signal
 import time
 
 from ddtop.core import blame, wire
-from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE, ErrorReport, signal_name
+from ddtop.core.contract import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ErrorReport,
+    signal_name,
+)
 from ddtop.core.rundir import RunPaths
 from ddtop.core.summary import TRACEBACK_TAIL_LINES
 from ddtop.daemon.relay import Relay
@@ -126,6 +132,11 @@ class Exits:
         """Blame one rank, tell every exit (the culprit's first), and the outcome."""
         ends = self.ends(self.ranks)
         self._judge_leavers(ends, stopping)
+        stop = next((e.stopped_by for e in ends if e.stopped_by), None)
+        if stop is not None and not any(e.exitcode and not e.stopped_by_us for e in ends):
+            # Stopped from outside, by whoever runs the job (SLURM's scancel): no failure.
+            self.note()
+            return Outcome("stopped", EXIT_INTERRUPTED, reason=stop)
         reports = {e.rank: r for e in ends if (r := self.error_report(e.rank)) is not None}
         exits = {e.rank: e.end() for e in ends}
         chosen = blame.culprit(exits, reports)

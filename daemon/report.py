@@ -48,6 +48,7 @@ class Outcome:
     report: ErrorReport | None = None  # what the failed rank said, if it wrote anything
     # How the failed rank ended, in words, where the daemon decided it (a hang,
     # --hang-timeout) rather than the rank's exit: "hung for 30 s (--hang-timeout 30)".
+    # A stop's: who stopped the run where ddtrain did not ("by SLURM (scancel of ...)").
     reason: str | None = None
     # Who failed, where it is not one of this daemon's ranks (a multi-node job:
     # "node 1 (host) lost", "rank 3 on node 1 (host)").
@@ -155,7 +156,8 @@ class RunReport:
                     and outcome.reason is None else "")
             return (f"run failed after {seconds:.1f} s: {who} "
                     f"{self._how(outcome)}{said}")
-        return f"run {outcome.status} after {seconds:.1f} s"
+        by = f" {outcome.reason}" if outcome.status == "stopped" and outcome.reason else ""
+        return f"run {outcome.status} after {seconds:.1f} s{by}"
 
     @staticmethod
     def _who(rank: Rank) -> str:
@@ -205,8 +207,9 @@ class RunReport:
                   flush=True)
             return
         if outcome.status == "stopped":
-            print(f"ddtrain: run {rid} stopped after {seconds:.1f} s; {self.resume_hint()}",
-                  file=err, flush=True)
+            by = f" {outcome.reason}" if outcome.reason else ""  # who, where not ddtrain
+            print(f"ddtrain: run {rid} stopped after {seconds:.1f} s{by}; "
+                  f"{self.resume_hint()}", file=err, flush=True)
             return
         rank, report = outcome.failed_rank, outcome.report
         assert rank is not None

@@ -78,6 +78,8 @@ class Rank:
     others_running: bool = False  # other ranks of the attempt still ran when it exited
     left_early_at: int | None = None  # exited 0 before its work was done, at this step
     reason: str | None = None  # how it ended, where its exit code cannot say (watched ranks)
+    # Who stopped it, where not the daemon: "by SLURM (scancel of job step 42.0)".
+    stopped_by: str | None = None
 
     def end(self) -> RankEnd:
         """Its exit as the blame policy takes it."""

@@ -11,8 +11,10 @@ whose starting environment carries this daemon's pid (below the command, or
 wherever its launcher started it with the command's environment); over TCP,
 ranks on other machines are let in by the run's keys. The processes verified
 here, and only those, are what `ddtrain stop` signals. Once the command exits,
-how each rank ended is read from its goodbye, else from torchrun's failure
-summary in the command's output, else it ended without a word.
+how each rank ended is read from its goodbye, else from what the launcher said
+in the command's output (torchrun's failure summary, srun's task ends:
+daemon/srunwords.py), else it ended without a word. Ranks SLURM stopped
+(scancel, a time limit) were stopped, not failed.
 
 Without a command, nothing is started: the ranks were given the environment by
 other means (a pod spec, an sbatch file). They are judged by what they send;
@@ -53,12 +55,15 @@ from ddtop.core.processes import (
 )
 from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
+from ddtop.daemon import srunwords
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.starters import COMMAND, WATCH, Rank
 from ddtop.daemon.torchrun import FAILURE_SUMMARY, REFUSED_MAX
 from ddtop.daemon.watchguard import start_guard
 
 COMMAND_LOG = "command.log"
+# The variable that numbers srun's tasks: how srun's words of a task name its rank.
+TASK_ENV = "SLURM_PROCID"
 NO_GOODBYE = "ended without saying goodbye (its launcher has its exit status)"
 
 
@@ -87,6 +92,7 @@ class _Ranks:
         self.tails: list[tuple[str, LogTail]] = []
         self.seen: dict[int, ProcessId] = {}  # rank -> its process, verified
         self.refused: dict[tuple[int, int], int] = {}  # (rank, pid) -> start ticks
+        self.tasks: dict[int, int] = {}  # srun's task number -> the rank it is
         self.exit_code: int | None = None  # the command's, once it exited
 
     def rank_processes(self) -> list[ProcessId]:
@@ -98,10 +104,12 @@ class _Ranks:
     def local_ranks(self) -> list[int]:
         return sorted(self.seen)
 
-    def _ends(self, state: RunState, launcher_code: int, summary: dict[int, tuple[int, int]],
-              quiet_is_lost: bool) -> list[Rank]:
+    def _ends(self, state: RunState, launcher_code: int,
+              summary: dict[int, tuple[int, int | None]], quiet_is_lost: bool,
+              stop: str | None = None) -> list[Rank]:
         """Each rank heard from (or named in a failure summary): its goodbye's code,
-        else the summary's, else it ended without a word."""
+        else the summary's, else it ended without a word. `stop`: who stopped the
+        ranks, where not the daemon (SLURM's scancel): they were stopped."""
         ranks = []
         for k in sorted(set(state.ranks) | set(self.seen) | set(summary)):
             view = state.ranks.get(k)
@@ -110,7 +118,8 @@ class _Ranks:
             reason = None
             stopped = False
             if k in summary:  # SIGTERM: the launcher stopped it when another failed
-                code, pid = summary[k]
+                code, said_pid = summary[k]
+                pid = said_pid or pid
                 stopped = code == -signal.SIGTERM
             elif view is not None and view.bye_code is not None:
                 code = view.bye_code
@@ -120,9 +129,27 @@ class _Ranks:
                 code, stopped = -signal.SIGTERM, True
             else:
                 code, reason = launcher_code or 1, NO_GOODBYE
+            said_bye = view is not None and view.bye_code is not None
+            if stop is not None and code and not said_bye:  # ended by the stop, not by itself
+                stopped, reason = True, f"was stopped {stop}"
             ranks.append(Rank(k, ExitedProcess(pid, code), exitcode=code,
-                              stopped_by_us=stopped, noted=True, reason=reason))
+                              stopped_by_us=stopped, noted=True, reason=reason,
+                              stopped_by=stop if stopped else None))
         return ranks
+
+    def _launcher_said(self, log: str) -> dict[int, tuple[int, int | None]]:
+        """How the launcher's output says ranks ended, by rank: torchrun's failure
+        summary (code, pid), srun's task ends (code), each task taken for the rank
+        whose process carried its SLURM_PROCID (else the rank of its number, where
+        no rank seen here carried it: ranks on other nodes)."""
+        said: dict[int, tuple[int, int | None]] = {
+            int(m[1]): (int(m[2]), int(m[3])) for m in FAILURE_SUMMARY.finditer(log)}
+        mapped = set(self.tasks.values())
+        for task, code in srunwords.task_ends(log).items():
+            rank = self.tasks.get(task, task if task not in mapped else None)
+            if rank is not None:
+                said.setdefault(rank, (code, None))
+        return said
 
 
 class WatchedCommand(_Ranks):
@@ -153,7 +180,7 @@ class WatchedCommand(_Ranks):
         self.log_start = tail.offset
         self.tails = [("", tail)]
         agent = AgentProcess(popen)
-        self.agent, self.seen, self.refused = agent.identity, {}, {}
+        self.agent, self.seen, self.refused, self.tasks = agent.identity, {}, {}, {}
         if self.guard is None and agent.identity is not None:
             self.guard = start_guard(self.paths.run_id, agent.identity, self.log)
         started.append(Rank(COMMAND, agent))
@@ -177,6 +204,9 @@ class WatchedCommand(_Ranks):
         if environ_value(pid, DAEMON_PID_ENV) == str(os.getpid()) and stat.start >= (
                 self.agent.start or 0):  # started with the command's environment
             self.seen[rank] = ProcessId(pid, stat.start, boot_id())
+            task = environ_value(pid, TASK_ENV)
+            if task is not None and task.isdigit() and len(task) < 9:
+                self.tasks[int(task)] = rank  # srun's words of task N are of this rank
             return True
         if len(self.refused) >= REFUSED_MAX:
             self.refused.clear()
@@ -189,9 +219,10 @@ class WatchedCommand(_Ranks):
         with self.log.open("rb") as f:
             f.seek(self.log_start)
             log = f.read().decode(errors="replace")
-        summary = {int(m[1]): (int(m[2]), int(m[3])) for m in FAILURE_SUMMARY.finditer(log)}
-        ranks = self._ends(state, exited.exitcode, summary, quiet_is_lost=False)
-        if (exited.exitcode and not exited.stopped_by_us
+        stop = srunwords.cancelled(log)
+        ranks = self._ends(state, exited.exitcode, self._launcher_said(log),
+                           quiet_is_lost=False, stop=stop)
+        if (exited.exitcode and not exited.stopped_by_us and stop is None
                 and not any(r.exitcode and not r.stopped_by_us for r in ranks)):
             # No rank failed, yet the command did: the command is the culprit.
             ranks.append(Rank(COMMAND, ExitedProcess(exited.process.pid, exited.exitcode),
