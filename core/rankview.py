@@ -77,7 +77,7 @@ class RankView(msgspec.Struct, kw_only=True):
     collectives: bool = False  # every collective it enters is seen (zero-code: its hello)
     communicated: bool = False  # one was: a step's communication, a heartbeat's collective
     # Progress, from step messages (the newest one; totals over all).
-    epoch: int = 0
+    epoch: int | None = None  # from 0; None: not known (a script's sampler never set_epoch'd)
     step: int = 0
     steps_per_epoch: int = 0
     global_step: int = 0

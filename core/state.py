@@ -292,7 +292,8 @@ class RunState(msgspec.Struct, kw_only=True):
         view.phase_step = m.global_step
         view.coll_started, view.coll_completed = m.coll_started, m.coll_completed
         view.communicated = view.communicated or m.coll_started is not None
-        view.epoch = max(view.epoch, m.epoch)
+        if m.epoch is not None and (view.epoch is None or m.epoch > view.epoch):
+            view.epoch = m.epoch  # never lowered by a heartbeat; None says nothing
         view.global_step = max(view.global_step, m.global_step)
 
     def _apply_aggregate(self, m: wire.Aggregate) -> None:

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 # A run whose daemon is gone although it never reached a final status: it was killed.
 LOST: Literal["lost"] = "lost"
 Status = wire.RunStatusName | Literal["lost"]
-# run.json's layout version: epochs count from 1 (each rank's `epoch`,
-# `metrics.epoch`), as `ddtrain status --json` and the training log count them.
+# run.json's layout version: epochs count from 1 (each rank's `epoch`, null where
+# not known; `metrics.epoch`), as `ddtrain status --json` and the training log count them.
 # A file of another layout (the unreleased ones before it) is unreadable: the run is
 # told from its journal.
 RECORD_SCHEMA = 3
@@ -91,8 +91,9 @@ class RankSummary(msgspec.Struct):
     node: int | None = None  # a multi-node job: the node it runs on (daemon/hub.py)
     pid: int | None = None
     # The epoch it is in, counted from 1 as the training log prints it (the wire
-    # and RunState count from 0: the summary is where a user reads it).
-    epoch: int = 1
+    # and RunState count from 0: the summary is where a user reads it); None
+    # where not known (a script whose sampler was never set_epoch'd: "-", null).
+    epoch: int | None = None
     step: int = 0
     global_step: int = 0
     loss: float | None = None
@@ -117,7 +118,8 @@ class RankSummary(msgspec.Struct):
         share = None if comm is None or not step else (
             comm / step if comm < step else 1.0)
         ago = None if seen is None else (now - seen if now > seen else 0.0)
-        return cls(v.rank, state, v.host, node, v.pid, v.epoch + 1, v.step, v.global_step,
+        epoch = None if v.epoch is None else v.epoch + 1
+        return cls(v.rank, state, v.host, node, v.pid, epoch, v.step, v.global_step,
                    v.loss, v.samples_per_s, share, step, v.exit_code, v.signal,
                    v.phase, v.stopped_by_daemon, ago, v.lost)
 

@@ -36,6 +36,12 @@ MAX_PROGRAM_CHARS = 200
 ProgramText = Annotated[str, msgspec.Meta(max_length=MAX_PROGRAM_CHARS,
                                           pattern=r"^[^\x00-\x1f\x7f]*$")]
 
+# An epoch as a step or heartbeat carries it, counted from 0; None where the rank
+# does not know it (a user's script whose DistributedSampler was never given
+# set_epoch and that gave ddtop.init no epochs). Earlier senders sent 0 there.
+MAX_EPOCH = 1 << 62
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
+
 # A --strategy name as a hello carries it: short, printable.
 StrategyName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9_-]*$")]
 
@@ -134,7 +140,7 @@ class Hello(_Header, tag="hello", tag_field="kind", kw_only=True):
 class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     """Every step since the previous Step message of this rank, summed."""
 
-    epoch: int
+    epoch: Epoch | None  # None: not known (see Epoch)
     step: int
     steps_per_epoch: int
     global_step: int
@@ -188,7 +194,7 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
 
 class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):
     phase: Phase
-    epoch: int
+    epoch: Epoch | None  # None: not known (see Epoch)
     global_step: int
     phase_s: float
     coll_started: Collective | None = None

@@ -138,7 +138,7 @@ def _rank_table(s: RunRecord) -> list[str]:
         if r.stopped_by_daemon and exit_ not in ("-", "0"):
             exit_ += " (stopped)"
         where = f"{_fmt(r.node):>4}  {r.host[:16]:<16}  " if nodes else ""
-        lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<{w}} {r.epoch:>5}  "
+        lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<{w}} {_fmt(r.epoch):>5}  "
                      f"{r.global_step:>7}  {_fmt(r.loss, '.4f'):>8}  "
                      f"{_fmt(r.samples_per_s, ',.0f'):>9}  {exit_}")
     return lines

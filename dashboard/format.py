@@ -53,6 +53,12 @@ def size(nbytes: float | None) -> str:
     return "-"  # unreachable: GB ends the loop
 
 
+def epoch_text(epoch: int | None) -> str:
+    """An epoch as the wire and RunState count it (from 0) as a user reads it:
+    from 1; "-" where not known (a script whose sampler was never set_epoch'd)."""
+    return "-" if epoch is None else str(epoch + 1)
+
+
 def clock(t: float | None) -> str:
     return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
 
@@ -159,7 +165,7 @@ def rank_rows(state: RunState, now: float, scalars: Sequence[str] = ()) -> list[
             "rank": str(rank), "device": v.device or "-",
             "host": (v.host or "-") + (f" n{state.rank_nodes[rank]}"
                                        if rank in state.rank_nodes else ""),
-            "state": _state_text(v, st), "epoch": str(v.epoch + 1) if v.last_seen else "-",
+            "state": _state_text(v, st), "epoch": epoch_text(v.epoch),
             "step": f"{v.step}/{spe}" if spe else str(v.step),
             "progress": bar(fraction, 10), "loss": num(v.loss, ".4f"),
             "rate": num(v.samples_per_s, ",.0f"), "step_ms": millis(v.step_time_s),
@@ -174,7 +180,8 @@ def rank_rows(state: RunState, now: float, scalars: Sequence[str] = ()) -> list[
             "rate": v.samples_per_s or 0.0, "step_ms": v.step_time_s or 0.0,
             "comm_share": v.comm_share or 0.0, "seen": seen if seen is not None else 1e9,
             "sync": sync_per_step or 0.0, "comm_ms": v.comm_s or 0.0,
-            "busbw": v.busbw_gbps or 0.0, "memory": v.memory or 0, "epoch": v.epoch,
+            "busbw": v.busbw_gbps or 0.0, "memory": v.memory or 0,
+            "epoch": -1 if v.epoch is None else v.epoch,
             # by host, then node: a multi-node job's ranks grouped by node
             "progress": fraction, "host": (v.host, state.rank_nodes.get(rank, -1)),
             "device": v.device,

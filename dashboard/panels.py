@@ -64,8 +64,12 @@ def header(state: RunState, now: float, note: str = "") -> Text:
                 f"restarts {state.restarts} · {lost_words(state.telemetry_loss())}")
     text.append("\n")
     text.append(fmt.bar(fraction, BAR_WIDTH), "green")
-    epochs = f" · epoch {max((v.epoch for v in state.ranks.values()), default=0) + 1}/" \
-             f"{state.epochs}" if state.epochs else ""
+    # The furthest epoch a rank is in; "-" where none knows its own (a script's
+    # sampler never set_epoch'd), left out where nothing at all is known.
+    known = [v.epoch for v in state.ranks.values() if v.epoch is not None]
+    furthest = fmt.epoch_text(max(known) if known else None)
+    epochs = (f" · epoch {furthest}/{state.epochs}" if state.epochs
+              else f" · epoch {furthest}" if known else "")
     eta = state.eta(now)
     text.append(f" step {done}/{total or '?'} ({100 * fraction:.1f}%){epochs} · "
                 f"{rate_words(state.throughput(now), state.status)} · elapsed "
@@ -209,8 +213,9 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
                 f" · local rank {v.local_rank}\n")
     ended = v.exited or v.bye_code is not None
     where = "" if ended else f" · now {v.where()} for {v.phase_elapsed(now):.1f} s"
-    text.append(f"epoch {v.epoch + 1} step {v.step}/{v.steps_per_epoch} (global {v.global_step})"
-                f"{where} · last message "
+    spe = v.steps_per_epoch
+    text.append(f"epoch {fmt.epoch_text(v.epoch)} step {f'{v.step}/{spe}' if spe else v.step} "
+                f"(global {v.global_step}){where} · last message "
                 f"{seconds(None if v.last_seen is None else now - v.last_seen)} ago\n")
     text.append(f"loss {num(v.loss, '.4f')} · {num(v.samples_per_s, ',.0f')} samples/s · "
                 f"lr {num(v.lr, '.2e')} · memory {fmt.size(v.memory)} · messages "

@@ -195,6 +195,34 @@ def test_init_step_phase_log_send_the_right_messages(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
+def test_a_samplers_set_epoch_is_the_epoch_and_a_bad_one_is_said_once(tmp_path: Path) -> None:
+    """Zero-code (autowatch): each step goes with the epoch a DistributedSampler was
+    last set to, and its steps in it; before any, the epoch is not known (null, not
+    0). A value that is no epoch is left out with one warning; the script goes on."""
+    with collecting() as collector:
+        code, _, err = python("""
+            import ddtop
+            from torch.utils.data.distributed import DistributedSampler
+            from ddtop.training import autowatch
+            assert autowatch.install()
+            sampler = DistributedSampler(range(8), num_replicas=1, rank=0)
+            ddtop.step()
+            sampler.set_epoch(0)
+            ddtop.step(); ddtop.step()
+            sampler.set_epoch("x"); sampler.set_epoch(-1)  # DistributedSampler takes them
+            sampler.set_epoch(1); sampler.set_epoch(1)  # set twice: the same epoch goes on
+            ddtop.step()
+            assert sampler.epoch == 1
+            """, tmp_path, {"DDTOP_TELEMETRY": collector.endpoint})
+        assert code == 0, err
+        wait_for(collector, wire.Bye)
+    last = {s.epoch: (s.global_step, s.step) for s in collector.of(wire.Step)}
+    assert last == {None: (1, 0), 0: (3, 2), 1: (4, 1)}, collector.of(wire.Step)
+    warnings = [e.message for e in collector.of(wire.Event) if e.type == "warning"]
+    assert len(warnings) == 1 and warnings[0].startswith("set_epoch(x): not an epoch"), warnings
+
+
+@pytest.mark.processes
 def test_a_loss_changed_in_place_before_it_is_read_is_left_out_and_said_once(
         tmp_path: Path) -> None:
     """ddtop's thread reads a loss tensor after `ddtop.step` returns (reading it

@@ -4,6 +4,7 @@ comm panels, on hand-made message sequences. No UI, no sockets, no clock."""
 
 from __future__ import annotations
 
+import msgspec
 from test_state import RUN, beat, fold, hello, step
 
 from ddtop.core import wire
@@ -171,6 +172,43 @@ def test_a_scripts_header_names_it_shows_its_scalars_and_no_made_up_eta() -> Non
     assert "step 10/100 (10.0%)" in text
     assert "ETA 9.0 s" in text  # 90 steps left at 0.1 s per step
     assert "scalars: grad_norm 2 (1..3)" in text
+
+
+def test_an_epoch_nobody_knows_is_a_dash_never_1() -> None:
+    """A script's ranks whose sampler was never set_epoch'd: "-" in the table, the
+    header and the detail; once one is, its epoch from 1, and a heartbeat that
+    knows none (or an earlier one) leaves it."""
+    def script_hello(rank: int) -> wire.Hello:
+        return wire.Hello(run=RUN, rank=rank, seq=0, t=100.0, local_rank=rank, host="node",
+                          pid=1000 + rank, device="cpu", backend="gloo", world_size=2,
+                          config_digest="", model="", dataset="", epochs=0, global_batch=0,
+                          program="train.py")
+
+    def zero_code(message: wire.Step | wire.Heartbeat, epoch: int | None) -> wire.Message:
+        if isinstance(message, wire.Step):
+            return msgspec.structs.replace(message, epoch=epoch, step=0, steps_per_epoch=0)
+        return msgspec.structs.replace(message, epoch=epoch)
+
+    s = fold(script_hello(0), script_hello(1), *(zero_code(step(r, 1, 10), None) for r in (0, 1)),
+             *(zero_code(beat(r, 2, "forward", 10), None) for r in (0, 1)))
+    rows = rows_by_rank(s, 101.0)
+    assert [rows[r].cells["epoch"] for r in (0, 1)] == ["-", "-"]
+    assert " · epoch" not in panels.header(s, 101.0).plain  # nothing known: not said
+    assert "epoch - step 0 (global 10)" in panels.detail(s, 0, 101.0).plain
+    s.apply(zero_code(step(1, 3, 20), 2), 101.0)  # rank 1's sampler: set_epoch(2)
+    s.apply(zero_code(beat(1, 4, "data", 20), None), 101.0)
+    s.apply(zero_code(beat(1, 5, "data", 20), 1), 101.0)
+    rows = rows_by_rank(s, 101.0)
+    assert [rows[r].cells["epoch"] for r in (0, 1)] == ["-", "3"]
+    # By epoch as by step: the furthest behind first, one not known before any
+    assert [r.rank for r in fmt.sort_rows(list(rows.values()), "epoch")] == [0, 1]
+    assert " · epoch 3 · " in panels.header(s, 101.0).plain
+    assert "epoch 3 step 0 (global 20)" in panels.detail(s, 1, 101.0).plain
+    # The built-in trainer (its epochs known): "-" of 2 until a rank says its own.
+    s = fold(hello(0), hello(1))
+    assert " · epoch -/2 · " in panels.header(s, 100.0).plain
+    assert " · epoch 1/2 · " in panels.header(two_running(), 101.0).plain
+    assert rows_by_rank(two_running(), 101.0)[0].cells["epoch"] == "1"
 
 
 def test_scalar_cells_hold_each_ranks_newest_value_and_sort_largest_first() -> None:

@@ -160,6 +160,8 @@ def test_ddp_tutorial_under_ddtrain_shows_steps_loss_progress_and_comm(tmp_path:
     assert summary["program"] == "ddp_tutorial.py " + " ".join(TUTORIAL_ARGS)
     assert_every_rank_trained(summary, TUTORIAL_STEPS, tmp_path / "runs/tut")
     assert summary["total_steps"] == TUTORIAL_STEPS  # ddtop.init: progress and ETA
+    # Its sampler set_epoch'd (and ddtop.init's epochs): epoch 3 of 3, 8 steps in it.
+    assert [(r["epoch"], r["step"]) for r in summary["ranks"]] == [(3, 8), (3, 8)]
     assert all(line["hang"] is None for line in progress)
     assert (tmp_path / "snapshot.pt").is_file()  # rank 0 saved, as the tutorial does
 

@@ -124,8 +124,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
         started.start("boom", [*fg, "--run-id", "boom", "boom.py"], timeout=90)
         started.start("fl", [*fg, "--max-restarts", "1", "--run-id", "fl", "flaky.py"],
                       timeout=120)
-        started.start("zero", [*fg, "--headless", "--format", "jsonl", "--run-id", "zero",
-                               "scripts/train.py", "--", "--steps", "30"])
+        started.start("zero", [*fg, "--headless", "--format", "jsonl", "--interval", "0.2",
+                               "--run-id", "zero", "scripts/train.py", "--", "--steps", "30"])
         started.start("lg", [*fg, "--headless", "--run-id", "lg", "logs.py", "--", "--x", "1"])
         yield started
 
@@ -251,6 +251,14 @@ def test_a_script_with_no_ddtop_line_shows_steps_and_comm_for_every_rank(runs: T
         (0, "finished", 30), (1, "finished", 30)]  # optimizer steps, counted by the hook
     assert all(r["comm_share"] and r["comm_share"] > 0 for r in summary["ranks"])  # DDP timed
     assert summary["hang"] is None and summary["telemetry_loss"] == 0
+    # No sampler set_epoch'd, no epochs given: the epoch is not known (null), never 1.
+    progress = [json.loads(line) for line in run.stdout.splitlines()
+                if line.startswith('{"kind":"progress"')]
+    ranks = [r for p in progress for r in p["ranks"]]
+    assert ranks and all(r["epoch"] is None for r in ranks), progress
+    assert [r["epoch"] for r in summary["ranks"]] == [None, None]
+    record = json.loads((runs.cwd("zero") / "runs" / "zero" / "run.json").read_text())
+    assert [r["epoch"] for r in record["ranks"]] == [None, None]
 
 
 @pytest.mark.processes

@@ -280,6 +280,44 @@ def test_epochs_count_from_one_where_a_user_reads_them() -> None:
     assert row.split()[header.split().index("EPOCH")] == "1"
 
 
+def unknown_epochs() -> RunState:
+    """A script's ranks that never set_epoch'd a sampler, then rank 0's did (epoch 2)."""
+    s = fold(hello(0), hello(1), *(msgspec.structs.replace(step(r, 1, 20), epoch=None, step=0,
+                                                           steps_per_epoch=0) for r in (0, 1)))
+    return s
+
+
+def test_an_epoch_not_known_is_null_where_a_user_reads_it_never_1() -> None:
+    from ddtop.core import printer
+
+    s = unknown_epochs()
+    assert [v.epoch for v in s.ranks.values()] == [None, None]
+    assert [r.epoch for r in s.summary(102.0).ranks] == [None, None]
+    assert [r["epoch"] for r in printer.progress_record(s, 102.0)["ranks"]] == [None, None]
+    s.apply(msgspec.structs.replace(step(0, 2, 30), epoch=2, step=10, steps_per_epoch=0), 102.0)
+    summary = s.summary(103.0)
+    assert [r.epoch for r in summary.ranks] == [3, None]  # counted from 1 where known
+    assert [r["epoch"] for r in printer.summary_record(
+        printer.final_summary(s, 103.0))["ranks"]] == [3, None]
+    record = RunRecord(run_id=RUN).with_summary(summary)
+    assert decode_record(encode_record(record)) == record  # run.json: null stays null
+    assert [r["epoch"] for r in json.loads(encode_record(record))["ranks"]] == [3, None]
+    # A rank never heard from knows no epoch either.
+    assert [r.epoch for r in fold(hello(0)).summary(100.0).ranks] == [None, None]
+
+
+def test_status_shows_an_epoch_not_known_as_a_dash() -> None:
+    from ddtop.daemon import statuscmds
+
+    s = unknown_epochs()
+    s.apply(msgspec.structs.replace(step(0, 2, 30), epoch=2, step=10, steps_per_epoch=0), 102.0)
+    record = RunRecord(run_id=RUN).with_summary(s.summary(103.0))
+    info = RunInfo(paths=RunPaths(Path("/nonexistent/runs/r1")), record=record, config=None)
+    header, *rows = statuscmds.status_lines(info, record)[-3:]
+    column = header.split().index("EPOCH")
+    assert [row.split()[column] for row in rows] == ["3", "-"]
+
+
 def test_a_run_json_of_another_layout_is_unreadable_and_the_journal_tells() -> None:
     """The layouts before RECORD_SCHEMA were never released: one is refused in one
     line naming both layouts, and the run is told from its journal (epochs from 1)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from ddtop.core import journal, wire
 from ddtop.daemon import cli
 from tests.helpers import DDTRAIN, TORCHRUN, Run, ddtrain, finish, start, tagged_env
 
@@ -37,7 +38,8 @@ TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
 # The runs the module fixture starts together: their `ddtrain watch` arguments,
 # environment and timeout.
 WATCHED: dict[str, tuple[list[str], dict[str, str], float]] = {
-    "ok": ([*TWO_RANKS, str(SCRIPT)], {"STEPS": "12"}, 120),
+    # 3 epochs of 4 steps, each begun with its DistributedSampler's set_epoch
+    "ok": ([*TWO_RANKS, str(SCRIPT)], {"STEPS": "12", "EPOCHS": "3"}, 120),
     "crash": ([*TWO_RANKS, str(SCRIPT)],
               {"STEPS": "400", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "5"}, 120),
     "raise": ([*TWO_RANKS, str(SCRIPT)],
@@ -168,12 +170,38 @@ def test_watch_torchrun_of_an_unchanged_script_counts_every_rank(watches: Watche
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
+def test_the_epoch_a_scripts_sampler_was_set_to_is_shown(watches: Watches) -> None:
+    """Zero-code: the epoch is the one DistributedSampler.set_epoch was given,
+    counted from 1 where a user reads it (status, run.json), with the steps in it."""
+    run, tmp_path = watches.result("ok"), watches.root / "ok"
+    assert run.returncode == 0, run.stderr
+    assert [r["epoch"] for r in status(tmp_path, "ok")["ranks"]] == [3, 3]
+    record = json.loads((tmp_path / "runs" / "ok" / "run.json").read_text())
+    assert [(r["epoch"], r["step"]) for r in record["ranks"]] == [(3, 4), (3, 4)]
+    lines = ddtrain("status", "ok", cwd=tmp_path).stdout.splitlines()
+    header = next(k for k, line in enumerate(lines) if line.split()[:1] == ["RANK"])
+    column = lines[header].split().index("EPOCH")
+    assert [line.split()[column] for line in lines[header + 1:header + 3]] == ["3", "3"]
+    # On the wire, from 0: each step in the epoch its sampler was last set to.
+    sent = [wire.decode([r.frame]) for r in journal.read(tmp_path / "runs" / "ok" /
+                                                         "telemetry.journal")]
+    for rank in (0, 1):
+        steps = [m for m in sent if isinstance(m, wire.Step) and m.rank == rank]
+        assert {(m.global_step, m.epoch, m.step) for m in steps} >= {(4, 0, 4), (8, 1, 4)}
+        assert steps[-1].epoch == 2 and steps[-1].global_step == 12
+        assert all(m.epoch == (m.global_step - 1) // 4 for m in steps), steps
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
 def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(watches: Watches) -> None:
     run, tmp_path = watches.result("crash"), watches.root / "crash"
     assert run.returncode == 1, run.stderr  # torchrun's own exit code
     assert re.search(r"run crash failed: rank 1 \(pid \d+\) was killed by SIGKILL", run.stderr)
     got = status(tmp_path, "crash")
     assert got["failure"]["rank"] == 1 and got["failure"]["signal"] == "SIGKILL"
+    # No sampler was set_epoch'd: the epoch is not known, never "1".
+    assert [r["epoch"] for r in got["ranks"]] == [None, None], got["ranks"]
     assert not run.leftovers
 
 

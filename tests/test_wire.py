@@ -103,3 +103,19 @@ def test_bandwidth_follows_nccl_tests() -> None:
     algbw, busbw = wire.algbw_busbw(4 * 10**9, 2.0, world_size=8)
     assert algbw == 2.0 and busbw == pytest.approx(2.0 * 2 * 7 / 8)
     assert wire.algbw_busbw(100, 0.0, 2) == (0.0, 0.0)
+
+
+def test_an_epoch_not_known_is_null_and_a_bad_one_is_refused() -> None:
+    """A step's or heartbeat's epoch: from 0, or null where the rank does not
+    know it (a script's sampler never set_epoch'd); a negative or oversized one
+    (or one not a whole number) is a malformed frame, never shown."""
+    step, beat = examples()[1], examples()[2]
+    for message in (step, beat):
+        unknown = msgspec.structs.replace(message, epoch=None)
+        assert wire.decode(wire.encode(unknown), run=RUN) == unknown
+        base = msgspec.to_builtins(message)
+        for bad in (-1, wire.MAX_EPOCH + 1, 1.5, "1"):
+            with pytest.raises(wire.Malformed):
+                wire.decode([msgspec.msgpack.encode({**base, "epoch": bad})], run=RUN)
+        # What senders before the null sent (0 where not known) still reads.
+        assert wire.decode([msgspec.msgpack.encode({**base, "epoch": 0})], run=RUN) == message

@@ -22,6 +22,9 @@ DDP's statistics), and watched.py (what ddtop changes on DDP's class):
   transitions): a `step()` right after the hook counted a step goes with that
   step (adds its loss and samples), and the hook right after a `step()` that
   counted one goes with that one.
+- The epoch a step goes with: the one a DistributedSampler was last set to
+  (`set_epoch`, seen under `ddtrain start`: autowatch.py), else the one the
+  totals given to `ddtop.init` imply, else None: not known (shown "-", never 1).
 - Time in phases that are not step phases (eval, checkpoint, setup: work that
   only some ranks may do) is not step time, so it shows as that phase, never
   as a slow step or a straggler.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import operator
 import os
 import shlex
 import socket
@@ -113,6 +117,11 @@ class LiveRank:
         self.active = True  # False in a forked child (a data loader worker): calls do nothing
         self.steps = 0  # optimizer steps, counting those before a resume (start_step)
         self.steps_per_epoch = self._steps_per_epoch()
+        # The epoch a DistributedSampler was last set to (autowatch.py), and the
+        # steps done when it changed; None: never set (the totals tell, or nobody).
+        self.sampler_epoch: int | None = None
+        self._epoch_began = 0
+        self.telemetry.enter_epoch(self._epoch_of(self.steps))
         self.timers: list[CommTimer] = []
         self.stats: list[DDPStats] = []
         self._lr = 0.0
@@ -141,6 +150,8 @@ class LiveRank:
         if start_step is not None and start_step >= 0 and self.active:
             self.steps = min(int(start_step), 1 << 62)
             self.telemetry.resume_at(self._epoch_of(self.steps), self.steps)
+        elif self.active:
+            self.telemetry.enter_epoch(self._epoch_of(self.steps))  # the totals may tell it
         if strict:
             return receiver_answers(self.endpoint, STRICT_TIMEOUT_S)
         return None
@@ -262,9 +273,34 @@ class LiveRank:
         self._all_reduces_over()
         steps = self.steps = self.steps + 1
         spe = self.steps_per_epoch
-        epoch = (steps - 1) // spe if spe else 0  # (self._epoch_of, inline)
-        self.telemetry.count_step(epoch, steps - epoch * spe if spe else 0, spe, steps,
-                                  self._lr, loss, samples, hold, then)
+        # (self._epoch_of, inline)
+        epoch: int | None = self.sampler_epoch
+        if epoch is not None:  # the script's own: its steps in it counted since it was set
+            step = steps - self._epoch_began
+        elif spe:
+            epoch = (steps - 1) // spe
+            step = steps - epoch * spe
+        else:
+            step = 0
+        self.telemetry.count_step(epoch, step, spe, steps, self._lr, loss, samples, hold, then)
+
+    def sampler_epoch_set(self, epoch: Any) -> None:
+        """A DistributedSampler's `set_epoch(epoch)` (autowatch.py): the epoch the
+        script is in from now, counted from 0 as the sampler counts it. A value
+        that is not a whole number from 0 to wire.MAX_EPOCH is left out, said once."""
+        if not self.active:
+            return
+        try:
+            value = operator.index(epoch)
+        except TypeError:
+            value = -1
+        if not 0 <= value <= wire.MAX_EPOCH:
+            self.warn_once("set-epoch", f"set_epoch({str(epoch)[:40]}): not an epoch ddtop "
+                           "shows (a whole number from 0): the epoch is left as it was")
+            return
+        if value != self.sampler_epoch:  # set again (another sampler): the same epoch goes on
+            self.sampler_epoch, self._epoch_began = value, self.steps
+            self.telemetry.enter_epoch(value)
 
     def _all_reduces_over(self) -> None:
         """The step's DDP all-reduces are over (timed from DDP's statistics)."""
@@ -277,10 +313,13 @@ class LiveRank:
         return math.ceil(total / count) if isinstance(total, int) and total > 0 and count > 0 \
             else 0
 
-    def _epoch_of(self, steps: int) -> int:
-        """The epoch step number `steps` (counted from 1) falls in."""
+    def _epoch_of(self, steps: int) -> int | None:
+        """The epoch step number `steps` (counted from 1) falls in: the sampler's,
+        else from the totals; None where neither tells."""
+        if self.sampler_epoch is not None:
+            return self.sampler_epoch
         spe = self.steps_per_epoch
-        return max(0, steps - 1) // spe if spe else 0
+        return max(0, steps - 1) // spe if spe else None
 
     def optimizer_starts(self) -> None:
         """The global optimizer pre-hook: the step's all-reduces are over."""

@@ -24,6 +24,12 @@
   `optimizer.step(closure)`: forward and backward inside the step) is split as
   it runs: forward from the closure's start, backward after the model's
   forward, optimizer once the closure returns (the update itself);
+- follows the epoch: DistributedSampler's `set_epoch` is wrapped (once, on the
+  class), so the epoch the script set its sampler to goes with each step and
+  heartbeat (LiveRank.sampler_epoch_set). A sampler class that overrides
+  set_epoch without calling DistributedSampler's is not seen; a rank whose
+  sampler was never set says no epoch (shown "-"), unless ddtop.init's totals
+  tell it;
 - sees every collective of torch.distributed the rank enters (collectives.py:
   Lightning's, Accelerate's and the Trainer's own, barriers, object
   collectives), named while the rank is in it and timed as communication; its
@@ -45,6 +51,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.data.distributed import DistributedSampler
 
 from ddtop.training import collectives, shardwatch, watched
 from ddtop.training.api import LiveRank, current
@@ -52,6 +59,7 @@ from ddtop.training.watched import WATCHED_ATTR, hook_failed, mark_forward, time
 
 _installed: LiveRank | None = None
 _original_init = DDP.__init__
+_original_set_epoch = DistributedSampler.set_epoch
 
 
 ImportWatch = Callable[[str, Callable[[], None]], None]  # (module name, then)
@@ -71,6 +79,7 @@ def install(after_import: ImportWatch | None = None) -> bool:
         register_optimizer_step_pre_hook(_optimizer_starts)
         register_optimizer_step_post_hook(_optimizer_done)
         DDP.__init__ = _ddp_init  # type: ignore[method-assign]  # the point of zero-code
+        DistributedSampler.set_epoch = _set_epoch  # type: ignore[method-assign]  # (the same)
         watched.mark_phases(rank)
         watched.wrap_forward()
         watched.wrap_registration(rank)
@@ -106,6 +115,18 @@ def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
             _installed.optimizer_stepped(optimizer)
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             hook_failed("_optimizer_done", e, _installed)
+
+
+def _set_epoch(self: DistributedSampler[Any], epoch: int) -> None:
+    """DistributedSampler.set_epoch, then the epoch told to the rank (once per
+    epoch: no cost worth counting)."""
+    _original_set_epoch(self, epoch)
+    rank = _installed
+    if rank is not None:
+        try:
+            rank.sampler_epoch_set(epoch)
+        except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+            hook_failed("set_epoch", e, rank)
 
 
 def _closure_marked(args: tuple[Any, ...], kwargs: dict[str, Any], rank: LiveRank

@@ -63,7 +63,7 @@ class StepMark(msgspec.Struct, frozen=True, gc=False):
     the rank is in from now."""
 
     at: float
-    epoch: int
+    epoch: int | None  # None: not known (wire.Epoch)
     step: int
     steps_per_epoch: int
     global_step: int

@@ -68,7 +68,7 @@ class Said:
 
     def __init__(self, phase: tuple[wire.Phase, float]) -> None:
         self.phase = phase  # (the phase, since when: perf_counter)
-        self.epoch = 0
+        self.epoch: int | None = None  # None: not known (wire.Epoch)
         self.global_step = 0
         self.coll_started: wire.Collective | None = None
         self.coll_completed: wire.Collective | None = None

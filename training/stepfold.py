@@ -107,7 +107,7 @@ class StepWindow:
     # Of comm_s, the time the rank sat blocked waiting for it (training/strategies.py);
     # None: not measured (a user's script).
     comm_exposed_s: float | None = None
-    epoch: int = 0
+    epoch: int | None = None  # None: not known (wire.Epoch)
     step: int = 0
     steps_per_epoch: int = 0
     global_step: int = 0

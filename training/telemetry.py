@@ -161,7 +161,7 @@ class LiveTelemetry(Telemetry):
         self._said.phase = (name, now)
         self._marks.append(PhaseMark(name, now))
 
-    def count_step(self, epoch: int, step: int, steps_per_epoch: int, global_step: int,
+    def count_step(self, epoch: int | None, step: int, steps_per_epoch: int, global_step: int,
                    lr: float, loss: Any = None, samples: int | None = None,
                    hold: bool = False, then: wire.Phase | None = None) -> None:
         """One optimizer step done: its time is everything since the last one but
@@ -178,10 +178,15 @@ class LiveTelemetry(Telemetry):
                                     samples, hold, then))
         said.epoch, said.global_step = epoch, global_step
 
-    def resume_at(self, epoch: int, global_step: int) -> None:
+    def resume_at(self, epoch: int | None, global_step: int) -> None:
         """Steps done before this process started (a resumed run), for heartbeats."""
         self._said.epoch, self._said.global_step = epoch, global_step
         self._marks.append(ResumeMark(global_step))  # (no step was dropped in between)
+
+    def enter_epoch(self, epoch: int | None) -> None:
+        """The rank is in `epoch` now (from 0; None: not known), for heartbeats
+        until its next step says it."""
+        self._said.epoch = epoch
 
     def add_loss(self, loss: Any, samples: int | None, release: bool = False) -> None:
         """The last step's loss (a number or a tensor, any device) and samples;

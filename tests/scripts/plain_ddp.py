@@ -2,7 +2,9 @@
 
 STEPS optimizer steps (default 20), SLEEP seconds after each; DIE_RANK and
 DIE_STEP: that rank kills itself with SIGKILL after that step (a crash);
-RAISE_RANK and RAISE_STEP: that rank raises a RuntimeError there instead."""
+RAISE_RANK and RAISE_STEP: that rank raises a RuntimeError there instead.
+EPOCHS: the STEPS are that many epochs of a DataLoader over a DistributedSampler,
+set_epoch'd at each (without it: random batches, no sampler)."""
 
 import os
 import signal
@@ -11,15 +13,33 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = DistributedDataParallel(torch.nn.Linear(16, 16))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 die_rank, die_step = int(os.environ.get("DIE_RANK", "-1")), int(os.environ.get("DIE_STEP", "0"))
-for step in range(1, int(os.environ.get("STEPS", "20")) + 1):
+steps, epochs = int(os.environ.get("STEPS", "20")), int(os.environ.get("EPOCHS", "0"))
+
+
+def batches():
+    if not epochs:
+        for _ in range(steps):
+            yield torch.randn(8, 16)
+        return
+    data = TensorDataset(torch.randn(8 * dist.get_world_size() * (steps // epochs), 16))
+    sampler = DistributedSampler(data)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for (x,) in DataLoader(data, batch_size=8, sampler=sampler):
+            yield x
+
+
+for step, x in enumerate(batches(), 1):
     optimizer.zero_grad()
-    model(torch.randn(8, 16)).square().mean().backward()
+    model(x).square().mean().backward()
     optimizer.step()
     if rank == die_rank and step == die_step:
         os.kill(os.getpid(), signal.SIGKILL)
