@@ -26,6 +26,7 @@ from ddtop.core.processes import LogTail, OwnProcess, ProcessId, read_stat, send
 from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, in_sessions
+from ddtop.daemon.relaunches import Relaunch
 from ddtop.daemon.starters import Rank, choose_port, rank_program
 
 # Seconds the forkserver and resource tracker get to exit once told to; after that one
@@ -103,6 +104,9 @@ class LocalRanks:
 
     def is_rank(self, rank: int, pid: int) -> bool:
         return any(r.rank == rank and r.process.pid == pid for r in self.ranks)
+
+    def relaunched(self) -> list[Relaunch]:
+        return []  # the daemon restarts these ranks itself (RunLoop._restart)
 
     def local_ranks(self) -> list[int]:
         return []

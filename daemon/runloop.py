@@ -56,6 +56,7 @@ from ddtop.daemon.exporter import Exporter, NoExporter
 from ddtop.daemon.hangtimeout import HangTimer
 from ddtop.daemon.hub import reachable
 from ddtop.daemon.noderole import NodeRole
+from ddtop.daemon.relaunches import Relaunch
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome, RunReport
 from ddtop.daemon.stacks import signal_stacks
@@ -203,6 +204,28 @@ class RunLoop:
         self.relay.retire_senders()  # the old processes' pids are not the ranks' now
         self.hang.reset()
 
+    def _relaunched(self, r: Relaunch) -> None:
+        """The watched command's launcher started the ranks again (torchrun's
+        --max-restarts): a restart, counted and told as the daemon's own are,
+        naming the life that failed; the new lives are followed as the same ranks."""
+        self.restarts += 1
+        view = self.relay.state.ranks.get(r.rank)
+        step = view.global_step if view else None  # its last life's (not yet stepped again)
+        code = r.code
+        entry = wire.Restart(
+            restart=self.restarts, rank=r.rank, pid=r.pid, reason=r.reason,
+            exit_code=code if code is not None and code >= 0 else None,
+            signal=signal_name(code) if code is not None else None, global_step=step,
+            time=time.time())
+        message = (f"restart {self.restarts}: rank {r.rank}"
+                   f"{f' (pid {r.pid})' if r.pid else ''} {r.reason} at step {step}; "
+                   f"its launcher started the ranks again"
+                   f"{f' (attempt {r.attempt})' if r.attempt is not None else ''}")
+        print(f"ddtrain: {message}", file=self.err, flush=True)
+        self.relay.emit(wire.Restarting, message=message, restart=entry)
+        self.status("restarting", message, write=False)  # the old lives' failure is over
+        self.status("running", f"watching {count_of(self.relay.state.world_size, 'rank')}")
+
     # -- start -----------------------------------------------------------------
     @property
     def watching(self) -> bool:
@@ -300,6 +323,8 @@ class RunLoop:
                                            "docs/own-scripts.md#every-launcher")
 
     def _tick(self) -> None:
+        for relaunch in self.starter.relaunched():
+            self._relaunched(relaunch)
         world = self.relay.state.world_size
         if self.watching and world != self.world_told and self.stopping is None:
             self.world_told = world  # run.json says the ranks' world size once they do

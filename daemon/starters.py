@@ -31,6 +31,7 @@ from ddtop.core.contract import UsageError
 from ddtop.core.processes import LogTail, Process, ProcessId
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover
+from ddtop.daemon.relaunches import Relaunch
 
 AGENT = -1  # the `rank` of a process that is not a rank itself (torchrun's agent)
 COMMAND = wire.COMMAND_RANK  # ... of the command `ddtrain watch` runs
@@ -117,6 +118,12 @@ class RankStarter(Protocol):
 
     def numbered(self) -> dict[int, ProcessId]:
         """The live ranks this starter (or its agent) started, by rank number."""
+        ...
+
+    def relaunched(self) -> list[Relaunch]:
+        """The restarts the ranks' own launcher made since the last look (a watched
+        torchrun's --max-restarts: daemon/relaunches.py); none where the daemon
+        restarts the ranks itself."""
         ...
 
     def local_ranks(self) -> list[int]:

@@ -39,6 +39,7 @@ from ddtop.core.processes import (
 from ddtop.core.rundir import RunPaths, write_json_atomic
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, with_environment
+from ddtop.daemon.relaunches import Relaunch
 from ddtop.daemon.starters import AGENT, Rank, rank_program
 
 # torch.distributed.run, with the stores its agent hosts at a loopback address
@@ -118,6 +119,9 @@ class TorchrunRanks:
                 found[rank] = (depth, process)
         self.seen.update({rank: process for rank, (_, process) in found.items()})
         return [process for _, process in found.values()]
+
+    def relaunched(self) -> list[Relaunch]:
+        return []  # the daemon restarts these ranks itself (RunLoop._restart)
 
     def local_ranks(self) -> list[int]:
         return sorted(self.seen)

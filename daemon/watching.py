@@ -57,6 +57,7 @@ from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon import srunwords
 from ddtop.daemon.leftovers import Leftover, with_environment
+from ddtop.daemon.relaunches import ATTEMPT_ENV, Lives, Relaunch
 from ddtop.daemon.starters import COMMAND, WATCH, Rank
 from ddtop.daemon.torchrun import FAILURE_SUMMARY, REFUSED_MAX
 from ddtop.daemon.watchguard import start_guard
@@ -93,7 +94,12 @@ class _Ranks:
         self.seen: dict[int, ProcessId] = {}  # rank -> its process, verified
         self.refused: dict[tuple[int, int], int] = {}  # (rank, pid) -> start ticks
         self.tasks: dict[int, int] = {}  # srun's task number -> the rank it is
+        self.lives = Lives()  # every process verified as a rank, and its launcher's restarts
+        self.log_start = 0  # where this run's part of the command's output begins
         self.exit_code: int | None = None  # the command's, once it exited
+
+    def relaunched(self) -> list[Relaunch]:
+        return self.lives.take(self.log, self.log_start)
 
     def rank_processes(self) -> list[ProcessId]:
         return [p for p in self.seen.values() if same_process(p)]
@@ -158,7 +164,6 @@ class WatchedCommand(_Ranks):
     def __init__(self, paths: RunPaths, port: int, launch_time: float) -> None:
         super().__init__(paths, port, launch_time)
         self.agent: ProcessId | None = None
-        self.log_start = 0
         self.over_tcp = False  # --bind: ranks on other machines may report
         self.guard: subprocess.Popen[bytes] | None = None  # ends them all if the daemon dies
 
@@ -203,7 +208,9 @@ class WatchedCommand(_Ranks):
             return self.over_tcp  # not a process of this machine
         if environ_value(pid, DAEMON_PID_ENV) == str(os.getpid()) and stat.start >= (
                 self.agent.start or 0):  # started with the command's environment
+            replaced = rank in self.seen  # its launcher started it again: a new life
             self.seen[rank] = ProcessId(pid, stat.start, boot_id())
+            self.lives.verified(rank, pid, replaced, environ_value(pid, ATTEMPT_ENV))
             task = environ_value(pid, TASK_ENV)
             if task is not None and task.isdigit() and len(task) < 9:
                 self.tasks[int(task)] = rank  # srun's words of task N are of this rank

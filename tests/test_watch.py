@@ -31,6 +31,7 @@ from tests.helpers import DDTRAIN, TORCHRUN, Run, ddtrain, finish, start, tagged
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
 LIGHTNING = Path(__file__).parent / "scripts" / "fw_lightning.py"  # spawns its rank 1
+ELASTIC = Path(__file__).parent / "scripts" / "elastic_ddp.py"  # for torchrun's restarts
 SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "watch-srun.sbatch"
 TWO_RANKS = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
 
@@ -45,6 +46,9 @@ WATCHED: dict[str, tuple[list[str], dict[str, str], float]] = {
     "raise": ([*TWO_RANKS, str(SCRIPT)],
               {"STEPS": "400", "SLEEP": "0.02", "RAISE_RANK": "1", "RAISE_STEP": "4"}, 120),
     "pl": ([sys.executable, str(LIGHTNING)], {"STEPS": "5"}, 150),
+    # torchrun restarts both ranks once after rank 1's SIGKILL at step 3; they finish
+    "restart": ([*TWO_RANKS, "--max-restarts", "1", str(ELASTIC)],
+                {"STEPS": "12", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "3"}, 150),
 }
 
 
@@ -202,6 +206,30 @@ def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(watches: Watches)
     assert got["failure"]["rank"] == 1 and got["failure"]["signal"] == "SIGKILL"
     # No sampler was set_epoch'd: the epoch is not known, never "1".
     assert [r["epoch"] for r in got["ranks"]] == [None, None], got["ranks"]
+    assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(150)
+def test_a_rank_torchrun_restarted_is_named_and_the_restart_counted(watches: Watches
+                                                                     ) -> None:
+    """torchrun --max-restarts 1: rank 1 killed once. The killed life is named from
+    torchrun's own words (its pid), the restart counted, the new lives followed as
+    the same ranks to the end; the run succeeds."""
+    run, tmp_path = watches.result("restart"), watches.root / "restart"
+    assert run.returncode == 0, run.stderr
+    said = re.search(r"restart 1: rank 1 \(pid (\d+)\) was killed by SIGKILL at step \d+; its "
+                     r"launcher started the ranks again \(attempt 1\)", run.stderr)
+    assert said, run.stderr
+    got = status(tmp_path, "restart")
+    assert got["status"] == "succeeded" and got["failure"] is None, got
+    assert got["restarts"] == 1, got
+    [restart] = got["timeline"]
+    assert (restart["restart"], restart["rank"], restart["signal"], restart["pid"]) == (
+        1, 1, "SIGKILL", int(said[1])), restart
+    assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
+        (0, "finished", 12), (1, "finished", 12)]
+    assert int(said[1]) not in [r["pid"] for r in got["ranks"]]  # the new lives are shown
     assert not run.leftovers
 
 
