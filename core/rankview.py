@@ -129,6 +129,13 @@ class RankView(msgspec.Struct, kw_only=True):
     duplicates: int = 0
     sender_dropped: int = 0
     missing: set[int] = set()
+    # Against forged numbers (RunState._below): the sequence as it stood before the
+    # rank's first gap since it was last set back (its number, lost, global step and
+    # epoch); the newest of the messages that came at or below the newest number,
+    # and how many such came in a row, each past the one before.
+    before: tuple[int, int, int, int | None] | None = None
+    below_seq: int = -1
+    below_run: int = 0
     history: list[Point] = []
     # Whether the others wait for it: windows of its steps, judged (core/stragglers.py).
     evidence: Evidence = msgspec.field(default_factory=Evidence)
@@ -140,6 +147,8 @@ class RankView(msgspec.Struct, kw_only=True):
         if seq > self.max_seq:
             gap = seq - self.max_seq - 1
             if gap:
+                if self.before is None:
+                    self.before = (self.max_seq, self.lost, self.global_step, self.epoch)
                 self.lost += gap
                 if len(self.missing) + gap <= MAX_MISSING:
                     self.missing.update(range(self.max_seq + 1, seq))
@@ -152,10 +161,29 @@ class RankView(msgspec.Struct, kw_only=True):
         self.duplicates += 1
         return None
 
+    def set_back(self, seq: int) -> None:
+        """Message `seq` shows the rank's own sequence goes on below the numbers
+        taken above it (RunState._below): those were forged. The sequence is set back
+        to just before `seq`, as it stood then (the numbers above it neither seen nor
+        lost; the global step and epoch from before the first gap, none where that
+        lies above `seq`), so `seq` and what follows it are folded as new."""
+        top = seq - 1
+        self.missing = {s for s in self.missing if s <= top}
+        if self.before is not None and self.before[0] <= top:
+            start, lost, self.global_step, self.epoch = self.before
+            self.lost = lost + sum(1 for s in self.missing if s > start)
+        else:
+            self.lost = max(0, self.lost - (self.max_seq - top))
+            self.global_step, self.epoch = 0, None  # its next step or heartbeat says
+        self.max_seq, self.before = top, None
+        self.below_seq, self.below_run = -1, 0
+        self.phase_step, self.last_step_t = -1, None
+
     def new_incarnation(self) -> None:
         """The rank's process was restarted: a new sequence, a new life."""
         self.max_seq = -1
         self.missing = set()
+        self.before, self.below_seq, self.below_run = None, -1, 0
         self.bye_code = None
         self.exited = False
         self.exit_code = self.signal = self.error = self.traceback = None

@@ -53,9 +53,17 @@ MAX_RANKS = MAX_JOB_RANKS  # the ranks one fold holds: a job's (core/bounds.py)
 # folded (counted in rejected `seq_jump`): it is taken only when the rank's next
 # message follows it (a real gap: both folded, the count taken back); when the
 # next one follows the rank's own sequence instead, the held one was forged and
-# is dropped. So a message forged with a number far ahead, by any amount, cannot
-# make the rank's own look old.
+# is dropped. Forged numbers taken all the same (two or more in a row, far ahead, or
+# any number of them under the bound) are undone by the rank's own messages, which
+# go on from below them (`_below`): the sequence is set back to the rank's own
+# (RankView.set_back, counted in `seq_jump`), and its messages are folded as new.
+# So forged numbers ahead, of any size and however many, cannot make the rank's
+# own messages look old.
 MAX_SEQ_JUMP = 1_000
+# Messages of a rank arrive in order (one ZeroMQ connection); one that fills a gap
+# late is folded as late. This many in a row, each past the one before, at or below
+# the newest number taken, are the rank's own sequence going on beneath forged ones.
+MAX_LATE_RUN = 3
 MAX_HELD = 64  # messages held at once (a forger's flood); the oldest is dropped
 
 
@@ -137,6 +145,9 @@ class RunState(msgspec.Struct, kw_only=True):
         return self._sequenced(view, message, received)
 
     def _sequenced(self, view: RankView, message: wire.Message, received: float) -> bool:
+        if message.seq <= view.max_seq and self._below(view, message.seq):
+            view.set_back(message.seq)
+            self.rejected["seq_jump"] = self.rejected.get("seq_jump", 0) + 1
         late = view.sequence(message.seq)
         if late is None:
             return False
@@ -144,6 +155,22 @@ class RunState(msgspec.Struct, kw_only=True):
         view.sender_dropped += message.dropped
         self._fold_rank(view, message, late, received)
         return True
+
+    @staticmethod
+    def _below(view: RankView, seq: int) -> bool:
+        """Message `seq`, at or below the rank's newest number: whether it shows the
+        numbers taken above it were forged. Yes when it lies more than MAX_SEQ_JUMP
+        below (no late message is that late; a jump was taken), or when it makes
+        MAX_LATE_RUN in a row below, each past the one before (more than a gap filled
+        late: the rank's own sequence going on)."""
+        if view.max_seq - seq > MAX_SEQ_JUMP:
+            return True
+        if view.below_seq < seq <= view.below_seq + MAX_SEQ_JUMP:
+            view.below_run += 1
+        else:
+            view.below_run = 1
+        view.below_seq = seq
+        return view.below_run >= MAX_LATE_RUN
 
     def _jump(self, view: RankView, message: wire.Message, received: float) -> bool:
         """A message more than MAX_SEQ_JUMP ahead of the rank's sequence: folded,

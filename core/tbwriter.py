@@ -26,6 +26,7 @@ the daemon never does.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
@@ -142,6 +143,20 @@ class EventFiles:
 
     def close(self) -> None:
         self.flush()
+
+    def remove(self) -> None:
+        """Forget what is held; remove the files it wrote, then the folders it made
+        and its root where they are left empty (nothing else is removed). Never
+        raises: what cannot be removed stays."""
+        self._held.clear()
+        self._counts.clear()
+        for folder in self._made:
+            with contextlib.suppress(OSError):
+                (self.root / folder / self.name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (self.root / folder).rmdir()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
 
 
 def _tensor_protos() -> tuple[Any, Any]:

@@ -9,15 +9,24 @@ replay reads it (core/journal.py), folded into a RunState, and written as
 into DIR/<run id>/. What could not be read (records not decoded, a damaged tail,
 records the daemon could not write) is skipped and said in one line.
 
+The files are written in a folder of the export's own beside it
+(DIR/.<run id>.export-<pid>-<n>), renamed to DIR/<run id> once all are written: an
+export that fails removes what it wrote there and leaves DIR/<run id> as it was, so
+the same export can simply be run again.
+
 Exit codes: 0 written, 2 bad input (no such run, DIR not writable, tensorboard
-not installed, DIR/<run id> already holding TensorBoard files).
+not installed, DIR/<run id> already holding TensorBoard files, or other things).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddtop.core import journal, outlets, wire
 from ddtop.core.contract import EXIT_OK, EXIT_USAGE, UsageError
@@ -29,6 +38,9 @@ from ddtop.core.flagspec import (
 from ddtop.core.rundir import RunPaths, locate_run
 from ddtop.core.state import RunState
 from ddtop.core.text import count_of
+
+if TYPE_CHECKING:
+    from ddtop.core.tbwriter import EventFiles
 
 
 class Exported:
@@ -72,31 +84,60 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export(paths: RunPaths, into: Path) -> Exported:
-    """The run's journal into `into` (DIR/<run id>); OSError when a write fails."""
-    from ddtop.core.tbpoints import Translator
+    """The run's journal into `into` (DIR/<run id>: absent, or an empty folder),
+    written in a new folder beside it and renamed to `into` at the end; OSError when
+    a write fails, after removing what it wrote (the folder `into` untouched)."""
     from ddtop.core.tbwriter import EventFiles
+
+    partial = _own_folder(into)
+    try:
+        files = EventFiles(partial)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.rmdir()
+        raise
+    try:
+        done = _write(paths, files)
+        partial.rename(into)  # where `into` is an empty folder, it is replaced
+    except BaseException:
+        files.remove()
+        raise
+    return done
+
+
+def _own_folder(into: Path) -> Path:
+    """A new folder beside `into`, made here (so what is in it is the export's)."""
+    for n in itertools.count():
+        partial = into.with_name(f".{into.name}.export-{os.getpid()}-{n}")
+        try:
+            partial.mkdir(parents=True)
+        except FileExistsError:
+            continue  # a leftover whose removal failed: never reused
+        return partial
+    raise AssertionError("unreachable")
+
+
+def _write(paths: RunPaths, files: EventFiles) -> Exported:
+    from ddtop.core.tbpoints import Translator
 
     done = Exported()
     state, translator = RunState(run=paths.run_id), Translator()
-    files = EventFiles(into)
     reading = journal.Reading(paths.journal)
     previous = 0
-    try:
-        for record in reading:
-            # As journal.replay counts them: a gap in the relay sequence is records not
-            # written; a sequence starting over, a later daemon of the run (a resume).
-            done.missing += record.seq - (previous + 1 if record.seq > previous else 1)
-            previous = record.seq
-            try:
-                message = wire.decode([record.frame])
-            except wire.WireError:
-                done.undecoded += 1
-                continue
-            if state.apply(message, record.received):  # as the daemon takes it: or not at all
-                files.write(translator.items(message, state, record.received))
-            done.records += 1
-    finally:
-        files.close()
+    for record in reading:
+        # As journal.replay counts them: a gap in the relay sequence is records not
+        # written; a sequence starting over, a later daemon of the run (a resume).
+        done.missing += record.seq - (previous + 1 if record.seq > previous else 1)
+        previous = record.seq
+        try:
+            message = wire.decode([record.frame])
+        except wire.WireError:
+            done.undecoded += 1
+            continue
+        if state.apply(message, record.received):  # as the daemon takes it: or not at all
+            files.write(translator.items(message, state, record.received))
+        done.records += 1
+    files.close()  # on an error, what is held is dropped with the rest (export)
     done.steps, done.damaged_bytes = translator.steps_written, reading.unread
     done.ranks = len(state.ranks)
     return done
@@ -104,6 +145,15 @@ def export(paths: RunPaths, into: Path) -> Exported:
 
 def already_written(into: Path) -> bool:
     return into.is_dir() and any(into.glob("*/events.out.tfevents.*"))
+
+
+def in_the_way(into: Path) -> bool:
+    """Something at `into` the export's folder cannot replace: a file, or a folder
+    with something in it (an empty folder is replaced)."""
+    try:
+        return into.exists() and (not into.is_dir() or any(into.iterdir()))
+    except OSError:
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"{into} already holds TensorBoard files of run {paths.run_id} "
                              "(written live, or exported before): remove it, or give "
                              "another --tensorboard DIR")
+        if in_the_way(into):
+            raise UsageError(f"{into} is there already, not an empty folder (the export "
+                             f"writes the folder of run {paths.run_id} whole): remove it, "
+                             "or give another --tensorboard DIR")
         try:
             done = export(paths, into)
         except OSError as e:

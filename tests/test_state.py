@@ -118,6 +118,58 @@ def test_a_forged_jump_of_any_size_is_held_and_dropped_when_the_rank_goes_on() -
     assert s.rejected == {"seq_jump": state.MAX_HELD + 10}
 
 
+@pytest.mark.parametrize("forged", [2, 100])
+@pytest.mark.parametrize("jump", [2**40, 990_000, state.MAX_SEQ_JUMP + 1])
+def test_forged_frames_in_a_row_far_ahead_are_undone_by_the_ranks_next_own(
+        forged: int, jump: int) -> None:
+    """Before: two forged Steps in a row (seq = last + 2**40, then that + 1) were
+    taken as a real gap, the second following the first; the rank then stayed at
+    step 99999 and loss 54321 while none of its ~5,000 own messages changed it, and
+    `seq_jump` read nothing. Now the rank's next own message, going on from its own
+    sequence below the forged ones, sets the sequence back: shown at once."""
+    s = fold(hello(0), step(0, 1, 10))
+    for k in range(forged):
+        s.apply(step(0, 1 + jump + k, 99_999, loss=54321.0), 101.0)
+    assert s.ranks[0].global_step == 99_999  # taken: as a real gap would be
+    assert s.apply(step(0, 2, 20), 102.0) is True
+    v = s.ranks[0]
+    assert (v.global_step, v.loss, v.lost, v.max_seq) == (20, pytest.approx(2.0), 0, 2)
+    assert s.rejected == {"seq_jump": 1}
+    assert all([s.apply(step(0, seq, 10 * seq), 103.0) for seq in range(3, 5_000)])
+    assert (v.global_step, v.lost, v.duplicates) == (49_990, 0, 0)
+    # The forger goes on: each pair is undone by the next own message again.
+    for seq in range(5_000, 5_010):
+        s.apply(step(0, 2**50 + 2 * seq, 99_999), 104.0)
+        s.apply(step(0, 2**50 + 2 * seq + 1, 99_999), 104.0)
+        assert s.apply(step(0, seq, 10 * seq), 104.0) is True
+        assert v.global_step == 10 * seq
+    assert (v.lost, s.rejected) == (0, {"seq_jump": 11})
+
+
+def test_forged_numbers_under_the_bound_cannot_silence_the_rank_either() -> None:
+    """A jump under the bound is folded as a gap (a real one is not held), so the
+    rank's own messages come late: a chain of them (each 1,000 past the one before)
+    once put its sequence a million ahead. Now its own messages going on from
+    below undo them: at once when they lie more than MAX_SEQ_JUMP below the newest
+    number, else after MAX_LATE_RUN of them (a gap filled late is fewer)."""
+    s = fold(hello(0), step(0, 1, 10))
+    for k in range(1, 1_001):
+        assert s.apply(step(0, 1 + state.MAX_SEQ_JUMP * k, 99_999), 101.0) is True
+    assert s.apply(step(0, 2, 20), 102.0) is True
+    v = s.ranks[0]
+    assert (v.global_step, v.lost, v.missing, s.rejected) == (20, 0, set(), {"seq_jump": 1})
+    # One forged number 1,000 ahead: its own messages fill the gap late, then go on.
+    s = fold(hello(0), step(0, 1, 10))
+    s.apply(step(0, 1 + state.MAX_SEQ_JUMP, 99_999, loss=54321.0), 101.0)
+    for seq in range(2, 2 + state.MAX_LATE_RUN):
+        assert s.apply(step(0, seq, 10 * seq), 102.0) is True
+    v = s.ranks[0]
+    assert (v.global_step, v.loss, v.lost) == (10 * (1 + state.MAX_LATE_RUN),
+                                              pytest.approx(2.0), 0)
+    assert v.samples == 320 * (1 + 1 + state.MAX_LATE_RUN)  # its own all counted (the forged too)
+    assert s.rejected == {"seq_jump": 1}
+
+
 def test_out_of_order_delivery_ends_in_the_same_state() -> None:
     messages = [hello(0), step(0, 1, 10), step(0, 2, 20), step(0, 3, 30), hello(1),
                 step(1, 1, 10), step(1, 2, 20)]

@@ -13,7 +13,11 @@ succeeds; a disk that fills up mid-run (/dev/full) is one warning, said once.
 from __future__ import annotations
 
 import contextlib
+import re
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -160,6 +164,50 @@ def test_files_already_there_are_not_added_to(runs: Path, tmp_path: Path,
         f"ddtop: error: {tmp_path / 'tb' / 'recorded-ok'} already holds TensorBoard files of "
         "run recorded-ok (written live, or exported before): remove it, or give another "
         "--tensorboard DIR\n")
+
+
+@pytest.mark.processes
+def test_a_failed_export_leaves_nothing_that_blocks_it_run_again(
+        runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: an export that failed half way (the audit made DIR/<run>/rank1 a file)
+    left rank0/ and run/ written, and once the cause was gone, the same export was
+    refused: "already holds TensorBoard files ... remove it". Now it writes in a
+    folder of its own beside DIR/<run> and renames it at the end; one that fails
+    removes what it wrote. Acted out for real: a file-size limit (RLIMIT_FSIZE, as
+    root too) makes the export's own writes fail, EFBIG, part of a file written."""
+    tb = tmp_path / "tb"
+    args = ["recorded-ok", "--runs-dir", str(runs), "--tensorboard", str(tb)]
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4_000, 4_000))  # a rank's file: ~7.7 KB
+
+    failed = subprocess.run(
+        [sys.executable, "-c", "import sys; from ddtop.dashboard import export; "
+         "sys.exit(export.main(sys.argv[1:]))", *args],
+        preexec_fn=limit, capture_output=True, text=True, timeout=120, check=False)
+    assert (failed.returncode, failed.stdout) == (2, ""), failed.stderr
+    assert failed.stderr == (f"ddtop: error: cannot write TensorBoard files in "
+                             f"{tb / 'recorded-ok'}: File too large\n")
+    assert list(tb.iterdir()) == []  # nothing left: neither DIR/<run> nor the export's own
+    assert export.main(args) == 0  # run again: written whole
+    assert_points_are_the_step_messages(runs / "recorded-ok", tb / "recorded-ok")
+    assert sorted(p.name for p in tb.iterdir()) == ["recorded-ok"]
+    # Something in the way of DIR/<run> (the audit's file at rank1) is refused before
+    # anything is written; gone (an empty folder stays), the export goes through.
+    capsys.readouterr()
+    shutil.rmtree(tb / "recorded-ok")
+    (tb / "recorded-ok").mkdir()
+    (tb / "recorded-ok" / "rank1").write_text("in the way\n")
+    assert export.main(args) == 2
+    assert capsys.readouterr().err == (
+        f"ddtop: error: {tb / 'recorded-ok'} is there already, not an empty folder (the "
+        "export writes the folder of run recorded-ok whole): remove it, or give another "
+        "--tensorboard DIR\n")
+    assert [p.name for p in (tb / "recorded-ok").iterdir()] == ["rank1"]
+    assert sorted(p.name for p in tb.iterdir()) == ["recorded-ok"]
+    (tb / "recorded-ok" / "rank1").unlink()
+    assert export.main(args) == 0
+    assert_points_are_the_step_messages(runs / "recorded-ok", tb / "recorded-ok")
 
 
 def test_without_a_subcommand_ddtop_still_takes_a_run(runs: Path,
@@ -341,6 +389,28 @@ def test_a_tensorboard_folder_that_cannot_be_written_is_refused_before_the_start
     assert cli.main([*command[:at], *flag, *command[at:]]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"ddtrain: error: {said.format(file=tmp_path / 'file')}\n", err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_tensorboard_folder_no_one_may_write_in_is_refused_before_the_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The folder_problem probe makes a folder there for real: the tests run as root,
+    for whom a chmod 555 folder is writable, so the folder here is /proc's, where
+    no one, root included, may make one."""
+    probe = Path("/proc/ddtop-write-test")
+    try:
+        probe.mkdir()
+    except OSError:
+        pass
+    else:  # pragma: no cover - not Linux's /proc
+        probe.rmdir()
+        pytest.skip("/proc takes new folders here: no folder that root cannot write")
+    flag = ["--tensorboard", "/proc/ddtop-tb", "--runs-dir", str(tmp_path / "runs")]
+    assert cli.main(["start", "--foreground", "-n", "1", *flag]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and re.fullmatch(r"ddtrain: error: --tensorboard /proc/ddtop-tb: /proc "
+                                      r"cannot be written \([^)]+\); pick another path\n",
+                                      err), err
     assert not (tmp_path / "runs").exists()
 
 
