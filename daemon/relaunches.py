@@ -29,6 +29,7 @@ from ddtop.core.contract import describe_exit
 
 # A torchrun worker's failure, and the others it stopped (its elastic agent's log).
 FAILED = re.compile(r"failed \(exitcode: (-?\d{1,4})\) local_rank: \d{1,7} \(pid: (\d{1,10})\)")
+CLOSING = re.compile(r"Sending process (\d{1,10}) closing signal (SIG[A-Z]{2,7})\b")
 # The variable torchrun numbers its attempts with (0 for the first).
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 # How much of the command's output a restart's words are looked for in (its newest part).
@@ -73,6 +74,20 @@ class Lives:
             number = int(attempt) if attempt is not None and attempt.isdigit() \
                 and len(attempt) < 9 else None
             self.new.append((rank, number))
+
+    def stopped(self, log: str, current: dict[int, int]) -> dict[int, tuple[int, int]]:
+        """The ranks whose current life (`current`: rank -> pid) torchrun's agent
+        stopped itself ('Sending process 4241 closing signal SIGTERM'), as
+        (minus the signal, pid): stopped by the launcher, not failed, whatever
+        else the agent then did."""
+        signals = {s.name: int(s) for s in signal.Signals}
+        stopped: dict[int, tuple[int, int]] = {}
+        for m in CLOSING.finditer(log):
+            pid, sig = int(m[1]), signals.get(m[2])
+            rank = self.pids.get(pid)
+            if rank is not None and sig is not None and current.get(rank) == pid:
+                stopped[rank] = (-sig, pid)
+        return stopped
 
     def take(self, log: Path, start: int) -> list[Relaunch]:
         """The restarts seen since the last look, each told once (`start`: where this

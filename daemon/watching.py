@@ -40,6 +40,7 @@ from ddtop.core.contract import (
     STACKS_DIR_ENV,
     TELEMETRY_ENV,
     UsageError,
+    describe_exit,
 )
 from ddtop.core.keys import KEYS_ENV
 from ddtop.core.processes import (
@@ -66,6 +67,18 @@ COMMAND_LOG = "command.log"
 # The variable that numbers srun's tasks: how srun's words of a task name its rank.
 TASK_ENV = "SLURM_PROCID"
 NO_GOODBYE = "ended without saying goodbye (its launcher has its exit status)"
+# A failed command's last line of output, as its failure says it: at most this long.
+LAST_WORDS_CHARS = 300
+
+
+def last_words(log: str) -> str:
+    """The last line of a command's output with something printable in it, cut to
+    LAST_WORDS_CHARS (control characters dropped: it is shown, never obeyed)."""
+    for line in reversed(log[-64 * LAST_WORDS_CHARS:].splitlines()):
+        shown = "".join(c for c in line if c.isprintable()).strip()
+        if shown:
+            return shown[:LAST_WORDS_CHARS] + ("..." if len(shown) > LAST_WORDS_CHARS else "")
+    return ""
 
 
 def _term_with_parent() -> None:
@@ -155,6 +168,9 @@ class _Ranks:
             rank = self.tasks.get(task, task if task not in mapped else None)
             if rank is not None:
                 said.setdefault(rank, (code, None))
+        current = {rank: p.pid for rank, p in self.seen.items()}
+        for rank, (code, pid) in self.lives.stopped(log, current).items():
+            said.setdefault(rank, (code, pid))
         return said
 
 
@@ -231,9 +247,12 @@ class WatchedCommand(_Ranks):
                            quiet_is_lost=False, stop=stop)
         if (exited.exitcode and not exited.stopped_by_us and stop is None
                 and not any(r.exitcode and not r.stopped_by_us for r in ranks)):
-            # No rank failed, yet the command did: the command is the culprit.
+            # No rank failed, yet the command did: the command is the culprit, said
+            # with its exit and its last words (torchrun's own error, a wrapper's).
+            words = last_words(log)
+            how = describe_exit(exited.exitcode, None) + (f", saying: {words}" if words else "")
             ranks.append(Rank(COMMAND, ExitedProcess(exited.process.pid, exited.exitcode),
-                              exitcode=exited.exitcode, noted=True))
+                              exitcode=exited.exitcode, noted=True, reason=how))
         return ranks
 
     def left_behind(self) -> list[Leftover]:

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from ddtop.daemon.relaunches import Lives
+from ddtop.daemon.watching import LAST_WORDS_CHARS, last_words
 
 KILLED = ("E1206 22:40:42.290000 19089 torch/distributed/elastic/multiprocessing/api.py:1002] "
           "failed (exitcode: -9) local_rank: 1 (pid: 201) of binary: /usr/bin/python\n")
@@ -80,3 +81,21 @@ def test_a_missing_log_or_a_bad_attempt_is_no_error(tmp_path: Path) -> None:
     lives.verified(1, 301, replaced=True, attempt="x" * 20)
     [told] = lives.take(tmp_path / "absent.log", 0)
     assert (told.attempt, told.rank, told.code) == (None, 1, None)
+
+
+def test_a_rank_the_launcher_stopped_is_stopped_in_its_current_life_only() -> None:
+    lives = Lives()
+    first_lives(lives)
+    lives.verified(1, 301, replaced=True, attempt="1")
+    log = STOPPED + STOPPED.replace("200", "201") + STOPPED.replace("200", "999")
+    # Rank 0's life 200 is current: stopped; rank 1's 201 is an old life; 999 no rank's.
+    assert lives.stopped(log, {0: 200, 1: 301}) == {0: (-signal.SIGTERM, 200)}
+
+
+def test_a_commands_last_words_are_its_last_printable_line_cut_short() -> None:
+    assert last_words("usage: torchrun ...\ntorchrun: error: no such flag\n\n  \n") == (
+        "torchrun: error: no such flag")
+    assert last_words("ok\n\x1b[31mred\x07\n") == "[31mred"  # shown, never obeyed
+    long = last_words("x" * 5000)
+    assert len(long) == LAST_WORDS_CHARS + 3 and long.endswith("...")
+    assert last_words("") == last_words("\n\t\n") == ""

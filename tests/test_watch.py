@@ -46,6 +46,8 @@ WATCHED: dict[str, tuple[list[str], dict[str, str], float]] = {
     "raise": ([*TWO_RANKS, str(SCRIPT)],
               {"STEPS": "400", "SLEEP": "0.02", "RAISE_RANK": "1", "RAISE_STEP": "4"}, 120),
     "pl": ([sys.executable, str(LIGHTNING)], {"STEPS": "5"}, 150),
+    # torchrun fails by itself, before any rank: a flag it does not know
+    "launcher": ([TORCHRUN, "--nproc-per-node", "2", "--no-such-flag", str(SCRIPT)], {}, 60),
     # torchrun restarts both ranks once after rank 1's SIGKILL at step 3; they finish
     "restart": ([*TWO_RANKS, "--max-restarts", "1", str(ELASTIC)],
                 {"STEPS": "12", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "3"}, 150),
@@ -230,6 +232,22 @@ def test_a_rank_torchrun_restarted_is_named_and_the_restart_counted(watches: Wat
     assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
         (0, "finished", 12), (1, "finished", 12)]
     assert int(said[1]) not in [r["pid"] for r in got["ranks"]]  # the new lives are shown
+    assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_launcher_that_fails_by_itself_is_named_with_its_last_words(watches: Watches
+                                                                       ) -> None:
+    run, tmp_path = watches.result("launcher"), watches.root / "launcher"
+    assert run.returncode == 2, run.stderr  # torchrun's own
+    said = ("the command (pid {}) exited with code 2, saying: torchrun: error: "
+            "unrecognized arguments: --no-such-flag")
+    got = status(tmp_path, "launcher")
+    failure = got["failure"]
+    assert failure["rank"] == wire.COMMAND_RANK and failure["exit_code"] == 2, failure
+    assert f"run launcher failed: {said.format(failure['pid'])}" in run.stderr, run.stderr
+    assert failure["reason"] == said.split(") ", 1)[1], failure
     assert not run.leftovers
 
 
