@@ -19,7 +19,7 @@ from ddtop.core.keys import RunKeys
 from ddtop.core.rankview import RankView
 from ddtop.core.summary import Status
 from ddtop.daemon import summariser
-from ddtop.daemon.hub import FORWARD_HWM, HEARTBEAT_S
+from ddtop.daemon.hub import FORWARD_HWM, HEARTBEAT_S, at_host_of
 
 
 class Forwarder:
@@ -40,6 +40,7 @@ class Forwarder:
         self.control.setsockopt(zmq.SNDHWM, 4)
         keys.client(self.control)
         self.control.connect(control)
+        self.control_endpoint = control
         self.push: zmq.Socket[bytes] | None = None
         self.keys = keys
         self.waiting: collections.deque[bytes] = collections.deque(maxlen=FORWARD_HWM)
@@ -114,7 +115,10 @@ class Forwarder:
         if reply.stop is not None:
             self.stop = reply.stop
         if self.push is None and reply.nodes:
-            self._connect(reply.nodes)
+            # The hub names itself as its host is called there; this node reached its
+            # control endpoint at an address that works from here (--hub, hub.json):
+            # the nodes endpoint is the same daemon's, at that address.
+            self._connect(at_host_of(reply.nodes, self.control_endpoint))
 
     def _connect(self, endpoint: str) -> None:
         self.push = self.context.socket(zmq.PUSH)

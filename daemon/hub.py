@@ -78,6 +78,16 @@ def public(endpoint: str, host: str) -> str:
     return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
 
 
+def at_host_of(endpoint: str, reached: str) -> str:
+    """`endpoint` (tcp://HOST:PORT) at the host of `reached`, another endpoint of the
+    same daemon that this machine reached: the hub names itself as its host is
+    called there, which may not be how it is reached from here."""
+    if not (endpoint.startswith("tcp://") and reached.startswith("tcp://")):
+        return endpoint
+    host = reached.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return public(endpoint, host) if host else endpoint
+
+
 @dataclass
 class NodeSeen:
     node: int

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import listening_addresses, torchrun
+from helpers import TORCHRUN, finish, listening_addresses, start, torchrun
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtop.core import journal, wire
@@ -43,7 +43,7 @@ from ddtop.core.processes import ProcessId, environ_value
 from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.daemon import hubfile
-from ddtop.daemon.hub import HEARTBEAT_S, NODE_TIMEOUT_S
+from ddtop.daemon.hub import HEARTBEAT_S, NODE_TIMEOUT_S, at_host_of
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels
 from ddtop.dashboard.app import DashboardApp
@@ -456,6 +456,60 @@ def test_a_rank_killed_on_node_1_is_named_on_node_0_without_a_shared_folder(
     assert control.startswith("tcp://10.77.0.1:" if namespaces else "tcp://127.0.0.1:")
 
 
+PLAIN_DDP = Path(__file__).resolve().parent / "scripts" / "plain_ddp.py"
+
+
+def test_a_node_reaches_the_nodes_socket_where_it_reached_the_hub() -> None:
+    assert at_host_of("tcp://vm:4242", "tcp://10.77.0.1:41773") == "tcp://10.77.0.1:4242"
+    assert at_host_of("tcp://vm:4242", "tcp://[fd00::1]:41773") == "tcp://[fd00::1]:4242"
+    assert at_host_of("tcp://[::1]:4242", "tcp://node0:1") == "tcp://node0:4242"
+    assert at_host_of("ipc:///tmp/x", "tcp://node0:1") == "ipc:///tmp/x"
+    assert at_host_of("tcp://vm:4242", "ipc:///tmp/x") == "tcp://vm:4242"
+
+
+@pytest.mark.processes
+def test_one_watch_per_host_without_a_shared_folder_sees_both_hosts_ranks(
+        tmp_path: Path, namespaces: tuple[str, str, str, str] | None) -> None:
+    """`ddtrain watch` on each of two hosts (network namespaces where the test may
+    make them), each running its host's torchrun of an unchanged script; node 1
+    has its own runs folder, the hub's address (--hub) and a copy of its keys.
+    Node 1's ranks are seen at the hub step for step: its summaries reach the hub
+    at the address node 1 was given, whatever the hub calls itself (its host name,
+    which resolves to loopback in the other namespace)."""
+    host = "10.77.0.1" if namespaces else "127.0.0.1"
+    port = str(29400 if namespaces else free_port())
+    procs = []
+    for node in (0, 1):
+        torchrun = [TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                    "1", "--master-addr", host, "--master-port", port, str(PLAIN_DDP)]
+        where = ["--runs-dir", str(tmp_path / f"runs{node}")]
+        if node:  # the hub's address as its user would give it, and its keys copied
+            hub = tmp_path / "runs0" / "wj" / "hub.json"
+            deadline = time.monotonic() + 20
+            while not hub.is_file():
+                assert time.monotonic() < deadline and procs[0][0].poll() is None
+                time.sleep(0.05)
+            shutil.copytree(hub.parent / "peer-keys", tmp_path / "keys")
+            control = json.loads(hub.read_text())["control"]
+            where += ["--hub", f"tcp://{host}:{control.rpartition(':')[2]}",
+                      "--hub-keys", str(tmp_path / "keys")]
+        prefix = ["ip", "netns", "exec", namespaces[node]] if namespaces else []
+        env = {"STEPS": "20", "SLEEP": "0.05"}
+        if namespaces:
+            env["GLOO_SOCKET_IFNAME"] = namespaces[2 + node]
+        procs.append(start([*prefix, sys.executable, "-m", "ddtop.daemon", "watch",
+                            "--headless", "--nnodes", "2", "--node-rank", str(node),
+                            "--run-id", "wj", *where, "--", *torchrun], tmp_path, env))
+    runs = [finish(proc, tag, timeout=120) for proc, tag in procs]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    assert "node 1 forwards to the hub" in runs[1].stderr, runs[1].stderr[-2000:]
+    record = json.loads((tmp_path / "runs0" / "wj" / "run.json").read_text())
+    assert record["status"] == "succeeded", record
+    assert [(r["rank"], r["node"], r["state"], r["global_step"]) for r in record["ranks"]] == [
+        (0, 0, "finished", 20), (1, 1, "finished", 20)], record["ranks"]
+    assert not any(r.leftovers for r in runs)
+
+
 @pytest.mark.processes
 def test_two_nodes_run_a_users_script(tmp_path: Path, job_factory: list[Job]) -> None:
     """examples/ddp_tutorial.py (the DDP tutorial, not the built-in trainer) as
@@ -615,8 +669,12 @@ def check_torchs_store(job: Job) -> None:
 
 
 @pytest.mark.processes
-def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job]) -> None:
-    job = Job(tmp_path, "lostjob", "--epochs", "1000")
+def test_killing_node_1s_daemon_loses_node_1(tmp_path: Path, job_factory: list[Job],
+                                             namespaces: tuple[str, str, str, str] | None
+                                             ) -> None:
+    """Each node on a host of its own where the test may make them (network
+    namespaces), else both on loopback: node 1's daemon SIGKILLed, node 1 lost."""
+    job = Job(tmp_path, "lostjob", "--epochs", "1000", net=namespaces)
     job_factory.append(job)
     job.wait_running()
     killed = time.time()
