@@ -71,6 +71,9 @@ RUNS: dict[str, tuple[str, ...]] = {
                     *ACCUM, "--steps", "500", "--accum", "1"),
     # Another process binds the port the daemon picked before rank 0 does.
     "take-port": ("--foreground", *SHORT, "--epochs", "1", "--inject", "0:take-port"),
+    # ... and before a user's script's rank 0 hosts its rendezvous.
+    "script-take-port": ("--foreground", "-n", "2", "--inject", "0:take-port",
+                         *ACCUM, "--steps", "6"),
     # DDTOP_FAULT set by hand (ENV below) without --inject: no drill, with either launcher.
     "ignored": ("--foreground", "-n", "2", *ACCUM, "--steps", "6"),
     "ignored-torchrun": ("--foreground", "--launcher", "torchrun", *SHORT, "--epochs", "1"),
@@ -177,8 +180,10 @@ def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> N
     (("--epochs", "2", "--inject", "1:exit=3@epoch=3"), {},
      "ddtrain: error: --inject '1:exit=3@epoch=3': the run trains --epochs 2, so epoch 3 "
      "never ends"),
-    (("--inject", "0:take-port", str(Path(__file__).parent / "scripts" / "plain_ddp.py")), {},
-     "ddtrain: error: --inject 0:take-port drills the built-in trainer's rendezvous"),
+    (("--launcher", "torchrun", "--inject", "0:take-port",
+      str(Path(__file__).parent / "scripts" / "plain_ddp.py")), {},
+     "ddtrain: error: --inject 0:take-port drills the rendezvous port the daemon picks; "
+     "under --launcher torchrun, torchrun picks it"),
 ])
 @pytest.mark.processes
 def test_bad_drills_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...],
@@ -252,6 +257,25 @@ def test_a_port_the_daemon_picked_and_another_took_is_picked_again(drills: Start
     assert run.stderr.count("fault drills armed") == 1
     got = record(drills.run_dir("take-port"))
     assert (got["status"], got["restarts"], got["failure"]) == ("succeeded", 0, None)
+    assert run.leftovers == []
+
+
+@pytest.mark.processes
+def test_a_port_the_daemon_picked_for_a_script_and_another_took_is_picked_again(
+        drills: Started) -> None:
+    """The same for a user's script: its rank 0 finds the port taken as it hosts the
+    rendezvous (inside the script's own init_process_group); the daemon picks
+    another and starts the ranks again, and the script trains to the end."""
+    run = drills.result("script-take-port")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"ddtrain: port (\d+) \(MASTER_PORT\), which the daemon picked, was "
+                     r"bound by another process before rank 0 could bind it: starting the "
+                     r"ranks again on port (\d+) \(not a restart; 1 of at most 3\)",
+                     run.stderr), run.stderr
+    assert "--master-port" not in run.stdout + run.stderr
+    got = record(drills.run_dir("script-take-port"))
+    assert (got["status"], got["restarts"], got["failure"]) == ("succeeded", 0, None)
+    assert [(r["rank"], r["global_step"]) for r in got["ranks"]] == [(0, 6), (1, 6)]
     assert run.leftovers == []
 
 

@@ -4,8 +4,6 @@ manager that always destroys the group."""
 from __future__ import annotations
 
 import os
-import socket
-import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,15 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddtop.core import inject
 from ddtop.core.config import TrainConfig
-from ddtop.core.contract import (
-    ATTEMPT_ENV,
-    FAULT_ENV,
-    PORT_PICKED_ENV,
-    PortTaken,
-    UsageError,
-)
+from ddtop.core.contract import UsageError
+from ddtop.training.rendezvous import in_use, port_drill, port_taken
 
 # How long a collective (and the rendezvous) may wait for a missing peer before
 # raising. The daemon stops the other ranks as soon as one dies, so this only
@@ -92,7 +84,7 @@ def process_group(env: RankEnv, backend: str, device: torch.device) -> Iterator[
     if device.type == "cuda":
         # Before init: NCCL binds its communicator to the current device.
         torch.cuda.set_device(device)
-    taken = _port_taken_drill(env.rank)  # --inject 0:take-port: held until init fails
+    taken = port_drill(env.rank)  # --inject 0:take-port: held until init fails
     try:
         dist.init_process_group(
             backend,
@@ -102,15 +94,8 @@ def process_group(env: RankEnv, backend: str, device: torch.device) -> Iterator[
             device_id=device if device.type == "cuda" else None,
         )
     except dist.DistNetworkError as e:
-        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
-            port = os.environ.get("MASTER_PORT")
-            if os.environ.get(PORT_PICKED_ENV) == "1":  # the daemon's choice: its to redo
-                raise PortTaken(f"port {port} (MASTER_PORT), which the daemon picked, was "
-                                "bound by another process before rank 0 could bind it") from None
-            raise UsageError(
-                f"port {port} (MASTER_PORT) is already in use: pick another --master-port, "
-                "or leave it out to use a free one"
-            ) from None
+        if in_use(e):
+            raise port_taken(os.environ.get("MASTER_PORT")) from None
         raise
     finally:
         if taken is not None:
@@ -119,19 +104,3 @@ def process_group(env: RankEnv, backend: str, device: torch.device) -> Iterator[
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _port_taken_drill(rank: int) -> socket.socket | None:
-    """`--inject 0:take-port` (the first attempt, rank 0): MASTER_PORT bound here,
-    first, as another process would, so that rank 0's own bind fails."""
-    value = os.environ.get(FAULT_ENV)
-    if not value or os.environ.get(ATTEMPT_ENV, "0") != "0" or not any(
-            d.action == "take-port" for d in inject.for_rank(inject.parse_environ(value), rank)):
-        return None
-    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    holder.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
-    holder.listen(1)
-    print(f"ddtop drill 0:take-port: port {os.environ['MASTER_PORT']} bound before rank 0's "
-          "rendezvous", file=sys.stderr, flush=True)
-    return holder
