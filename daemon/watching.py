@@ -13,7 +13,7 @@ ranks on other machines are let in by the run's keys. The processes verified
 here, and only those, are what `ddtrain stop` signals. Once the command exits,
 how each rank ended is read from its goodbye, else from what the launcher said
 in the command's output (torchrun's failure summary, srun's task ends:
-daemon/srunwords.py), else it ended without a word. Ranks SLURM stopped
+daemon/launcherwords.py), else it ended without a word. Ranks SLURM stopped
 (scancel, a time limit) were stopped, not failed.
 
 Without a command, nothing is started: the ranks were given the environment by
@@ -56,7 +56,7 @@ from ddtop.core.processes import (
 )
 from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
-from ddtop.daemon import srunwords
+from ddtop.daemon import launcherwords
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.relaunches import ATTEMPT_ENV, Lives, Relaunch
 from ddtop.daemon.starters import COMMAND, WATCH, Rank
@@ -64,8 +64,8 @@ from ddtop.daemon.torchrun import FAILURE_SUMMARY, REFUSED_MAX
 from ddtop.daemon.watchguard import start_guard
 
 COMMAND_LOG = "command.log"
-# The variable that numbers srun's tasks: how srun's words of a task name its rank.
-TASK_ENV = "SLURM_PROCID"
+# The variables that number a launcher's tasks: how its words of a task name its rank.
+TASK_ENVS = (launcherwords.SRUN_TASK_ENV, launcherwords.MPI_TASK_ENV)
 NO_GOODBYE = "ended without saying goodbye (its launcher has its exit status)"
 # A failed command's last line of output, as its failure says it: at most this long.
 LAST_WORDS_CHARS = 300
@@ -106,7 +106,7 @@ class _Ranks:
         self.tails: list[tuple[str, LogTail]] = []
         self.seen: dict[int, ProcessId] = {}  # rank -> its process, verified
         self.refused: dict[tuple[int, int], int] = {}  # (rank, pid) -> start ticks
-        self.tasks: dict[int, int] = {}  # srun's task number -> the rank it is
+        self.tasks: dict[tuple[str, int], int] = {}  # (launcher's variable, task) -> rank
         self.lives = Lives()  # every process verified as a rank, and its launcher's restarts
         self.log_start = 0  # where this run's part of the command's output begins
         self.exit_code: int | None = None  # the command's, once it exited
@@ -158,14 +158,15 @@ class _Ranks:
 
     def _launcher_said(self, log: str) -> dict[int, tuple[int, int | None]]:
         """How the launcher's output says ranks ended, by rank: torchrun's failure
-        summary (code, pid), srun's task ends (code), each task taken for the rank
-        whose process carried its SLURM_PROCID (else the rank of its number, where
-        no rank seen here carried it: ranks on other nodes)."""
+        summary (code, pid), srun's and mpirun's task ends (code), each task taken
+        for the rank whose process carried its number (SLURM_PROCID,
+        OMPI_COMM_WORLD_RANK; else the rank of its number, where no rank seen here
+        carried it: ranks on other nodes)."""
         said: dict[int, tuple[int, int | None]] = {
             int(m[1]): (int(m[2]), int(m[3])) for m in FAILURE_SUMMARY.finditer(log)}
         mapped = set(self.tasks.values())
-        for task, code in srunwords.task_ends(log).items():
-            rank = self.tasks.get(task, task if task not in mapped else None)
+        for (var, task), code in launcherwords.task_ends(log).items():
+            rank = self.tasks.get((var, task), task if task not in mapped else None)
             if rank is not None:
                 said.setdefault(rank, (code, None))
         current = {rank: p.pid for rank, p in self.seen.items()}
@@ -227,9 +228,10 @@ class WatchedCommand(_Ranks):
             replaced = rank in self.seen  # its launcher started it again: a new life
             self.seen[rank] = ProcessId(pid, stat.start, boot_id())
             self.lives.verified(rank, pid, replaced, environ_value(pid, ATTEMPT_ENV))
-            task = environ_value(pid, TASK_ENV)
-            if task is not None and task.isdigit() and len(task) < 9:
-                self.tasks[int(task)] = rank  # srun's words of task N are of this rank
+            for var in TASK_ENVS:  # srun's (mpirun's) words of task N are of this rank
+                task = environ_value(pid, var)
+                if task is not None and task.isdigit() and len(task) < 9:
+                    self.tasks[(var, int(task))] = rank
             return True
         if len(self.refused) >= REFUSED_MAX:
             self.refused.clear()
@@ -242,7 +244,7 @@ class WatchedCommand(_Ranks):
         with self.log.open("rb") as f:
             f.seek(self.log_start)
             log = f.read().decode(errors="replace")
-        stop = srunwords.cancelled(log)
+        stop = launcherwords.cancelled(log)
         ranks = self._ends(state, exited.exitcode, self._launcher_said(log),
                            quiet_is_lost=False, stop=stop)
         if (exited.exitcode and not exited.stopped_by_us and stop is None

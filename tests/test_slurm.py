@@ -4,7 +4,7 @@ slurmctld and slurmd under a temp folder) runs the examples/slurm batch scripts
 unchanged gloo DDP script (tests/scripts/plain_ddp.py).
 
 Every rank's steps are counted; a rank killed with SIGKILL is named with its
-signal (srun's own words of its tasks: daemon/srunwords.py); scancel stops the
+signal (srun's own words of its tasks: daemon/launcherwords.py); scancel stops the
 run with no failure recorded; nothing is left behind. The runs start together
 (a module fixture) and each test waits for its own. Skipped, saying why, where
 the cluster cannot be had (not root, or the packages missing: .ci/run installs

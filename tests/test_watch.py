@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,6 +49,13 @@ WATCHED: dict[str, tuple[list[str], dict[str, str], float]] = {
     "pl": ([sys.executable, str(LIGHTNING)], {"STEPS": "5"}, 150),
     # torchrun fails by itself, before any rank: a flag it does not know
     "launcher": ([TORCHRUN, "--nproc-per-node", "2", "--no-such-flag", str(SCRIPT)], {}, 60),
+    # Open MPI's mpirun, each process a rank by OMPI_COMM_WORLD_RANK; rank 1 killed
+    "mpi": (["mpirun", "-np", "2", "--oversubscribe", "bash", "-c",
+             'RANK=$OMPI_COMM_WORLD_RANK LOCAL_RANK=$OMPI_COMM_WORLD_LOCAL_RANK '
+             'WORLD_SIZE=$OMPI_COMM_WORLD_SIZE exec "$0" "$@"', sys.executable, str(SCRIPT)],
+            {"STEPS": "400", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "5",
+             "MASTER_ADDR": "127.0.0.1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}, 120),
     # torchrun restarts both ranks once after rank 1's SIGKILL at step 3; they finish
     "restart": ([*TWO_RANKS, "--max-restarts", "1", str(ELASTIC)],
                 {"STEPS": "12", "SLEEP": "0.02", "DIE_RANK": "1", "DIE_STEP": "3"}, 150),
@@ -74,6 +82,10 @@ def watches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watches]:
         for name, (command, env, _) in WATCHED.items():
             if name == "pl" and importlib.util.find_spec("lightning") is None:
                 continue  # its test skips, saying so
+            if name == "mpi":
+                if shutil.which("mpirun") is None:
+                    continue  # its test skips, saying so
+                env = {**env, "MASTER_PORT": str(free_port())}
             cwd = started.root / name
             cwd.mkdir()
             started.procs[name] = start([DDTRAIN, "watch", "--run-id", name, "--", *command],
@@ -232,6 +244,23 @@ def test_a_rank_torchrun_restarted_is_named_and_the_restart_counted(watches: Wat
     assert [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]] == [
         (0, "finished", 12), (1, "finished", 12)]
     assert int(said[1]) not in [r["pid"] for r in got["ranks"]]  # the new lives are shown
+    assert not run.leftovers
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_process_killed_under_mpirun_is_named_with_its_signal(watches: Watches) -> None:
+    """mpirun's own words of it (`mpirun noticed that process rank 1 ... exited on
+    signal 9`), its rank the one whose process carried OMPI_COMM_WORLD_RANK=1."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("Open MPI's mpirun is not installed: apt-get install openmpi-bin "
+                    "(.ci/run does)")
+    run, tmp_path = watches.result("mpi"), watches.root / "mpi"
+    assert run.returncode != 0, run.stderr
+    assert re.search(r"run mpi failed: rank 1 \(pid \d+\) was killed by SIGKILL", run.stderr), \
+        run.stderr
+    failure = status(tmp_path, "mpi")["failure"]
+    assert (failure["rank"], failure["signal"], failure["reason"]) == (1, "SIGKILL", None)
     assert not run.leftovers
 
 

@@ -1,20 +1,24 @@
-"""What SLURM said of a watched command's tasks, read from the command's output.
+"""What srun and mpirun said of a watched command's tasks, read from its output.
 
-`ddtrain watch -- srun ...` (or an sbatch script that runs srun under a watch):
-the tasks are slurmstepd's children, not the daemon's, so how each ended is
-known only to SLURM, which says it on srun's stderr:
+`ddtrain watch -- srun ...` (or an sbatch script that runs srun under a watch),
+`ddtrain watch -- mpirun ...`: the tasks are slurmstepd's or Open MPI's
+daemon's children, not the daemon's, so how each ended is known only to the
+launcher, which says it on its stderr:
 
     srun: error: node7: task 1: Killed
     srun: error: node7: tasks 0,2-3: Exited with exit code 1
     slurmstepd: error: *** STEP 42.0 ON node7 CANCELLED AT 2026-12-06T10:00:00 ***
     slurmstepd: error: *** JOB 42 ON node7 CANCELLED AT 2026-... DUE TO TIME LIMIT ***
+    mpirun noticed that process rank 1 with PID 0 on node node7 exited on signal 9 (Killed).
 
-`task_ends` turns the first kind into exit codes (negative: the signal, from
-its strsignal text), by task number (SLURM_PROCID); `cancelled` says the
-second in words ("by SLURM (scancel of job step 42.0)"), where SLURM stopped
-the tasks (scancel, the time limit, a preemption) rather than a task failing.
-The output is the user's program's too: only whole lines in these forms are
-read, and a task number or code out of range is ignored.
+`task_ends` turns srun's and mpirun's words into exit codes (negative: the
+signal, from its strsignal text or number), by task number and the variable
+that numbers the task in its environment (SLURM_PROCID, OMPI_COMM_WORLD_RANK);
+`cancelled` says SLURM's cancel in words ("by SLURM (scancel of job step
+42.0)"), where SLURM stopped the tasks (scancel, the time limit, a preemption)
+rather than a task failing. The output is the user's program's too: only whole
+lines in these forms are read, and a task number or code out of range is
+ignored.
 """
 
 from __future__ import annotations
@@ -25,8 +29,13 @@ import signal
 # A task's number and an exit code are bounded: a line with larger ones is not SLURM's.
 MAX_TASK = 1 << 24
 MAX_RANGE_TASKS = 1 << 16
+# The variables that number the tasks of each launcher in the tasks' environment.
+SRUN_TASK_ENV = "SLURM_PROCID"
+MPI_TASK_ENV = "OMPI_COMM_WORLD_RANK"
 TASK_END = re.compile(r"^srun: error: [^\s:]+: tasks? ([\d,-]{1,4096}): (.{1,200}?)"
                       r"(?: \(core dumped\))?\s*$", re.MULTILINE)
+MPI_SIGNALLED = re.compile(r"^mpirun noticed that process rank (\d{1,8}) with PID \d{1,10} on "
+                           r"node \S{1,256} exited on signal (\d{1,2})\b", re.MULTILINE)
 EXITED = re.compile(r"Exited with exit code (\d{1,3})")
 CANCELLED = re.compile(r"\*\*\* (JOB|STEP) ([\w.+]{1,64}) (?:ON \S{1,256} )?CANCELLED AT \S{1,64}"
                        r"(?: DUE TO ([A-Z ]{1,64}?))? \*\*\*")
@@ -50,9 +59,10 @@ def _tasks(spec: str) -> list[int]:
     return found
 
 
-def task_ends(log: str) -> dict[int, int]:
-    """Each task SLURM said ended badly: its exit code, or minus its signal."""
-    ends: dict[int, int] = {}
+def task_ends(log: str) -> dict[tuple[str, int], int]:
+    """Each task srun or mpirun said ended badly, by (the variable that numbers it,
+    its number): its exit code, or minus its signal."""
+    ends: dict[tuple[str, int], int] = {}
     for m in TASK_END.finditer(log):
         what = m[2].strip()
         exited = EXITED.fullmatch(what)
@@ -60,7 +70,10 @@ def task_ends(log: str) -> dict[int, int]:
         if code is None or not -64 < code < 256:
             continue
         for task in _tasks(m[1]):
-            ends[task] = code
+            ends[(SRUN_TASK_ENV, task)] = code
+    for m in MPI_SIGNALLED.finditer(log):
+        if 0 < int(m[2]) < 64:
+            ends[(MPI_TASK_ENV, int(m[1]))] = -int(m[2])
     return ends
 
 
