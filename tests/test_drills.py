@@ -247,17 +247,24 @@ def test_a_port_the_daemon_picked_and_another_took_is_picked_again(drills: Start
     """Before, rank 0 failed with "pick another --master-port, or leave it out",
     though the user had left it out. Now the daemon picks another port and starts
     the ranks again (not a restart), and the run succeeds."""
-    run = drills.result("take-port")
+    run, _ = picked_again(drills, "take-port")
+    assert run.stderr.count("fault drills armed") == 1
+
+
+def picked_again(drills: Started, name: str) -> tuple[Run, dict[str, Any]]:
+    """The drill's run: rank 0 found the port taken, the daemon picked another and
+    started the ranks again (not a restart), and the run succeeded; its run.json."""
+    run = drills.result(name)
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"ddtrain: port (\d+) \(MASTER_PORT\), which the daemon picked, was "
                      r"bound by another process before rank 0 could bind it: starting the "
                      r"ranks again on port (\d+) \(not a restart; 1 of at most 3\)",
                      run.stderr), run.stderr
     assert "--master-port" not in run.stdout + run.stderr
-    assert run.stderr.count("fault drills armed") == 1
-    got = record(drills.run_dir("take-port"))
+    got = record(drills.run_dir(name))
     assert (got["status"], got["restarts"], got["failure"]) == ("succeeded", 0, None)
     assert run.leftovers == []
+    return run, got
 
 
 @pytest.mark.processes
@@ -266,17 +273,8 @@ def test_a_port_the_daemon_picked_for_a_script_and_another_took_is_picked_again(
     """The same for a user's script: its rank 0 finds the port taken as it hosts the
     rendezvous (inside the script's own init_process_group); the daemon picks
     another and starts the ranks again, and the script trains to the end."""
-    run = drills.result("script-take-port")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert re.search(r"ddtrain: port (\d+) \(MASTER_PORT\), which the daemon picked, was "
-                     r"bound by another process before rank 0 could bind it: starting the "
-                     r"ranks again on port (\d+) \(not a restart; 1 of at most 3\)",
-                     run.stderr), run.stderr
-    assert "--master-port" not in run.stdout + run.stderr
-    got = record(drills.run_dir("script-take-port"))
-    assert (got["status"], got["restarts"], got["failure"]) == ("succeeded", 0, None)
+    _, got = picked_again(drills, "script-take-port")
     assert [(r["rank"], r["global_step"]) for r in got["ranks"]] == [(0, 6), (1, 6)]
-    assert run.leftovers == []
 
 
 @pytest.mark.processes

@@ -106,38 +106,31 @@ def steps(got: dict[str, Any]) -> list[tuple[int, str, int]]:
     return [(r["rank"], r["state"], r["global_step"]) for r in got["ranks"]]
 
 
+def batch_job(jobs: Together, name: str, steps_each: int) -> None:
+    """One of the examples as a one-node batch job: sbatch --wait exits 0, the run
+    (slurm-JOBID) succeeded with each of its two ranks at `steps_each`, nothing left."""
+    run = jobs.result(name)
+    out = (jobs.cwd(name) / "job.out").read_text()
+    assert run.returncode == 0, (run.stderr, out)
+    got = status(jobs.cwd(name), str(jobs.root / "runs" / f"slurm-{job_id(run.stdout)}"))
+    assert got["status"] == "succeeded", out
+    assert steps(got) == [(0, "finished", steps_each), (1, "finished", steps_each)], out
+    assert not run.leftovers
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_the_srun_watch_example_counts_every_step_of_both_tasks(jobs: Together) -> None:
-    run = jobs.result("sbatch-watch")
-    out = (jobs.cwd("sbatch-watch") / "job.out").read_text()
-    assert run.returncode == 0, (run.stderr, out)
-    got = status(jobs.cwd("sbatch-watch"), str(jobs.root / "runs" / f"slurm-{job_id(run.stdout)}"))
-    assert got["status"] == "succeeded", got
-    assert steps(got) == [(0, "finished", 6), (1, "finished", 6)], out
-    assert not run.leftovers
+    batch_job(jobs, "sbatch-watch", 6)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_the_ddtrain_example_trains_the_built_in_model_on_one_node(jobs: Together) -> None:
-    run = jobs.result("sbatch-ddtrain")
-    out = (jobs.cwd("sbatch-ddtrain") / "job.out").read_text()
-    assert run.returncode == 0, (run.stderr, out)
-    got = status(jobs.cwd("sbatch-ddtrain"),
-                 str(jobs.root / "runs" / f"slurm-{job_id(run.stdout)}"))
-    assert got["status"] == "succeeded", out
-    assert steps(got) == [(0, "finished", 4), (1, "finished", 4)], out
-    assert not run.leftovers
+    batch_job(jobs, "sbatch-ddtrain", 4)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_the_torchrun_watch_example_counts_every_step(jobs: Together) -> None:
-    run = jobs.result("sbatch-torchrun")
-    out = (jobs.cwd("sbatch-torchrun") / "job.out").read_text()
-    assert run.returncode == 0, (run.stderr, out)
-    got = status(jobs.cwd("sbatch-torchrun"),
-                 str(jobs.root / "runs" / f"slurm-{job_id(run.stdout)}"))
-    assert steps(got) == [(0, "finished", 6), (1, "finished", 6)], out
-    assert not run.leftovers
+    batch_job(jobs, "sbatch-torchrun", 6)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
