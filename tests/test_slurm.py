@@ -143,7 +143,7 @@ def test_a_task_killed_under_srun_is_named_with_its_signal(jobs: Together) -> No
     got = status(jobs.cwd("killed"), "killed")
     failure = got["failure"]
     assert (failure["rank"], failure["signal"], failure["reason"]) == (1, "SIGKILL", None), got
-    assert failure["global_step"] >= 1, failure
+    assert 0 <= failure["global_step"] <= 5, failure  # the last step heard of it
     assert not run.leftovers
 
 
