@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 PYTEST_FAST_WORKERS ?= 2
 XDIST = -n $(1) --dist loadfile --no-loadscope-reorder
 
-.PHONY: help install demo test test-fast lint typecheck pytest fuzz bench clean
+.PHONY: help install demo test test-fast lint typecheck pytest fuzz bench compat clean
 
 help:
 	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset and watch them in ddtop"
@@ -23,6 +23,7 @@ help:
 	@echo "                 (pytest workers: PYTEST_FAST_WORKERS=2 for test-fast, PYTEST_WORKERS=2 for test; 0: serial)"
 	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
 	@echo "make bench      benchmarks: start-up, a rank's garbage collector, start-up hook, telemetry, dashboard, own scripts, collectives, framework callbacks, FSDP2 scripts, comm timing, sockets, strategies, faults, TensorBoard files, Prometheus metrics, a rank on the wire, a big job's summary, the rank map, a hub at 1,024 to 16,384 ranks (bench/)"
+	@echo "make compat     the process tests against torch's oldest and newest, in venvs of their own (.compat/; GBs; COMPAT_TORCH=\"2.13.0 2.15.0\")"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
 $(STAMP): pyproject.toml setup.py
@@ -97,6 +98,22 @@ bench: $(STAMP)
 	$(BIN)/python bench/rankmap.py
 	$(BIN)/python bench/hub.py
 	$(BIN)/python bench/hubscale.py
+
+# torch's oldest release that pyproject claims and the newest, each in a venv of its own
+# (.compat/torch-<version>/, ddtop installed as make test installs it; one already there
+# with that torch is reused), then the tests that start processes (-m processes, on
+# make test's xdist workers, its `timing` tests alone after) against each; a table at the
+# end. Not part of make test. These machines cap pip at torch<=2.14.1 through a
+# constraints file named in pip's global configuration; compat/run.py lifts it for the
+# pip commands of its own venvs only, with PIP_CONSTRAINT=/dev/null (an empty
+# PIP_CONSTRAINT= is ignored by pip, so the cap would stay). PyPI's torch wheels pull
+# NVIDIA's CUDA libraries: several GB a venv. COMPAT_TESTS: some test files instead of
+# the whole tier (docs/development.md#torchs-oldest-and-newest).
+COMPAT_TORCH ?= 2.13.0 2.15.0
+COMPAT_TESTS ?=
+compat:
+	$(PYTHON) compat/run.py --python $(PYTHON) --torch "$(COMPAT_TORCH)" \
+		--xdist "$(call XDIST,$(PYTEST_WORKERS))" $(COMPAT_TESTS)
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -140,8 +140,9 @@ def test_the_command_exit_code_is_returned_and_the_command_named(tmp_path: Path)
                   "import sys; print('hello from the command'); sys.exit(3)", cwd=tmp_path)
     assert run.returncode == 3, run.stderr
     assert "hello from the command" in run.stdout  # its output, echoed
-    assert re.search(r"run code3 failed: the command \(pid \d+\) exited with code 3\n",
-                     run.stderr), run.stderr
+    # Named with its exit code and its last words (a launcher failing by itself says why).
+    assert re.search(r"run code3 failed: the command \(pid \d+\) exited with code 3, saying: "
+                     r"hello from the command\n", run.stderr), run.stderr
     assert "hello from the command" in (tmp_path / "runs/code3/logs/command.log").read_text()
     assert status(tmp_path, "code3")["status"] == "failed"
     assert not run.leftovers
