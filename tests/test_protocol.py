@@ -266,6 +266,7 @@ def forwarder() -> Forwarder:
     """A node daemon's forwarder: its reply handling, not its sockets."""
     forwarder = object.__new__(Forwarder)
     forwarder.push, forwarder.stop, forwarder.heard = None, None, None
+    forwarder.control_endpoint = "tcp://h:9"  # where it reached the hub (host h)
     forwarder.summariser = summariser.Summariser("r", 1)
     forwarder.connected = []  # type: ignore[attr-defined]
     forwarder._connect = forwarder.connected.append  # type: ignore[attr-defined,method-assign]
