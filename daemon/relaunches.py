@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddtop.core.contract import describe_exit
+from ddtop.core import wire
+from ddtop.core.contract import describe_exit, signal_name
 
 # A torchrun worker's failure, and the others it stopped (its elastic agent's log).
 FAILED = re.compile(r"failed \(exitcode: (-?\d{1,4})\) local_rank: \d{1,7} \(pid: (\d{1,10})\)")
@@ -53,6 +55,21 @@ class Relaunch:
         if self.code is None:
             return "ended without saying goodbye (its launcher started it again)"
         return describe_exit(self.code, None)
+
+    def told(self, restart: int, step: int | None) -> tuple[wire.Restart, str]:
+        """It as the run's restart number `restart` (the failed life's last step
+        heard: `step`): the timeline's entry, and the line that says it."""
+        code = self.code
+        entry = wire.Restart(
+            restart=restart, rank=self.rank, pid=self.pid, reason=self.reason,
+            exit_code=code if code is not None and code >= 0 else None,
+            signal=signal_name(code) if code is not None else None, global_step=step,
+            time=time.time())
+        message = (f"restart {restart}: rank {self.rank}"
+                   f"{f' (pid {self.pid})' if self.pid else ''} {self.reason} at step {step}; "
+                   f"its launcher started the ranks again"
+                   f"{f' (attempt {self.attempt})' if self.attempt is not None else ''}")
+        return entry, message
 
 
 class Lives:

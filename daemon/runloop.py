@@ -211,16 +211,7 @@ class RunLoop:
         self.restarts += 1
         view = self.relay.state.ranks.get(r.rank)
         step = view.global_step if view else None  # its last life's (not yet stepped again)
-        code = r.code
-        entry = wire.Restart(
-            restart=self.restarts, rank=r.rank, pid=r.pid, reason=r.reason,
-            exit_code=code if code is not None and code >= 0 else None,
-            signal=signal_name(code) if code is not None else None, global_step=step,
-            time=time.time())
-        message = (f"restart {self.restarts}: rank {r.rank}"
-                   f"{f' (pid {r.pid})' if r.pid else ''} {r.reason} at step {step}; "
-                   f"its launcher started the ranks again"
-                   f"{f' (attempt {r.attempt})' if r.attempt is not None else ''}")
+        entry, message = r.told(self.restarts, step)
         print(f"ddtrain: {message}", file=self.err, flush=True)
         self.relay.emit(wire.Restarting, message=message, restart=entry)
         self.status("restarting", message, write=False)  # the old lives' failure is over
