@@ -1,6 +1,7 @@
 """A hang, named: when some ranks are stalled, the ranks the others wait for and
 what each is doing, from the ranks' views alone (pure: RunState.hung asks it with
-the states it derived; the supervisor's --hang-timeout acts on the answer).
+the states it derived; the supervisor's --hang-timeout acts on the answer). A
+desync (core/desync.py) is named first, before any rank has stalled.
 
     "ranks 0-6 wait in allreduce #1234; rank 7 is in forward of step 1233"
 """
@@ -9,18 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ddtop.core import desync
 from ddtop.core.rankview import DEAD, RUNNING, SILENT, STALLED, RankState, RankView
+from ddtop.core.text import rank_list
+
+__all__ = ["hung", "rank_list"]
 
 
 def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
      ) -> tuple[list[int], str] | None:
     """When some ranks are stalled: the ranks the others wait for (those not
     inside the collective the others wait in; without one, the stalled ranks;
-    [] when every live rank waits in it), and the hang in words."""
+    [] when every live rank waits in it), and the hang in words. A desync
+    (core/desync.py) comes first, stalled or not yet: its odd ranks, and it."""
+    live = [r for r, s in states.items() if s in (RUNNING, STALLED, SILENT)]
+    found = desync.find(ranks, live)
+    if found is not None:
+        return found
     stalled = [r for r, s in states.items() if s == STALLED]
     if not stalled:
         return None
-    live = [r for r, s in states.items() if s in (RUNNING, STALLED, SILENT)]
     # The collective each live rank is inside, if any.
     waiting = {r: c for r in live if r in ranks and ranks[r].in_collective
                and (c := ranks[r].coll_started) is not None}
@@ -51,18 +60,3 @@ def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
     if dead:
         text += f"; {rank_list(dead)} dead"
     return others, text
-
-
-def rank_list(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    parts, start, prev = [], ranks[0], ranks[0]
-    for r in [*ranks[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else str(start))
-        if r is not None:
-            start = prev = r
-    return "ranks " + ", ".join(parts)

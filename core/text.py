@@ -44,3 +44,18 @@ def stamp(t: float) -> str:
 def traceback_tail(text: str | None, lines: int = 8) -> list[str]:
     """The last `lines` lines of a traceback (none for None)."""
     return (text or "").rstrip().splitlines()[-lines:]
+
+
+def rank_list(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    parts, start, prev = [], ranks[0], ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        if r is not None:
+            start = prev = r
+    return "ranks " + ", ".join(parts)

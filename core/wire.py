@@ -93,12 +93,28 @@ def node_news(node: int, state: NodeState, ranks: list[int], host: str,
                     host=host[:255], local=local)
 
 
+# A collective's signature (training/collectives.py), what the ranks of its process
+# group must agree on: its group, the group's own count, the dtype and elements of
+# its input. Empty (or 0, -1) where the sender does not know it (DDP's buckets, an
+# older sender): such a collective is never compared (core/desync.py).
+GroupName = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[^\x00-\x1f\x7f]*$")]
+RanksText = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[0-9,.-]*$")]
+DtypeName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[A-Za-z0-9_]*$")]
+
+
 class Collective(msgspec.Struct, frozen=True, kw_only=True):
-    """One collective call of a rank: its per-rank sequence number, op, payload."""
+    """One collective call of a rank: its per-rank sequence number, op, payload,
+    and its signature where known."""
 
     seq: int
     op: str
     bytes: int
+    group: GroupName = ""  # "world", or torch's name of a sub-group ("1", "2", ...)
+    group_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOB_RANKS)] = 0
+    group_ranks: RanksText = ""  # "0-3", "2,3"; cut at 128 characters ("...")
+    group_seq: Annotated[int, msgspec.Meta(ge=0)] = 0  # the group's collectives here, from 1
+    dtype: DtypeName = ""  # "float32"; "" without a tensor (barrier, object collectives)
+    count: Annotated[int, msgspec.Meta(ge=-1)] = -1  # elements of its input (per rank)
 
 
 class _Header(msgspec.Struct, kw_only=True):

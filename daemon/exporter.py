@@ -31,7 +31,7 @@ from typing import Any, Literal, TextIO, get_args
 
 import msgspec
 
-from ddtop.core import outlets, wire
+from ddtop.core import desync, outlets, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.outlets import parse_listen, url
@@ -78,6 +78,7 @@ class Reading(msgspec.Struct, frozen=True, kw_only=True):
     total_steps: int
     samples_per_s: float | None
     hung: bool
+    desync: bool
     lost: int
     rejected: dict[str, int]
     journal_dropped: int
@@ -125,6 +126,7 @@ def read(state: RunState, now: float) -> Reading:
         run=state.run, status=state.status, world_size=state.world_size,
         restarts=state.restarts, global_step=done, total_steps=total,
         samples_per_s=state.throughput(now), hung=hung is not None,
+        desync=hung is not None and desync.named(hung[1]),
         lost=sum(v.lost for v in state.ranks.values()), rejected=dict(state.rejected),
         journal_dropped=state.journal_dropped, info=info, aggregate=state.aggregate,
         ranks=ranks)
@@ -194,6 +196,9 @@ SERIES: tuple[Series | str, ...] = (
            lambda r: r.samples_per_s),
     Series("run", "gauge", "hung", "1 while ranks are stalled in a collective",
            lambda r: r.hung),
+    Series("run", "gauge", "desync", "1 while ranks of a process group are inside different "
+           "collectives at the same point of the group (a hang: hung is 1 too)",
+           lambda r: r.desync),
     Series("run", "gauge", "loss", "global training loss, newest metric sync",
            _agg("train_loss")),
     Series("run", "gauge", "accuracy_ratio", "global training accuracy, newest metric sync",

@@ -1,12 +1,14 @@
 """--hang-timeout's clock: a hang that RunState.hung declares (core/hangs.py),
 held for the limit, is judged: the rank blamed (the lowest of those the others
-wait for; without one, the lowest stalled rank), why, and the hang in words.
+wait for; without one, the lowest stalled rank; of a desync, the lowest odd
+rank), why, and the hang in words.
 The supervisor acts on the verdict (stacks, then every rank stopped)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ddtop.core import desync
 from ddtop.core.rankview import STALLED
 
 if TYPE_CHECKING:
@@ -47,5 +49,8 @@ class HangTimer:
             return None
         waited_for, text = found
         stalled = [r for r, s in state.rank_states(now).items() if s == STALLED]
-        reason = f"hung for {self.limit:g} s (--hang-timeout {self.limit:g})"
+        if desync.named(text):  # the cause: it, not the time the others waited
+            reason = f"entered another collective than its group's (--hang-timeout {self.limit:g})"
+        else:
+            reason = f"hung for {self.limit:g} s (--hang-timeout {self.limit:g})"
         return min(waited_for or stalled or [0]), reason, text

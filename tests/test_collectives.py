@@ -70,10 +70,10 @@ def test_the_wrapped_collectives_are_torchs_own_to_a_program_until_a_rank_is_wat
             assert inspect.signature(wrapped) == inspect.signature(original)
             assert wrapped.__doc__ == original.__doc__
         # Where async_op is, under torch's own decorators; none for the object collectives.
-        assert collectives._async_at(originals["all_reduce"]) == 3
-        assert collectives._async_at(originals["barrier"]) == 1
-        assert collectives._async_at(originals["all_to_all_single"]) == 5
-        assert collectives._async_at(originals["all_gather_object"]) == -1
+        assert collectives._param_at(originals["all_reduce"], "async_op") == 3
+        assert collectives._param_at(originals["barrier"], "async_op") == 1
+        assert collectives._param_at(originals["all_to_all_single"], "async_op") == 5
+        assert collectives._param_at(originals["all_gather_object"], "async_op") == -1
         collectives.wrap()  # idempotent: wrapped once
         assert dist.all_reduce.__wrapped__ is originals["all_reduce"]
         # No rank watched: straight through (torch's own error for no process group).
@@ -197,7 +197,9 @@ def test_every_collective_a_rank_enters_is_named_counted_and_its_wait_is_communi
         assert sum(s.comm_ops for s in steps) == 22
         assert sum(s.comm_bytes for s in steps) == 272 + 32 + 16
     # While rank 1 sleeps, rank 0 is in the barrier, number 22; rank 1 in none.
-    late = wire.Collective(seq=22, op="barrier", bytes=0)
+    # Its signature: the world group's 22nd collective (every one is the world's).
+    late = wire.Collective(seq=22, op="barrier", bytes=0, group="world", group_size=2,
+                           group_ranks="0,1", group_seq=22, dtype="", count=-1)
     waiting = [b for b in collector.of(wire.Heartbeat, 0) if b.coll_started == late]
     assert waiting and all(b.coll_completed is not None and b.coll_completed.seq == 21
                            for b in waiting), collector.of(wire.Heartbeat, 0)

@@ -106,27 +106,49 @@ def _nothing(args: Args, kwargs: Kwargs) -> int:
     return 0
 
 
+# The input a collective's signature describes (its dtype and elements): a tensor
+# argument, or a list's first tensor; None for a barrier or an object collective.
+Input = Callable[[Args, Kwargs], Any]
+
+
+def _input(at: int, name: str) -> Input:
+    return lambda args, kwargs: args[at] if len(args) > at else kwargs.get(name)
+
+
+def _first(at: int, name: str) -> Input:
+    def first(args: Args, kwargs: Kwargs) -> Any:
+        items = _arg(args, kwargs, at, name)
+        return items[0] if isinstance(items, list | tuple) and items else None
+    return first
+
+
+def _none(args: Args, kwargs: Kwargs) -> Any:
+    return None
+
+
 # Bus-bandwidth families (nccl-tests' busbw / algbw): set for the world size in watch().
 ALL_REDUCE, GATHER, ONE = "all_reduce", "gather", "one"
-# name -> (its payload in bytes, as nccl-tests sizes the op; its bus family).
-OPS: dict[str, tuple[Size, str]] = {
-    "all_reduce": (_tensor(0, "tensor"), ALL_REDUCE),
-    "broadcast": (_tensor(0, "tensor"), ONE),
-    "reduce": (_tensor(0, "tensor"), ONE),
-    "all_gather": (_times_list(1, "tensor", 0, "tensor_list"), GATHER),
-    "all_gather_into_tensor": (_tensor(0, "output_tensor"), GATHER),
-    "reduce_scatter": (_times_list(0, "output", 1, "input_list"), GATHER),
-    "reduce_scatter_tensor": (_tensor(1, "input"), GATHER),
-    "gather": (_tensor(0, "tensor"), ONE),
-    "scatter": (_tensor(0, "tensor"), ONE),
-    "all_to_all": (_list(1, "input_tensor_list"), GATHER),
-    "all_to_all_single": (_tensor(1, "input"), GATHER),
-    "barrier": (_nothing, ONE),
-    "monitored_barrier": (_nothing, ONE),
-    "all_gather_object": (_nothing, ONE),
-    "broadcast_object_list": (_nothing, ONE),
-    "gather_object": (_nothing, ONE),
-    "scatter_object_list": (_nothing, ONE),
+# name -> (its payload in bytes, as nccl-tests sizes the op; its bus family; the
+# input its signature describes: for the gathers and scatters, one rank's part).
+OPS: dict[str, tuple[Size, str, Input]] = {
+    "all_reduce": (_tensor(0, "tensor"), ALL_REDUCE, _input(0, "tensor")),
+    "broadcast": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
+    "reduce": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
+    "all_gather": (_times_list(1, "tensor", 0, "tensor_list"), GATHER, _input(1, "tensor")),
+    "all_gather_into_tensor": (_tensor(0, "output_tensor"), GATHER,
+                               _input(1, "input_tensor")),
+    "reduce_scatter": (_times_list(0, "output", 1, "input_list"), GATHER, _input(0, "output")),
+    "reduce_scatter_tensor": (_tensor(1, "input"), GATHER, _input(0, "output")),
+    "gather": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
+    "scatter": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
+    "all_to_all": (_list(1, "input_tensor_list"), GATHER, _first(1, "input_tensor_list")),
+    "all_to_all_single": (_tensor(1, "input"), GATHER, _input(1, "input")),
+    "barrier": (_nothing, ONE, _none),
+    "monitored_barrier": (_nothing, ONE, _none),
+    "all_gather_object": (_nothing, ONE, _none),
+    "broadcast_object_list": (_nothing, ONE, _none),
+    "gather_object": (_nothing, ONE, _none),
+    "scatter_object_list": (_nothing, ONE, _none),
 }
 
 
@@ -151,6 +173,12 @@ _thread = _Thread()
 _factors = {ALL_REDUCE: 1.0, GATHER: 1.0, ONE: 1.0}
 _wrapped: dict[str, Callable[..., Any]] = {}  # name -> torch's own function
 _compiling = torch.compiler.is_compiling
+# A process group (None: the default one) -> [its name, size and ranks, and the
+# number of its collectives this rank has entered]. Keyed by the group object: a
+# group made again (torch's process group destroyed and created anew) counts anew.
+_groups: dict[Any, list[Any]] = {}
+_dtypes: dict[Any, str] = {}  # torch.float32 -> "float32"
+MAX_RANKS_TEXT = 128  # wire.RanksText's bound
 
 
 def wrap() -> None:
@@ -161,12 +189,12 @@ def wrap() -> None:
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None:  # torch.distributed not available in this build
         return
-    for name, (size, family) in OPS.items():
+    for name, (size, family, described) in OPS.items():
         original = getattr(c10d, name, None)
         if not callable(original):
             continue
         _wrapped[name] = original
-        wrapper = _wrap(name, original, size, family)
+        wrapper = _wrap(name, original, size, family, described)
         for holder in HOLDERS:
             module = sys.modules.get(holder)
             if module is not None and getattr(module, name, None) is original:
@@ -215,9 +243,9 @@ def ddp_hook(hook: Any) -> Any:
     return comm_hook
 
 
-def _async_at(original: Callable[..., Any]) -> int:
-    """The position of `async_op` among the positional parameters of torch's
-    function (under its decorators), or -1 without one."""
+def _param_at(original: Callable[..., Any], param: str) -> int:
+    """The position of `param` (`async_op`, `group`) among the positional
+    parameters of torch's function (under its decorators), or -1 without one."""
     inner = original
     while hasattr(inner, "__wrapped__"):  # (inspect.unwrap, without importing inspect)
         inner = inner.__wrapped__
@@ -225,12 +253,72 @@ def _async_at(original: Callable[..., Any]) -> int:
     if code is None:
         return -1
     params = code.co_varnames[: code.co_argcount]
-    return params.index("async_op") if "async_op" in params else -1
+    return params.index(param) if param in params else -1
 
 
-def _wrap(name: str, original: Callable[..., Any], size: Size, family: str
-          ) -> Callable[..., Any]:
-    async_at = _async_at(original)
+def ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 3] -> "0-3"; [2, 3] -> "2,3"; [0, 2, 4, 5, 6] -> "0,2,4-6" (runs of
+    three or more as a range), cut at MAX_RANKS_TEXT characters ("...")."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[j]}")
+        else:
+            parts.extend(str(r) for r in ranks[i:j + 1])
+        i = j + 1
+    text = ",".join(parts)
+    return text if len(text) <= MAX_RANKS_TEXT else text[:MAX_RANKS_TEXT - 3] + "..."
+
+
+def _group(group: Any) -> list[Any]:
+    """The entry of `group` (None: the default group): [name, size, ranks, count]."""
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    world = c10d.GroupMember.WORLD
+    pg = world if group is None else group
+    entry = _groups.get(pg)
+    if entry is None:
+        try:
+            ranks = sorted(c10d.get_process_group_ranks(pg))
+            name = "world" if pg is world else str(c10d._get_process_group_name(pg))
+            entry = [name[:64], len(ranks), ranks_text(ranks), 0]
+        except Exception:  # noqa: BLE001 - not a group of this rank's: never compared
+            entry = ["", 0, "", -1]
+        _groups[pg] = entry
+    return entry
+
+
+def _dtype(t: Any) -> str:
+    name = _dtypes.get(t.dtype)
+    if name is None:
+        name = _dtypes[t.dtype] = str(t.dtype).removeprefix("torch.")
+    return name
+
+
+def signature(name: str, args: Args, kwargs: Kwargs, group_at: int, described: Input
+              ) -> tuple[str, int, str, int, str, int]:
+    """The signature of a call of `name` (telemetry.Signature): its group, the
+    group's count of collectives on this rank (this one included; 0 where the
+    group is not this rank's), the dtype and elements of its input."""
+    group = args[group_at] if 0 <= group_at < len(args) else kwargs.get("group")
+    entry = _groups.get(group) if group is not None else None
+    if entry is None:
+        entry = _group(group)
+    if entry[3] >= 0:
+        entry[3] += 1
+    t = described(args, kwargs)
+    if isinstance(t, torch.Tensor):
+        return entry[0], entry[1], entry[2], max(entry[3], 0), _dtype(t), t.numel()
+    return entry[0], entry[1], entry[2], max(entry[3], 0), "", -1
+
+
+def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
+          described: Input) -> Callable[..., Any]:
+    async_at = _param_at(original, "async_op")
+    group_at = _param_at(original, "group")
     perf_counter = time.perf_counter
 
     @functools.wraps(original)
@@ -247,7 +335,8 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str
             nbytes = size(args, kwargs)
             later = async_at >= 0 and bool(args[async_at] if len(args) > async_at
                                            else kwargs.get("async_op", False))
-            coll = telemetry.collective_started(name, nbytes)
+            sig = signature(name, args, kwargs, group_at, described)
+            coll = telemetry.collective_started(name, nbytes, sig)
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             _failed(rank, e)
             return original(*args, **kwargs)

@@ -65,6 +65,11 @@ from ddtop.training.sender import SEND_INTERVAL_S, LatestScalars, Said, Sender
 from ddtop.training.stepfold import LOSS_OVERWRITTEN as LOSS_OVERWRITTEN
 from ddtop.training.stepfold import StepFolder
 
+# A collective's signature as training/collectives.py gives it: its group's name,
+# size and ranks, the group's count of collectives on this rank, its dtype and
+# the elements of its input (wire.Collective's fields of the same names).
+Signature = tuple[str, int, str, int, str, int]
+
 
 class Telemetry:
     """Telemetry switched off: every method does nothing."""
@@ -78,7 +83,8 @@ class Telemetry:
     def collective(self, op: str, nbytes: int = 0) -> Iterator[None]:
         yield
 
-    def collective_started(self, op: str, nbytes: int) -> wire.Collective | None:
+    def collective_started(self, op: str, nbytes: int, sig: Signature | None = None
+                           ) -> wire.Collective | None:
         return None
 
     def collective_completed(self, coll: wire.Collective | None) -> None:
@@ -250,9 +256,18 @@ class LiveTelemetry(Telemetry):
             self._marks.append(SyncWaitMark(time.perf_counter() - start))
             self.collective_completed(coll)
 
-    def collective_started(self, op: str, nbytes: int) -> wire.Collective:
+    def collective_started(self, op: str, nbytes: int, sig: Signature | None = None
+                           ) -> wire.Collective:
+        """`sig`: the collective's signature where known (training/collectives.py:
+        group, its size, its ranks, the group's count, dtype, elements)."""
         self._coll_seq += 1
-        coll = wire.Collective(seq=self._coll_seq, op=op, bytes=nbytes)
+        if sig is None:
+            coll = wire.Collective(seq=self._coll_seq, op=op, bytes=nbytes)
+        else:
+            group, size, ranks, group_seq, dtype, count = sig
+            coll = wire.Collective(seq=self._coll_seq, op=op, bytes=nbytes, group=group,
+                                   group_size=size, group_ranks=ranks, group_seq=group_seq,
+                                   dtype=dtype, count=count)
         self._said.coll_started = coll
         return coll
 

@@ -1,0 +1,87 @@
+"""A desync, named: ranks of one process group that have entered different
+collectives at the same point of that group (pure: core/hangs.py asks it first,
+with the live ranks, before any rank has stalled).
+
+    "desync in group world #20: rank 3 entered all_gather (float32 x 4 per rank)
+     while ranks 0-2 entered all_reduce (float32 x 4)"
+
+Each watched rank counts the collectives it enters on each group
+(training/collectives.py: the group's own sequence number) and says the one it
+is in with its signature: the op, the dtype and elements of its input. Every
+rank of a group must enter the same collective as its #N; ranks inside #N of a
+group with different signatures will never meet (a hang), or worse, meet and
+exchange the wrong data. Compared where both sides are inside it, so a desync
+is named as soon as the heartbeats of both sides have come (a second after the
+second side entered). A rank that skipped a collective is named the same way:
+its #N is the others' #N+1, whose signature differs.
+
+Not compared: the elements of the ops that take uneven parts (all_gather,
+all_to_all, all_to_all_single), a collective without a signature (DDP's own
+buckets, an older sender), and a group unknown to the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ddtop.core import wire
+from ddtop.core.rankview import RankView
+from ddtop.core.text import rank_list
+
+# Ops whose ranks may give inputs of different sizes: their elements are not compared.
+UNEVEN = frozenset({"all_gather", "all_to_all", "all_to_all_single"})
+# Ops whose input is one rank's part of what all of them gather or scatter.
+PER_RANK = frozenset({"all_gather", "all_gather_into_tensor", "reduce_scatter",
+                      "reduce_scatter_tensor"})
+
+Sig = tuple[str, str, int]
+PREFIX = "desync in group "  # how a desync's words begin
+
+
+def named(text: str | None) -> bool:
+    """Whether a hang in words (core/hangs.py) is a desync."""
+    return text is not None and text.startswith(PREFIX)
+
+
+def _sig(c: wire.Collective) -> Sig:
+    return c.op, c.dtype, -1 if c.op in UNEVEN else c.count
+
+
+def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int], str] | None:
+    """The first desync among the `live` ranks (by group, then its number): the
+    ranks on the odd side, and the desync in words; None when there is none."""
+    sides: dict[tuple[str, int], dict[Sig, list[int]]] = {}
+    for r in live:
+        view = ranks.get(r)
+        if view is None or (c := view.coll_started) is None or not c.group_seq or not c.group:
+            continue
+        if not view.in_collective:
+            continue
+        sides.setdefault((c.group, c.group_seq), {}).setdefault(_sig(c), []).append(r)
+    for (group, number), by_sig in sorted(sides.items()):
+        if len(by_sig) < 2:
+            continue
+        # The side most ranks are on is the group's; a tie goes to the lowest rank's.
+        order = sorted(by_sig.values(), key=lambda side: (-len(side), min(side)))
+        usual = order[0]
+        odd = sorted(r for side in order[1:] for r in side)
+        first = ranks[usual[0]].coll_started
+        assert first is not None
+        name = "world" if group == "world" else f"[{first.group_ranks}]"
+        told = [f"{rank_list(sorted(side))} entered {_what(ranks[side[0]].coll_started)}"
+                for side in order[1:]]
+        text = (f"{PREFIX}{name} #{number}: {'; '.join(told)} while "
+                f"{rank_list(sorted(usual))} entered {_what(first)}")
+        return odd, text
+    return None
+
+
+def _what(c: wire.Collective | None) -> str:
+    """'all_reduce (float32 x 4)', 'all_gather (float32 x 4 per rank)', 'barrier'."""
+    if c is None:
+        return "?"
+    if not c.dtype:
+        return c.op
+    count = f" x {c.count:,}" if c.count >= 0 else ""
+    per = " per rank" if c.op in PER_RANK and count else ""
+    return f"{c.op} ({c.dtype}{count}{per})"

@@ -1,0 +1,57 @@
+"""A plain DDP script whose ranks desync once: after each optimizer step every
+rank all-reduces 4 float32s on a group (the world's, or with --pairs its pair's:
+[0, 1], [2, 3], ...), except one rank at one step, which does ODD there.
+
+    torchrun --nproc-per-node 4 tests/scripts/desync.py --steps 20 --at 5 --odd-rank 3 \\
+        --odd all_gather
+
+ODD: all_gather (4 float32s a rank), float64 (an all_reduce of 4 float64s),
+count (an all_reduce of 8 float32s), skip (no collective: its next all_reduce is
+the others' one after), or none (a clean run: every rank alike).
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--at", type=int, default=5)
+    parser.add_argument("--odd-rank", type=int, default=-1)
+    parser.add_argument("--odd", choices=["all_gather", "float64", "count", "skip", "none"],
+                        default="all_gather")
+    parser.add_argument("--pairs", action="store_true")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    group = pairs[rank // 2] if args.pairs else None
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(args.steps):
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        odd = args.odd if step == args.at and rank == args.odd_rank else "none"
+        if odd == "none":
+            dist.all_reduce(torch.ones(4), group=group)
+        elif odd == "all_gather":
+            dist.all_gather([torch.empty(4) for _ in range(dist.get_world_size(group))],
+                            torch.ones(4), group=group)
+        elif odd == "float64":
+            dist.all_reduce(torch.ones(4, dtype=torch.float64), group=group)
+        elif odd == "count":
+            dist.all_reduce(torch.ones(8), group=group)
+    print(f"rank {rank} of {world} done ({os.getpid()})", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""A desync named, for real: tests/scripts/desync.py under `ddtrain start -n 4`
+(zero-code: its collectives' signatures from training/collectives.py), one rank
+entering another collective than its group's at one step:
+
+- on the world group, rank 3 all-gathers where ranks 0-2 all-reduce;
+- on a pair's sub-group ([2, 3]), rank 3 all-gathers where rank 2 all-reduces,
+  while ranks 0-1 go on to wait in DDP's all-reduce.
+
+(A mismatch of sizes that gloo sees, an all_reduce of 4 float64s against 4
+float32s, aborts the ranks at once, "Received data size doesn't match expected
+size": over before a heartbeat could tell it. The words for it are tested in
+tests/test_desync_words.py.)
+
+Each is named as a desync (not "ranks 0-3 wait in all_reduce"), the odd rank is
+blamed, and --hang-timeout stops the run with the desync as its cause. The two
+runs start together (a module fixture), so that their hang timeouts overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import DDTRAIN, Run, finish, start
+
+pytestmark = pytest.mark.processes
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "desync.py")
+RUN_TIMEOUT_S = 120
+JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
+RUNS = {
+    "world": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather"),
+    "pair": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs"),
+}
+WORDS = {
+    # The world group's 4th all_reduce (one after each of steps 0-3).
+    "world": "desync in group world #4: rank 3 entered all_gather (float32 x 4 per rank) "
+             "while ranks 0-2 entered all_reduce (float32 x 4)",
+    "pair": "desync in group [2,3] #4: rank 3 entered all_gather (float32 x 4 per rank) "
+            "while rank 2 entered all_reduce (float32 x 4)",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    root = tmp_path_factory.mktemp("desync")
+    procs = {}
+    done: dict[str, Run] = {}
+    try:
+        for name, args in RUNS.items():
+            (root / name).mkdir()
+            procs[name] = start([DDTRAIN, "start", "--run-id", name, *JSONL, "-n", "4",
+                                 "--hang-timeout", "4", SCRIPT, "--steps", "12", *args],
+                                root / name, {"OMP_NUM_THREADS": "1"})
+        for name, (proc, tag) in procs.items():
+            done[name] = finish(proc, tag, timeout=RUN_TIMEOUT_S)
+        yield done
+    finally:
+        for name, (proc, tag) in procs.items():
+            if name not in done:
+                with contextlib.suppress(AssertionError):
+                    finish(proc, tag, timeout=RUN_TIMEOUT_S)
+
+
+def lines(run: Run) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
+        runs: dict[str, Run], name: str) -> None:
+    run = runs[name]
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.leftovers == []
+    words = WORDS[name]
+    hangs = [line["hang"] for line in lines(run) if line["kind"] == "progress" and line["hang"]]
+    # Named as soon as both sides are in (before any rank stalls), and only as that.
+    assert hangs and all(h == words for h in hangs), hangs
+    assert f"rank 3 entered another collective than its group's (--hang-timeout 4): {words}" \
+        in run.stderr, run.stderr[-3000:]
+    summary = next(line for line in lines(run) if line["kind"] == "summary")
+    assert summary["failure"]["rank"] == 3, summary["failure"]
+    assert words in summary["failure"]["message"], summary["failure"]

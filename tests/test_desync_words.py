@@ -1,0 +1,152 @@
+"""Desyncs from the ranks' views (core/desync.py, through core/hangs.py), the
+signature's bounds on the wire (core/wire.py), and the signature a wrapped
+collective gives in a real one-rank gloo group (training/collectives.py)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddtop.core import desync, hangs, wire
+from ddtop.core.rankview import RUNNING, STALLED, RankView
+from ddtop.training import collectives
+
+
+def coll(op: str, group_seq: int, *, dtype: str = "float32", count: int = 4,
+         group: str = "world", ranks: str = "0-3", seq: int = 0) -> wire.Collective:
+    return wire.Collective(seq=seq or group_seq, op=op, bytes=4 * max(count, 0), group=group,
+                           group_size=4, group_ranks=ranks, group_seq=group_seq, dtype=dtype,
+                           count=count)
+
+
+def views(*colls: wire.Collective | None) -> dict[int, RankView]:
+    return {r: RankView(rank=r, coll_started=c) for r, c in enumerate(colls)}
+
+
+def find(*colls: wire.Collective | None) -> tuple[list[int], str] | None:
+    ranks = views(*colls)
+    return desync.find(ranks, list(ranks))
+
+
+def test_another_op_at_the_same_point_of_a_group_is_a_desync_blaming_the_odd_side() -> None:
+    same = coll("all_reduce", 20)
+    assert find(same, same, same, coll("all_gather", 20)) == (
+        [3], "desync in group world #20: rank 3 entered all_gather (float32 x 4 per rank) "
+             "while ranks 0-2 entered all_reduce (float32 x 4)")
+    # Another dtype, another size of the same op.
+    assert find(same, coll("all_reduce", 20, dtype="float64"), same, same) == (
+        [1], "desync in group world #20: rank 1 entered all_reduce (float64 x 4) "
+             "while ranks 0, 2-3 entered all_reduce (float32 x 4)")
+    assert find(same, same, coll("all_reduce", 20, count=8), same)[0] == [2]  # type: ignore[index]
+    # Three sides: the most ranks' is the group's; each other side named.
+    assert find(same, same, coll("broadcast", 20), coll("barrier", 20, dtype="", count=-1)) == (
+        [2, 3], "desync in group world #20: rank 2 entered broadcast (float32 x 4); rank 3 "
+                "entered barrier while ranks 0-1 entered all_reduce (float32 x 4)")
+    # Two ranks, one each: the lowest rank's side is the group's.
+    pair = find(coll("all_reduce", 5, group="1", ranks="2,3"),
+                coll("all_gather", 5, group="1", ranks="2,3"))
+    assert pair is not None and pair[0] == [1] and pair[1].startswith("desync in group [2,3] #5: ")
+    assert desync.named(pair[1]) and not desync.named("ranks 0-1 wait in all_reduce #3")
+
+
+def test_no_desync_where_the_ranks_agree_or_a_signature_is_missing() -> None:
+    same = coll("all_reduce", 20)
+    assert find(same, same, same, same) is None
+    # Different points of the group (one rank behind): a hang's business, not this.
+    assert find(same, same, coll("all_gather", 19)) is None
+    # Other groups, unknown groups, no group count (DDP's buckets, an older sender).
+    assert find(same, coll("all_gather", 20, group="1", ranks="1,2")) is None
+    assert find(same, coll("all_gather", 20, group="")) is None
+    assert find(same, wire.Collective(seq=20, op="allreduce", bytes=64)) is None
+    assert find(same, None) is None
+    # all_gather and the all_to_alls take uneven parts: their sizes are not compared.
+    assert find(coll("all_gather", 3, count=4), coll("all_gather", 3, count=6)) is None
+    assert find(coll("all_to_all_single", 3, count=4), coll("all_to_all_single", 3, count=6)) \
+        is None
+    assert find(coll("all_gather", 3), coll("all_gather", 3, dtype="int64")) is not None
+    # A rank past its collective (a step since) is not inside it.
+    ranks = views(same, coll("all_gather", 20))
+    ranks[1].coll_completed = ranks[1].coll_started
+    assert desync.find(ranks, [0, 1]) is None
+    # Only the live ranks are compared.
+    assert desync.find(views(same, coll("all_gather", 20)), [0]) is None
+
+
+def test_a_desync_is_the_hang_before_any_rank_stalls_and_blames_the_odd_rank() -> None:
+    same = coll("all_reduce", 7)
+    ranks = views(same, same, coll("all_gather", 7))
+    found = hangs.hung(ranks, {0: RUNNING, 1: RUNNING, 2: RUNNING})
+    assert found is not None and found[0] == [2] and desync.named(found[1])
+    assert hangs.hung(views(same, same, same), {0: RUNNING, 1: STALLED, 2: RUNNING}) == (
+        [], "ranks 0-2 wait in all_reduce #7")
+
+
+def test_a_signature_out_of_bounds_is_refused_at_decode() -> None:
+    base = {"kind": "heartbeat", "v": wire.SCHEMA_VERSION, "run": "r", "rank": 0, "seq": 1,
+            "phase": "data", "epoch": 0, "global_step": 1, "phase_s": 0.0}
+    good = {"seq": 3, "op": "all_reduce", "bytes": 16, "group": "world", "group_size": 2,
+            "group_ranks": "0,1", "group_seq": 3, "dtype": "float32", "count": 4}
+    decoded = wire.decode([msgspec.msgpack.encode({**base, "coll_started": good})], run="r")
+    assert isinstance(decoded, wire.Heartbeat) and decoded.coll_started == wire.Collective(**good)
+    for bad in ({"group": "x" * 65}, {"group": "a\x1bb"}, {"group_ranks": "0;rm"},
+                {"group_ranks": "1" * 129}, {"dtype": "float 32"}, {"count": -2},
+                {"group_seq": -1}, {"group_size": -1}):
+        with pytest.raises(wire.WireError):
+            wire.decode([msgspec.msgpack.encode({**base, "coll_started": {**good, **bad}})],
+                        run="r")
+    # An older sender's collective, with no signature: read as unknown.
+    old = wire.decode([msgspec.msgpack.encode(
+        {**base, "coll_started": {"seq": 3, "op": "allreduce", "bytes": 16}})], run="r")
+    assert isinstance(old, wire.Heartbeat) and old.coll_started is not None
+    assert (old.coll_started.group, old.coll_started.group_seq, old.coll_started.count) == \
+        ("", 0, -1)
+
+
+def test_ranks_text_is_compact_and_bounded() -> None:
+    assert collectives.ranks_text([0, 1, 2, 3]) == "0-3"
+    assert collectives.ranks_text([2, 3]) == "2,3"
+    assert collectives.ranks_text([0, 2, 4, 5, 6, 9]) == "0,2,4-6,9"
+    assert collectives.ranks_text([]) == ""
+    long = collectives.ranks_text(list(range(0, 400, 2)))
+    assert len(long) == collectives.MAX_RANKS_TEXT and long.endswith("...")
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A real gloo process group of one rank, in this process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        collectives._groups.clear()
+
+
+def test_a_collectives_signature_counts_per_group_from_torchs_own_group(one_rank: None) -> None:
+    c10d = dist.distributed_c10d
+    described = {name: entry[2] for name, entry in collectives.OPS.items()}
+    at = {name: collectives._param_at(getattr(c10d, name), "group") for name in ("all_reduce",
+                                                                                "all_gather")}
+    t = torch.ones(4)
+    first = collectives.signature("all_reduce", (t,), {}, at["all_reduce"],
+                                  described["all_reduce"])
+    assert first == ("world", 1, "0", 1, "float32", 4)
+    # The default group by name (group.WORLD) is the same group: its count goes on.
+    again = collectives.signature("all_reduce", (t.double(),), {"group": dist.group.WORLD},
+                                  at["all_reduce"], described["all_reduce"])
+    assert again == ("world", 1, "0", 2, "float64", 4)
+    sub = dist.new_group([0])
+    gathered = collectives.signature("all_gather", ([t], torch.ones(2, 3), sub), {},
+                                     at["all_gather"], described["all_gather"])
+    assert gathered[0] not in ("", "world") and gathered[1:] == (1, "0", 1, "float32", 6)
+    barrier = collectives.signature("barrier", (), {}, -1, described["barrier"])
+    assert barrier == ("world", 1, "0", 3, "", -1)
