@@ -2,7 +2,7 @@
 of a small tensor (4 floats) in two gloo ranks on this machine, torch's own
 function against the wrapped one (training/collectives.py), side by side.
 
-    .venv/bin/python bench/collectives.py [--rounds 400] [--calls 20]
+    .venv/bin/python bench/collectives.py [--rounds 400] [--calls 20] [--alone]
 
 Both ranks run the same rounds; each round runs a block of `--calls` calls of
 every configuration below, in a new random order (the same on both ranks), a
@@ -12,6 +12,8 @@ barrier before each block:
     torch's own, again   the same, a second block (the noise floor: reads 1.0)
     wrapped, no rank     the wrapped function before any rank is watched (the start-up
                          hook wraps at torch's import: what every other process pays)
+    watched, unsigned    the same without the collective's signature (its group, the
+                         group's count, dtype, elements): the wrapper before signatures
     wrapped, watched     the wrapped function for a live rank (its telemetry
                          sending to a PULL socket this process drains): a collective
                          number, the collective named, its time and bytes marked
@@ -26,8 +28,11 @@ apart, as a share of a core.
 
 Then the wrapper alone, in this process: the same wrapper around a function
 that does nothing (no gloo, no other thread's work between calls: the cost
-with the caches warm), `--calls` calls a block, the three ways in a random
-order each round, by this thread's CPU time.
+with the caches warm), `--calls` calls a block, the ways in a random order each
+round, by this thread's CPU time. "watched, unsigned" is the wrapper without
+the collective's signature (its group, the group's count, dtype, elements), as
+it was before signatures: the signature's cost is the difference of the two
+watched ways. `--alone`: this part only.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ from stats import median_interval  # bench/stats.py, beside this script
 from telemetry import Listener  # bench/telemetry.py, beside this script
 
 BASE = "torch's own"
-CONFIGS = (BASE, "torch's own, again", "wrapped, no rank", "wrapped, watched")
+CONFIGS = (BASE, "torch's own, again", "wrapped, no rank", "watched, unsigned",
+           "wrapped, watched")
+WATCHED = ("watched, unsigned", "wrapped, watched")
 WARM_ROUNDS = 20
 TIMEOUT_S = 600
 
@@ -71,8 +78,11 @@ def _rank(rank: int, port: int, endpoint: str, rounds: int, calls: int, out: str
     collectives.wrap()
     wrapped = dist.all_reduce
     assert wrapped is not original
+    size, family, _ = collectives.OPS["all_reduce"]
+    unsigned = collectives._wrap("all_reduce", original, size, family, None)
     calls_of = {BASE: original, "torch's own, again": original,
-                "wrapped, no rank": wrapped, "wrapped, watched": wrapped}
+                "wrapped, no rank": wrapped, "watched, unsigned": unsigned,
+                "wrapped, watched": wrapped}
     tensor = torch.ones(4)
     wall: dict[str, list[float]] = {name: [] for name in CONFIGS}
     cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
@@ -86,7 +96,7 @@ def _rank(rank: int, port: int, endpoint: str, rounds: int, calls: int, out: str
         rng.shuffle(order)
         for name in order:
             call = calls_of[name]
-            collectives.watch(live if name == "wrapped, watched" else None)
+            collectives.watch(live if name in WATCHED else None)
             original(tensor)  # (a barrier that costs what a call does, never wrapped)
             start, start_cpu = clock(), thread_clock()
             for _ in range(calls):
@@ -115,10 +125,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=400, help="timed rounds")
     parser.add_argument("--calls", type=int, default=20, help="calls per block")
+    parser.add_argument("--alone", action="store_true",
+                        help="the wrapper alone only (no gloo ranks): seconds, not a minute")
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
     listener = Listener()
+    if args.alone:
+        alone(listener.endpoint, args.rounds, args.calls)
+        return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -177,10 +192,11 @@ def alone(endpoint: str, rounds: int, calls: int) -> None:
     def nothing(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
         return None
 
-    size, family = collectives.OPS["all_reduce"]
-    wrapped = collectives._wrap("all_reduce", nothing, size, family)
+    size, family, described = collectives.OPS["all_reduce"]
+    wrapped = collectives._wrap("all_reduce", nothing, size, family, described)
+    unsigned = collectives._wrap("all_reduce", nothing, size, family, None)
     ways = {"nothing": (nothing, None), "wrapped, no rank": (wrapped, None),
-            "wrapped, watched": (wrapped, live)}
+            "watched, unsigned": (unsigned, live), "wrapped, watched": (wrapped, live)}
     tensor = torch.ones(4)
     cpu: dict[str, list[float]] = {name: [] for name in ways}
     order = list(ways)
