@@ -27,9 +27,24 @@ class HangTimer:
         self.limit = limit
         self.since: float | None = None  # wall clock: since when the run hangs
         self.looked: float | None = None  # when a hang was last looked for
+        self.news_looked: float | None = None  # when a desync was last looked for
+        self.told: str | None = None  # the desync last told
 
     def reset(self) -> None:
         self.since = None
+
+    def desync_news(self, state: RunState, now: float) -> str | None:
+        """A desync (core/desync.py) not told yet, in words, once; looked for at most
+        every LOOK_EVERY_S, with or without a limit (the daemon says it as an event:
+        the journal keeps it)."""
+        if self.news_looked is not None and 0 <= now - self.news_looked < LOOK_EVERY_S:
+            return None
+        self.news_looked = now
+        found = state.hung(now)
+        if found is None or not desync.named(found[1]) or found[1] == self.told:
+            return None
+        self.told = found[1]
+        return self.told
 
     def judge(self, state: RunState, now: float) -> tuple[int, str, str] | None:
         """(rank blamed, reason, the hang in words) once a hang has lasted the limit."""

@@ -320,6 +320,8 @@ class RunLoop:
         if self.watching and world != self.world_told and self.stopping is None:
             self.world_told = world  # run.json says the ranks' world size once they do
             self.status("running", f"watching {count_of(world, 'rank')}")
+        if (desync := self.hang.desync_news(self.relay.state, time.time())) is not None:
+            self._tell("warning", desync)
         self._on_state(self.relay.state)
 
     def _on_state(self, state: RunState) -> None:  # every pass of the loop

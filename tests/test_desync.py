@@ -83,6 +83,11 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     assert hangs and all(h == words for h in hangs), hangs
     assert f"rank 3 entered another collective than its group's (--hang-timeout 4): {words}" \
         in run.stderr, run.stderr[-3000:]
+    # Said once, as it was first seen: a warning event (the journal keeps it).
+    told = [line["message"] for line in lines(run)
+            if line["kind"] == "event" and line.get("type") == "warning"]
+    assert told.count(words) == 1, told
+    assert f"ddtrain: {words}\n" in run.stderr
     summary = next(line for line in lines(run) if line["kind"] == "summary")
     assert summary["failure"]["rank"] == 3, summary["failure"]
     assert words in summary["failure"]["message"], summary["failure"]

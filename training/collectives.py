@@ -173,11 +173,12 @@ _thread = _Thread()
 _factors = {ALL_REDUCE: 1.0, GATHER: 1.0, ONE: 1.0}
 _wrapped: dict[str, Callable[..., Any]] = {}  # name -> torch's own function
 _compiling = torch.compiler.is_compiling
-# A process group (None: the default one) -> [its name, size and ranks, and the
-# number of its collectives this rank has entered]. Keyed by the group object: a
-# group made again (torch's process group destroyed and created anew) counts anew.
+# A process group -> [its name, size and ranks, the number of its collectives this
+# rank has entered, 1] (_group). Keyed by the group object: a group made again
+# (torch's process group destroyed and created anew) counts anew.
 _groups: dict[Any, list[Any]] = {}
 _dtypes: dict[Any, str] = {}  # torch.float32 -> "float32"
+_members: Any = None  # torch's GroupMember (its WORLD: the default group), set by wrap()
 MAX_RANKS_TEXT = 128  # wire.RanksText's bound
 
 
@@ -186,9 +187,11 @@ def wrap() -> None:
     those torch does not have are left out)."""
     if _wrapped:
         return
+    global _members
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None:  # torch.distributed not available in this build
         return
+    _members = c10d.GroupMember
     for name, (size, family, described) in OPS.items():
         original = getattr(c10d, name, None)
         if not callable(original):
@@ -274,20 +277,18 @@ def ranks_text(ranks: list[int]) -> str:
     return text if len(text) <= MAX_RANKS_TEXT else text[:MAX_RANKS_TEXT - 3] + "..."
 
 
-def _group(group: Any) -> list[Any]:
-    """The entry of `group` (None: the default group): [name, size, ranks, count]."""
+def _group(pg: Any) -> list[Any]:
+    """The entry of process group `pg` (the default one: "world"), made at its first
+    collective: [name, size, ranks, its collectives so far, 1] (for a group this rank
+    is not in, or before any process group: ["", 0, "", 0, 0], never counted)."""
     c10d = sys.modules["torch.distributed.distributed_c10d"]
-    world = c10d.GroupMember.WORLD
-    pg = world if group is None else group
-    entry = _groups.get(pg)
-    if entry is None:
-        try:
-            ranks = sorted(c10d.get_process_group_ranks(pg))
-            name = "world" if pg is world else str(c10d._get_process_group_name(pg))
-            entry = [name[:64], len(ranks), ranks_text(ranks), 0]
-        except Exception:  # noqa: BLE001 - not a group of this rank's: never compared
-            entry = ["", 0, "", -1]
-        _groups[pg] = entry
+    try:
+        ranks = sorted(c10d.get_process_group_ranks(pg))
+        name = "world" if pg is c10d.GroupMember.WORLD else str(c10d._get_process_group_name(pg))
+        entry = [name[:64], len(ranks), ranks_text(ranks), 0, 1]
+    except Exception:  # noqa: BLE001 - not a group of this rank's: never compared
+        entry = ["", 0, "", 0, 0]
+    _groups[pg] = entry
     return entry
 
 
@@ -304,19 +305,23 @@ def signature(name: str, args: Args, kwargs: Kwargs, group_at: int, described: I
     group's count of collectives on this rank (this one included; 0 where the
     group is not this rank's), the dtype and elements of its input."""
     group = args[group_at] if 0 <= group_at < len(args) else kwargs.get("group")
-    entry = _groups.get(group) if group is not None else None
+    if group is None:  # the default group, whatever it is now (None before there is one)
+        group = _members.WORLD
+    entry = _groups.get(group)
     if entry is None:
         entry = _group(group)
-    if entry[3] >= 0:
-        entry[3] += 1
+    entry[3] += entry[4]
     t = described(args, kwargs)
     if isinstance(t, torch.Tensor):
-        return entry[0], entry[1], entry[2], max(entry[3], 0), _dtype(t), t.numel()
-    return entry[0], entry[1], entry[2], max(entry[3], 0), "", -1
+        name = _dtypes.get(t.dtype) or _dtype(t)
+        return entry[0], entry[1], entry[2], entry[3], name, t.numel()
+    return entry[0], entry[1], entry[2], entry[3], "", -1
 
 
 def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
-          described: Input) -> Callable[..., Any]:
+          described: Input | None) -> Callable[..., Any]:
+    """`described` None: no signature (bench/collectives.py's "unsigned": the
+    wrapper as it was before signatures, side by side)."""
     async_at = _param_at(original, "async_op")
     group_at = _param_at(original, "group")
     perf_counter = time.perf_counter
@@ -335,8 +340,9 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
             nbytes = size(args, kwargs)
             later = async_at >= 0 and bool(args[async_at] if len(args) > async_at
                                            else kwargs.get("async_op", False))
-            sig = signature(name, args, kwargs, group_at, described)
-            coll = telemetry.collective_started(name, nbytes, sig)
+            coll = telemetry.collective_started(name, nbytes, None if described is None else
+                                                signature(name, args, kwargs, group_at,
+                                                          described))
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             _failed(rank, e)
             return original(*args, **kwargs)
