@@ -8,13 +8,16 @@ desync (core/desync.py) is named first, before any rank has stalled.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
-from ddtop.core import desync
+from ddtop.core import desync, wire
 from ddtop.core.rankview import DEAD, RUNNING, SILENT, STALLED, RankState, RankView
 from ddtop.core.text import rank_list
 
-__all__ = ["hung", "rank_list"]
+__all__ = ["hung", "members", "rank_list"]
+# A range in a group's ranks ("0-65535") wider than this is not unrolled: not a group's.
+MAX_GROUP_SPAN = 1 << 16
 
 
 def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
@@ -36,9 +39,16 @@ def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
     if not waiting:
         return stalled, "; ".join(f"rank {r} stalled {ranks[r].where()}"
                                   for r in stalled)
-    newest = max(c.seq for c in waiting.values())
-    inside = [r for r, c in waiting.items() if c.seq == newest]
-    coll = waiting[inside[0]]
+    # A rank inside a sub-group's collective (its signature names the group) waits
+    # for the group's ranks not inside it, not for the world (every other waits
+    # as the world's).
+    sub = {r: c for r, c in waiting.items() if members(c) is not None}
+    world = {r: c for r, c in waiting.items() if r not in sub}
+    if world:
+        newest = max(c.seq for c in world.values())
+        inside = [r for r, c in world.items() if c.seq == newest]
+    else:
+        inside = []
     within = set(inside)  # a set: thousands of ranks may wait in it
     others = [r for r in live if r not in within]
     # A rank that stepped past the step they wait in since their newest reading
@@ -46,17 +56,71 @@ def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
     # is stale (a stopped rank resumed; their own steps and heartbeats are on
     # the way). Only since their reading: a rank that is ahead and stuck (a
     # constant offset, rank 0 alone saving) is waited for once they report again.
-    waits_in = min(ranks[r].phase_step for r in inside)
-    read_at = max(ranks[r].phase_at or 0.0 for r in inside)
-    if any(v.phase_step > waits_in and v.stepped_at is not None and v.stepped_at > read_at
-           for r in others if (v := ranks.get(r)) is not None):
-        return None
-    text = f"{rank_list(inside)} wait in {coll.op} #{coll.seq}"
+    if inside:
+        waits_in = min(ranks[r].phase_step for r in inside)
+        read_at = max(ranks[r].phase_at or 0.0 for r in inside)
+        if any(v.phase_step > waits_in and v.stepped_at is not None
+               and v.stepped_at > read_at
+               for r in others if (v := ranks.get(r)) is not None):
+            return None
+    parts = [f"{rank_list(inside)} wait in {world[inside[0]].op} #{world[inside[0]].seq}"
+             ] if inside else []
+    waited = _sub_waits(sub, within, parts) if sub else set()
     for r in others:
+        if r in sub:
+            continue
+        if not inside and r not in waited:
+            continue  # (no world collective: only the ranks a group waits for)
         view = ranks.get(r)
         where = view.where() if view is not None else "not heard from"
-        text += f"; rank {r} is {'silent, last ' if states[r] == SILENT else ''}{where}"
+        parts.append(f"rank {r} is {'silent, last ' if states[r] == SILENT else ''}{where}")
+    text = "; ".join(parts)
+    if sub:  # the roots: waited for, and not themselves inside a collective
+        roots = [r for r in others if r not in sub and (inside or r in waited)]
+        others = roots or others
     dead = [r for r, s in states.items() if s == DEAD]
     if dead:
         text += f"; {rank_list(dead)} dead"
     return others, text
+
+
+def members(c: wire.Collective) -> frozenset[int] | None:
+    """The ranks of a sub-group collective's group, from its signature; None for
+    the world's, an unsigned collective, or ranks cut short."""
+    if not c.group or c.group == "world":
+        return None
+    return _parsed(c.group_ranks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(text: str) -> frozenset[int] | None:
+    """'0,2,4-6' -> {0, 2, 4, 5, 6}; None for '' or ranks cut short ('...')."""
+    found: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            return None
+        low, high = int(first), int(last or first)
+        if high < low or high - low > MAX_GROUP_SPAN:
+            return None
+        found.update(range(low, high + 1))
+    return frozenset(found)
+
+
+def _sub_waits(sub: Mapping[int, wire.Collective], within: set[int], parts: list[str]
+               ) -> set[int]:
+    """'rank 3 wait in group [2,3] all_reduce #4 for rank 2' for each sub-group
+    collective ranks are inside (added to `parts`); the ranks they wait for."""
+    sides: dict[tuple[str, int], list[int]] = {}
+    for r, c in sub.items():
+        sides.setdefault((c.group, c.group_seq), []).append(r)
+    waited: set[int] = set()
+    for side in sides.values():
+        c = sub[side[0]]
+        group: frozenset[int] = members(c) or frozenset()
+        missing = sorted(group - set(side))
+        waited.update(missing)
+        whom = f" for {rank_list(missing)}" if missing else ""
+        parts.append(f"{rank_list(sorted(side))} wait in group [{c.group_ranks}] {c.op} "
+                     f"#{c.group_seq}{whom}")
+    return waited - within

@@ -6,6 +6,10 @@ entering another collective than its group's at one step:
 - on a pair's sub-group ([2, 3]), rank 3 all-gathers where rank 2 all-reduces,
   while ranks 0-1 go on to wait in DDP's all-reduce.
 
+And a hang that is not a desync, in a sub-group: rank 2 sleeps before its
+pair's all-reduce; rank 3 waits in group [2,3] for rank 2, ranks 0-1 in the
+world's DDP all-reduce, and rank 2 is blamed.
+
 (A mismatch of sizes that gloo sees, an all_reduce of 4 float64s against 4
 float32s, aborts the ranks at once, "Received data size doesn't match expected
 size": over before a heartbeat could tell it. The words for it are tested in
@@ -35,6 +39,8 @@ JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
 RUNS = {
     "world": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather"),
     "pair": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs"),
+    # Not a desync: rank 2 sleeps before its pair's all_reduce.
+    "sleep": ("--at", "3", "--odd-rank", "2", "--odd", "sleep", "--pairs"),
 }
 WORDS = {
     # The world group's 4th all_reduce (one after each of steps 0-3).
@@ -71,7 +77,7 @@ def lines(run: Run) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", ["world", "pair"])
 def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
         runs: dict[str, Run], name: str) -> None:
     run = runs[name]
@@ -91,3 +97,23 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     summary = next(line for line in lines(run) if line["kind"] == "summary")
     assert summary["failure"]["rank"] == 3, summary["failure"]
     assert words in summary["failure"]["message"], summary["failure"]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+def test_a_hang_in_a_sub_group_says_who_waits_for_whom_in_which_group(
+        runs: dict[str, Run]) -> None:
+    run = runs["sleep"]
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.leftovers == []
+    hangs = [line["hang"] for line in lines(run) if line["kind"] == "progress" and line["hang"]]
+    # Ranks 0-1 wait in DDP's all-reduce of the next step (the world's); rank 3 waits
+    # in its pair's 4th all_reduce for rank 2, which sleeps after its 4th step.
+    assert hangs, run.stdout[-3000:]
+    last = hangs[-1]
+    assert last.startswith("ranks 0-1 wait in allreduce #"), hangs
+    assert "; rank 3 wait in group [2,3] all_reduce #4 for rank 2; rank 2 is in " in last, hangs
+    assert not any("desync" in h for h in hangs), hangs
+    summary = next(line for line in lines(run) if line["kind"] == "summary")
+    assert summary["failure"]["rank"] == 2, summary["failure"]
+    assert "rank 2 hung for 4 s (--hang-timeout 4): ranks 0-1 wait in allreduce #" \
+        in run.stderr, run.stderr[-3000:]

@@ -152,3 +152,34 @@ def test_a_collectives_signature_counts_per_group_from_torchs_own_group(
     assert gathered[0] not in ("", "world") and gathered[1:] == (1, "0", 1, "float32", 6)
     barrier = collectives.signature("barrier", (), {}, -1, described["barrier"])
     assert barrier == ("world", 1, "0", 3, "", -1)
+
+
+def test_a_hang_in_a_sub_group_names_the_group_and_blames_the_root() -> None:
+    world = wire.Collective(seq=30, op="allreduce", bytes=64)  # DDP's bucket: unsigned
+    pair = coll("all_reduce", 15, group="2", ranks="2,3", seq=29)
+    ranks = views(world, world, None, pair)
+    states = {0: STALLED, 1: STALLED, 2: RUNNING, 3: STALLED}
+    assert hangs.hung(ranks, states) == (
+        [2], "ranks 0-1 wait in allreduce #30; rank 3 wait in group [2,3] all_reduce #15 "
+             "for rank 2; rank 2 is in setup of step 1")
+    # Only sub-groups: each waits for its missing ranks; the ranks not waited for are
+    # left out.
+    ranks = views(coll("all_reduce", 4, group="1", ranks="0,1"), None, None,
+                  coll("all_reduce", 4, group="2", ranks="2,3"))
+    states = {0: STALLED, 1: RUNNING, 2: RUNNING, 3: STALLED}
+    assert hangs.hung(ranks, states) == (
+        [1, 2], "rank 0 wait in group [0,1] all_reduce #4 for rank 1; rank 3 wait in group "
+                "[2,3] all_reduce #4 for rank 2; rank 1 is in setup of step 1; rank 2 is in "
+                "setup of step 1")
+    # The world's collective alone: as it always was.
+    assert hangs.hung(views(world, world, None), {0: STALLED, 1: STALLED, 2: RUNNING}) == (
+        [2], "ranks 0-1 wait in allreduce #30; rank 2 is in setup of step 1")
+
+
+def test_a_groups_ranks_are_read_back_from_the_signature() -> None:
+    assert hangs.members(coll("x", 1, group="3", ranks="0,2,4-6")) == {0, 2, 4, 5, 6}
+    assert hangs.members(coll("x", 1, group="world", ranks="0-3")) is None
+    assert hangs.members(coll("x", 1, group="", ranks="0-3")) is None
+    for cut in ("0,2,4...", "", "5-2", "0-99999999", "a"):
+        assert hangs.members(coll("x", 1, group="3", ranks="0")) == {0}
+        assert hangs._parsed(cut) is None, cut

@@ -7,11 +7,13 @@ rank all-reduces 4 float32s on a group (the world's, or with --pairs its pair's:
 
 ODD: all_gather (4 float32s a rank), float64 (an all_reduce of 4 float64s),
 count (an all_reduce of 8 float32s), skip (no collective: its next all_reduce is
-the others' one after), or none (a clean run: every rank alike).
+the others' one after), sleep (10 minutes, then none: a hang, not a desync), or
+none (a clean run: every rank alike).
 """
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,8 +25,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--at", type=int, default=5)
     parser.add_argument("--odd-rank", type=int, default=-1)
-    parser.add_argument("--odd", choices=["all_gather", "float64", "count", "skip", "none"],
-                        default="all_gather")
+    parser.add_argument("--odd", default="all_gather",
+                        choices=["all_gather", "float64", "count", "skip", "sleep", "none"])
     parser.add_argument("--pairs", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -40,6 +42,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         odd = args.odd if step == args.at and rank == args.odd_rank else "none"
+        if step == args.at:  # when it enters its collective of the step (bench/desync.py)
+            print(f"entering {time.time():.6f}", flush=True)
         if odd == "none":
             dist.all_reduce(torch.ones(4), group=group)
         elif odd == "all_gather":
@@ -49,6 +53,9 @@ def main() -> None:
             dist.all_reduce(torch.ones(4, dtype=torch.float64), group=group)
         elif odd == "count":
             dist.all_reduce(torch.ones(8), group=group)
+        elif odd == "sleep":
+            time.sleep(600)
+            dist.all_reduce(torch.ones(4), group=group)
     print(f"rank {rank} of {world} done ({os.getpid()})", flush=True)
     dist.destroy_process_group()
 
