@@ -28,23 +28,30 @@ class HangTimer:
         self.since: float | None = None  # wall clock: since when the run hangs
         self.looked: float | None = None  # when a hang was last looked for
         self.news_looked: float | None = None  # when a desync was last looked for
-        self.told: str | None = None  # the desync last told
+        self.told: str | None = None  # where the desync last told is ("desync in group world #20")
+        self.seen: str | None = None  # the desync seen at the last look
 
     def reset(self) -> None:
         self.since = None
 
     def desync_news(self, state: RunState, now: float) -> str | None:
-        """A desync (core/desync.py) not told yet, in words, once; looked for at most
+        """A desync (core/desync.py) not told yet, in words, once for its group and
+        number, when two looks in a row saw the same words; looked for at most
         every LOOK_EVERY_S, with or without a limit (the daemon says it as an event:
         the journal keeps it)."""
         if self.news_looked is not None and 0 <= now - self.news_looked < LOOK_EVERY_S:
             return None
         self.news_looked = now
         found = state.hung(now)
-        if found is None or not desync.named(found[1]) or found[1] == self.told:
+        text = found[1] if found is not None and desync.named(found[1]) else None
+        seen, self.seen = self.seen, text
+        where = text.partition(":")[0] if text else None  # "desync in group world #20"
+        # Told once the same words were seen at two looks in a row: the sides are
+        # whole (each rank's heartbeat comes on its own), and told once.
+        if text is None or text != seen or where == self.told:
             return None
-        self.told = found[1]
-        return self.told
+        self.told = where
+        return text
 
     def judge(self, state: RunState, now: float) -> tuple[int, str, str] | None:
         """(rank blamed, reason, the hang in words) once a hang has lasted the limit."""

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from helpers import Collector, collecting
 
 from ddtop.core import wire
-from ddtop.training.beats import HEARTBEAT_INTERVAL_S, Beats, phase_news
+from ddtop.training.beats import COLLECTIVE_NEWS_S, HEARTBEAT_INTERVAL_S, Beats, phase_news
 from ddtop.training.telemetry import LiveTelemetry
 
 HELLO = wire.Hello(run="beats", rank=0, local_rank=0, host="h", pid=1, device="cpu",
@@ -208,3 +208,32 @@ def test_evaluation_is_said_at_once_and_so_is_its_end() -> None:
     first_step = got.of(wire.Step)[0].t
     assert not beats_between(got, first_step, entered)
 
+
+
+def test_a_signed_collective_is_said_once_after_a_short_while_inside_it() -> None:
+    """A script's own collective (signed: its group is compared across ranks) is
+    said COLLECTIVE_NEWS_S after the rank was first seen inside it, once, and
+    never sooner than a second after the last heartbeat."""
+    beats = Beats()
+    beats.beat(0.0, "setup", sent=True)
+    for i in range(1, 20):
+        beats.stepped(i * 0.1)
+    first, second = object(), object()
+    assert not beats.inside(2.0, None)
+    assert not beats.inside(2.0, first)  # first seen inside it
+    assert not beats.inside(2.0 + COLLECTIVE_NEWS_S - 0.01, first)
+    assert beats.inside(2.01 + COLLECTIVE_NEWS_S, first)
+    beats.beat(2.3, "forward", sent=True)
+    assert not beats.inside(3.5, first)  # said once
+    # The next one, entered soon after: not before a second since that heartbeat.
+    assert not beats.inside(2.4, second)
+    assert not beats.inside(2.41 + COLLECTIVE_NEWS_S, second)
+    assert beats.inside(3.3, second)
+    # Out of it (the rank stepped on): nothing.
+    assert not beats.inside(5.0, None)
+    # A heartbeat that could not go out does not tell it: asked again a second later.
+    third = object()
+    assert not beats.inside(6.0, third)
+    assert beats.inside(6.01 + COLLECTIVE_NEWS_S, third)
+    beats.beat(6.31, "forward", sent=False)
+    assert not beats.inside(6.9, third) and beats.inside(7.32, third)

@@ -26,7 +26,12 @@ stepping rank needs no heartbeat. One goes out:
 
 The collective a rank enters is not worth a message of its own: while the rank
 steps, the next Step message ends it; once it stops stepping, in the
-collective or anywhere else, its heartbeat a second later says where.
+collective or anywhere else, its heartbeat a second later says where. Except
+one with a signature (a script's own `torch.distributed` call, whose group the
+daemon compares across ranks: core/desync.py): once the rank has been inside it
+for COLLECTIVE_NEWS_S, a heartbeat says it (once per collective, and not
+sooner than HEARTBEAT_INTERVAL_S after the last heartbeat), so that a desync
+is named within a second of the second side entering.
 
 So a rank never sends more than a heartbeat a second, and a heartbeat that
 could not go out (nobody listening, the queue full) is tried again a second
@@ -40,6 +45,8 @@ import math
 from ddtop.core import wire
 
 HEARTBEAT_INTERVAL_S = 1.0
+# A signed collective the rank has been inside this long is said (see above).
+COLLECTIVE_NEWS_S = 0.3
 
 
 def phase_news(phase: wire.Phase, told: wire.Phase) -> bool:
@@ -62,6 +69,11 @@ class Beats:
         self.told_since: float | None = None  # when the rank entered the phase told
         self.last = -math.inf  # a Step message went out, or a heartbeat was tried
         self.beat_at = -math.inf  # a heartbeat was tried
+        # The signed collective the rank was last seen inside, since when, and
+        # whether a heartbeat has said it.
+        self.coll: object | None = None
+        self.coll_at = -math.inf
+        self.coll_told = False
 
     def due(self, now: float, phase: wire.Phase, since: float | None = None) -> bool:
         """Whether a heartbeat saying `phase`, entered at `since`, goes out at `now`."""
@@ -72,6 +84,18 @@ class Beats:
         again = (phase == self.told and phase not in wire.STEP_PHASES and phase != "done"
                  and since is not None and since != self.told_since)
         return again or phase_news(phase, self.told)
+
+    def inside(self, now: float, coll: object | None) -> bool:
+        """Whether a heartbeat goes out at `now` for the signed collective `coll`
+        the rank is inside (None: none): once it has been inside it for
+        COLLECTIVE_NEWS_S, if no heartbeat was tried for HEARTBEAT_INTERVAL_S;
+        once per collective. Asked at every send round: it notes when `coll` was
+        first seen."""
+        if coll is not self.coll:
+            self.coll, self.coll_at, self.coll_told = coll, now, False
+        return (coll is not None and not self.coll_told
+                and now - self.coll_at >= COLLECTIVE_NEWS_S
+                and now - self.beat_at >= HEARTBEAT_INTERVAL_S)
 
     def next_at(self) -> float:
         """When one is due at the latest, if nothing goes out until then."""
@@ -91,3 +115,4 @@ class Beats:
         self.last = self.beat_at = now
         if sent:
             self.told, self.told_since = phase, since
+            self.coll_told = True  # (a heartbeat carries the collective the rank is in)

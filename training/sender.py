@@ -167,7 +167,10 @@ class Sender:
                 if now >= next_step:
                     next_step = now + SEND_INTERVAL_S
                 said = self._said.phase  # (one read: the phase and since when)
-                if beats.due(now, said[0], said[1]):
+                coll = self._said.coll_started
+                signed = (coll if coll is not None and coll.group_seq
+                          and self._said.coll_completed is not coll else None)
+                if beats.inside(now, signed) or beats.due(now, said[0], said[1]):
                     beats.beat(now, said[0], self._send(sock, self._heartbeat(said)), said[1])
                 if stopping:
                     self._send_events(sock)  # what the last fold said (a warning), before bye

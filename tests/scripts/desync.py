@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--odd", default="all_gather",
                         choices=["all_gather", "float64", "count", "skip", "sleep", "none"])
     parser.add_argument("--pairs", action="store_true")
+    parser.add_argument("--step-s", type=float, default=0.0, help="seconds of sleep a step")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -41,6 +42,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        time.sleep(args.step_s)
         odd = args.odd if step == args.at and rank == args.odd_rank else "none"
         if step == args.at:  # when it enters its collective of the step (bench/desync.py)
             print(f"entering {time.time():.6f}", flush=True)
