@@ -40,8 +40,8 @@ def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
         return stalled, "; ".join(f"rank {r} stalled {ranks[r].where()}"
                                   for r in stalled)
     # A rank inside a sub-group's collective (its signature names the group) waits
-    # for the group's ranks not inside it, not for the world (every other waits
-    # as the world's).
+    # for the group's ranks not inside it, and one in a send or recv for its peer,
+    # not for the world (every other waits as the world's).
     sub = {r: c for r, c in waiting.items() if members(c) is not None}
     world = {r: c for r, c in waiting.items() if r not in sub}
     if world:
@@ -85,8 +85,11 @@ def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
 
 
 def members(c: wire.Collective) -> frozenset[int] | None:
-    """The ranks of a sub-group collective's group, from its signature; None for
-    the world's, an unsigned collective, or ranks cut short."""
+    """The ranks a collective waits among, from its signature: a sub-group's, or
+    a point-to-point call's peer; None for the world's, an unsigned collective,
+    or ranks cut short."""
+    if c.peer >= 0:
+        return frozenset((c.peer,))
     if not c.group or c.group == "world":
         return None
     return _parsed(c.group_ranks)
@@ -110,16 +113,22 @@ def _parsed(text: str) -> frozenset[int] | None:
 def _sub_waits(sub: Mapping[int, wire.Collective], within: set[int], parts: list[str]
                ) -> set[int]:
     """'rank 3 wait in group [2,3] all_reduce #4 for rank 2' for each sub-group
-    collective ranks are inside (added to `parts`); the ranks they wait for."""
-    sides: dict[tuple[str, int], list[int]] = {}
+    collective ranks are inside, 'rank 1 wait in recv #12 from rank 0' for each
+    point-to-point call (added to `parts`); the ranks they wait for."""
+    sides: dict[tuple[str, int, int], list[int]] = {}
     for r, c in sub.items():
-        sides.setdefault((c.group, c.group_seq), []).append(r)
+        key = (c.group, c.group_seq, -1) if c.peer < 0 else ("", c.seq, r)
+        sides.setdefault(key, []).append(r)
     waited: set[int] = set()
     for side in sides.values():
         c = sub[side[0]]
         group: frozenset[int] = members(c) or frozenset()
         missing = sorted(group - set(side))
         waited.update(missing)
+        if c.peer >= 0:
+            way = "from" if c.op == "recv" else "to"
+            parts.append(f"rank {side[0]} wait in {c.op} #{c.seq} {way} rank {c.peer}")
+            continue
         whom = f" for {rank_list(missing)}" if missing else ""
         parts.append(f"{rank_list(sorted(side))} wait in group [{c.group_ranks}] {c.op} "
                      f"#{c.group_seq}{whom}")

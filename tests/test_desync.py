@@ -6,9 +6,11 @@ entering another collective than its group's at one step:
 - on a pair's sub-group ([2, 3]), rank 3 all-gathers where rank 2 all-reduces,
   while ranks 0-1 go on to wait in DDP's all-reduce.
 
-And a hang that is not a desync, in a sub-group: rank 2 sleeps before its
-pair's all-reduce; rank 3 waits in group [2,3] for rank 2, ranks 0-1 in the
-world's DDP all-reduce, and rank 2 is blamed.
+And hangs that are not a desync: in a sub-group, rank 2 sleeps before its
+pair's all-reduce (rank 3 waits in group [2,3] for rank 2, ranks 0-1 in the
+world's DDP all-reduce, and rank 2 is blamed); in a point-to-point pair, rank 0
+sleeps before its send (rank 1 waits in recv from rank 0, ranks 2-3 in the
+world's all_reduce, and rank 0 is blamed).
 
 (A mismatch of sizes that gloo sees, an all_reduce of 4 float64s against 4
 float32s, aborts the ranks at once, "Received data size doesn't match expected
@@ -41,6 +43,8 @@ RUNS = {
     "pair": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs"),
     # Not a desync: rank 2 sleeps before its pair's all_reduce.
     "sleep": ("--at", "3", "--odd-rank", "2", "--odd", "sleep", "--pairs"),
+    # Nor this: rank 0 sleeps before it sends to rank 1, which waits in recv.
+    "p2p": ("--at", "3", "--odd-rank", "0", "--odd", "p2p"),
 }
 WORDS = {
     # The world group's 4th all_reduce (one after each of steps 0-3).
@@ -120,3 +124,18 @@ def test_a_hang_in_a_sub_group_says_who_waits_for_whom_in_which_group(
     assert summary["failure"]["rank"] == 2, summary["failure"]
     assert "rank 2 hung for 4 s (--hang-timeout 4): ranks 0-1 wait in allreduce #" \
         in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+def test_a_rank_waiting_in_recv_waits_for_its_peer(runs: dict[str, Run]) -> None:
+    run = runs["p2p"]
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.leftovers == []
+    hangs = [line["hang"] for line in lines(run) if line["kind"] == "progress" and line["hang"]]
+    # Ranks 2-3 wait in the world's 4th all_reduce; rank 1 in recv from rank 0,
+    # which sleeps before its send.
+    assert hangs, run.stdout[-3000:]
+    assert hangs[-1].startswith("ranks 2-3 wait in all_reduce #"), hangs
+    assert "; rank 1 wait in recv #" in hangs[-1] and " from rank 0; rank 0 is in " in hangs[-1]
+    summary = next(line for line in lines(run) if line["kind"] == "summary")
+    assert summary["failure"]["rank"] == 0, summary["failure"]

@@ -141,17 +141,27 @@ def test_a_collectives_signature_counts_per_group_from_torchs_own_group(
     t = torch.ones(4)
     first = collectives.signature("all_reduce", (t,), {}, at["all_reduce"],
                                   described["all_reduce"])
-    assert first == ("world", 1, "0", 1, "float32", 4)
+    assert first == ("world", 1, "0", 1, "float32", 4, -1)
     # The default group by name (group.WORLD) is the same group: its count goes on.
     again = collectives.signature("all_reduce", (t.double(),), {"group": dist.group.WORLD},
                                   at["all_reduce"], described["all_reduce"])
-    assert again == ("world", 1, "0", 2, "float64", 4)
+    assert again == ("world", 1, "0", 2, "float64", 4, -1)
     sub = dist.new_group([0])
     gathered = collectives.signature("all_gather", ([t], torch.ones(2, 3), sub), {},
                                      at["all_gather"], described["all_gather"])
-    assert gathered[0] not in ("", "world") and gathered[1:] == (1, "0", 1, "float32", 6)
+    assert gathered[0] not in ("", "world") and gathered[1:] == (1, "0", 1, "float32", 6, -1)
     barrier = collectives.signature("barrier", (), {}, -1, described["barrier"])
-    assert barrier == ("world", 1, "0", 3, "", -1)
+    assert barrier == ("world", 1, "0", 3, "", -1, -1)
+    # A send or recv names its peer, and is not the group's collective: its count
+    # stays as it was (0 on the wire).
+    send_at = collectives._param_at(c10d.send, "group")
+    sent = collectives.signature("send", (t, 0), {}, send_at, described["send"],
+                                 collectives.P2P["send"])
+    assert sent == ("world", 1, "0", 0, "float32", 4, 0)
+    received = collectives.signature("recv", (t,), {"src": None}, send_at, described["recv"],
+                                     collectives.P2P["recv"])
+    assert received == ("world", 1, "0", 0, "float32", 4, -1)  # from anyone: not known
+    assert collectives.signature("barrier", (), {}, -1, described["barrier"])[3] == 4
 
 
 def test_a_hang_in_a_sub_group_names_the_group_and_blames_the_root() -> None:
@@ -174,6 +184,20 @@ def test_a_hang_in_a_sub_group_names_the_group_and_blames_the_root() -> None:
     # The world's collective alone: as it always was.
     assert hangs.hung(views(world, world, None), {0: STALLED, 1: STALLED, 2: RUNNING}) == (
         [2], "ranks 0-1 wait in allreduce #30; rank 2 is in setup of step 1")
+
+
+def test_a_rank_in_recv_waits_for_its_peer() -> None:
+    world = coll("all_reduce", 4, seq=9)
+    recv = wire.Collective(seq=9, op="recv", bytes=16, group="world", group_size=4,
+                           group_ranks="0-3", dtype="float32", count=4, peer=0)
+    ranks = views(None, recv, world, world)
+    states = {0: RUNNING, 1: STALLED, 2: STALLED, 3: STALLED}
+    assert hangs.hung(ranks, states) == (
+        [0], "ranks 2-3 wait in all_reduce #9; rank 1 wait in recv #9 from rank 0; "
+             "rank 0 is in setup of step 1")
+    assert hangs.members(recv) == {0}
+    # Never compared as the group's collective: no desync with the world's #N.
+    assert find(coll("all_reduce", 9), recv) is None
 
 
 def test_a_groups_ranks_are_read_back_from_the_signature() -> None:

@@ -32,7 +32,10 @@ group from C++, and a comm hook in Python (torch's `allreduce_hook`, PowerSGD,
 a user's own, ddtop's timer on a GPU) that calls `dist.all_reduce` runs as
 `ddp_hook` makes it, so what it calls is DDP's all-reduce, timed as such
 (DDPStats, CommTimer), not seen again here. Nor are the ProcessGroup's methods called
-directly (`pg.allreduce(...)`), point-to-point sends and receives, torch's
+directly (`pg.allreduce(...)`), the asynchronous point-to-point `isend`, `irecv`
+and `batch_isend_irecv` (torch's `P2POp` takes only the very functions
+torch.distributed holds: left as they are; blocking `send` and `recv` are
+seen, with their peer, never as their group's collective), torch's
 functional collectives (`torch.distributed._functional_collectives`, DTensor)
 and `all_gather_single` / `reduce_scatter_single` (FSDP2's own). Code that
 holds a collective function it took before `wrap()` (`from torch.distributed
@@ -149,7 +152,14 @@ OPS: dict[str, tuple[Size, str, Input]] = {
     "broadcast_object_list": (_nothing, ONE, _none),
     "gather_object": (_nothing, ONE, _none),
     "scatter_object_list": (_nothing, ONE, _none),
+    "send": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
+    "recv": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
 }
+# Point-to-point: the peer's argument (a global rank). Not its group's collective:
+# never counted in the group's number (only two of its ranks take part). `isend`
+# and `irecv` are left torch's own: torch's P2POp accepts only the very functions
+# torch.distributed holds, and a program may hold them from before wrap().
+P2P = {"send": (1, "dst"), "recv": (1, "src")}
 
 
 class Rank(Protocol):
@@ -299,23 +309,33 @@ def _dtype(t: Any) -> str:
     return name
 
 
-def signature(name: str, args: Args, kwargs: Kwargs, group_at: int, described: Input
-              ) -> tuple[str, int, str, int, str, int]:
+def signature(name: str, args: Args, kwargs: Kwargs, group_at: int, described: Input,
+              peer_at: tuple[int, str] | None = None
+              ) -> tuple[str, int, str, int, str, int, int]:
     """The signature of a call of `name` (telemetry.Signature): its group, the
     group's count of collectives on this rank (this one included; 0 where the
-    group is not this rank's), the dtype and elements of its input."""
+    group is not this rank's, and for a point-to-point call), the dtype and
+    elements of its input, and the peer of a point-to-point call (`peer_at`:
+    where its argument is; -1 otherwise, or when not given)."""
     group = args[group_at] if 0 <= group_at < len(args) else kwargs.get("group")
     if group is None:  # the default group, whatever it is now (None before there is one)
         group = _members.WORLD
     entry = _groups.get(group)
     if entry is None:
         entry = _group(group)
-    entry[3] += entry[4]
+    peer = -1
+    if peer_at is None:
+        entry[3] += entry[4]
+        number = entry[3]
+    else:
+        at, arg = peer_at
+        given = args[at] if len(args) > at else kwargs.get(arg)
+        peer, number = given if isinstance(given, int) and given >= 0 else -1, 0
     t = described(args, kwargs)
     if isinstance(t, torch.Tensor):
-        name = _dtypes.get(t.dtype) or _dtype(t)
-        return entry[0], entry[1], entry[2], entry[3], name, t.numel()
-    return entry[0], entry[1], entry[2], entry[3], "", -1
+        dtype = _dtypes.get(t.dtype) or _dtype(t)
+        return entry[0], entry[1], entry[2], number, dtype, t.numel(), peer
+    return entry[0], entry[1], entry[2], number, "", -1, peer
 
 
 def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
@@ -324,6 +344,7 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
     wrapper as it was before signatures, side by side)."""
     async_at = _param_at(original, "async_op")
     group_at = _param_at(original, "group")
+    peer_at = P2P.get(name)
     perf_counter = time.perf_counter
 
     @functools.wraps(original)
@@ -342,7 +363,7 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
                                            else kwargs.get("async_op", False))
             coll = telemetry.collective_started(name, nbytes, None if described is None else
                                                 signature(name, args, kwargs, group_at,
-                                                          described))
+                                                          described, peer_at))
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             _failed(rank, e)
             return original(*args, **kwargs)

@@ -7,8 +7,10 @@ rank all-reduces 4 float32s on a group (the world's, or with --pairs its pair's:
 
 ODD: all_gather (4 float32s a rank), float64 (an all_reduce of 4 float64s),
 count (an all_reduce of 8 float32s), skip (no collective: its next all_reduce is
-the others' one after), sleep (10 minutes, then none: a hang, not a desync), or
-none (a clean run: every rank alike).
+the others' one after), sleep (10 minutes, then none: a hang, not a desync),
+p2p (it sleeps 10 minutes, then sends 4 float32s to the next rank, which waits
+in recv for them; then none: a hang of a point-to-point pair), or none (a clean
+run: every rank alike).
 """
 
 import argparse
@@ -26,7 +28,7 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=5)
     parser.add_argument("--odd-rank", type=int, default=-1)
     parser.add_argument("--odd", default="all_gather",
-                        choices=["all_gather", "float64", "count", "skip", "sleep", "none"])
+                        choices=["all_gather", "float64", "count", "skip", "sleep", "p2p", "none"])
     parser.add_argument("--pairs", action="store_true")
     parser.add_argument("--step-s", type=float, default=0.0, help="seconds of sleep a step")
     args = parser.parse_args()
@@ -44,6 +46,14 @@ def main() -> None:
         opt.step()
         time.sleep(args.step_s)
         odd = args.odd if step == args.at and rank == args.odd_rank else "none"
+        peer = (args.odd_rank + 1) % world
+        if args.odd == "p2p" and step == args.at and rank in (args.odd_rank, peer):
+            if rank == args.odd_rank:
+                time.sleep(600)
+                dist.send(torch.ones(4), dst=peer)
+            else:
+                dist.recv(torch.empty(4), src=args.odd_rank)
+            odd = "none"
         if step == args.at:  # when it enters its collective of the step (bench/desync.py)
             print(f"entering {time.time():.6f}", flush=True)
         if odd == "none":
