@@ -50,7 +50,7 @@ from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import ProcessRecord
 from ddtop.core.text import count_of
-from ddtop.daemon import leftovers
+from ddtop.daemon import leftovers, nativestacks
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter
 from ddtop.daemon.hangtimeout import HangTimer
@@ -340,8 +340,12 @@ class RunLoop:
             self._stop_late()
         stacks = [r.rank for r in asked if isinstance(r, protocol.Stacks)]
         if stacks:
-            numbered = self.starter.numbered
-            self.relay.guarded("stacks", lambda: signal_stacks(numbered(), stacks))
+            numbered, rank_stacks = self.starter.numbered, self.paths.rank_stacks
+
+            def ask() -> None:  # (py-spy's threads, if any, go on by themselves)
+                signal_stacks(numbered(), stacks, rank_stacks)
+
+            self.relay.guarded("stacks", ask)
 
     def _begin_stop(self, timeout: float) -> None:
         self.role.stopping(timeout)  # a hub's stop is every node's too
@@ -391,7 +395,10 @@ class RunLoop:
         verdict = ErrorReport(rank=blamed, message=f"{reason}: {text}")
         self.exits.verdicts[blamed] = verdict
         numbered = self.starter.numbered()
-        signal_stacks(numbered, [None])  # where each rank hangs, kept
+        # Where each rank hangs, kept: its Python and native stacks (py-spy reads
+        # the live process: waited for, HANG_NATIVE_S at most).
+        nativestacks.wait(signal_stacks(numbered, [None], self.paths.rank_stacks),
+                          nativestacks.HANG_NATIVE_S)
         time.sleep(STACKS_GRACE_S)
         for r in self.ranks:
             if r.process.exitcode is None:

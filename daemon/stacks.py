@@ -1,4 +1,5 @@
-"""`ddtrain stacks`: every rank's Python stacks, all threads, now.
+"""`ddtrain stacks`: every rank's Python stacks, all threads, now (and their
+native stacks, where py-spy is installed: daemon/nativestacks.py).
 
 Each rank the daemon starts registers the standard library's `faulthandler`
 on STACKS_SIGNAL (SIGUSR2), writing to `logs/rank-<k>.stacks`. faulthandler
@@ -6,13 +7,17 @@ dumps from its C signal handler, so a rank blocked inside a collective (or
 any C call) still answers; nothing else in the rank stops. The daemon sends
 the signal (to the processes it started, checked by start time: never a pid a
 message names) when asked with the `stacks` request; this command asks, waits
-for the dumps to be written, and prints them. They stay in the run directory.
+for the dumps to be written (the native one too: its block, or the line saying
+why there is none), and prints them. They stay in the run directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from ddtop.core import control, protocol
 from ddtop.core.contract import EXIT_FAILED, EXIT_OK, STACKS_SIGNAL, UsageError
@@ -21,19 +26,24 @@ from ddtop.core.hangs import rank_list
 from ddtop.core.processes import ProcessId, catches, send_signal
 from ddtop.core.rundir import locate_run
 from ddtop.core.runinfo import RunInfo
+from ddtop.daemon import nativestacks
 
 
-def signal_stacks(numbered: dict[int, ProcessId], asked: list[int | None]) -> None:
+def signal_stacks(numbered: dict[int, ProcessId], asked: list[int | None],
+                  stacks_file: Callable[[int], Path]) -> list[threading.Thread]:
     """The daemon's part: the stacks signal to the ranks `asked` for (None: all),
     among the processes it started (or verified: `numbered`, checked by start
     time), and only to one that catches it: a rank ddtop does not instrument
-    (one a watched command started that reports by itself) would die of it."""
+    (one a watched command started that reports by itself) would die of it.
+    Then their native stacks, read by py-spy into the same files
+    (daemon/nativestacks.py): the threads doing it, to wait for."""
     for rank, process in numbered.items():
         if (None in asked or rank in asked) and catches(process.pid, STACKS_SIGNAL):
             send_signal(process, STACKS_SIGNAL)
+    return nativestacks.dump(numbered, asked, stacks_file)
 
 
-WAIT_S = 5.0  # for every asked rank's dump to appear
+WAIT_S = 5.0  # for every asked rank's Python dump to appear
 SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long
 
 
@@ -57,29 +67,42 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     if not reply.ok:
         raise UsageError(f"the daemon refused: {reply.error}")
     dumps = _wait_for_dumps(files, before)
+    answered = False
     for k in ranks:
-        text = dumps.get(k)
-        if text:
+        text = dumps.get(k, "")
+        python, mark, native = text.partition(nativestacks.NATIVE_MARK)
+        if python.strip():
+            answered = True
             print(f"== rank {k} ({files[k]}) ==")
             print(text.rstrip())
         else:
             print(f"== rank {k}: no stacks within {WAIT_S:g} s (the process is stopped, "
                   "gone, or not one the daemon started) ==")
-    return EXIT_OK if any(dumps.values()) else EXIT_FAILED
+            if mark:  # what py-spy read of it from outside, or why it could not
+                print((mark + native).rstrip())
+    return EXIT_OK if answered else EXIT_FAILED
 
 
 def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignore[type-arg]
-    deadline = time.monotonic() + WAIT_S
+    """Each asked rank's dump: its Python stacks within WAIT_S (a rank that gives
+    none then, stopped or gone, is not waited for longer), and after them its
+    native block (py-spy's, within its DUMP_TIMEOUT_S, or the line saying why not)."""
+    start = time.monotonic()
+    deadline = start + WAIT_S
+    native_deadline = start + nativestacks.AFTER_SIGNAL_S + nativestacks.DUMP_TIMEOUT_S + 0.5
     sizes = dict(before)
     quiet_since: dict[int, float] = {}
-    while time.monotonic() < deadline:
+    while (now := time.monotonic()) < max(deadline, native_deadline):
         for k, f in files.items():
             size = f.stat().st_size if f.exists() else 0
             if size != sizes[k]:
                 sizes[k], quiet_since[k] = size, time.monotonic()
         grown = [k for k in files if sizes[k] > before[k]]
-        settled = all(time.monotonic() - quiet_since.get(k, 0) >= SETTLE_S for k in grown)
-        if len(grown) == len(files) and settled:
+        settled = all(now - quiet_since.get(k, 0) >= SETTLE_S for k in grown)
+        every = len(grown) == len(files) or now >= deadline  # (the rest never answered)
+        if every and settled and all(_native_in(files[k], before[k]) for k in grown):
+            break
+        if now >= deadline and not grown:
             break
         time.sleep(0.05)
     dumps = {}
@@ -89,3 +112,10 @@ def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignor
                 handle.seek(before[k])
                 dumps[k] = handle.read().decode(errors="replace")
     return dumps
+
+
+def _native_in(path: Path, offset: int) -> bool:
+    """Whether the native block (or its one line) follows the Python dump yet."""
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        return nativestacks.NATIVE_MARK.encode() in handle.read()

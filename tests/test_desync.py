@@ -33,6 +33,8 @@ from typing import Any
 import pytest
 from helpers import DDTRAIN, Run, finish, start
 
+from ddtop.daemon.nativestacks import NATIVE_MARK
+
 pytestmark = pytest.mark.processes
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "desync.py")
@@ -46,6 +48,7 @@ RUNS = {
     # Nor this: rank 0 sleeps before it sends to rank 1, which waits in recv.
     "p2p": ("--at", "3", "--odd-rank", "0", "--odd", "p2p"),
 }
+RUN_ROOT: dict[str, Path] = {}  # each run's folder (the module fixture's)
 WORDS = {
     # The world group's 4th all_reduce (one after each of steps 0-3).
     "world": "desync in group world #4: rank 3 entered all_gather (float32 x 4 per rank) "
@@ -58,6 +61,7 @@ WORDS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
     root = tmp_path_factory.mktemp("desync")
+    RUN_ROOT.update({name: root / name for name in RUNS})
     procs = {}
     done: dict[str, Run] = {}
     try:
@@ -103,6 +107,9 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     assert f"ddtrain: {words}\n" in run.stderr
     summary = next(line for line in lines(run) if line["kind"] == "summary")
     assert summary["failure"]["rank"] == 3, summary["failure"]
+    # Its stacks at that moment: Python's, then native (py-spy's, or why not).
+    stacks = (RUN_ROOT[name] / "runs" / name / "logs" / "rank-3.stacks").read_text()
+    assert "all_gather" in stacks and NATIVE_MARK in stacks, stacks
     assert words in summary["failure"]["message"], summary["failure"]
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import DDTRAIN, Together, detached, finish, start, tagged_pids, together
 
+from ddtop.daemon.nativestacks import NATIVE_MARK, py_spy
+
 
 @pytest.fixture(scope="module")
 def twice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Together]:
@@ -59,6 +61,11 @@ def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
     assert stacks.stdout.startswith("== rank 0 (")
     assert "Thread 0x" in stacks.stdout and "trainer.py" in stacks.stdout, stacks.stdout
     assert "ddtop-telemetry" in stacks.stdout or "sender.py" in stacks.stdout  # all threads
+    # Then its native stacks, read by py-spy (or the line saying it is not installed).
+    native = stacks.stdout.partition(NATIVE_MARK)[2]
+    assert native, stacks.stdout
+    if py_spy() is not None:
+        assert "(libtorch_cpu.so)" in native or "(libc.so.6)" in native, native
     assert every.returncode == 0 and "== rank 1: no stacks within" in every.stdout
     assert bad.returncode == 2 and bad.stderr.startswith("ddtrain: error: --rank 7:")
     assert bad.stderr.strip().endswith("run frozen has ranks 0-1"), bad.stderr

@@ -1,0 +1,67 @@
+"""Native stacks read from outside by py-spy (daemon/nativestacks.py), for real:
+a Python process blocked in a C call (`time.sleep`, as a rank inside gloo is in
+C++) gives its native frames with its Python frames among them, appended to its
+stacks file under the mark; a process that is gone, and no py-spy at all, each
+give one line saying why. The daemon's use of it at a hang is in
+tests/test_desync.py (the world run's rank 3)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtop.core.processes import ProcessId
+from ddtop.daemon import nativestacks
+
+pytestmark = pytest.mark.processes
+
+SLEEPER = "import time\ndef held():\n    time.sleep(60)\nheld()\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_process_blocked_in_c_gives_its_native_and_python_frames(tmp_path: Path) -> None:
+    if nativestacks.py_spy() is None:
+        pytest.skip("py-spy is not installed (the train extra installs it: make test does)")
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    try:
+        process = ProcessId.of(proc.pid)
+        assert process is not None
+        stacks = tmp_path / "rank-0.stacks"
+        stacks.write_text("(the Python dump)\n")
+        nativestacks.wait(nativestacks.dump({0: process}, [None], lambda rank: stacks))
+        text = stacks.read_text()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert text.startswith("(the Python dump)\n" f"{nativestacks.NATIVE_MARK} of rank 0 "
+                           f"(py-spy dump --native --pid {proc.pid}) ---\n"), text
+    assert "clock_nanosleep" in text or "nanosleep" in text, text  # the C frame it waits in
+    assert "held (<string>:3)" in text, text  # and the Python frame that called it
+    # Not asked for: nothing read.
+    assert nativestacks.dump({0: process}, [1], lambda rank: stacks) == []
+
+
+@pytest.mark.timeout(60)
+def test_what_could_not_be_read_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = ProcessId.of(proc.pid)
+    proc.wait(timeout=30)
+    stacks = tmp_path / "rank-1.stacks"
+    if nativestacks.py_spy() is not None and process is not None:
+        nativestacks.wait(nativestacks.dump({1: process}, [1], lambda rank: stacks))
+        lines = stacks.read_text().splitlines()
+        assert lines[0].startswith(f"{nativestacks.NATIVE_MARK} of rank 1 ") and \
+            lines[1].startswith("py-spy could not read it (exit 1): Error"), lines
+        assert len(lines) == 2, lines
+    monkeypatch.setattr(nativestacks, "py_spy", lambda: None)
+    alive = ProcessId.of(1)
+    assert alive is not None
+    stacks.unlink(missing_ok=True)
+    nativestacks.wait(nativestacks.dump({1: alive}, [None], lambda rank: stacks))
+    assert stacks.read_text() == (f"{nativestacks.NATIVE_MARK}: py-spy is not installed (pip "
+                                  "install py-spy, or the train extra): the Python stacks "
+                                  "above are all there is ---\n")
