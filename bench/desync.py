@@ -10,7 +10,13 @@ rebuilt from the run's telemetry journal, every record folded at the time the
 daemon received it, and asked every 50 ms (bench/faults.py's `first`) whether
 its hang names the desync. Prints each run's seconds from the last rank's entry
 to the desync named, and the median. Also: whether the daemon said it once (the
-warning event in the journal). Numbers in docs/performance.md.
+warning event in the journal).
+
+`--clean-steps N`: then a clean run (every rank alike, `--pairs`: a pair's
+all_reduce after each step, besides DDP's) of N steps, --world-size ranks: the
+signed collectives its ranks entered (one a step each), and the desyncs named,
+in the journal's warning events and at every 50 ms of the state replayed from
+it (0 is right). Numbers in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from faults import first  # bench/faults.py, beside this script
+from faults import first, moments  # bench/faults.py, beside this script
 
 from ddtop.core import desync, journal, wire
 from ddtop.core.rundir import RunPaths
@@ -57,10 +63,30 @@ def one(world: int, root: Path, index: int) -> tuple[float | None, int]:
     return (None if named is None else named - 1.0), told
 
 
+def clean(world: int, root: Path, steps: int) -> tuple[int, int, int]:
+    """(signed collectives entered, desync events, 50 ms moments naming a desync)."""
+    run_id = "clean"
+    cmd = [DDTRAIN, "start", "--foreground", "-n", str(world), "--run-id", run_id,
+           "--runs-dir", str(root), SCRIPT, "--steps", str(steps), "--pairs", "--odd", "none"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S * 4,
+                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"the clean run failed: {done.stderr[-2000:]}")
+    paths = RunPaths(root / run_id)
+    told = sum(1 for r in journal.read(paths.journal)
+               if isinstance(m := wire.decode([r.frame]), wire.Event)
+               and m.type == "warning" and desync.named(m.message))
+    named = sum(1 for t, state in moments(paths.journal, run_id, until_s=0)
+                if desync.named(state.hang(t)))
+    return world * steps, told, named
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--clean-steps", type=int, default=0,
+                        help="then a clean run of this many steps (0: none)")
     args = parser.parse_args()
     times: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,10 +98,16 @@ def main() -> int:
                   f"said {told} time(s)", flush=True)
             if named is not None:
                 times.append(named)
-    if times:
-        print(f"median {statistics.median(times):.2f} s, max {max(times):.2f} s "
-              f"({len(times)} of {args.repeats} named)")
-    return 0 if len(times) == args.repeats else 1
+        if times:
+            print(f"median {statistics.median(times):.2f} s, max {max(times):.2f} s "
+                  f"({len(times)} of {args.repeats} named)")
+        false = 0
+        if args.clean_steps:
+            entered, told, named = clean(args.world_size, Path(tmp), args.clean_steps)
+            false = told + named
+            print(f"clean run, {args.clean_steps} steps of {args.world_size} ranks: {entered:,} "
+                  f"signed collectives entered; desyncs said {told}, moments naming one {named}")
+    return 0 if len(times) == args.repeats and not false else 1
 
 
 if __name__ == "__main__":
