@@ -11,9 +11,9 @@ is in with its signature: the op, the dtype and elements of its input. Every
 rank of a group must enter the same collective as its #N; ranks inside #N of a
 group with different signatures will never meet (a hang), or worse, meet and
 exchange the wrong data. Compared where both sides are inside it, so a desync
-is named as soon as the heartbeats of both sides have come (a second after the
-second side entered). A rank that skipped a collective is named the same way:
-its #N is the others' #N+1, whose signature differs.
+is named as soon as the heartbeats of both sides have come (a rank 0.3 s inside
+a signed collective says so: training/beats.py). A rank that skipped a
+collective is named the same way when its #N, the others' #N+1, differs.
 
 Not compared: the elements of the ops that take uneven parts (all_gather,
 all_to_all, all_to_all_single), a collective without a signature (DDP's own
@@ -66,7 +66,7 @@ def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int],
         usual = order[0]
         odd = sorted(r for side in order[1:] for r in side)
         first = ranks[usual[0]].coll_started
-        assert first is not None
+        assert first is not None  # (as _what's)
         name = "world" if group == "world" else f"[{first.group_ranks}]"
         told = [f"{rank_list(sorted(side))} entered {_what(ranks[side[0]].coll_started)}"
                 for side in order[1:]]
@@ -78,8 +78,7 @@ def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int],
 
 def _what(c: wire.Collective | None) -> str:
     """'all_reduce (float32 x 4)', 'all_gather (float32 x 4 per rank)', 'barrier'."""
-    if c is None:
-        return "?"
+    assert c is not None  # (a rank on a side is inside its collective)
     if not c.dtype:
         return c.op
     count = f" x {c.count:,}" if c.count >= 0 else ""

@@ -115,8 +115,8 @@ class Collective(msgspec.Struct, frozen=True, kw_only=True):
     group_seq: Annotated[int, msgspec.Meta(ge=0)] = 0  # the group's collectives here, from 1
     dtype: DtypeName = ""  # "float32"; "" without a tensor (barrier, object collectives)
     count: Annotated[int, msgspec.Meta(ge=-1)] = -1  # elements of its input (per rank)
-    # Point-to-point (send, recv, isend, irecv): the other rank (global), -1 unknown
-    # or not p2p. A p2p call is not its group's collective: its group_seq is 0.
+    # A blocking send or recv: the other rank (global); -1 unknown (a recv from
+    # anyone) or not point-to-point. Not its group's collective: its group_seq is 0.
     peer: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_JOB_RANKS)] = -1
 
 
