@@ -15,9 +15,12 @@ is named as soon as the heartbeats of both sides have come (a rank 0.3 s inside
 a signed collective says so: training/beats.py). A rank that skipped a
 collective is named the same way when its #N, the others' #N+1, differs.
 
-Not compared: the elements of the ops that take uneven parts (all_gather,
-all_to_all, all_to_all_single), a collective without a signature (DDP's own
-buckets, an older sender), and a group unknown to the rank.
+DDP's gradient all-reduce of a step is one collective of its group (its
+buckets together: "DDP's gradient all-reduce (float32 x N)", N the gradients'
+elements), so a rank that enters a collective of its own where the others
+enter DDP's is named too. Not compared: the elements of the ops that take
+uneven parts (all_gather, all_to_all, all_to_all_single), a collective
+without a signature (an older sender's), and a group unknown to the rank.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ UNEVEN = frozenset({"all_gather", "all_to_all", "all_to_all_single"})
 # Ops whose input is one rank's part of what all of them gather or scatter.
 PER_RANK = frozenset({"all_gather", "all_gather_into_tensor", "reduce_scatter",
                       "reduce_scatter_tensor"})
+
+# DDP's gradient all-reduce of a step (every bucket: one collective of its group,
+# training/commtimer.py), as heartbeats name it, and as a desync's words do.
+DDP_OP, DDP_NAME = "allreduce", "DDP's gradient all-reduce"
 
 Sig = tuple[str, str, int]
 PREFIX = "desync in group "  # how a desync's words begin
@@ -79,8 +86,9 @@ def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int],
 def _what(c: wire.Collective | None) -> str:
     """'all_reduce (float32 x 4)', 'all_gather (float32 x 4 per rank)', 'barrier'."""
     assert c is not None  # (a rank on a side is inside its collective)
+    op = DDP_NAME if c.op == DDP_OP else c.op
     if not c.dtype:
-        return c.op
+        return op
     count = f" x {c.count:,}" if c.count >= 0 else ""
     per = " per rank" if c.op in PER_RANK and count else ""
-    return f"{c.op} ({c.dtype}{count}{per})"
+    return f"{op} ({c.dtype}{count}{per})"

@@ -4,7 +4,9 @@ entering another collective than its group's at one step:
 
 - on the world group, rank 3 all-gathers where ranks 0-2 all-reduce;
 - on a pair's sub-group ([2, 3]), rank 3 all-gathers where rank 2 all-reduces,
-  while ranks 0-1 go on to wait in DDP's all-reduce.
+  while ranks 0-1 go on to wait in DDP's all-reduce;
+- on the world group, rank 3 all-gathers before a step's forward where ranks
+  0-2 enter DDP's gradient all-reduce (one collective of the group a step).
 
 And hangs that are not a desync: in a sub-group, rank 2 sleeps before its
 pair's all-reduce (rank 3 waits in group [2,3] for rank 2, ranks 0-1 in the
@@ -18,7 +20,7 @@ size": over before a heartbeat could tell it. The words for it are tested in
 tests/test_desync_words.py.)
 
 Each is named as a desync (not "ranks 0-3 wait in all_reduce"), the odd rank is
-blamed, and --hang-timeout stops the run with the desync as its cause. The two
+blamed, and --hang-timeout stops the run with the desync as its cause. The five
 runs start together (a module fixture), so that their hang timeouts overlap.
 """
 
@@ -43,6 +45,8 @@ JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
 RUNS = {
     "world": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather"),
     "pair": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs"),
+    # Rank 3 all-gathers where ranks 0-2 enter DDP's gradient all-reduce.
+    "ddp": ("--at", "3", "--odd-rank", "3", "--odd", "ddp"),
     # Not a desync: rank 2 sleeps before its pair's all_reduce.
     "sleep": ("--at", "3", "--odd-rank", "2", "--odd", "sleep", "--pairs"),
     # Nor this: rank 0 sleeps before it sends to rank 1, which waits in recv.
@@ -50,9 +54,13 @@ RUNS = {
 }
 RUN_ROOT: dict[str, Path] = {}  # each run's folder (the module fixture's)
 WORDS = {
-    # The world group's 4th all_reduce (one after each of steps 0-3).
-    "world": "desync in group world #4: rank 3 entered all_gather (float32 x 4 per rank) "
+    # The world group's 8th collective: DDP's all-reduce, then an all_reduce, in each
+    # of steps 0-3.
+    "world": "desync in group world #8: rank 3 entered all_gather (float32 x 4 per rank) "
              "while ranks 0-2 entered all_reduce (float32 x 4)",
+    # ... and its 7th: DDP's all-reduce of step 3 (Linear(8, 1): 9 gradient elements).
+    "ddp": "desync in group world #7: rank 3 entered all_gather (float32 x 4 per rank) "
+           "while ranks 0-2 entered DDP's gradient all-reduce (float32 x 9)",
     "pair": "desync in group [2,3] #4: rank 3 entered all_gather (float32 x 4 per rank) "
             "while rank 2 entered all_reduce (float32 x 4)",
 }
@@ -85,7 +93,7 @@ def lines(run: Run) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
-@pytest.mark.parametrize("name", ["world", "pair"])
+@pytest.mark.parametrize("name", ["world", "pair", "ddp"])
 def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
         runs: dict[str, Run], name: str) -> None:
     run = runs[name]

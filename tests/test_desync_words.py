@@ -11,10 +11,13 @@ import msgspec
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ddtop.core import desync, hangs, wire
 from ddtop.core.rankview import RUNNING, STALLED, RankView
 from ddtop.training import collectives
+from ddtop.training.commtimer import DDPStats
+from ddtop.training.telemetry import Telemetry
 
 
 def coll(op: str, group_seq: int, *, dtype: str = "float32", count: int = 4,
@@ -52,6 +55,11 @@ def test_another_op_at_the_same_point_of_a_group_is_a_desync_blaming_the_odd_sid
                 coll("all_gather", 5, group="1", ranks="2,3"))
     assert pair is not None and pair[0] == [1] and pair[1].startswith("desync in group [2,3] #5: ")
     assert desync.named(pair[1]) and not desync.named("ranks 0-1 wait in all_reduce #3")
+    # DDP's gradient all-reduce of a step, signed (training/commtimer.py), by its name.
+    ddp = coll("allreduce", 7, count=9)
+    assert find(ddp, ddp, coll("all_reduce", 7, count=1)) == (
+        [2], "desync in group world #7: rank 2 entered all_reduce (float32 x 1) "
+             "while ranks 0-1 entered DDP's gradient all-reduce (float32 x 9)")
 
 
 def test_no_desync_where_the_ranks_agree_or_a_signature_is_missing() -> None:
@@ -162,6 +170,16 @@ def test_a_collectives_signature_counts_per_group_from_torchs_own_group(
                                      collectives.P2P["recv"])
     assert received == ("world", 1, "0", 0, "float32", 4, -1)  # from anyone: not known
     assert collectives.signature("barrier", (), {}, -1, described["barrier"])[3] == 4
+    # DDP's gradient all-reduce of a step is one collective of its model's group, in the
+    # same count: the gradients' dtype and elements (Linear(8, 1): 9), however bucketed.
+    model = DistributedDataParallel(torch.nn.Linear(8, 1))
+    step = DDPStats(Telemetry(), model)  # type: ignore[arg-type]
+    assert step.signature() == ("world", 1, "0", 5, "float32", 9, -1)
+    assert step.signature() == ("world", 1, "0", 6, "float32", 9, -1)
+    mixed = torch.nn.Linear(8, 1)
+    mixed.bias.data = mixed.bias.data.double()
+    assert DDPStats(Telemetry(), DistributedDataParallel(mixed)).signature() == (  # type: ignore[arg-type]
+        "world", 1, "0", 7, "mixed", 9, -1)
 
 
 def test_a_hang_in_a_sub_group_names_the_group_and_blames_the_root() -> None:

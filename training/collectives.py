@@ -302,6 +302,18 @@ def _group(pg: Any) -> list[Any]:
     return entry
 
 
+def group_entered(pg: Any, dtype: str, count: int) -> tuple[str, int, str, int, str, int, int]:
+    """The signature of a collective on group `pg` that ddtop issues or sees itself
+    rather than through a wrapped function (DDP's gradient all-reduce of a step:
+    training/commtimer.py), counted in the group's own sequence as the wrapped ones
+    are: `dtype` and `count`, the elements it reduces."""
+    entry = _groups.get(pg)
+    if entry is None:
+        entry = _group(pg)
+    entry[3] += entry[4]
+    return entry[0], entry[1], entry[2], entry[3], dtype, count, -1
+
+
 def _dtype(t: Any) -> str:
     name = _dtypes.get(t.dtype)
     if name is None:

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.core import wire
-from ddtop.training.telemetry import LiveTelemetry, Telemetry
+from ddtop.training.collectives import group_entered
+from ddtop.training.telemetry import LiveTelemetry, Signature, Telemetry
 
 # A comm hook as DDP calls it: hook(state, bucket) -> future of the reduced bucket.
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
@@ -190,7 +191,14 @@ class DDPStats:
     def __init__(self, telemetry: LiveTelemetry, ddp: DDP) -> None:
         self.telemetry = telemetry
         params = getattr(ddp, "_module_parameters", None) or list(ddp.module.parameters())
-        self.grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        grads = [p for p in params if p.requires_grad]
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in grads)
+        # Its signature, the same on every rank of its group: the step's all-reduce of
+        # every gradient (however DDP buckets them), counted as one collective of the group.
+        self.group = ddp.process_group
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in grads}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else "mixed"  # (wire.DtypeName allows no "+")
+        self.count = sum(p.numel() for p in grads)
         self.buckets = 1  # all-reduces per step: DDP's first iteration has one bucket
         self.coll: wire.Collective | None = None  # the all-reduce named since the forward
         self.timings = 0  # iterations DDP was asked to time
@@ -209,6 +217,13 @@ class DDPStats:
         first = next((p for p in params if p.requires_grad), None)
         if first is not None:
             first.register_post_accumulate_grad_hook(self._backward_done)
+
+    def signature(self) -> Signature | None:
+        """The signature of the all-reduce beginning, counted in its group's sequence."""
+        try:
+            return group_entered(self.group, self.dtype, self.count)
+        except Exception:  # noqa: BLE001 - instrumentation must never break the script
+            return None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "DDPStats":
         return self  # (a copy of a watched model, an EMA copy say, shares it)

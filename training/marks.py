@@ -111,6 +111,9 @@ class AllReduceSource(Protocol):
     grad_bytes: int  # bytes all-reduced per step
     buckets: int  # all-reduces per step
 
+    def signature(self) -> tuple[str, int, str, int, str, int, int] | None:
+        """The signature of the step's all-reduce, counted in its group (telemetry.Signature)."""
+
 
 class DdpSyncMark(msgspec.Struct, frozen=True, gc=False):
     """`source`'s model all-reduces its gradients in the step in progress;

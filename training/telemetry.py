@@ -294,7 +294,7 @@ class LiveTelemetry(Telemetry):
         and buckets, and its time (read if `timed`, else estimated: stepfold.py);
         the collective heartbeats name meanwhile."""
         self._marks.append(DdpSyncMark(source, timed))
-        return self.collective_started("allreduce", source.grad_bytes)
+        return self.collective_started("allreduce", source.grad_bytes, source.signature())
 
     def ddp_reading(self, source: AllReduceSource, seconds: float) -> None:
         """What `source`'s last all-reduce took, read from DDP's statistics (the

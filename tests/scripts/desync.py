@@ -9,8 +9,10 @@ ODD: all_gather (4 float32s a rank), float64 (an all_reduce of 4 float64s),
 count (an all_reduce of 8 float32s), skip (no collective: its next all_reduce is
 the others' one after), sleep (10 minutes, then none: a hang, not a desync),
 p2p (it sleeps 10 minutes, then sends 4 float32s to the next rank, which waits
-in recv for them; then none: a hang of a point-to-point pair), or none (a clean
-run: every rank alike).
+in recv for them; then none: a hang of a point-to-point pair), ddp (it
+all-gathers 4 float32s on the world group before that step's forward, where
+the others enter DDP's gradient all-reduce), or none (a clean run: every rank
+alike).
 """
 
 import argparse
@@ -28,7 +30,8 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=5)
     parser.add_argument("--odd-rank", type=int, default=-1)
     parser.add_argument("--odd", default="all_gather",
-                        choices=["all_gather", "float64", "count", "skip", "sleep", "p2p", "none"])
+                        choices=["all_gather", "float64", "count", "skip", "sleep", "p2p", "ddp",
+                                 "none"])
     parser.add_argument("--pairs", action="store_true")
     parser.add_argument("--step-s", type=float, default=0.0, help="seconds of sleep a step")
     args = parser.parse_args()
@@ -40,6 +43,9 @@ def main() -> None:
     model = DDP(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(args.steps):
+        if args.odd == "ddp" and step == args.at and rank == args.odd_rank:
+            print(f"entering {time.time():.6f}", flush=True)
+            dist.all_gather([torch.empty(4) for _ in range(world)], torch.ones(4))
         loss = model(torch.randn(16, 8)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -54,7 +60,7 @@ def main() -> None:
             else:
                 dist.recv(torch.empty(4), src=args.odd_rank)
             odd = "none"
-        if step == args.at:  # when it enters its collective of the step (bench/desync.py)
+        if step == args.at and args.odd != "ddp":  # when it enters its collective (bench/desync.py)
             print(f"entering {time.time():.6f}", flush=True)
         if odd == "none":
             dist.all_reduce(torch.ones(4), group=group)
