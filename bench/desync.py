@@ -14,7 +14,8 @@ warning event in the journal).
 
 `--clean-steps N`: then a clean run (every rank alike, `--pairs`: a pair's
 all_reduce after each step, besides DDP's) of N steps, --world-size ranks: the
-signed collectives its ranks entered (one a step each), and the desyncs named,
+signed collectives its ranks entered (two a step each: DDP's gradient
+all-reduce, on the world group, and the pair's all_reduce), and the desyncs named,
 in the journal's warning events and at every 50 ms of the state replayed from
 it (0 is right). Numbers in docs/performance.md.
 """
@@ -78,7 +79,7 @@ def clean(world: int, root: Path, steps: int) -> tuple[int, int, int]:
                and m.type == "warning" and desync.named(m.message))
     named = sum(1 for t, state in moments(paths.journal, run_id, until_s=0)
                 if desync.named(state.hang(t)))
-    return world * steps, told, named
+    return 2 * world * steps, told, named
 
 
 def main() -> int:
