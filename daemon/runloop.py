@@ -50,7 +50,7 @@ from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import ProcessRecord
 from ddtop.core.text import count_of
-from ddtop.daemon import leftovers, nativestacks
+from ddtop.daemon import evidence, leftovers
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter
 from ddtop.daemon.hangtimeout import HangTimer
@@ -72,8 +72,6 @@ from ddtop.daemon.starters import (
 POLL_S = 0.1
 # Seconds ranks get to stop gracefully after the first Ctrl-C.
 INTERRUPT_STOP_TIMEOUT_S = 30.0
-# A hang failed by --hang-timeout: seconds the ranks get to write their stacks first.
-STACKS_GRACE_S = 0.3
 # Starts again after rank 0 found the port the daemon picked taken by another
 # process (a race between the daemon's choice and rank 0's bind): not restarts.
 PORT_RETRIES = 3
@@ -116,6 +114,7 @@ class RunLoop:
         self.interrupted = False  # the stop came from Ctrl-C
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.hang = HangTimer(config.hang_timeout)
+        self.evidence = evidence.Gatherer(paths, starter.numbered)
         self.world_told = 0  # `ddtrain watch`: the world size run.json has
 
     def run(self) -> int:
@@ -322,6 +321,9 @@ class RunLoop:
             self.status("running", f"watching {count_of(world, 'rank')}")
         if (desync := self.hang.desync_news(self.relay.state, time.time())) is not None:
             self._tell("warning", desync)
+            self.evidence.gather(self.relay.state, "desync", desync)
+        for line in self.evidence.told():
+            self._tell("info", line)
         self._on_state(self.relay.state)
 
     def _on_state(self, state: RunState) -> None:  # every pass of the loop
@@ -395,11 +397,12 @@ class RunLoop:
         verdict = ErrorReport(rank=blamed, message=f"{reason}: {text}")
         self.exits.verdicts[blamed] = verdict
         numbered = self.starter.numbered()
-        # Where each rank hangs, kept: its Python and native stacks (py-spy reads
-        # the live process: waited for, HANG_NATIVE_S at most).
-        nativestacks.wait(signal_stacks(numbered, [None], self.paths.rank_stacks),
-                          nativestacks.HANG_NATIVE_S)
-        time.sleep(STACKS_GRACE_S)
+        # Where each rank hangs, kept: the evidence (daemon/evidence.py), their Python
+        # and native stacks among it (py-spy reads the live process: waited for,
+        # HANG_NATIVE_S at most).
+        self.evidence.gather(self.relay.state, "hang", message, wait=True)
+        for line in self.evidence.told():
+            self._tell("info", line)
         for r in self.ranks:
             if r.process.exitcode is None:
                 r.stopped_by_us = True

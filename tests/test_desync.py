@@ -88,6 +88,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
                     finish(proc, tag, timeout=RUN_TIMEOUT_S)
 
 
+def evidence_of(name: str) -> list[Path]:
+    """The run's evidence bundles, oldest first."""
+    return sorted((RUN_ROOT[name] / "runs" / name / "evidence").iterdir())
+
+
 def lines(run: Run) -> list[dict[str, Any]]:
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
@@ -119,6 +124,30 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     stacks = (RUN_ROOT[name] / "runs" / name / "logs" / "rank-3.stacks").read_text()
     assert "all_gather" in stacks and NATIVE_MARK in stacks, stacks
     assert words in summary["failure"]["message"], summary["failure"]
+    # The evidence, gathered when the desync was told and again when --hang-timeout
+    # failed it (daemon/evidence.py): the words, each rank as the state held it, and
+    # every rank's stacks, each bundle complete (its index written last).
+    bundles = evidence_of(name)
+    indexes = [json.loads((b / "index.json").read_text()) for b in bundles]
+    assert [i["why"] for i in indexes] == ["desync", "hang"], indexes
+    assert indexes[0]["verdict"] == words and words in indexes[1]["verdict"], indexes
+    assert all(set(i["files"]) == {"verdict.txt", "ranks.json", "rank-0.stacks",
+                                   "rank-1.stacks", "rank-2.stacks", "rank-3.stacks"}
+               for i in indexes), indexes
+    # The run went on meanwhile: py-spy's dumps were each given their time (the hang's
+    # bundle waits HANG_NATIVE_S, and may say a rank's came too late).
+    assert indexes[0]["missing"] == [], indexes[0]
+    assert not any("Python" in line for line in indexes[1]["missing"]), indexes[1]
+    ranks = json.loads((bundles[0] / "ranks.json").read_text())
+    number = int(words.split(" #")[1].split(":")[0])
+    odd = ranks["3"]["coll_started"]
+    assert odd["op"] == "all_gather" and odd["group_seq"] == number, ranks
+    assert (bundles[0] / "verdict.txt").read_text() == words + "\n"
+    in_bundle = (bundles[0] / "rank-3.stacks").read_text()
+    assert "all_gather" in in_bundle and NATIVE_MARK in in_bundle, in_bundle
+    for why, bundle in zip(("desync", "hang"), bundles, strict=True):
+        folder = Path("runs", name, "evidence", bundle.name)
+        assert f"ddtrain: evidence of the {why} in {folder}\n" in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
@@ -139,6 +168,12 @@ def test_a_hang_in_a_sub_group_says_who_waits_for_whom_in_which_group(
     assert summary["failure"]["rank"] == 2, summary["failure"]
     assert "rank 2 hung for 4 s (--hang-timeout 4): ranks 0-1 wait in allreduce #" \
         in run.stderr, run.stderr[-3000:]
+    # No desync: one bundle, the hang's, with the sleeping rank's stacks.
+    (bundle,) = evidence_of("sleep")
+    index = json.loads((bundle / "index.json").read_text())
+    assert index["why"] == "hang" and index["verdict"].startswith("rank 2 hung for 4 s"), index
+    assert "time.sleep" in (bundle / "rank-2.stacks").read_text() or \
+        "sleep" in (bundle / "rank-2.stacks").read_text()
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)

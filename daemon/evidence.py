@@ -1,0 +1,187 @@
+"""Evidence of a hang or a desync, gathered by the daemon at the moment it is
+named, in one folder of the run: `runs/<id>/evidence/<time>/`.
+
+    index.json     what was named, when, why it was gathered, what each file is,
+                   and what could not be had (written last: a folder without it is
+                   still being written, or its daemon died meanwhile)
+    verdict.txt    the words the daemon named it with
+    ranks.json     each rank as the daemon's state held it then: its process, host,
+                   phase (and for how long), step, the collectives it last entered
+                   and finished (with their signatures: group, the group's #N, op,
+                   dtype, elements), memory (RSS, CUDA allocated and reserved)
+    rank-K.stacks  rank K's Python stacks, every thread (faulthandler's, written by
+                   the rank itself), then its native stacks (py-spy's, read from
+                   outside: a rank stuck in C++ or holding the GIL still gives them),
+                   or the line saying why there are none
+
+Gathered when a desync is first told (the run goes on: the files are read back on
+a thread of their own) and when --hang-timeout fails a hang (before its ranks are
+stopped). The stacks go through daemon/stacks.py's signal_stacks: only to the
+processes the daemon started or verified. A rank that gives no Python stacks
+(stopped, gone) is named in the index, as is one whose native stacks took
+longer than they were waited for: HANG_NATIVE_S where the run waits (a hang
+failed), py-spy's own DUMP_TIMEOUT_S where it goes on (a desync). Everything
+is the run owner's alone, as the run folder is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ddtop.core.processes import ProcessId
+from ddtop.core.rankview import RankView
+from ddtop.core.rundir import RunPaths, write_json_atomic
+from ddtop.core.state import RunState
+from ddtop.daemon import nativestacks
+from ddtop.daemon.stacks import signal_stacks
+
+FOLDER = "evidence"
+SETTLE_S = 0.3  # after py-spy: a rank's Python dump is written by then (or never)
+INDEX = "index.json"
+
+
+@dataclass
+class Gathering:
+    """A bundle begun: its folder, each rank's stacks file and its size before the
+    signal (what follows is this bundle's), and py-spy's threads."""
+
+    folder: Path
+    run: str
+    why: str
+    verdict: str
+    at: float
+    stacks: dict[int, tuple[Path, int]]
+    threads: list[threading.Thread]
+
+
+def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why: str,
+          verdict: str, now: float) -> Gathering:
+    """Start a bundle: the state's words and every rank as it holds them, written
+    now; the ranks asked for their stacks. OSError: the folder cannot be made."""
+    folder = _new_folder(paths.root / FOLDER, now)
+    (folder / "verdict.txt").write_text(verdict + "\n")
+    write_json_atomic(folder / "ranks.json",
+                      {str(k): rank_record(v) for k, v in sorted(state.ranks.items())})
+    stacks = {k: (paths.rank_stacks(k), _size(paths.rank_stacks(k))) for k in sorted(numbered)}
+    threads = signal_stacks(numbered, [None], paths.rank_stacks)
+    return Gathering(folder, paths.run_id, why, verdict, now, stacks, threads)
+
+
+def finish(g: Gathering, limit: float) -> Path:
+    """Wait for the stacks (py-spy's `limit` seconds at most), copy each rank's into
+    the bundle, and write its index; the folder."""
+    nativestacks.wait(g.threads, limit)
+    time.sleep(SETTLE_S)
+    files = {"verdict.txt": "the words the daemon named it with",
+             "ranks.json": "each rank as the daemon's state held it: process, phase, step, "
+                           "the collectives it last entered and finished, memory"}
+    missing = []
+    for k, (path, offset) in g.stacks.items():
+        text = _since(path, offset)
+        python, mark, _ = text.partition(nativestacks.NATIVE_MARK)
+        if text.strip():
+            (g.folder / f"rank-{k}.stacks").write_text(text)
+            files[f"rank-{k}.stacks"] = (
+                f"rank {k}'s stacks: " + ("Python's (every thread)" if python.strip()
+                                          else "no Python stacks (stopped, or gone)")
+                + (", then native (py-spy, or why not)" if mark else ""))
+        if not python.strip():
+            missing.append(f"rank {k}: no Python stacks (the process is stopped or gone)")
+        if not mark:
+            missing.append(f"rank {k}: no native stacks within {limit:g} s (py-spy's, "
+                           f"if they come, follow in {path})")
+    write_json_atomic(g.folder / INDEX, {
+        "run": g.run, "why": g.why, "verdict": g.verdict,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(g.at)),
+        "files": files, "missing": missing})
+    return g.folder
+
+
+class Gatherer:
+    """The run loop's bundles: `gather` begins one (and, `wait`ing, finishes it);
+    `told` gives, once each, the lines saying where the finished ones are (a bundle
+    finished on its own thread is told by the loop's next pass)."""
+
+    def __init__(self, paths: RunPaths, numbered: Callable[[], dict[int, ProcessId]]) -> None:
+        self.paths, self.numbered = paths, numbered
+        self._told: list[str] = []
+        self._lock = threading.Lock()
+
+    def gather(self, state: RunState, why: str, verdict: str, wait: bool = False) -> None:
+        try:
+            g = begin(self.paths, state, self.numbered(), why, verdict, time.time())
+        except OSError as e:
+            self._tell(f"no evidence of the {why} gathered: {e}")
+            return
+        if wait:  # (the run waits: py-spy's threads for HANG_NATIVE_S at most)
+            self._finish(g, nativestacks.HANG_NATIVE_S)
+        else:  # (the run goes on: each py-spy dump is given all its DUMP_TIMEOUT_S)
+            threading.Thread(target=self._finish, args=(g, nativestacks.DUMP_TIMEOUT_S + 1),
+                             name="ddtrain-evidence", daemon=True).start()
+
+    def told(self) -> list[str]:
+        with self._lock:
+            lines, self._told = self._told, []
+        return lines
+
+    def _finish(self, g: Gathering, limit: float) -> None:
+        try:
+            folder = finish(g, limit)
+        except OSError as e:
+            self._tell(f"the evidence of the {g.why} in {g.folder} is incomplete: {e}")
+            return
+        self._tell(f"evidence of the {g.why} in {folder}")
+
+    def _tell(self, line: str) -> None:
+        with self._lock:
+            self._told.append(line)
+
+
+def rank_record(v: RankView) -> dict[str, Any]:
+    """What ranks.json says of rank `v`."""
+    return {
+        "pid": v.pid, "host": v.host, "device": v.device, "phase": v.phase,
+        "phase_s": round(v.phase_s, 3), "global_step": v.global_step, "epoch": v.epoch,
+        "exited": v.exited, "coll_started": _coll(v.coll_started),
+        "coll_completed": _coll(v.coll_completed), "rss": v.rss,
+        "cuda_allocated": v.cuda_allocated, "cuda_reserved": v.cuda_reserved}
+
+
+def _coll(c: Any) -> Any:
+    return None if c is None else msgspec.to_builtins(c)
+
+
+def _new_folder(parent: Path, now: float) -> Path:
+    parent.mkdir(mode=0o700, exist_ok=True)
+    name = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    for n in range(100):
+        folder = parent / (name if n == 0 else f"{name}-{n}")
+        try:
+            folder.mkdir(mode=0o700)
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: 100 bundles in one second")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _since(path: Path, offset: int) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
