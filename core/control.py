@@ -41,8 +41,8 @@ def request(endpoint: str, message: protocol.Snapshot, timeout_s: float = ..., *
 def request(endpoint: str, message: protocol.Stop, timeout_s: float = ..., *,
             keys: Keys = ...) -> protocol.StopReply: ...
 @overload
-def request(endpoint: str, message: protocol.Stacks | protocol.Focus, timeout_s: float = ..., *,
-            keys: Keys = ...) -> protocol.Reply: ...
+def request(endpoint: str, message: protocol.Stacks | protocol.Evidence | protocol.Focus,
+            timeout_s: float = ..., *, keys: Keys = ...) -> protocol.Reply: ...
 def request(endpoint: str, message: protocol.AnyRequest, timeout_s: float = 2.0, *,
             keys: Keys = None) -> protocol.Reply:
     """`message` to the daemon at `endpoint`: its reply, of the kind the request

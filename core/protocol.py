@@ -97,6 +97,11 @@ class Stacks(Request, tag="stacks"):
     rank: Rank | None = None
 
 
+class Evidence(Request, tag="evidence"):
+    """Gather the evidence now (ddtrain evidence): every rank's stacks and state, in a
+    folder of the run (daemon/evidence.py)."""
+
+
 class Focus(Request, tag="focus"):
     """Rank `rank`'s every step for FOCUS_S: a dashboard's open rank detail. A hub
     passes it to the rank's node, which sends that rank's Step messages unmerged
@@ -141,7 +146,7 @@ class NodeHeartbeat(Request, tag="node"):
     failure: NodeFailure | None = None
 
 
-AnyRequest: TypeAlias = Ping | Status | Snapshot | Stop | Stacks | Focus
+AnyRequest: TypeAlias = Ping | Status | Snapshot | Stop | Stacks | Evidence | Focus
 HubRequest: TypeAlias = AnyRequest | NodeHeartbeat
 
 
@@ -189,7 +194,7 @@ def refused(error: str) -> Reply:
 
 REPLIES: dict[type[Request], type[Reply]] = {
     Ping: PingReply, Status: StatusReply, Snapshot: SnapshotReply, Stop: StopReply,
-    Stacks: Reply, Focus: Reply, NodeHeartbeat: NodeReply}
+    Stacks: Reply, Evidence: Reply, Focus: Reply, NodeHeartbeat: NodeReply}
 
 
 # -- decoding ---------------------------------------------------------------------------

@@ -136,6 +136,11 @@ class RunPaths:
         """Rank k's Python stacks, appended at each `ddtrain stacks` (daemon/stacks.py)."""
         return self.logs / f"rank-{rank}.stacks"
 
+    @property
+    def evidence(self) -> Path:
+        """The evidence gathered of a hang or desync, a folder each (daemon/evidence.py)."""
+        return self.root / "evidence"
+
     def checkpoint_files(self) -> list[Path]:
         """The run's checkpoints, oldest first (names sort by global step)."""
         return sorted(self.checkpoints.glob(CHECKPOINT_GLOB))

@@ -54,7 +54,7 @@ from ddtop.core.rundir import (
 )
 from ddtop.core.runinfo import RunInfo
 from ddtop.core.text import count_of
-from ddtop.daemon.stacks import cmd_stacks
+from ddtop.daemon.stacks import cmd_evidence, cmd_stacks
 from ddtop.daemon.startline import (
     add_start_command,
     parse_command_line,
@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "logs/rank-K.stacks.")
     with_run(stacks)
     stacks.add_argument("--rank", type=int, default=None, metavar="K", help="only rank K")
+    evidence = commands.add_parser(
+        "evidence", help="gather the evidence of a run now: every rank's stacks and state",
+        description="Ask the run's daemon to gather the evidence now, as it does when a "
+        "desync is named or --hang-timeout fails a hang: every rank's Python and native "
+        "stacks and its state (collectives with their signatures, memory), in "
+        "runs/<id>/evidence/<time>/; print what it wrote.")
+    with_run(evidence)
     serve = commands.add_parser("serve")  # the detached daemon; not for people
     serve.add_argument("run_dir")
     return parser
@@ -344,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     commands = {"start": cmd_start, "serve": cmd_serve, "status": cmd_status,
                 "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs,
-                "stacks": cmd_stacks, "watch": cmd_watch}
+                "stacks": cmd_stacks, "evidence": cmd_evidence, "watch": cmd_watch}
     try:
         args = parse_command_line(parser, sys.argv[1:] if argv is None else argv, os.environ)
         return commands[args.command](args)

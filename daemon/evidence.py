@@ -15,9 +15,10 @@ named, in one folder of the run: `runs/<id>/evidence/<time>/`.
                    or the line saying why there are none
 
 Gathered when a desync is first told (the run goes on: the files are read back on
-a thread of their own) and when --hang-timeout fails a hang (before its ranks are
-stopped). The stacks go through daemon/stacks.py's signal_stacks: only to the
-processes the daemon started or verified. A rank that gives no Python stacks
+a thread of their own), when --hang-timeout fails a hang (before its ranks are
+stopped), and when asked (`ddtrain evidence`: daemon/stacks.py). The stacks go
+through daemon/stacks.py's signal_stacks: only to the processes the daemon
+started or verified. A rank that gives no Python stacks
 (stopped, gone) is named in the index, as is one whose native stacks took
 longer than they were waited for: HANG_NATIVE_S where the run waits (a hang
 failed), py-spy's own DUMP_TIMEOUT_S where it goes on (a desync). Everything
@@ -42,7 +43,9 @@ from ddtop.core.state import RunState
 from ddtop.daemon import nativestacks
 from ddtop.daemon.stacks import signal_stacks
 
-FOLDER = "evidence"
+# What a bundle is said to be, by why it was gathered ("evidence of the desync in ...").
+SAID = {"desync": "evidence of the desync", "hang": "evidence of the hang",
+        "asked": "evidence asked for"}
 SETTLE_S = 0.3  # after py-spy: a rank's Python dump is written by then (or never)
 INDEX = "index.json"
 
@@ -65,7 +68,7 @@ def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why:
           verdict: str, now: float) -> Gathering:
     """Start a bundle: the state's words and every rank as it holds them, written
     now; the ranks asked for their stacks. OSError: the folder cannot be made."""
-    folder = _new_folder(paths.root / FOLDER, now)
+    folder = _new_folder(paths.evidence, now)
     (folder / "verdict.txt").write_text(verdict + "\n")
     write_json_atomic(folder / "ranks.json",
                       {str(k): rank_record(v) for k, v in sorted(state.ranks.items())})
@@ -113,8 +116,14 @@ class Gatherer:
         self.paths, self.numbered = paths, numbered
         self._told: list[str] = []
         self._lock = threading.Lock()
+        self._asked: threading.Thread | None = None  # the bundle asked for, being finished
 
-    def gather(self, state: RunState, why: str, verdict: str, wait: bool = False) -> None:
+    def gather(self, state: RunState, why: str, verdict: str, wait: bool = False,
+               limit: float = nativestacks.DUMP_TIMEOUT_S + 1) -> None:
+        """Begin a bundle; finish it now (`wait`: py-spy's threads waited for
+        HANG_NATIVE_S at most, the run waiting) or on a thread of its own (`limit`)."""
+        if why == "asked" and self._asked is not None and self._asked.is_alive():
+            return  # (one asked for at a time: py-spy attaches to every rank)
         try:
             g = begin(self.paths, state, self.numbered(), why, verdict, time.time())
         except OSError as e:
@@ -122,9 +131,12 @@ class Gatherer:
             return
         if wait:  # (the run waits: py-spy's threads for HANG_NATIVE_S at most)
             self._finish(g, nativestacks.HANG_NATIVE_S)
-        else:  # (the run goes on: each py-spy dump is given all its DUMP_TIMEOUT_S)
-            threading.Thread(target=self._finish, args=(g, nativestacks.DUMP_TIMEOUT_S + 1),
-                             name="ddtrain-evidence", daemon=True).start()
+        else:  # (the run goes on: a desync's gives each py-spy dump its DUMP_TIMEOUT_S)
+            thread = threading.Thread(target=self._finish, args=(g, limit),
+                                      name="ddtrain-evidence", daemon=True)
+            thread.start()
+            if why == "asked":
+                self._asked = thread
 
     def told(self) -> list[str]:
         with self._lock:
@@ -137,7 +149,7 @@ class Gatherer:
         except OSError as e:
             self._tell(f"the evidence of the {g.why} in {g.folder} is incomplete: {e}")
             return
-        self._tell(f"evidence of the {g.why} in {folder}")
+        self._tell(f"{SAID.get(g.why, g.why)} in {folder}")
 
     def _tell(self, line: str) -> None:
         with self._lock:

@@ -5,6 +5,7 @@
     snapshot  the whole RunState, for a dashboard that just subscribed
     stop      {"timeout": S}: stop gracefully, terminating what is left after S
     stacks    {"rank": K or nil}: the ranks write their stacks (ddtrain stacks)
+    evidence  the daemon gathers the evidence now (ddtrain evidence: daemon/evidence.py)
     node      a node daemon's heartbeat, answered by the hub (daemon/hub.py)
 
 The requests and replies are typed (core/protocol.py), decoded by the socket's
@@ -12,8 +13,8 @@ one decoder (a hub's also takes `node`). What is not a request of a kind the
 socket takes is answered with {"ok": false, "error": ...} and counted in
 `RunState.rejected["bad_request"]`; a known request with an argument of the wrong
 kind or out of range is answered so too, not counted. The answer only hands what
-was asked, as the typed request, to `Asked`: the supervisor takes the stop and
-stacks requests at its next tick, in its own loop (`Asked.take`), and a hub passes
+was asked, as the typed request, to `Asked`: the supervisor takes the stop,
+stacks and evidence requests at its next tick, in its own loop (`Asked.take`), and a hub passes
 the ranks open on a dashboard to the nodes (`Asked.focused`).
 """
 
@@ -36,7 +37,7 @@ FOCUS_PER_PEER = 4
 MAX_PEERS = 1024  # peers remembered (the least recently heard from is forgotten)
 FOCUS_FLOOD = "focus_rate"  # rejected: a focus request over its peer's rate
 
-Taken = protocol.Stop | protocol.Stacks
+Taken = protocol.Stop | protocol.Stacks | protocol.Evidence
 
 
 class Asked:
@@ -75,6 +76,9 @@ class Asked:
             case protocol.Stacks():
                 if sum(isinstance(r, protocol.Stacks) for r in self._pending) < MAX_STACKS_REQUESTS:
                     self._pending.append(request)
+            case protocol.Evidence():  # one between two takes: the next asker shares it
+                if not any(isinstance(r, protocol.Evidence) for r in self._pending):
+                    self._pending.append(request)
             case protocol.Focus(rank=rank):
                 for old in [r for r, until in self.focus.items() if until <= now]:
                     del self.focus[old]
@@ -94,7 +98,7 @@ class Asked:
         self._pending.append(protocol.Stop(timeout=timeout))
 
     def take(self) -> list[Taken]:
-        """The stop and stacks requests kept since the last take, in order."""
+        """The stop, stacks and evidence requests kept since the last take, in order."""
         taken, self._pending = self._pending, []
         return taken
 
@@ -145,6 +149,9 @@ def answer(relay: Answering, body: bytes, peer: str = "") -> protocol.Reply:
         case protocol.Stacks(rank=rank):
             if rank is not None and relay.world_size and rank >= relay.world_size:
                 return protocol.refused(protocol.Stacks.refusal)
+            relay.asked.put(request, time.monotonic())
+            return protocol.Reply(ok=True)
+        case protocol.Evidence():
             relay.asked.put(request, time.monotonic())
             return protocol.Reply(ok=True)
         case protocol.Focus(rank=rank):

@@ -50,7 +50,7 @@ from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import ProcessRecord
 from ddtop.core.text import count_of
-from ddtop.daemon import evidence, leftovers
+from ddtop.daemon import evidence, leftovers, nativestacks
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter
 from ddtop.daemon.hangtimeout import HangTimer
@@ -348,6 +348,12 @@ class RunLoop:
                 signal_stacks(numbered(), stacks, rank_stacks)
 
             self.relay.guarded("stacks", ask)
+        if any(isinstance(r, protocol.Evidence) for r in asked):
+            now = time.time()
+            verdict = self.relay.state.hang(now) or "asked for (ddtrain evidence): no hang named"
+            # (asked for by someone waiting: py-spy's dumps waited for as a hang's are)
+            self.evidence.gather(self.relay.state, "asked", verdict,
+                                 limit=nativestacks.HANG_NATIVE_S)
 
     def _begin_stop(self, timeout: float) -> None:
         self.role.stopping(timeout)  # a hub's stop is every node's too

@@ -1,5 +1,7 @@
 """`ddtrain stacks`: every rank's Python stacks, all threads, now (and their
-native stacks, where py-spy is installed: daemon/nativestacks.py).
+native stacks, where py-spy is installed: daemon/nativestacks.py). And
+`ddtrain evidence`: the daemon asked to gather the evidence now (daemon/evidence.py),
+the folder it wrote printed.
 
 Each rank the daemon starts registers the standard library's `faulthandler`
 on STACKS_SIGNAL (SIGUSR2), writing to `logs/rank-<k>.stacks`. faulthandler
@@ -14,6 +16,8 @@ why there is none), and prints them. They stay in the run directory.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +48,9 @@ def signal_stacks(numbered: dict[int, ProcessId], asked: list[int | None],
 
 
 WAIT_S = 5.0  # for every asked rank's Python dump to appear
+# For the evidence asked for: the daemon's next pass, py-spy's dumps (HANG_NATIVE_S at
+# most) and the files.
+EVIDENCE_WAIT_S = nativestacks.HANG_NATIVE_S + 5.0
 SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long
 
 
@@ -81,6 +88,50 @@ def cmd_stacks(args: argparse.Namespace) -> int:
             if mark:  # what py-spy read of it from outside, or why it could not
                 print((mark + native).rstrip())
     return EXIT_OK if answered else EXIT_FAILED
+
+
+def cmd_evidence(args: argparse.Namespace) -> int:
+    paths = locate_run(args.runs_dir or default_runs_dir(), args.run)
+    info = RunInfo.load(paths)
+    folder = paths.evidence
+    if not info.live or info.control is None:
+        kept = f": what was gathered while it ran is in {folder}" if folder.is_dir() else ""
+        raise UsageError(f"run {paths.run_id} is not running ({info.status}){kept}")
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    try:
+        reply = control.request(info.control, protocol.Evidence(),
+                                control.STOP_REQUEST_TIMEOUT_S, keys=info.keys)
+    except control.Unreachable as e:
+        raise UsageError(f"the daemon of run {paths.run_id} does not answer: {e}") from None
+    if not reply.ok:
+        raise UsageError(f"the daemon refused: {reply.error}")
+    deadline = time.monotonic() + EVIDENCE_WAIT_S
+    while time.monotonic() < deadline:
+        done = sorted(f for f in (folder.iterdir() if folder.is_dir() else ())
+                      if f not in before and (f / "index.json").exists())
+        if done:
+            _print_bundle(done[-1])
+            return EXIT_OK
+        time.sleep(0.1)
+    print(f"ddtrain: no evidence written in {folder} within {EVIDENCE_WAIT_S:g} s (the "
+          "daemon is busy or stopping; it may still come)", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _print_bundle(bundle: Path) -> None:
+    """The bundle's index in words (what arrives from the run folder: shown, not trusted)."""
+    try:
+        index = json.loads((bundle / "index.json").read_text())
+        files, missing = dict(index["files"]), list(index["missing"])
+        verdict = str(index["verdict"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"{bundle} (its index.json cannot be read: {e})")
+        return
+    print(f"{bundle}: {verdict}")
+    for name, what in files.items():
+        print(f"  {name}: {what}")
+    for line in missing:
+        print(f"  missing: {line}")
 
 
 def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignore[type-arg]

@@ -66,7 +66,7 @@ class FeedChanged(Message):
 
 
 class StopAnswered(Message):
-    """The stop request's worker is done: what to tell the user."""
+    """The stop (or evidence) request's worker is done: what to tell the user."""
 
     def __init__(self, text: str, severity: SeverityLevel) -> None:
         super().__init__()
@@ -86,6 +86,7 @@ class DashboardApp(App[None]):
         Binding("m", "rank_map", "map/table"),
         Binding("p", "pause", "pause"),
         Binding("x", "stop_run", "stop run"),
+        Binding("e", "evidence", "evidence", show=False),
         Binding("plus,equals_sign", "speed(2.0)", "faster", show=False),
         Binding("minus", "speed(0.5)", "slower", show=False),
         Binding("escape", "clear_filter", show=False),
@@ -386,6 +387,32 @@ class DashboardApp(App[None]):
                 "stopping: ranks finish their step, rank 0 checkpoints", "information"))
         else:
             self.post_message(StopAnswered(f"the daemon refused: {reply.error}", "error"))
+
+    def action_evidence(self) -> None:
+        """Ask the daemon to gather the evidence now (ddtrain evidence): its folder
+        comes back as an event of the run, in the event log."""
+        if not self.can_stop:  # (py-spy attaches to every rank: the owner's call)
+            self.notify("evidence is off in this dashboard (ddtop --serve: --allow-stop)",
+                        severity="warning")
+            return
+        endpoint = self.feed.stop_endpoint
+        if endpoint is None:
+            self.notify("this run is not live: its evidence is in its folder's evidence/",
+                        severity="warning")
+            return
+        self._request_evidence(endpoint)
+
+    @work(thread=True, group="evidence", exit_on_error=False)
+    def _request_evidence(self, endpoint: str) -> None:
+        try:
+            reply = control.request(endpoint, protocol.Evidence(), STOP_REQUEST_TIMEOUT_S,
+                                    keys=self.feed.keys)
+        except control.Unreachable as e:
+            self.post_message(StopAnswered(f"the daemon did not answer: {e}", "error"))
+            return
+        self.post_message(StopAnswered(
+            "gathering the evidence: its folder is told in the events" if reply.ok
+            else f"the daemon refused: {reply.error}", "information" if reply.ok else "error"))
 
     def on_stop_answered(self, message: StopAnswered) -> None:
         self.notify(message.text, severity=message.severity)

@@ -39,6 +39,8 @@ HELP = """\
            there [b]t[/b] shows the rank's Python stacks now (all threads, also
            inside a collective), [b]l[/b] the log again
   [b]x[/b]        stop the run (asks first): ranks finish the step, rank 0 checkpoints
+  [b]e[/b]        gather the evidence now: every rank's stacks and state, in the
+           run's evidence/ folder (the events say which)
   [b]+[/b] / [b]-[/b]    replay faster / slower (with --replay)
 
 [b]Ranks table[/b]

@@ -229,6 +229,13 @@ def test_live_run_rows_advance_quit_leaves_it_running_and_x_stops_it(tmp_path: P
             await until(pilot, lambda: "a line the test appended" in screen_text(app))
             await pilot.press("escape")
             await until(pilot, lambda: app.frames > hidden)  # ... and is again once shown
+            await pilot.press("e")  # the evidence, gathered now: its folder in the events
+            await until(pilot, lambda: "evidence asked for in" in screen_text(app))
+            told = [e.message for e in app.feed.state.events if "evidence" in e.message]
+            assert told and told[-1].startswith("evidence asked for in runs/tui/evidence/"), told
+            (bundle,) = paths.evidence.iterdir()
+            assert {"index.json", "rank-0.stacks", "rank-1.stacks"} <= {
+                f.name for f in bundle.iterdir()}
             await pilot.press("q")
 
         drive(LiveFeed(paths=paths), (120, 40), watch_then_quit)

@@ -50,6 +50,7 @@ def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
             stacks = run.cli("stacks", "frozen", "--rank", "0")
             every = run.cli("stacks", "frozen")
             bad = run.cli("stacks", "frozen", "--rank", "7")
+            evidence = run.cli("evidence", "frozen")
             # --timeout 1: the stop times out however long it waits (rank 1 is frozen)
             stopped = run.cli("stop", "frozen", "--timeout", "1")
         finally:
@@ -71,6 +72,19 @@ def test_a_frozen_rank_stacks_and_a_stop_that_times_out(tmp_path: Path) -> None:
     assert bad.stderr.strip().endswith("run frozen has ranks 0-1"), bad.stderr
     root = tmp_path / "runs" / "frozen"
     assert "trainer.py" in (root / "logs" / "rank-0.stacks").read_text()
+    # The evidence asked for (daemon/evidence.py): one folder, its index printed; rank 1,
+    # frozen, gave no Python stacks, which it says.
+    assert evidence.returncode == 0, evidence.stdout + evidence.stderr
+    (bundle,) = (root / "evidence").iterdir()
+    assert evidence.stdout.startswith(f"runs/frozen/evidence/{bundle.name}: "), evidence.stdout
+    index = json.loads((bundle / "index.json").read_text())
+    assert index["why"] == "asked" and index["run"] == "frozen", index
+    assert "  rank-0.stacks: rank 0's stacks: Python's (every thread)" in evidence.stdout
+    assert "  missing: rank 1: no Python stacks (the process is stopped or gone)" \
+        in evidence.stdout, evidence.stdout
+    assert "trainer.py" in (bundle / "rank-0.stacks").read_text()
+    ranks = json.loads((bundle / "ranks.json").read_text())
+    assert ranks["1"]["pid"] == stuck and ranks["0"]["global_step"] > 0, ranks
 
     record = json.loads((root / "run.json").read_text())
     assert (record["status"], record["exit_code"]) == ("stopped", 130)

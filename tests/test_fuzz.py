@@ -262,7 +262,7 @@ def test_every_decoder_takes_anything_random(name: str, data: bytes,
 
 @FIXED
 @given(request=st.fixed_dictionaries({"op": st.sampled_from(
-    ["ping", "status", "snapshot", "stop", "stacks", "node", "nope"])}, optional={
+    ["ping", "status", "snapshot", "stop", "stacks", "evidence", "node", "nope"])}, optional={
     "node": values, "host": values, "pid": values, "ranks": values, "status": st.sampled_from(
         ["running", "failed", "succeeded", "x"]) | values, "failure": maps | values,
     "dropped": values, "message": values, "timeout": values, "rank": values}))

@@ -132,6 +132,9 @@ def test_requests_are_answered_by_their_type(relay: Relay) -> None:
     assert relay.asked.take() == [protocol.Stop(timeout=7.0), protocol.Stacks(rank=3),
                                   protocol.Stacks(rank=None)]
     assert relay.asked.take() == []  # taken once
+    # The evidence asked for: kept once between two takes (later askers share it).
+    assert ask(relay, {"op": "evidence"}).ok and ask(relay, {"op": "evidence"}).ok
+    assert relay.asked.take() == [protocol.Evidence()]
     ask(relay, {"op": "stop", "timeout": 2})
     assert relay.asked.take() == []  # a stop was asked: later ones are answered, not kept
     # a rank's detail open on a dashboard: its every step for FOCUS_S, renewed

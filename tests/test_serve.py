@@ -387,9 +387,12 @@ def test_the_stop_key_does_nothing_in_a_page(browser: Any,
         page.keyboard.press("x")
         screen_until(page, r"stopping is off in this dashboard")
         page.keyboard.press("y")  # what would confirm a stop
+        page.keyboard.press("e")  # nor is the evidence gathered from a page
+        screen_until(page, r"evidence is off in this dashboard")
         before = _step(run)
         run.wait_for(RUN, lambda s: s["status"] == "running"
                      and min(r["global_step"] for r in s["ranks"]) > before + 2)
+    assert not (run.cwd / "runs" / RUN / "evidence").exists()
 
 
 @pytest.mark.processes
