@@ -18,6 +18,10 @@ import msgspec
 from ddtop.core import wire
 
 MAX_EVENTS = 500  # the newest kept in the state (and in a snapshot)
+# A daemon's event naming the evidence it gathered carries its folder under this key
+# (daemon/evidence.py); the state keeps the newest MAX_EVIDENCE (RunState.evidence).
+EVIDENCE_KEY = "evidence"
+MAX_EVIDENCE = 16
 
 
 def shown(m: wire.Event) -> bool:

@@ -337,6 +337,7 @@ def summary_text(final: FinalSummary, now: float) -> list[str]:
             f"{n} {reason}" for reason, n in sorted(s.rejected.items())))
     if s.alone:
         lines.append(f"  warning: {s.alone}")
+    lines += [f"  evidence: {folder}" for folder in s.evidence]
     failure = final.failure_line()
     if failure is not None:
         lines.append(f"  failure: {failure}")

@@ -28,7 +28,15 @@ from ddtop.core import alone, hangs, rankstates, stragglers, wire
 from ddtop.core import summary as told
 from ddtop.core.bounds import MAX_JOB_RANKS
 from ddtop.core.contract import describe_exit
-from ddtop.core.events import MAX_EVENTS, EventData, EventKind, RunEvent, shown
+from ddtop.core.events import (
+    EVIDENCE_KEY,
+    MAX_EVENTS,
+    MAX_EVIDENCE,
+    EventData,
+    EventKind,
+    RunEvent,
+    shown,
+)
 from ddtop.core.rankview import DEAD as DEAD  # re-exported: rank states live here too
 from ddtop.core.rankview import FINISHED as FINISHED
 from ddtop.core.rankview import (
@@ -110,6 +118,9 @@ class RunState(msgspec.Struct, kw_only=True):
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
     alone: str | None = None  # ranks that never communicated, in words (core/alone.py)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
+    # The evidence the daemon gathered (daemon/evidence.py): its folders, as its events
+    # name them, the newest MAX_EVIDENCE.
+    evidence: list[str] = []
     # A multi-node job (daemon/hub.py): each rank's node, and each node's state
     # (up, unreachable, lost, done), from the hub's node events.
     rank_nodes: dict[int, int] = {}
@@ -391,6 +402,8 @@ class RunState(msgspec.Struct, kw_only=True):
         elif isinstance(m, wire.Event):
             if m.node is not None:
                 self._apply_node(m.node)
+            if isinstance(folder := m.data.get(EVIDENCE_KEY), str):
+                self.evidence = [*self.evidence, folder][-MAX_EVIDENCE:]
             self._event(m.t, m.rank, m.type, m.message, m.data, m.traceback)
 
     def _apply_node(self, news: wire.NodeNews) -> None:
@@ -507,7 +520,8 @@ class RunState(msgspec.Struct, kw_only=True):
             journal_dropped=self.journal_dropped, hang=hung[1] if hung else None,
             ranks=told.rank_summaries(self.ranks, states, self.rank_nodes, now),
             started=self.started, updated=self.updated, metrics=told.user_epochs(self.aggregate),
-            program=self.program, scalars=self.scalar_summaries(), alone=self.alone)
+            program=self.program, scalars=self.scalar_summaries(), alone=self.alone,
+            evidence=list(self.evidence))
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()

@@ -181,6 +181,8 @@ class RunSummary(msgspec.Struct, kw_only=True):
     stragglers: list[int] = []
     hang: str | None = None
     alone: str | None = None  # ranks of the world that never communicated, in words (alone.py)
+    # The folders of the evidence gathered (daemon/evidence.py), oldest first.
+    evidence: list[str] = []
     # The newest global metrics, as the ranks sent them but for `epoch`, counted
     # from 1 (user_epochs), as metrics.jsonl and the ranks' own lines count it.
     metrics: wire.Aggregate | None = None

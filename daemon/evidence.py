@@ -47,6 +47,7 @@ from ddtop.daemon.stacks import signal_stacks
 SAID = {"desync": "evidence of the desync", "hang": "evidence of the hang",
         "asked": "evidence asked for"}
 SETTLE_S = 0.3  # after py-spy: a rank's Python dump is written by then (or never)
+PYTHON_DUMP = "(most recent call first)"  # in each thread's header of faulthandler's dump
 INDEX = "index.json"
 
 
@@ -88,14 +89,16 @@ def finish(g: Gathering, limit: float) -> Path:
     missing = []
     for k, (path, offset) in g.stacks.items():
         text = _since(path, offset)
-        python, mark, _ = text.partition(nativestacks.NATIVE_MARK)
+        # (faulthandler's dump and py-spy's block may come in either order: another
+        # bundle's py-spy may be done with the rank first)
+        python, mark = PYTHON_DUMP in text, nativestacks.NATIVE_MARK in text
         if text.strip():
             (g.folder / f"rank-{k}.stacks").write_text(text)
             files[f"rank-{k}.stacks"] = (
-                f"rank {k}'s stacks: " + ("Python's (every thread)" if python.strip()
+                f"rank {k}'s stacks: " + ("Python's (every thread)" if python
                                           else "no Python stacks (stopped, or gone)")
-                + (", then native (py-spy, or why not)" if mark else ""))
-        if not python.strip():
+                + (", native (py-spy, or why not)" if mark else ""))
+        if not python:
             missing.append(f"rank {k}: no Python stacks (the process is stopped or gone)")
         if not mark:
             missing.append(f"rank {k}: no native stacks within {limit:g} s (py-spy's, "
@@ -114,31 +117,35 @@ class Gatherer:
 
     def __init__(self, paths: RunPaths, numbered: Callable[[], dict[int, ProcessId]]) -> None:
         self.paths, self.numbered = paths, numbered
-        self._told: list[str] = []
+        self._told: list[tuple[str, str | None]] = []  # (a line, the folder it names)
         self._lock = threading.Lock()
-        self._asked: threading.Thread | None = None  # the bundle asked for, being finished
+        self._threads: list[threading.Thread] = []  # the one being finished on its own
 
     def gather(self, state: RunState, why: str, verdict: str, wait: bool = False,
                limit: float = nativestacks.DUMP_TIMEOUT_S + 1) -> None:
         """Begin a bundle; finish it now (`wait`: py-spy's threads waited for
         HANG_NATIVE_S at most, the run waiting) or on a thread of its own (`limit`)."""
-        if why == "asked" and self._asked is not None and self._asked.is_alive():
-            return  # (one asked for at a time: py-spy attaches to every rank)
+        # One bundle at a time (py-spy holds a rank while it reads it): while one is
+        # finished on its own thread, another is not begun, but a hang's waits for it.
+        if not wait and any(t.is_alive() for t in self._threads):
+            return
+        for thread in self._threads:
+            thread.join(nativestacks.DUMP_TIMEOUT_S + 1)
         try:
             g = begin(self.paths, state, self.numbered(), why, verdict, time.time())
         except OSError as e:
-            self._tell(f"no evidence of the {why} gathered: {e}")
+            self._tell(f"no evidence of the {why} gathered: {e}", None)
             return
         if wait:  # (the run waits: py-spy's threads for HANG_NATIVE_S at most)
             self._finish(g, nativestacks.HANG_NATIVE_S)
+            return
         else:  # (the run goes on: a desync's gives each py-spy dump its DUMP_TIMEOUT_S)
             thread = threading.Thread(target=self._finish, args=(g, limit),
                                       name="ddtrain-evidence", daemon=True)
             thread.start()
-            if why == "asked":
-                self._asked = thread
+            self._threads = [thread]
 
-    def told(self) -> list[str]:
+    def told(self) -> list[tuple[str, str | None]]:
         with self._lock:
             lines, self._told = self._told, []
         return lines
@@ -147,13 +154,13 @@ class Gatherer:
         try:
             folder = finish(g, limit)
         except OSError as e:
-            self._tell(f"the evidence of the {g.why} in {g.folder} is incomplete: {e}")
+            self._tell(f"the evidence of the {g.why} in {g.folder} is incomplete: {e}", None)
             return
-        self._tell(f"{SAID.get(g.why, g.why)} in {folder}")
+        self._tell(f"{SAID.get(g.why, g.why)} in {folder}", str(folder))
 
-    def _tell(self, line: str) -> None:
+    def _tell(self, line: str, folder: str | None) -> None:
         with self._lock:
-            self._told.append(line)
+            self._told.append((line, folder))
 
 
 def rank_record(v: RankView) -> dict[str, Any]:

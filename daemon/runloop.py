@@ -44,6 +44,7 @@ from ddtop.core.contract import (
     describe_exit,
     signal_name,
 )
+from ddtop.core.events import EVIDENCE_KEY
 from ddtop.core.keys import KEYS_ENV
 from ddtop.core.processes import ExitedProcess, send_signal
 from ddtop.core.rundir import RunPaths
@@ -322,8 +323,7 @@ class RunLoop:
         if (desync := self.hang.desync_news(self.relay.state, time.time())) is not None:
             self._tell("warning", desync)
             self.evidence.gather(self.relay.state, "desync", desync)
-        for line in self.evidence.told():
-            self._tell("info", line)
+        self._evidence_told()
         self._on_state(self.relay.state)
 
     def _on_state(self, state: RunState) -> None:  # every pass of the loop
@@ -407,8 +407,7 @@ class RunLoop:
         # and native stacks among it (py-spy reads the live process: waited for,
         # HANG_NATIVE_S at most).
         self.evidence.gather(self.relay.state, "hang", message, wait=True)
-        for line in self.evidence.told():
-            self._tell("info", line)
+        self._evidence_told()
         for r in self.ranks:
             if r.process.exitcode is None:
                 r.stopped_by_us = True
@@ -438,11 +437,19 @@ class RunLoop:
         for line in leftovers.describe(found, killed):
             self._tell("warning", line)
 
-    def _tell(self, type: wire.EventType, message: str, more: str = "") -> None:
+    def _tell(self, type: wire.EventType, message: str, more: str = "",
+              data: dict[str, str] | None = None) -> None:
         """Said twice, once: on the daemon's stderr (`more` added there) and as the
-        run's event (every dashboard, the journal)."""
+        run's event (every dashboard, the journal), with `data`."""
         print(f"ddtrain: {message}{more}", file=self.err, flush=True)
-        self.relay.emit(wire.Event, type=type, message=message)
+        self.relay.emit(wire.Event, type=type, message=message, data=data or {})
+
+    def _evidence_told(self) -> None:
+        """Where the evidence finished since went: said, and its folder in the event
+        (the state keeps it: run.json and the summaries name it)."""
+        for line, folder in self.evidence.told():
+            self._tell("warning" if folder is None else "info", line,
+                       data=None if folder is None else {EVIDENCE_KEY: folder})
 
     def status(self, status: wire.RunStatusName, message: str, write: bool = True,
                 exit_code: int | None = None) -> None:

@@ -145,9 +145,13 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     assert (bundles[0] / "verdict.txt").read_text() == words + "\n"
     in_bundle = (bundles[0] / "rank-3.stacks").read_text()
     assert "all_gather" in in_bundle and NATIVE_MARK in in_bundle, in_bundle
-    for why, bundle in zip(("desync", "hang"), bundles, strict=True):
-        folder = Path("runs", name, "evidence", bundle.name)
+    folders = [str(Path("runs", name, "evidence", bundle.name)) for bundle in bundles]
+    for why, folder in zip(("desync", "hang"), folders, strict=True):
         assert f"ddtrain: evidence of the {why} in {folder}\n" in run.stderr, run.stderr[-3000:]
+    # Named by the summary and run.json.
+    assert summary["evidence"] == folders, summary
+    record = json.loads((RUN_ROOT[name] / "runs" / name / "run.json").read_text())
+    assert record["evidence"] == folders, record
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
