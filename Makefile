@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 PYTEST_FAST_WORKERS ?= 2
 XDIST = -n $(1) --dist loadfile --no-loadscope-reorder
 
-.PHONY: help install demo test test-fast lint typecheck pytest fuzz bench compat clean
+.PHONY: help install demo test test-fast pytest-fast lint typecheck pytest fuzz bench compat clean
 
 help:
 	@echo "make demo       set up .venv, then train 8 ranks on the built-in dataset and watch them in ddtop"
@@ -68,7 +68,11 @@ test: lint typecheck pytest
 
 # The edit loop's tier: no test that starts a process (tests/conftest.py enforces the mark),
 # nor one marked slow (the 16,384-rank map driven key by key: 19 s alone).
-test-fast: lint typecheck
+# ruff and mypy run beside the tests (their output kept whole, each after it ends).
+test-fast: $(STAMP)
+	@$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck pytest-fast
+
+pytest-fast: $(STAMP)
 	DDTOP_FUZZ_EXAMPLES=25 $(BIN)/python -m pytest -q -m "not processes and not slow" -p no:cacheprovider \
 		$(call XDIST,$(PYTEST_FAST_WORKERS))
 
