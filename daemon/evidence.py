@@ -145,6 +145,12 @@ class Gatherer:
             thread.start()
             self._threads = [thread]
 
+    def close(self) -> None:
+        """Wait for the bundle being finished on its own thread, if one is (its py-spy
+        dumps bounded: the ranks have ended by now, so they fail fast)."""
+        for thread in self._threads:
+            thread.join(nativestacks.DUMP_TIMEOUT_S + 1)
+
     def told(self) -> list[tuple[str, str | None]]:
         with self._lock:
             lines, self._told = self._told, []

@@ -133,6 +133,8 @@ class RunLoop:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        self.evidence.close()  # a bundle still being finished is named by the final run.json
+        self._evidence_told()
         self._echo_logs(final=True)
         headline = self.report.headline(outcome)
         if self.late:  # the ranks a stop had to kill: named, not blamed
