@@ -41,13 +41,12 @@ from ddtop.core.rankview import RankView
 from ddtop.core.rundir import RunPaths, write_json_atomic
 from ddtop.core.state import RunState
 from ddtop.daemon import nativestacks
-from ddtop.daemon.stacks import signal_stacks
+from ddtop.daemon.stacks import PYTHON_DUMP, file_size, read_since, signal_stacks
 
 # What a bundle is said to be, by why it was gathered ("evidence of the desync in ...").
 SAID = {"desync": "evidence of the desync", "hang": "evidence of the hang",
         "asked": "evidence asked for"}
 SETTLE_S = 0.3  # after py-spy: a rank's Python dump is written by then (or never)
-PYTHON_DUMP = "(most recent call first)"  # in each thread's header of faulthandler's dump
 INDEX = "index.json"
 
 
@@ -73,7 +72,7 @@ def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why:
     (folder / "verdict.txt").write_text(verdict + "\n")
     write_json_atomic(folder / "ranks.json",
                       {str(k): rank_record(v) for k, v in sorted(state.ranks.items())})
-    stacks = {k: (paths.rank_stacks(k), _size(paths.rank_stacks(k))) for k in sorted(numbered)}
+    stacks = {k: (paths.rank_stacks(k), file_size(paths.rank_stacks(k))) for k in sorted(numbered)}
     threads = signal_stacks(numbered, [None], paths.rank_stacks)
     return Gathering(folder, paths.run_id, why, verdict, now, stacks, threads)
 
@@ -88,7 +87,7 @@ def finish(g: Gathering, limit: float) -> Path:
                            "the collectives it last entered and finished, memory"}
     missing = []
     for k, (path, offset) in g.stacks.items():
-        text = _since(path, offset)
+        text = read_since(path, offset)
         # (faulthandler's dump and py-spy's block may come in either order: another
         # bundle's py-spy may be done with the rank first)
         python, mark = PYTHON_DUMP in text, nativestacks.NATIVE_MARK in text
@@ -194,19 +193,3 @@ def _new_folder(parent: Path, now: float) -> Path:
         except FileExistsError:
             continue
     raise FileExistsError(f"{parent}: 100 bundles in one second")
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _since(path: Path, offset: int) -> str:
-    try:
-        with path.open("rb") as handle:
-            handle.seek(offset)
-            return handle.read().decode(errors="replace")
-    except OSError:
-        return ""

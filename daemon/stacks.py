@@ -52,6 +52,7 @@ WAIT_S = 5.0  # for every asked rank's Python dump to appear
 # most) and the files.
 EVIDENCE_WAIT_S = nativestacks.HANG_NATIVE_S + 5.0
 SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long
+PYTHON_DUMP = "(most recent call first)"  # in each thread's header of faulthandler's dump
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:
@@ -65,7 +66,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
         raise UsageError(f"run {paths.run_id} is not running ({info.status}): the stacks "
                          f"saved while it ran are in {paths.logs}/rank-K.stacks")
     files = {k: paths.rank_stacks(k) for k in ranks}
-    before = {k: f.stat().st_size if f.exists() else 0 for k, f in files.items()}
+    before = {k: file_size(f) for k, f in files.items()}
     try:
         reply = control.request(info.control, protocol.Stacks(rank=args.rank),
                                 control.STOP_REQUEST_TIMEOUT_S, keys=info.keys)
@@ -77,8 +78,8 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     answered = False
     for k in ranks:
         text = dumps.get(k, "")
-        python, mark, native = text.partition(nativestacks.NATIVE_MARK)
-        if python.strip():
+        _, mark, native = text.partition(nativestacks.NATIVE_MARK)
+        if PYTHON_DUMP in text:  # (before or after a py-spy block: another's may come first)
             answered = True
             print(f"== rank {k} ({files[k]}) ==")
             print(text.rstrip())
@@ -145,7 +146,7 @@ def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignor
     quiet_since: dict[int, float] = {}
     while (now := time.monotonic()) < max(deadline, native_deadline):
         for k, f in files.items():
-            size = f.stat().st_size if f.exists() else 0
+            size = file_size(f)
             if size != sizes[k]:
                 sizes[k], quiet_since[k] = size, time.monotonic()
         grown = [k for k in files if sizes[k] > before[k]]
@@ -159,14 +160,28 @@ def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignor
     dumps = {}
     for k, f in files.items():
         if sizes[k] > before[k]:
-            with f.open("rb") as handle:
-                handle.seek(before[k])
-                dumps[k] = handle.read().decode(errors="replace")
+            dumps[k] = read_since(f, before[k])
     return dumps
 
 
 def _native_in(path: Path, offset: int) -> bool:
     """Whether the native block (or its one line) follows the Python dump yet."""
-    with path.open("rb") as handle:
-        handle.seek(offset)
-        return nativestacks.NATIVE_MARK.encode() in handle.read()
+    return nativestacks.NATIVE_MARK in read_since(path, offset)
+
+
+def file_size(path: Path) -> int:
+    """A rank's stacks file's size now (0: none yet): where the next dumps begin."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_since(path: Path, offset: int) -> str:
+    """What a rank's stacks file gained past `offset` ("" where it cannot be read)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
