@@ -4,6 +4,7 @@ collective gives in a real one-rank gloo group (training/collectives.py)."""
 
 from __future__ import annotations
 
+import gc
 import socket
 from collections.abc import Iterator
 
@@ -158,6 +159,11 @@ def test_a_collectives_signature_counts_per_group_from_torchs_own_group(
     gathered = collectives.signature("all_gather", ([t], torch.ones(2, 3), sub), {},
                                      at["all_gather"], described["all_gather"])
     assert gathered[0] not in ("", "world") and gathered[1:] == (1, "0", 1, "float32", 6, -1)
+    # A group the script destroys is not kept alive by its count.
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    assert [entry[0] for entry in collectives._groups.values()] == ["world"]
     barrier = collectives.signature("barrier", (), {}, -1, described["barrier"])
     assert barrier == ("world", 1, "0", 3, "", -1, -1)
     # A send or recv names its peer, and is not the group's collective: its count

@@ -56,6 +56,7 @@ import functools
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -185,8 +186,10 @@ _wrapped: dict[str, Callable[..., Any]] = {}  # name -> torch's own function
 _compiling = torch.compiler.is_compiling
 # A process group -> [its name, size and ranks, the number of its collectives this
 # rank has entered, 1] (_group). Keyed by the group object: a group made again
-# (torch's process group destroyed and created anew) counts anew.
-_groups: dict[Any, list[Any]] = {}
+# (torch's process group destroyed and created anew) counts anew. Weakly: a group the
+# script destroyed is released as torch expects (held here, it lived on to the
+# interpreter's exit, where tearing down its gloo threads could abort the process).
+_groups: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 _dtypes: dict[Any, str] = {}  # torch.float32 -> "float32"
 _members: Any = None  # torch's GroupMember (its WORLD: the default group), set by wrap()
 MAX_RANKS_TEXT = 128  # wire.RanksText's bound
