@@ -2,7 +2,7 @@
 
     SPEC    = RANK ":" ACTION [ "@" WHEN ]
     ACTION  = kill | stop | hang | raise | segfault | exit=CODE
-            | slow=FACTORx | stall-data=SECONDSs | take-port
+            | slow=FACTORx | stall-data=SECONDSs | desync | take-port
     WHEN    = step=N | epoch=E
 
 e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
@@ -41,11 +41,13 @@ ACTIONS = {
     "exit": "exit=CODE: exit at once with CODE (0-255; 0: a rank that leaves early)",
     "slow": "slow=FACTORx: take FACTOR times its normal step time (e.g. 1.5x)",
     "stall-data": "stall-data=SECONDSs: its data loading stalls that long, once (e.g. 2s)",
+    "desync": ("call a collective of its own once (an all_gather on the world group) where "
+               "the others go on to their next one"),
     "take-port": ("rank 0 only, no WHEN: another process binds the rendezvous port the daemon "
                   "picked before rank 0 does (the daemon starts the ranks again on another)"),
 }
 ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx, "
-          "stall-data=SECONDSs or take-port")
+          "stall-data=SECONDSs, desync or take-port")
 AT_START = ("take-port",)  # actions at the start, before any step: no WHEN
 SEPARATOR = ","
 MAX_EXIT_CODE = 255

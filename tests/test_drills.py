@@ -3,7 +3,8 @@
 Each drill kind is acted out by a real 2-rank run and named by the daemon:
 segfault and exit=CODE@epoch=E (dead ranks, by signal and exit code),
 slow=FACTORx (named as the straggler, no other rank) with stall-data on the
-other rank, hang (the hung rank and the collective named; --hang-timeout fails
+other rank, desync (named as a desync, then failed by --hang-timeout with it as
+the cause), hang (the hung rank and the collective named; --hang-timeout fails
 it, --max-restarts restarts it) and stop (silent, then failed by
 --hang-timeout). In a user's own script, through the optimizer step hook: raise
 (the script's line in the traceback), kill (named by its signal), stop (silent,
@@ -12,7 +13,7 @@ of the built-in trainer are in test_failures_and_resume.py, test_daemon.py and
 test_headless.py. A DDTOP_FAULT set by hand without --inject does nothing (it
 is only --inject's transport), with the local and the torchrun launcher.
 
-The eleven runs start together (a module fixture), so that the hang runs' seconds
+The runs start together (a module fixture), so that the hang runs' seconds
 of waiting to be declared overlap the others; each test waits for its own run
 (with a timeout) and checks that nothing it started is left.
 """
@@ -56,6 +57,9 @@ RUNS: dict[str, tuple[str, ...]] = {
              "--hang-timeout", "2", "--max-restarts", "1"),
     "stop": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:stop@step=5",
              "--hang-timeout", "3"),
+    # Rank 1 all-gathers after step 5 where rank 0 enters step 6's DDP all-reduce.
+    "desync": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:desync@step=5",
+               "--hang-timeout", "3"),
     # A user's script (ACCUM: no ddtop line in it), the drills acting from the
     # optimizer step hook: stop, kill, raise and slow.
     "script-stop": (*JSONL, "-n", "2", "--inject", "1:stop@step=3", "--hang-timeout", "3",
@@ -135,7 +139,8 @@ def record(root: Path) -> dict[str, Any]:
 def test_the_grammar_round_trips() -> None:
     specs = ["1:kill@step=50", "2:hang@step=80", "3:stop@step=30", "0:raise@step=10",
              "1:exit=3@epoch=1", "2:segfault@step=20", "1:slow=1.5x", "0:stall-data=2s@step=30",
-             "1:slow=2x@step=10", "0:slow=1.0000001x"]  # every digit a value needs
+             "1:slow=2x@step=10", "0:slow=1.0000001x",  # every digit a value needs
+             "1:desync@step=5"]
     drills = inject.parse_all(specs)
     assert [d.spec() for d in drills] == specs
     assert inject.parse_environ(inject.encode(drills)) == drills
@@ -148,6 +153,8 @@ def test_the_grammar_round_trips() -> None:
 @pytest.mark.parametrize(("spec", "fragment"), [
     ("1:kil@step=5", "unknown action 'kil': use kill, stop, hang"),
     ("1:kill", "say when: add @step=N"),
+    ("1:desync", "say when: add @step=N"),
+    ("1:desync=2@step=3", "desync takes no value"),
     ("5:kill@step=3", "there is no rank 5: --world-size 2 has ranks 0-1"),
     ("1:slow=0.5x", "the factor must be a number above 1"),
     ("1:slow=infx", "the factor must be a number above 1"),
@@ -415,4 +422,27 @@ def test_a_stopped_rank_is_silent_and_hang_timeout_fails_the_run(drills: Started
     assert "failed: rank 1 (pid" in run.stderr and "hung for 3 s" in run.stderr
     # Continued once its SIGTERM was pending, the frozen rank died of it at once.
     assert summary["failure"]["signal"] == "SIGTERM"
+    assert run.leftovers == []
+
+
+@pytest.mark.processes
+def test_a_desync_drill_is_named_as_a_desync_and_fails_the_run_as_one(drills: Started) -> None:
+    run = drills.result("desync")
+    assert run.returncode == 1, run.stderr[-3000:]
+    # Rank 1's all_gather after step 5 is the world group's #6 (DDP's all-reduce of
+    # steps 1-5 before it), where rank 0 enters step 6's DDP all-reduce; the metrics'
+    # and checkpoints' all_gather_object of the built-in trainer are signed too.
+    words = re.compile(r"desync in group world #6: rank 1 entered all_gather \(float32 x 1 "
+                       r"per rank\) while rank 0 entered DDP's gradient all-reduce "
+                       r"\(float32 x [\d,]+\)")
+    hangs = [line["hang"] for line in jsonl(run) if line["kind"] == "progress" and line["hang"]]
+    assert hangs and all(words.fullmatch(h) for h in hangs), hangs
+    summary = jsonl(run)[-1]
+    assert summary["kind"] == "summary" and summary["status"] == "failed"
+    assert summary["failure"]["rank"] == 1, summary["failure"]
+    assert summary["failure"]["message"].startswith(
+        "entered another collective than its group's (--hang-timeout 3): desync in group "
+        "world #6: "), summary["failure"]
+    assert "ddtop drill 1:desync@step=5: acting after step 5" in \
+        (drills.run_dir("desync") / "logs" / "rank-1.log").read_text()
     assert run.leftovers == []

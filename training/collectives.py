@@ -317,6 +317,16 @@ def group_entered(pg: Any, dtype: str, count: int) -> tuple[str, int, str, int, 
     return entry[0], entry[1], entry[2], entry[3], dtype, count, -1
 
 
+def entered(pg: Any, dtype: str = "", count: int = -1
+            ) -> tuple[str, int, str, int, str, int, int]:
+    """group_entered for a collective the built-in trainer issues itself (its
+    metrics' and checkpoints' all_gather_object, a desync drill's all_gather):
+    `pg` None is the default group; an object collective has no dtype and -1
+    elements, as a wrapped one's signature says."""
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    return group_entered(c10d.GroupMember.WORLD if pg is None else pg, dtype, count)
+
+
 def _dtype(t: Any) -> str:
     name = _dtypes.get(t.dtype)
     if name is None:

@@ -18,7 +18,11 @@ steps:
   its step time (the median of its last steps, measured without the sleeps),
   so that it takes FACTOR times as long as it would;
 - stall-data=SECONDSs: the rank's next data loading takes SECONDS longer
-  (it sleeps in the data phase), once.
+  (it sleeps in the data phase), once;
+- desync: the rank calls a collective of its own once, an all_gather of one
+  element on the world group, where the others go on to their next one (in
+  the built-in trainer, the next step's DDP gradient all-reduce): the two
+  sides never meet.
 
 Drills act in the first attempt only: a run restarted after one
 (`--max-restarts`) goes on.
@@ -47,23 +51,28 @@ SLOW_WINDOW = 9
 class Drills:
     """The drills aimed at this rank, acted on after each step."""
 
-    def __init__(self, drills: list[inject.Drill], phase: Any = None) -> None:
+    def __init__(self, drills: list[inject.Drill], phase: Any = None,
+                 collective: Any = None) -> None:
         self.drills = drills
         # A context manager factory for a phase (ddtop.phase), for stall-data.
         self.phase = phase
+        # The built-in trainer's Telemetry.collective, which desync's all_gather goes
+        # through, signed (None: a script's, whose collectives ddtop wraps).
+        self.collective = collective
         self.step_times: deque[float] = deque(maxlen=SLOW_WINDOW)
         self._step_end: float | None = None  # monotonic, after the last step's drills
         self._announced: set[inject.Drill] = set()  # each says once that it acts
 
     @classmethod
-    def from_environ(cls, rank: int, phase: Any = None) -> Drills | None:
+    def from_environ(cls, rank: int, phase: Any = None, collective: Any = None
+                     ) -> Drills | None:
         """This rank's drills from DDTOP_FAULT (None: none, or not the first attempt);
         a malformed value raises UsageError (bad input, exit 2)."""
         value = os.environ.get(FAULT_ENV)
         if not value or os.environ.get(ATTEMPT_ENV, "0") != "0":
             return None
         mine = inject.for_rank(inject.parse_environ(value), rank)
-        return cls(mine, phase) if mine else None
+        return cls(mine, phase, collective) if mine else None
 
     @property
     def need_epochs(self) -> bool:
@@ -112,6 +121,9 @@ class Drills:
         if drill.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # resumed (SIGCONT): trains on
+        if drill.action == "desync":
+            _collective_of_its_own(self.collective)
+            return
         _flush()
         if drill.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -126,6 +138,24 @@ class Drills:
 
 
 STOP_FLUSH_S = 0.3
+
+
+def _collective_of_its_own(collective: Any) -> None:
+    """An all_gather of one element (this rank's number) on the world group, on
+    the device the group's backend takes (a CUDA device under NCCL); through
+    `collective` (signed as the built-in trainer's own), or wrapped (a script's)."""
+    import torch
+    import torch.distributed as dist
+
+    from ddtop.training.collectives import entered
+
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    mine = torch.tensor([float(dist.get_rank())], device=device)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    with (collective("all_gather", sig=entered(None, "float32", 1)) if collective is not None
+          else contextlib.nullcontext()):
+        dist.all_gather(parts, mine)
 
 
 def _flush() -> None:

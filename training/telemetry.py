@@ -81,7 +81,8 @@ class Telemetry:
         pass
 
     @contextmanager
-    def collective(self, op: str, nbytes: int = 0) -> Iterator[None]:
+    def collective(self, op: str, nbytes: int = 0, sig: Signature | None = None
+                   ) -> Iterator[None]:
         yield
 
     def collective_started(self, op: str, nbytes: int, sig: Signature | None = None
@@ -247,9 +248,11 @@ class LiveTelemetry(Telemetry):
         return problems
 
     @contextmanager
-    def collective(self, op: str, nbytes: int = 0) -> Iterator[None]:
-        """Around a blocking collective (metric sync, barrier): time waited in it."""
-        coll = self.collective_started(op, nbytes)
+    def collective(self, op: str, nbytes: int = 0, sig: Signature | None = None
+                   ) -> Iterator[None]:
+        """Around a blocking collective (metric sync, barrier): time waited in it;
+        `sig`: its signature, as collective_started takes it."""
+        coll = self.collective_started(op, nbytes, sig)
         start = time.perf_counter()
         try:
             yield

@@ -31,6 +31,7 @@ from ddtop.core.contract import EXIT_FAILED, EXIT_USAGE, UsageError
 from ddtop.core.rundir import RunPaths, find_run, new_run_id, write_json_atomic
 from ddtop.training import api, checkpoint, data, starthook, strategies
 from ddtop.training.checkpoint import Position
+from ddtop.training.collectives import entered
 from ddtop.training.distributed import RankEnv, process_group, resolve_backend, resolve_device
 from ddtop.training.drills import Drills
 from ddtop.training.metrics import GlobalMetrics, Totals, gather_counters
@@ -136,7 +137,8 @@ class Trainer:
         ddtop.init(start_step=self.global_step)  # steps done before a resume
         self.loss_fn = nn.CrossEntropyLoss()
         self.pin = device.type == "cuda"
-        self.drills = Drills.from_environ(env.rank, phase=ddtop.phase)  # --inject
+        self.drills = Drills.from_environ(env.rank, phase=ddtop.phase,  # --inject
+                                          collective=self.telemetry.collective)
         self.stop = StopAgreement(env.is_main, self.global_step)
         self.report.started(backend, device, self.model, self.train_set, self.val_set,
                             self.steps_per_epoch)
@@ -216,7 +218,8 @@ class Trainer:
         # `local` was just read from the device (Totals.counter): a sync point, where
         # a GPU loss gone NaN is told at no extra cost.
         self.report.check_loss()
-        with ddtop.phase("sync"), self.telemetry.collective("all_gather_object"):
+        with ddtop.phase("sync"), self.telemetry.collective("all_gather_object",
+                                                            sig=entered(None)):
             return GlobalMetrics.from_counter(gather_counters(local))
 
     def evaluate(self) -> GlobalMetrics:
@@ -241,7 +244,7 @@ class Trainer:
 
     def _save(self, position: Position, epoch_totals: Counter[str]) -> None:
         rngs: list[dict[str, Any] | None] = [None] * self.env.world_size
-        with self.telemetry.collective("all_gather_object"):
+        with self.telemetry.collective("all_gather_object", sig=entered(None)):
             dist.all_gather_object(rngs, checkpoint.rng_state(self.device))
             totals = gather_counters(epoch_totals)
         # Plain state dicts whatever the strategy (fsdp gathers them: every rank takes part).
