@@ -89,7 +89,10 @@ def check_ranges(config: Any, instead: Mapping[str, Range | None] | None = None)
     for f in dataclasses.fields(config):
         bounds = (instead or {}).get(f.name, field_range(f))
         if bounds is not None:
-            problem = bounds.problem("--" + f.name.replace("_", "-"), getattr(config, f.name))
+            value = getattr(config, f.name)
+            if value is None:  # (an optional one not given)
+                continue
+            problem = bounds.problem("--" + f.name.replace("_", "-"), value)
             if problem is not None:
                 return problem
     return None

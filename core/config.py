@@ -43,7 +43,7 @@ from ddtop.core.bounds import (
     check_ranges,
     job_size_problem,
 )
-from ddtop.core.contract import RUNS_DIR_ENV, UsageError
+from ddtop.core.contract import FR_ENTRIES, FR_ENV, MAX_FR_ENTRIES, RUNS_DIR_ENV, UsageError
 from ddtop.core.flagspec import Flag, flag
 from ddtop.core.strategy_names import SyncStrategy
 
@@ -155,6 +155,12 @@ class TrainConfig:
     hang_timeout: float | None = flag(None, metavar="S", group="run", default_text="off")
     """fail the run when it has hung (ranks stalled in a collective) for S seconds,
     naming the rank the others wait for; with --max-restarts it restarts"""
+    flight_recorder: int | None = flag(None, metavar="N", group="run",
+                                       default_text=f"${FR_ENV}, else {FR_ENTRIES}",
+                                       low=0, high=MAX_FR_ENTRIES,
+                                       why="each is kept in every rank's memory")
+    """entries of torch's Flight Recorder each rank keeps (its last collectives, on
+    every process group), dumped into the evidence of a hang or a desync; 0: off"""
     metrics: str = flag("", metavar="[HOST:]PORT", group="run", default_text="off")
     """serve every rank's metrics to Prometheus at http://HOST:PORT/metrics (HOST
     127.0.0.1 unless given; PORT 0: a free one, in run.json); docs/monitoring.md"""

@@ -43,6 +43,14 @@ STOP_SECRET_ENV = "DDTOP_STOP_SECRET"
 # on its own in training/drills.py. Set from --inject only: `ddtrain start` removes
 # one it inherits (daemon/cli.py arm_drills).
 FAULT_ENV = "DDTOP_FAULT"
+# torch's Flight Recorder: the entries (last collectives) each rank keeps. `ddtrain
+# start` sets it for the ranks it starts (--flight-recorder; else the one it
+# inherits; else FR_ENTRIES): training/flightrec.py dumps them for the evidence.
+FR_ENV = "TORCH_FR_BUFFER_SIZE"
+FR_ENTRIES = 2000
+# Beside a rank's stacks file (rank-K.stacks): its Flight Recorder's JSON dump.
+FR_JSON_SUFFIX = ".fr.json"
+MAX_FR_ENTRIES = 1_000_000
 # Where runs live when --runs-dir is not given (else ./runs).
 RUNS_DIR_ENV = "DDTOP_RUNS_DIR"
 # The file mode creation mask the user had (octal), before `ddtrain start` made

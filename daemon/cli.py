@@ -38,6 +38,9 @@ from ddtop.core.contract import (
     EXIT_OK,
     EXIT_USAGE,
     FAULT_ENV,
+    FR_ENTRIES,
+    FR_ENV,
+    MAX_FR_ENTRIES,
     UsageError,
     owner_only_umask,
 )
@@ -235,10 +238,30 @@ def arm_drills(specs: list[str], world_size: int, epochs: int | None = None,
     os.environ[FAULT_ENV] = inject.encode(drills)
 
 
+def arm_flight_recorder(entries: int | None) -> None:
+    """--flight-recorder: the entries of torch's Flight Recorder every rank keeps,
+    handed to the daemon and the ranks in the environment torch reads them from
+    (FR_ENV); without it, one inherited stays (checked: bad input raises
+    UsageError), else FR_ENTRIES."""
+    if entries is None:
+        inherited = os.environ.get(FR_ENV)
+        if inherited is None:
+            entries = FR_ENTRIES
+        elif not (inherited.strip().isascii() and inherited.strip().isdigit()
+                  and int(inherited) <= MAX_FR_ENTRIES):
+            raise UsageError(f"{FR_ENV}={inherited!r} in the environment is not 0 to "
+                             f"{MAX_FR_ENTRIES:,} entries: unset it, or give "
+                             "--flight-recorder N (0: off)")
+        else:
+            return
+    os.environ[FR_ENV] = str(entries)
+
+
 def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:
     verb = "resuming" if config.resume else "starting"
     arm_drills(args.inject, config.world_size,
                None if config.runs_user_code else config.epochs, config.launcher)
+    arm_flight_recorder(config.flight_recorder)
     if args.headless and not args.foreground:
         raise UsageError("--headless prints a run in this terminal: add --foreground (a "
                          "detached run is watched with: ddtop --headless)")

@@ -13,6 +13,12 @@ named, in one folder of the run: `runs/<id>/evidence/<time>/`.
                    the rank itself), then its native stacks (py-spy's, read from
                    outside: a rank stuck in C++ or holding the GIL still gives them),
                    or the line saying why there are none
+    rank-K.fr.json rank K's Flight Recorder: torch's JSON dump of its last
+                   collectives on every group (written by the rank's sender thread
+                   as its stacks are: training/flightrec.py)
+
+index.json also holds the Flight Recorder's verdict in words (daemon/flightrec.py),
+which the daemon tells after the folder's line.
 
 Gathered when a desync is first told (the run goes on: the files are read back on
 a thread of their own), when --hang-timeout fails a hang (before its ranks are
@@ -27,6 +33,7 @@ is the run owner's alone, as the run folder is.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -36,17 +43,19 @@ from typing import Any
 
 import msgspec
 
+from ddtop.core.contract import FR_JSON_SUFFIX
 from ddtop.core.processes import ProcessId
 from ddtop.core.rankview import RankView
 from ddtop.core.rundir import RunPaths, write_json_atomic
 from ddtop.core.state import RunState
-from ddtop.daemon import nativestacks
+from ddtop.daemon import flightrec, nativestacks
 from ddtop.daemon.stacks import PYTHON_DUMP, file_size, read_since, signal_stacks
 
 # What a bundle is said to be, by why it was gathered ("evidence of the desync in ...").
 SAID = {"desync": "evidence of the desync", "hang": "evidence of the hang",
         "asked": "evidence asked for"}
 SETTLE_S = 0.3  # after py-spy: a rank's Python dump is written by then (or never)
+FRESH_SLACK_S = 1.0  # a dump this much older than the bundle's start is still its own
 INDEX = "index.json"
 
 
@@ -62,6 +71,7 @@ class Gathering:
     at: float
     stacks: dict[int, tuple[Path, int]]
     threads: list[threading.Thread]
+    groups: dict[str, str]  # the groups the ranks' signatures named, by torch's name
 
 
 def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why: str,
@@ -74,18 +84,32 @@ def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why:
                       {str(k): rank_record(v) for k, v in sorted(state.ranks.items())})
     stacks = {k: (paths.rank_stacks(k), file_size(paths.rank_stacks(k))) for k in sorted(numbered)}
     threads = signal_stacks(numbered, [None], paths.rank_stacks)
-    return Gathering(folder, paths.run_id, why, verdict, now, stacks, threads)
+    return Gathering(folder, paths.run_id, why, verdict, now, stacks, threads,
+                     group_names(state))
 
 
-def finish(g: Gathering, limit: float) -> Path:
+def group_names(state: RunState) -> dict[str, str]:
+    """Each group a rank's last collectives named: "world", or "[its ranks]" (as
+    core/desync.py says them), by torch's name of the group."""
+    names = {}
+    for v in state.ranks.values():
+        for c in (v.coll_started, v.coll_completed):
+            if c is not None and c.group and c.group_ranks:
+                names[c.group] = "world" if c.group == "world" else f"[{c.group_ranks}]"
+    return names
+
+
+def finish(g: Gathering, limit: float) -> tuple[Path, str]:
     """Wait for the stacks (py-spy's `limit` seconds at most), copy each rank's into
-    the bundle, and write its index; the folder."""
+    the bundle with its Flight Recorder, and write its index; the folder, and the
+    Flight Recorder's verdict ("" without a dump)."""
     nativestacks.wait(g.threads, limit)
     time.sleep(SETTLE_S)
     files = {"verdict.txt": "the words the daemon named it with",
              "ranks.json": "each rank as the daemon's state held it: process, phase, step, "
                            "the collectives it last entered and finished, memory"}
-    missing = []
+    missing: list[str] = []
+    fr_words = _flight_recorder(g, files, missing)
     for k, (path, offset) in g.stacks.items():
         text = read_since(path, offset)
         # (faulthandler's dump and py-spy's block may come in either order: another
@@ -105,8 +129,37 @@ def finish(g: Gathering, limit: float) -> Path:
     write_json_atomic(g.folder / INDEX, {
         "run": g.run, "why": g.why, "verdict": g.verdict,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(g.at)),
-        "files": files, "missing": missing})
-    return g.folder
+        "files": files, "missing": missing, "flight_recorder": fr_words})
+    return g.folder, fr_words
+
+
+def _flight_recorder(g: Gathering, files: dict[str, str], missing: list[str]) -> str:
+    """Each rank's Flight Recorder dump, written since the bundle began, copied into
+    it (`files` and `missing` say so); their verdict in words ("" without any)."""
+    dumps: dict[int, flightrec.Dump] = {}
+    since = g.at - FRESH_SLACK_S
+    for k, (stacks, _) in g.stacks.items():
+        as_json = stacks.with_suffix(FR_JSON_SUFFIX)
+        if not _written_since(as_json, since):
+            missing.append(f"rank {k}: no Flight Recorder dump (off, or its sender thread "
+                           "could not run)")
+            continue
+        dump = flightrec.read(as_json)
+        if isinstance(dump, str):
+            missing.append(f"rank {k}: its Flight Recorder dump is {dump}")
+            continue
+        dumps[k] = dump
+        shutil.copyfile(as_json, g.folder / f"rank-{k}.fr.json")
+        files[f"rank-{k}.fr.json"] = (f"rank {k}'s Flight Recorder, torch's JSON dump: its "
+                                      "last collectives on every process group")
+    return flightrec.verdict(dumps, g.groups)
+
+
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
 
 
 class Gatherer:
@@ -116,7 +169,8 @@ class Gatherer:
 
     def __init__(self, paths: RunPaths, numbered: Callable[[], dict[int, ProcessId]]) -> None:
         self.paths, self.numbered = paths, numbered
-        self._told: list[tuple[str, str | None]] = []  # (a line, the folder it names)
+        # (an event type, a line, the folder it names)
+        self._told: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []  # the one being finished on its own
 
@@ -133,7 +187,7 @@ class Gatherer:
         try:
             g = begin(self.paths, state, self.numbered(), why, verdict, time.time())
         except OSError as e:
-            self._tell(f"no evidence of the {why} gathered: {e}", None)
+            self._tell("warning", f"no evidence of the {why} gathered: {e}", None)
             return
         if wait:  # (the run waits: py-spy's threads for HANG_NATIVE_S at most)
             self._finish(g, nativestacks.HANG_NATIVE_S)
@@ -150,22 +204,25 @@ class Gatherer:
         for thread in self._threads:
             thread.join(nativestacks.DUMP_TIMEOUT_S + 1)
 
-    def told(self) -> list[tuple[str, str | None]]:
+    def told(self) -> list[tuple[str, str, str | None]]:
         with self._lock:
             lines, self._told = self._told, []
         return lines
 
     def _finish(self, g: Gathering, limit: float) -> None:
         try:
-            folder = finish(g, limit)
+            folder, fr_words = finish(g, limit)
         except OSError as e:
-            self._tell(f"the evidence of the {g.why} in {g.folder} is incomplete: {e}", None)
+            self._tell("warning", f"the evidence of the {g.why} in {g.folder} is incomplete: "
+                       f"{e}", None)
             return
-        self._tell(f"{SAID.get(g.why, g.why)} in {folder}", str(folder))
+        self._tell("info", f"{SAID.get(g.why, g.why)} in {folder}", str(folder))
+        if fr_words:
+            self._tell("info", fr_words, None)
 
-    def _tell(self, line: str, folder: str | None) -> None:
+    def _tell(self, kind: str, line: str, folder: str | None) -> None:
         with self._lock:
-            self._told.append((line, folder))
+            self._told.append((kind, line, folder))
 
 
 def rank_record(v: RankView) -> dict[str, Any]:

@@ -449,8 +449,8 @@ class RunLoop:
     def _evidence_told(self) -> None:
         """Where the evidence finished since went: said, and its folder in the event
         (the state keeps it: run.json and the summaries name it)."""
-        for line, folder in self.evidence.told():
-            self._tell("warning" if folder is None else "info", line,
+        for kind, line, folder in self.evidence.told():
+            self._tell("info" if kind == "info" else "warning", line,
                        data=None if folder is None else {EVIDENCE_KEY: folder})
 
     def status(self, status: wire.RunStatusName, message: str, write: bool = True,

@@ -129,6 +129,8 @@ def _print_bundle(bundle: Path) -> None:
         print(f"{bundle} (its index.json cannot be read: {e})")
         return
     print(f"{bundle}: {verdict}")
+    if isinstance(index.get("flight_recorder"), str) and index["flight_recorder"]:
+        print(f"  {index['flight_recorder']}")
     for name, what in files.items():
         print(f"  {name}: {what}")
     for line in missing:

@@ -45,6 +45,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     # added with gradient synchronisation strategies (docs/strategies.md)
     "--strategy": (("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"), "ddp"),
     "--hang-timeout": (float, None),  # added with fault drills (docs/daemon.md)
+    "--flight-recorder": (int, None),  # added with the evidence (docs/daemon.md)
     # added with multi-node jobs (docs/multi-node.md)
     "--nnodes": (int, 1), "--node-rank": (int, 0), "--nproc-per-node": (int, 1),
     "--rdzv-endpoint": (str, ""), "--hub": (str, ""), "--hub-keys": (str, ""),
@@ -142,8 +143,9 @@ def test_every_integer_field_has_its_range_and_every_string_flag_refuses_empty()
     for name, (action,) in flags_by_field(parser).items():
         bounds = FIELDS[name].metadata.get("range")
         if action.type is int:
-            assert isinstance(bounds, Range) and bounds.low <= getattr(TrainConfig(), name) \
-                <= bounds.high, name
+            default = getattr(TrainConfig(), name)  # (None: an optional one, not given)
+            assert isinstance(bounds, Range) and (default is None or bounds.low <= default
+                                                  <= bounds.high), name
             assert action.help is not None and f"; at most {bounds.high}" in action.help, name
             over = dataclasses.replace(TrainConfig(), **{name: bounds.high + 1})
             problem = check_ranges(over)

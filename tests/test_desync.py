@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,21 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     assert [i["why"] for i in indexes] == ["desync", "hang"], indexes
     assert indexes[0]["verdict"] == words and words in indexes[1]["verdict"], indexes
     assert all(set(i["files"]) == {"verdict.txt", "ranks.json", "rank-0.stacks",
-                                   "rank-1.stacks", "rank-2.stacks", "rank-3.stacks"}
+                                   "rank-1.stacks", "rank-2.stacks", "rank-3.stacks",
+                                   "rank-0.fr.json", "rank-1.fr.json", "rank-2.fr.json",
+                                   "rank-3.fr.json"}
                for i in indexes), indexes
+    # Each rank's Flight Recorder (on by default), dumped by its sender thread as its
+    # stacks were asked for, and its verdict: the odd rank's last entry is its own op,
+    # not completed, in the group of the desync (torch's #N: every collective of the
+    # group, DDP's and the object collectives' inner ones included).
+    group = "[2,3]" if name == "pair" else "world"
+    odd_op = re.escape(words.split("rank 3 entered ")[1].split(" (")[0])
+    for index in indexes:
+        assert re.search(rf"Flight Recorder: (.*; )?group {re.escape(group)}: .*rank 3's (last )?"
+                         rf"is {odd_op} #\d+ \(float32 x 4, not completed\)",
+                         index["flight_recorder"]), index["flight_recorder"]
+    assert f"ddtrain: {indexes[0]['flight_recorder']}\n" in run.stderr
     # The run went on meanwhile: py-spy's dumps were each given their time (the hang's
     # bundle waits HANG_NATIVE_S, and may say a rank's came too late).
     assert indexes[0]["missing"] == [], indexes[0]

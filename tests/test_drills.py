@@ -55,8 +55,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     # message) well before its hang fails the run (4.5 s + 3 s).
     "hang": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:hang@step=5",
              "--hang-timeout", "2", "--max-restarts", "1"),
+    # (without the Flight Recorder: its evidence says so)
     "stop": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:stop@step=5",
-             "--hang-timeout", "3"),
+             "--hang-timeout", "3", "--flight-recorder", "0"),
     # Rank 1 all-gathers after step 5 where rank 0 enters step 6's DDP all-reduce.
     "desync": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:desync@step=5",
                "--hang-timeout", "3"),
@@ -184,6 +185,9 @@ def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> N
     (("--inject", "1:kill@step=3", "--inject", "0:bad"), {"DDTOP_FAULT": "1:kill@step=3"},
      "ddtrain: error: --inject '0:bad': unknown action"),
     (("--hang-timeout", "nan"), {}, "ddtrain: error: --hang-timeout must be a positive, finite"),
+    ((), {"TORCH_FR_BUFFER_SIZE": "lots"}, "ddtrain: error: TORCH_FR_BUFFER_SIZE='lots' in the "
+     "environment is not 0 to 1,000,000 entries: unset it, or give --flight-recorder N"),
+    (("--flight-recorder", "-1"), {}, "ddtrain: error: --flight-recorder must be at least 0"),
     (("--epochs", "2", "--inject", "1:exit=3@epoch=3"), {},
      "ddtrain: error: --inject '1:exit=3@epoch=3': the run trains --epochs 2, so epoch 3 "
      "never ends"),
@@ -422,6 +426,13 @@ def test_a_stopped_rank_is_silent_and_hang_timeout_fails_the_run(drills: Started
     assert "failed: rank 1 (pid" in run.stderr and "hung for 3 s" in run.stderr
     # Continued once its SIGTERM was pending, the frozen rank died of it at once.
     assert summary["failure"]["signal"] == "SIGTERM"
+    # --flight-recorder 0: no rank dumped one, and the evidence says so.
+    (bundle,) = (drills.run_dir("stop") / "evidence").iterdir()
+    index = json.loads((bundle / "index.json").read_text())
+    assert index["flight_recorder"] == "" and not any(".fr.json" in f for f in index["files"])
+    assert [m for m in index["missing"] if "Flight Recorder" in m] == [
+        f"rank {k}: no Flight Recorder dump (off, or its sender thread could not run)"
+        for k in (0, 1)], index["missing"]
     assert run.leftovers == []
 
 
@@ -445,4 +456,17 @@ def test_a_desync_drill_is_named_as_a_desync_and_fails_the_run_as_one(drills: St
         "world #6: "), summary["failure"]
     assert "ddtop drill 1:desync@step=5: acting after step 5" in \
         (drills.run_dir("desync") / "logs" / "rank-1.log").read_text()
+    # The evidence holds each rank's Flight Recorder (on by default), and its verdict:
+    # torch's own record of the two sides, each in the collective it entered.
+    bundles = sorted((drills.run_dir("desync") / "evidence").iterdir())
+    assert len(bundles) == 2, bundles  # the desync told, then failed by --hang-timeout
+    for bundle in bundles:
+        index = json.loads((bundle / "index.json").read_text())
+        assert {"rank-0.fr.json", "rank-1.fr.json"} <= set(index["files"]), index
+        assert re.fullmatch(r"Flight Recorder: group world: rank 0's last is all_reduce #(\d+) "
+                            r"\(float32 x [\d,]+, not completed\); rank 1's is all_gather "
+                            r"#\1 \(float32 x 1, not completed\)",
+                            index["flight_recorder"]), index["flight_recorder"]
+        assert not any("Flight Recorder" in m for m in index["missing"]), index["missing"]
+    assert f"ddtrain: {index['flight_recorder']}\n" in run.stderr
     assert run.leftovers == []

@@ -215,12 +215,16 @@ def _dump_stacks_on_signal(rank: int) -> None:
     folder = os.environ.get(STACKS_DIR_ENV)
     if not folder or not Path(folder).is_dir():
         return
+    path = Path(folder) / f"rank-{rank}.stacks"
     try:
-        _stacks_file = (Path(folder) / f"rank-{rank}.stacks").open("a")
+        _stacks_file = path.open("a")
     except OSError as e:
         _say(f"stacks will not be available for this rank: {e}")
         return
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+    from ddtop.training import flightrec
+
+    flightrec.watch(path)  # its Flight Recorder dumped beside them, by the sender thread
 
 
 def _local_rank(rank: int) -> int:

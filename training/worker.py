@@ -38,7 +38,7 @@ from ddtop.core.contract import (
 )
 from ddtop.core.processes import lead_own_session, pid_alive, set_parent_death_signal
 from ddtop.core.rundir import RunPaths, log_stream
-from ddtop.training import errorreport, stopping
+from ddtop.training import errorreport, flightrec, stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.rendezvous import install as install_loopback
 from ddtop.training.trainer import train
@@ -195,6 +195,7 @@ def dump_stacks_on_signal(path: Path) -> None:
         print(f"ddtrain: stacks will not be available for this rank: {e}", file=sys.stderr)
         return
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+    flightrec.watch(path)  # its Flight Recorder dumped beside them, by the sender thread
 
 
 def leave_rank(code: int) -> None:
