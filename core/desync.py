@@ -15,6 +15,13 @@ is named as soon as the heartbeats of both sides have come (a rank 0.3 s inside
 a signed collective says so: training/beats.py). A rank that skipped a
 collective is named the same way when its #N, the others' #N+1, differs.
 
+A point-to-point pair is compared too: two ranks inside a send or a recv with
+each other as the peer must be one send and one recv of the same dtype and
+elements; both sending (or both receiving) never meet:
+
+    "desync in group world, send/recv of ranks 0 and 1: rank 1 entered send (float32
+     x 4) to rank 0 while rank 0 entered send (float32 x 4) to rank 1 (neither receives)"
+
 DDP's gradient all-reduce of a step is one collective of its group (its
 buckets together: "DDP's gradient all-reduce (float32 x N)", N the gradients'
 elements), so a rank that enters a collective of its own where the others
@@ -80,7 +87,43 @@ def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int],
         text = (f"{PREFIX}{name} #{number}: {'; '.join(told)} while "
                 f"{rank_list(sorted(usual))} entered {_what(first)}")
         return odd, text
+    return _pair(ranks, live)
+
+
+P2P = frozenset({"send", "recv"})
+P2P_WORDS = ", send/recv of ranks "  # how a pair's desync names it, after its group
+
+
+def _pair(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int], str] | None:
+    """The first point-to-point pair (by its lower rank) inside ops that cannot meet:
+    the pair's higher rank (blamed: neither is the group's), and the words."""
+    inside: dict[int, wire.Collective] = {}
+    for r in live:
+        view = ranks.get(r)
+        c = None if view is None else view.coll_started
+        if c is not None and c.op in P2P and c.peer >= 0 and view is not None \
+                and view.in_collective:
+            inside[r] = c
+    for a in sorted(inside):
+        mine = inside[a]
+        b = mine.peer
+        theirs = inside.get(b)
+        if b <= a or theirs is None or theirs.peer != a:
+            continue
+        if mine.op != theirs.op and (mine.dtype, mine.count) == (theirs.dtype, theirs.count):
+            continue  # a send and its recv: they meet
+        why = (" (neither receives)" if mine.op == "send" == theirs.op else
+               " (neither sends)" if mine.op == "recv" == theirs.op else "")
+        group = mine.group if mine.group == "world" else f"[{mine.group_ranks}]"
+        text = (f"{PREFIX}{group}{P2P_WORDS}{a} and {b}: rank {b} entered "
+                f"{_p2p(theirs)} while rank {a} entered {_p2p(mine)}{why}")
+        return [b], text
     return None
+
+
+def _p2p(c: wire.Collective) -> str:
+    """'send (float32 x 4) to rank 1', 'recv (float32 x 8) from rank 0'."""
+    return f"{_what(c)} {'to' if c.op == 'send' else 'from'} rank {c.peer}"
 
 
 def _what(c: wire.Collective | None) -> str:

@@ -71,7 +71,10 @@ class HangTimer:
             return None
         waited_for, text = found
         stalled = [r for r, s in state.rank_states(now).items() if s == STALLED]
-        if desync.named(text):  # the cause: it, not the time the others waited
+        if desync.named(text) and desync.P2P_WORDS in text:  # the cause: it, not the waits
+            reason = (f"entered a send or recv its peer's cannot meet (--hang-timeout "
+                      f"{self.limit:g})")
+        elif desync.named(text):
             reason = f"entered another collective than its group's (--hang-timeout {self.limit:g})"
         else:
             reason = f"hung for {self.limit:g} s (--hang-timeout {self.limit:g})"

@@ -8,6 +8,8 @@ entering another collective than its group's at one step:
 - on the world group, rank 3 all-gathers before a step's forward where ranks
   0-2 enter DDP's gradient all-reduce (one collective of the group a step).
 
+A point-to-point pair that cannot meet: ranks 0 and 1 each send to the other.
+
 And hangs that are not a desync: in a sub-group, rank 2 sleeps before its
 pair's all-reduce (rank 3 waits in group [2,3] for rank 2, ranks 0-1 in the
 world's DDP all-reduce, and rank 2 is blamed); in a point-to-point pair, rank 0
@@ -20,7 +22,7 @@ size": over before a heartbeat could tell it. The words for it are tested in
 tests/test_desync_words.py.)
 
 Each is named as a desync (not "ranks 0-3 wait in all_reduce"), the odd rank is
-blamed, and --hang-timeout stops the run with the desync as its cause. The five
+blamed, and --hang-timeout stops the run with the desync as its cause. The six
 runs start together (a module fixture), so that their hang timeouts overlap.
 """
 
@@ -48,6 +50,8 @@ RUNS = {
     "pair": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs"),
     # Rank 3 all-gathers where ranks 0-2 enter DDP's gradient all-reduce.
     "ddp": ("--at", "3", "--odd-rank", "3", "--odd", "ddp"),
+    # Ranks 0 and 1 each send to the other: neither receives.
+    "p2p-send": ("--at", "3", "--odd-rank", "0", "--odd", "p2p-send"),
     # Not a desync: rank 2 sleeps before its pair's all_reduce.
     "sleep": ("--at", "3", "--odd-rank", "2", "--odd", "sleep", "--pairs"),
     # Nor this: rank 0 sleeps before it sends to rank 1, which waits in recv.
@@ -64,6 +68,9 @@ WORDS = {
            "while ranks 0-2 entered DDP's gradient all-reduce (float32 x 9)",
     "pair": "desync in group [2,3] #4: rank 3 entered all_gather (float32 x 4 per rank) "
             "while rank 2 entered all_reduce (float32 x 4)",
+    "p2p-send": "desync in group world, send/recv of ranks 0 and 1: rank 1 entered send "
+                "(float32 x 4) to rank 0 while rank 0 entered send (float32 x 4) to rank 1 "
+                "(neither receives)",
 }
 
 
@@ -166,6 +173,24 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     assert summary["evidence"] == folders, summary
     record = json.loads((RUN_ROOT[name] / "runs" / name / "run.json").read_text())
     assert record["evidence"] == folders, record
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+def test_a_pair_that_both_send_is_named_as_a_desync_and_fails_the_run_as_one(
+        runs: dict[str, Run]) -> None:
+    run = runs["p2p-send"]
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.leftovers == []
+    words = WORDS["p2p-send"]
+    hangs = [line["hang"] for line in lines(run) if line["kind"] == "progress" and line["hang"]]
+    assert hangs and hangs[-1] == words, hangs
+    assert f"ddtrain: {words}\n" in run.stderr
+    assert (f"rank 1 entered a send or recv its peer's cannot meet (--hang-timeout 4): {words}"
+            in run.stderr), run.stderr[-3000:]
+    summary = next(line for line in lines(run) if line["kind"] == "summary")
+    assert summary["failure"]["rank"] == 1 and words in summary["failure"]["message"], summary
+    assert [json.loads((b / "index.json").read_text())["why"]
+            for b in evidence_of("p2p-send")] == ["desync", "hang"]
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)

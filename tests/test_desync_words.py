@@ -231,3 +231,34 @@ def test_a_groups_ranks_are_read_back_from_the_signature() -> None:
     assert hangs.members(coll("x", 1, group="3", ranks="0")) == {0}
     for cut in ("0,2,4...", "", "5-2", "0-99999999", "a"):
         assert hangs._parsed(cut) is None, cut
+
+
+def p2p(op: str, peer: int, count: int = 4, dtype: str = "float32") -> wire.Collective:
+    return wire.Collective(seq=9, op=op, bytes=4 * count, group="world", group_size=4,
+                           group_ranks="0-3", dtype=dtype, count=count, peer=peer)
+
+
+def test_a_point_to_point_pair_that_cannot_meet_is_a_desync() -> None:
+    world = coll("all_reduce", 4)
+    # Ranks 1 and 2 both send to each other: gloo's send waits for the other's recv.
+    found = find(world, p2p("send", 2), p2p("send", 1), world)
+    assert found == ([2], "desync in group world, send/recv of ranks 1 and 2: rank 2 entered "
+                          "send (float32 x 4) to rank 1 while rank 1 entered send (float32 x 4) "
+                          "to rank 2 (neither receives)")
+    assert desync.named(found[1])
+    assert find(p2p("recv", 1), p2p("recv", 0))[1].endswith(  # type: ignore[index]
+        "rank 1 entered recv (float32 x 4) from rank 0 while rank 0 entered recv (float32 x 4) "
+        "from rank 1 (neither sends)")
+    # A send and a recv of another size (gloo returns at once, the data cut: seen only
+    # while both are inside).
+    assert find(p2p("send", 1), p2p("recv", 0, count=8)) == (
+        [1], "desync in group world, send/recv of ranks 0 and 1: rank 1 entered recv "
+             "(float32 x 8) from rank 0 while rank 0 entered send (float32 x 4) to rank 1")
+    # A send and its recv meet; peers that are not each other's, or a rank not inside
+    # one, are waits (the wait-for chain), not a desync.
+    assert find(p2p("send", 1), p2p("recv", 0)) is None
+    assert find(p2p("send", 1), p2p("send", 2), p2p("send", 0)) is None
+    assert find(p2p("send", 1), world) is None
+    ranks = views(p2p("send", 1), p2p("send", 0))
+    ranks[1].coll_completed = ranks[1].coll_started  # over: not inside it any more
+    assert desync.find(ranks, [0, 1]) is None

@@ -9,7 +9,9 @@ ODD: all_gather (4 float32s a rank), float64 (an all_reduce of 4 float64s),
 count (an all_reduce of 8 float32s), skip (no collective: its next all_reduce is
 the others' one after), sleep (10 minutes, then none: a hang, not a desync),
 p2p (it sleeps 10 minutes, then sends 4 float32s to the next rank, which waits
-in recv for them; then none: a hang of a point-to-point pair), ddp (it
+in recv for them; then none: a hang of a point-to-point pair), p2p-send (it
+sends 4 float32s to the next rank, which sends 4 to it: neither receives, a
+desync of the pair), ddp (it
 all-gathers 4 float32s on the world group before that step's forward, where
 the others enter DDP's gradient all-reduce), or none (a clean run: every rank
 alike).
@@ -30,8 +32,8 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=5)
     parser.add_argument("--odd-rank", type=int, default=-1)
     parser.add_argument("--odd", default="all_gather",
-                        choices=["all_gather", "float64", "count", "skip", "sleep", "p2p", "ddp",
-                                 "none"])
+                        choices=["all_gather", "float64", "count", "skip", "sleep", "p2p",
+                                 "p2p-send", "ddp", "none"])
     parser.add_argument("--pairs", action="store_true")
     parser.add_argument("--step-s", type=float, default=0.0, help="seconds of sleep a step")
     args = parser.parse_args()
@@ -60,7 +62,12 @@ def main() -> None:
             else:
                 dist.recv(torch.empty(4), src=args.odd_rank)
             odd = "none"
-        if step == args.at and args.odd != "ddp":  # when it enters its collective (bench/desync.py)
+        if args.odd == "p2p-send" and step == args.at and rank in (args.odd_rank, peer):
+            print(f"entering {time.time():.6f}", flush=True)
+            dist.send(torch.ones(4), dst=peer if rank == args.odd_rank else args.odd_rank)
+            odd = "none"
+        # When it enters its collective (bench/desync.py).
+        if step == args.at and args.odd not in ("ddp", "p2p-send"):
             print(f"entering {time.time():.6f}", flush=True)
         if odd == "none":
             dist.all_reduce(torch.ones(4), group=group)
