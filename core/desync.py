@@ -22,6 +22,15 @@ elements; both sending (or both receiving) never meet:
     "desync in group world, send/recv of ranks 0 and 1: rank 1 entered send (float32
      x 4) to rank 0 while rank 0 entered send (float32 x 4) to rank 1 (neither receives)"
 
+A rank that skipped a collective whose successors have the same signatures as
+the ones it skipped is not inside a collective the others are not: gloo pairs
+them, silently, one apart. Every wire.COUNTS_EVERY global steps each rank says
+how many collectives it has entered on each of its groups (Step.group_counts);
+every rank of a group must have entered as many by the same step (`Counts`):
+
+    "desync in group world by step 8: rank 1 had entered 9 collectives of the group
+     where rank 0 had entered 10 (1 fewer)"
+
 DDP's gradient all-reduce of a step is one collective of its group (its
 buckets together: "DDP's gradient all-reduce (float32 x N)", N the gradients'
 elements), so a rank that enters a collective of its own where the others
@@ -33,6 +42,8 @@ without a signature (an older sender's), and a group unknown to the rank.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+
+import msgspec
 
 from ddtop.core import wire
 from ddtop.core.rankview import RankView
@@ -90,6 +101,14 @@ def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int],
     return _pair(ranks, live)
 
 
+COUNTED_WORDS = " collectives of the group where "  # how Counts' desync says it
+
+
+def counted(text: str | None) -> bool:
+    """Whether a desync in words is one the ranks' counts showed (Counts)."""
+    return named(text) and text is not None and COUNTED_WORDS in text
+
+
 P2P = frozenset({"send", "recv"})
 P2P_WORDS = ", send/recv of ranks "  # how a pair's desync names it, after its group
 
@@ -135,3 +154,83 @@ def _what(c: wire.Collective | None) -> str:
     count = f" x {c.count:,}" if c.count >= 0 else ""
     per = " per rank" if c.op in PER_RANK and count else ""
     return f"{op} ({c.dtype}{count}{per})"
+
+
+KEEP_STEPS = 64  # the steps whose counts are kept, newest
+RANKS_KEPT = 16  # ranks kept per side of a step's counts (the others counted)
+
+
+class Side(msgspec.Struct):
+    """The ranks (the first RANKS_KEPT) that had entered one count of a group's
+    collectives by a step, and how many they are."""
+
+    ranks: list[int] = []
+    n: int = 0
+
+
+class Counts(msgspec.Struct):
+    """The ranks' counts of each group's collectives at the same steps (module
+    docstring): `found`, once two sides are seen at a step that enough ranks gave
+    (three, or all of a smaller world), the odd ranks and the desync in words."""
+
+    at: dict[int, dict[str, dict[int, Side]]] = {}  # step -> group -> count -> side
+    given: dict[int, int] = {}  # step -> ranks that gave it
+    found: tuple[list[int], str] | None = None
+
+    def restart(self) -> None:
+        """New processes count from 0: what the old ones said is not compared."""
+        self.at, self.given = {}, {}
+
+    def add(self, rank: int, taken: Iterable[wire.GroupCounts], world: int,
+            ranks: Mapping[int, RankView]) -> None:
+        for counted in taken:
+            step = counted.global_step
+            if step not in self.at:
+                self.at[step], self.given[step] = {}, 0
+                if len(self.at) > KEEP_STEPS:  # the oldest step goes (this one, if it is)
+                    oldest = min(self.at)
+                    del self.at[oldest], self.given[oldest]
+                    if oldest == step:
+                        continue
+            self.given[step] += 1
+            groups = self.at[step]
+            for group, count in counted.counts:
+                side = groups.setdefault(group, {}).setdefault(count, Side())
+                side.n += 1
+                if len(side.ranks) < RANKS_KEPT:
+                    side.ranks.append(rank)
+            if self.found is None and self.given[step] >= min(3, max(world, 2)):
+                self._look(step, ranks)
+
+    def _look(self, step: int, ranks: Mapping[int, RankView]) -> None:
+        for group, by_count in sorted(self.at[step].items()):
+            if len(by_count) < 2:
+                continue
+            # The side most ranks are on is the group's; a tie goes to the higher count
+            # (one rank skipping is likelier than one entering more).
+            order = sorted(by_count.items(), key=lambda c: (-c[1].n, -c[0]))
+            usual_count, usual = order[0]
+            odd = sorted(r for _, side in order[1:] for r in side.ranks)
+            told = [f"{_ranks_of(side)} had entered {count:,}" for count, side in order[1:]]
+            diff = order[1][0] - usual_count
+            self.found = odd, (
+                f"{PREFIX}{_group_name(group, ranks)} by step {step}: {'; '.join(told)}"
+                f"{COUNTED_WORDS}{_ranks_of(usual)} had entered "
+                f"{usual_count:,} ({abs(diff)} {'fewer' if diff < 0 else 'more'})")
+            return
+
+
+def _ranks_of(side: Side) -> str:
+    more = side.n - len(side.ranks)
+    return rank_list(sorted(side.ranks)) + (f" and {more:,} more" if more > 0 else "")
+
+
+def _group_name(group: str, ranks: Mapping[int, RankView]) -> str:
+    """'world', or '[2,3]' as a rank's signature of the group gives its ranks."""
+    if group == "world":
+        return "world"
+    for view in ranks.values():
+        for c in (view.coll_started, view.coll_completed):
+            if c is not None and c.group == group and c.group_ranks:
+                return f"[{c.group_ranks}]"
+    return repr(group)

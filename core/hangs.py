@@ -20,14 +20,16 @@ __all__ = ["hung", "members", "rank_list"]
 MAX_GROUP_SPAN = 1 << 16
 
 
-def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState]
-     ) -> tuple[list[int], str] | None:
+def hung(ranks: Mapping[int, RankView], states: Mapping[int, RankState],
+         counted: tuple[list[int], str] | None = None) -> tuple[list[int], str] | None:
     """When some ranks are stalled: the ranks the others wait for (those not
     inside the collective the others wait in; without one, the stalled ranks;
     [] when every live rank waits in it), and the hang in words. A desync
-    (core/desync.py) comes first, stalled or not yet: its odd ranks, and it."""
+    (core/desync.py) comes first, stalled or not yet: its odd ranks, and it.
+    `counted`, one the ranks' counts of collectives showed (desync.Counts), comes
+    before one the ranks are inside: it came first, and caused what followed."""
     live = [r for r, s in states.items() if s in (RUNNING, STALLED, SILENT)]
-    found = desync.find(ranks, live)
+    found = counted or desync.find(ranks, live)
     if found is not None:
         return found
     stalled = [r for r, s in states.items() if s == STALLED]

@@ -2,7 +2,7 @@
 
     SPEC    = RANK ":" ACTION [ "@" WHEN ]
     ACTION  = kill | stop | hang | raise | segfault | exit=CODE
-            | slow=FACTORx | stall-data=SECONDSs | desync | take-port
+            | slow=FACTORx | stall-data=SECONDSs | desync | skip | take-port
     WHEN    = step=N | epoch=E
 
 e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
@@ -43,12 +43,17 @@ ACTIONS = {
     "stall-data": "stall-data=SECONDSs: its data loading stalls that long, once (e.g. 2s)",
     "desync": ("call a collective of its own once (an all_gather on the world group) where "
                "the others go on to their next one"),
+    "skip": ("skip its next step's gradient all-reduce (DDP's no_sync, --strategy ddp): "
+             "the backend pairs the others' next ones with its own, one apart"),
     "take-port": ("rank 0 only, no WHEN: another process binds the rendezvous port the daemon "
                   "picked before rank 0 does (the daemon starts the ranks again on another)"),
 }
 ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx, "
-          "stall-data=SECONDSs, desync or take-port")
+          "stall-data=SECONDSs, desync, skip or take-port")
 AT_START = ("take-port",)  # actions at the start, before any step: no WHEN
+# Actions on the built-in trainer's DDP model: not in a user's script, and only with
+# --strategy ddp.
+DDP_ONLY = ("skip",)
 SEPARATOR = ","
 MAX_EXIT_CODE = 255
 MAX_SLOW_FACTOR = 1000.0
@@ -225,6 +230,19 @@ def check_epochs(drills: Iterable[Drill], epochs: int, source: str = FLAG) -> No
             raise UsageError(f"{source} {drill.spec()!r}: the run trains --epochs {epochs}, so "
                              f"epoch {drill.epoch} never ends: use @epoch=1 to @epoch={epochs}, "
                              "or more --epochs")
+
+
+def check_ddp(drills: Iterable[Drill], strategy: str | None, source: str = FLAG) -> None:
+    """UsageError for a drill of DDP's gradient all-reduce (DDP_ONLY) in a run
+    without the built-in trainer's DDP model (`strategy` None: a user's script)."""
+    for drill in drills:
+        if drill.action not in DDP_ONLY or strategy == "ddp":
+            continue
+        where = ("in a user's script ddtrain cannot reach its model: make the rank skip "
+                 "a collective in the script itself" if strategy is None
+                 else f"--strategy {strategy} has none: use --strategy ddp (the default)")
+        raise UsageError(f"{source} {drill.spec()!r}: {drill.action} drills the built-in "
+                         f"trainer's DDP gradient all-reduce; {where}")
 
 
 def encode(drills: Iterable[Drill]) -> str:

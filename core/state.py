@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ddtop.core import alone, hangs, rankstates, stragglers, wire
+from ddtop.core import alone, desync, hangs, rankstates, stragglers, wire
 from ddtop.core import summary as told
 from ddtop.core.bounds import MAX_JOB_RANKS
 from ddtop.core.contract import describe_exit
@@ -116,6 +116,8 @@ class RunState(msgspec.Struct, kw_only=True):
     rejected: dict[str, int] = {}  # frames the daemon refused, by reason (not in the journal)
     held: dict[int, wire.Message] = {}  # rank -> a message far ahead of its sequence (apply)
     straggler_rounds: stragglers.Rounds = msgspec.field(default_factory=stragglers.Rounds)
+    # Each group's collectives the ranks had entered at the same steps (core/desync.py).
+    counts: desync.Counts = msgspec.field(default_factory=desync.Counts)
     alone: str | None = None  # ranks that never communicated, in words (core/alone.py)
     journal_dropped: int = 0  # records accepted but not written to the journal (a full disk)
     # The evidence the daemon gathered (daemon/evidence.py): its folders, as its events
@@ -250,6 +252,8 @@ class RunState(msgspec.Struct, kw_only=True):
         # A script's rank says hello again when it learns more (its model, device,
         # backend, totals): the same process updates what it said, no second join.
         again = bool(view.host) and view.pid == m.pid
+        if view.pid and not again:  # a rank's new process (a restart) counts from 0 again
+            self.counts.restart()
         view.host, view.pid, view.local_rank = m.host, m.pid, m.local_rank
         view.device, view.backend, view.collectives = m.device, m.backend, m.collectives is True
         self.world_size = self.world_size or m.world_size
@@ -271,6 +275,8 @@ class RunState(msgspec.Struct, kw_only=True):
 
     def _apply_step(self, view: RankView, m: wire.Step, late: bool, received: float) -> None:
         view.samples += m.samples
+        if not isinstance(m.group_counts, msgspec.UnsetType):
+            self.counts.add(m.rank, m.group_counts, self.world_size, self.ranks)
         if late or m.steps <= 0:
             return  # a newer reading is already shown
         if view.phase_at is not None and m.global_step > view.phase_step:
@@ -451,7 +457,7 @@ class RunState(msgspec.Struct, kw_only=True):
     def hung(self, now: float) -> tuple[list[int], str] | None:
         """When some ranks are stalled: the ranks the others wait for, and the hang
         in words (core/hangs.py); None when none is."""
-        return hangs.hung(self.ranks, self.rank_states(now))
+        return hangs.hung(self.ranks, self.rank_states(now), self.counts.found)
 
     def telemetry_loss(self) -> float:
         """Fraction of rank messages lost (sequence gaps), 0..1."""

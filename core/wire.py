@@ -120,6 +120,24 @@ class Collective(msgspec.Struct, frozen=True, kw_only=True):
     peer: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_JOB_RANKS)] = -1
 
 
+# Every COUNTS_EVERY global steps a rank takes the count of collectives it entered on
+# each of its groups (training/collectives.py), and its next Step message carries the
+# counts taken since (at most MAX_COUNTS): core/desync.py compares them across ranks
+# at the same step, so a rank that skipped a collective is named even when the
+# backend paired the rest silently.
+COUNTS_EVERY = 4
+MAX_COUNTS = 8
+MAX_COUNTED_GROUPS = 64
+
+
+class GroupCounts(msgspec.Struct, frozen=True, array_like=True):
+    """At the end of `global_step`, the collectives entered on each group, by name."""
+
+    global_step: Annotated[int, msgspec.Meta(ge=0)]
+    counts: Annotated[list[tuple[GroupName, Annotated[int, msgspec.Meta(ge=0)]]],
+                      msgspec.Meta(max_length=MAX_COUNTED_GROUPS)]
+
+
 class _Header(msgspec.Struct, kw_only=True):
     v: int = SCHEMA_VERSION
     run: str
@@ -194,6 +212,10 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     # None with fewer than 3 steps, or from senders that do not measure it. What
     # the straggler rule weighs (core/stragglers.py).
     compute_trim_s: float | None = None
+    # Each group's count of collectives at the multiples of COUNTS_EVERY among these
+    # steps (a sender that signs collectives; absent elsewhere).
+    group_counts: Annotated[list[GroupCounts], msgspec.Meta(max_length=MAX_COUNTS)] \
+        | UnsetType = UNSET
 
     def weight(self) -> float:
         """What `loss_sum` is a sum over (the one place the rule is written):

@@ -213,14 +213,15 @@ def check_torch() -> None:
 
 
 def arm_drills(specs: list[str], world_size: int, epochs: int | None = None,
-               launcher: str = "local") -> None:
+               launcher: str = "local", strategy: str | None = None) -> None:
     """--inject: the specs checked (bad input raises UsageError), and handed to the
     daemon and every rank in DDTOP_FAULT, its transport and nothing else: this
     process's environment is what the daemon (this process, or the detached one)
     and every rank it starts inherit, with any launcher, so a DDTOP_FAULT the user
     had set is replaced, or removed without --inject (and said to be ignored).
     `epochs`: the built-in trainer's (a user's script's epochs are its own business).
-    `launcher`: take-port drills the port the daemon picks, which torchrun picks itself."""
+    `launcher`: take-port drills the port the daemon picks, which torchrun picks itself.
+    `strategy`: the built-in trainer's (None: a user's script), for skip."""
     inherited = os.environ.pop(FAULT_ENV, None)
     if not specs:
         if inherited:
@@ -232,6 +233,7 @@ def arm_drills(specs: list[str], world_size: int, epochs: int | None = None,
     inject.check_ranks(drills, world_size)
     if epochs is not None:
         inject.check_epochs(drills, epochs)
+    inject.check_ddp(drills, strategy)
     if launcher == "torchrun" and any(d.action in inject.AT_START for d in drills):
         raise UsageError(f"{inject.FLAG} 0:take-port drills the rendezvous port the daemon "
                          "picks; under --launcher torchrun, torchrun picks it: leave it out")
@@ -259,8 +261,9 @@ def arm_flight_recorder(entries: int | None) -> None:
 
 def _start(args: argparse.Namespace, config: TrainConfig, paths: RunPaths) -> int:
     verb = "resuming" if config.resume else "starting"
-    arm_drills(args.inject, config.world_size,
-               None if config.runs_user_code else config.epochs, config.launcher)
+    builtin = not config.runs_user_code
+    arm_drills(args.inject, config.world_size, config.epochs if builtin else None,
+               config.launcher, config.strategy if builtin else None)
     arm_flight_recorder(config.flight_recorder)
     if args.headless and not args.foreground:
         raise UsageError("--headless prints a run in this terminal: add --foreground (a "

@@ -71,7 +71,10 @@ class HangTimer:
             return None
         waited_for, text = found
         stalled = [r for r, s in state.rank_states(now).items() if s == STALLED]
-        if desync.named(text) and desync.P2P_WORDS in text:  # the cause: it, not the waits
+        if desync.counted(text):
+            reason = (f"entered another number of its group's collectives (--hang-timeout "
+                      f"{self.limit:g})")
+        elif desync.named(text) and desync.P2P_WORDS in text:  # the cause: it, not the waits
             reason = (f"entered a send or recv its peer's cannot meet (--hang-timeout "
                       f"{self.limit:g})")
         elif desync.named(text):

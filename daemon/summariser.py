@@ -123,6 +123,7 @@ def merge_steps(merged: _Merged, step: wire.Step) -> _Merged:
                else a.comm_overlap_s + step.comm_overlap_s)
     both_unweighted = (isinstance(a.loss_weight, msgspec.UnsetType)
                        and isinstance(step.loss_weight, msgspec.UnsetType))
+    counts = [*_counts(a), *_counts(step)][-wire.MAX_COUNTS:]
     combined = msgspec.structs.replace(
         step, steps=steps, samples=a.samples + step.samples,
         loss_sum=a.loss_sum + step.loss_sum, step_s=a.step_s + step.step_s,
@@ -131,9 +132,14 @@ def merge_steps(merged: _Merged, step: wire.Step) -> _Merged:
         comm_s=a.comm_s + step.comm_s, comm_bytes=a.comm_bytes + step.comm_bytes,
         comm_ops=a.comm_ops + step.comm_ops, sync_wait_s=a.sync_wait_s + step.sync_wait_s,
         dropped=a.dropped + step.dropped, comm_overlap_s=overlap,
-        loss_weight=msgspec.UNSET if both_unweighted else weight, compute_trim_s=None)
+        loss_weight=msgspec.UNSET if both_unweighted else weight, compute_trim_s=None,
+        group_counts=counts or msgspec.UNSET)
     longest = max(merged.longest_s, compute if step.steps == 1 else 0.0)
     return _Merged(combined, merged.compute_s + compute, longest, merged.robust and robust)
+
+
+def _counts(step: wire.Step) -> list[wire.GroupCounts]:
+    return [] if isinstance(step.group_counts, msgspec.UnsetType) else step.group_counts
 
 
 def merged_step(merged: _Merged) -> wire.Step:

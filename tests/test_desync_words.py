@@ -116,6 +116,22 @@ def test_a_signature_out_of_bounds_is_refused_at_decode() -> None:
         ("", 0, -1)
 
 
+def test_counts_out_of_bounds_are_refused_at_decode() -> None:
+    step = wire.Step(run="r", rank=0, epoch=None, step=4, steps_per_epoch=0, global_step=4,
+                     steps=1, samples=0, loss_sum=0.0, lr=0.0, step_s=0.1, data_s=0.0,
+                     forward_s=0.0, backward_s=0.0, optimizer_s=0.0, comm_s=0.0, comm_bytes=0,
+                     comm_ops=0, algbw_gbps=0.0, busbw_gbps=0.0, sync_wait_s=0.0,
+                     group_counts=[wire.GroupCounts(4, [("world", 8), ("1", 4)])])
+    frame = msgspec.msgpack.decode(wire.encode(step)[0])
+    decoded = wire.decode([msgspec.msgpack.encode(frame)], run="r")
+    assert isinstance(decoded, wire.Step) and decoded.group_counts == step.group_counts
+    for bad in ([[4, [["world", -1]]]], [[-4, [["world", 1]]]], [[4, [["a\x1bb", 1]]]],
+                [[4, [["world", 1]]]] * (wire.MAX_COUNTS + 1),
+                [[4, [[str(g), 1] for g in range(wire.MAX_COUNTED_GROUPS + 1)]]]):
+        with pytest.raises(wire.WireError):
+            wire.decode([msgspec.msgpack.encode({**frame, "group_counts": bad})], run="r")
+
+
 def test_ranks_text_is_compact_and_bounded() -> None:
     assert collectives.ranks_text([0, 1, 2, 3]) == "0-3"
     assert collectives.ranks_text([2, 3]) == "2,3"
@@ -262,3 +278,58 @@ def test_a_point_to_point_pair_that_cannot_meet_is_a_desync() -> None:
     ranks = views(p2p("send", 1), p2p("send", 0))
     ranks[1].coll_completed = ranks[1].coll_started  # over: not inside it any more
     assert desync.find(ranks, [0, 1]) is None
+
+
+def counted(step: int, **groups: int) -> list[wire.GroupCounts]:
+    return [wire.GroupCounts(step, list(groups.items()))]
+
+
+def test_a_rank_that_entered_fewer_collectives_by_a_step_is_a_desync() -> None:
+    counts = desync.Counts()
+    counts.add(0, counted(8, world=10), 4, {})
+    counts.add(1, counted(8, world=9), 4, {})
+    assert counts.found is None  # two of four: which side is the group's is not known yet
+    counts.add(2, counted(8, world=10), 4, {})
+    assert counts.found == ([1], "desync in group world by step 8: rank 1 had entered 9 "
+                                 "collectives of the group where ranks 0, 2 had entered 10 "
+                                 "(1 fewer)")
+    assert desync.counted(counts.found[1]) and desync.named(counts.found[1])
+    # It comes before a desync the ranks are inside (it came first), and a stalled rank.
+    same = coll("all_reduce", 20)
+    ranks = views(same, coll("all_gather", 20), same, same)
+    states = {r: STALLED for r in ranks}
+    assert hangs.hung(ranks, states, counts.found) == counts.found
+    assert hangs.hung(ranks, states)[1].startswith("desync in group world #20")  # type: ignore[index]
+
+
+def test_counts_are_compared_at_the_same_step_per_group_and_anew_after_a_restart() -> None:
+    counts = desync.Counts()
+    pair = {2: RankView(rank=2, coll_started=coll("all_reduce", 3, group="1", ranks="2,3"))}
+    counts.add(0, counted(4, world=4), 4, pair)
+    counts.add(1, counted(8, world=9), 4, pair)  # another step: not compared with step 4
+    counts.add(2, [wire.GroupCounts(4, [("world", 4), ("1", 2)])], 4, pair)
+    assert counts.found is None
+    # Rank 3 gives step 4 too: the world agrees; the pair [2,3] does not. A tie of one
+    # rank a side: the more collectives are the group's (a skip is likelier).
+    counts.add(3, [wire.GroupCounts(4, [("world", 4), ("1", 3)])], 4, pair)
+    assert counts.found == ([2], "desync in group [2,3] by step 4: rank 2 had entered 2 "
+                                 "collectives of the group where rank 3 had entered 3 (1 fewer)")
+    # New processes (a restart) count from 0: what the old ones said is not compared.
+    counts = desync.Counts()
+    counts.add(0, counted(4, world=4), 2, {})
+    counts.restart()
+    counts.add(1, counted(4, world=2), 2, {})
+    assert counts.found is None
+    counts.add(0, counted(4, world=3), 2, {})
+    assert counts.found == ([1], "desync in group world by step 4: rank 1 had entered 2 "
+                                 "collectives of the group where rank 0 had entered 3 (1 fewer)")
+
+
+def test_only_the_newest_steps_are_kept() -> None:
+    counts = desync.Counts()
+    steps = range(4, 4 * (desync.KEEP_STEPS + 10), 4)
+    for step in steps:
+        counts.add(0, counted(step, world=step), 3, {})
+    assert sorted(counts.at) == list(steps[-desync.KEEP_STEPS:])
+    counts.add(1, counted(4, world=3), 3, {})  # older than every step kept: not kept
+    assert 4 not in counts.at and counts.found is None

@@ -4,7 +4,8 @@ Each drill kind is acted out by a real 2-rank run and named by the daemon:
 segfault and exit=CODE@epoch=E (dead ranks, by signal and exit code),
 slow=FACTORx (named as the straggler, no other rank) with stall-data on the
 other rank, desync (named as a desync, then failed by --hang-timeout with it as
-the cause), hang (the hung rank and the collective named; --hang-timeout fails
+the cause), skip (named by the ranks' counts of collectives, though gloo pairs
+the rest silently), hang (the hung rank and the collective named; --hang-timeout fails
 it, --max-restarts restarts it) and stop (silent, then failed by
 --hang-timeout). In a user's own script, through the optimizer step hook: raise
 (the script's line in the traceback), kill (named by its signal), stop (silent,
@@ -61,6 +62,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     # Rank 1 all-gathers after step 5 where rank 0 enters step 6's DDP all-reduce.
     "desync": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:desync@step=5",
                "--hang-timeout", "3"),
+    # Rank 1's step 6 goes without DDP's all-reduce: gloo pairs the rest one apart.
+    "skip": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:skip@step=5",
+             "--hang-timeout", "3"),
     # A user's script (ACCUM: no ddtop line in it), the drills acting from the
     # optimizer step hook: stop, kill, raise and slow.
     "script-stop": (*JSONL, "-n", "2", "--inject", "1:stop@step=3", "--hang-timeout", "3",
@@ -141,7 +145,7 @@ def test_the_grammar_round_trips() -> None:
     specs = ["1:kill@step=50", "2:hang@step=80", "3:stop@step=30", "0:raise@step=10",
              "1:exit=3@epoch=1", "2:segfault@step=20", "1:slow=1.5x", "0:stall-data=2s@step=30",
              "1:slow=2x@step=10", "0:slow=1.0000001x",  # every digit a value needs
-             "1:desync@step=5"]
+             "1:desync@step=5", "1:skip@epoch=1"]
     drills = inject.parse_all(specs)
     assert [d.spec() for d in drills] == specs
     assert inject.parse_environ(inject.encode(drills)) == drills
@@ -177,6 +181,21 @@ def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> N
     assert str(bad.value).startswith(f"--inject {spec!r}: ") and fragment in str(bad.value)
 
 
+@pytest.mark.parametrize(("strategy", "fragment"), [
+    (None, "in a user's script ddtrain cannot reach its model"),
+    ("allreduce", "--strategy allreduce has none: use --strategy ddp (the default)"),
+])
+def test_skip_drills_ddp_alone(strategy: str | None, fragment: str) -> None:
+    drills = inject.parse_all(["0:desync@step=2", "1:skip@step=3"])
+    inject.check_ddp(drills, "ddp")  # the built-in trainer's DDP model: fine
+    inject.check_ddp(drills[:1], strategy)  # desync: any run
+    with pytest.raises(UsageError) as bad:
+        inject.check_ddp(drills, strategy)
+    assert str(bad.value).startswith("--inject '1:skip@step=3': skip drills the built-in "
+                                     "trainer's DDP gradient all-reduce; ")
+    assert fragment in str(bad.value)
+
+
 @pytest.mark.parametrize(("args", "env", "fragment"), [
     (("--inject", "0:kill@step=9", "--inject", "1:kil@step=5"), {},
      "ddtrain: error: --inject '1:kil@step=5': unknown action 'kil'"),
@@ -195,6 +214,9 @@ def test_a_bad_spec_names_the_problem_and_the_fix(spec: str, fragment: str) -> N
       str(Path(__file__).parent / "scripts" / "plain_ddp.py")), {},
      "ddtrain: error: --inject 0:take-port drills the rendezvous port the daemon picks; "
      "under --launcher torchrun, torchrun picks it"),
+    (("--inject", "1:skip@step=3", str(Path(__file__).parent / "scripts" / "plain_ddp.py")),
+     {}, "ddtrain: error: --inject '1:skip@step=3': skip drills the built-in trainer's DDP "
+         "gradient all-reduce; in a user's script"),
 ])
 @pytest.mark.processes
 def test_bad_drills_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...],
@@ -469,4 +491,24 @@ def test_a_desync_drill_is_named_as_a_desync_and_fails_the_run_as_one(drills: St
                             index["flight_recorder"]), index["flight_recorder"]
         assert not any("Flight Recorder" in m for m in index["missing"]), index["missing"]
     assert f"ddtrain: {index['flight_recorder']}\n" in run.stderr
+    assert run.leftovers == []
+
+
+@pytest.mark.processes
+def test_a_skip_drill_is_named_by_the_ranks_counts_of_collectives(drills: Started) -> None:
+    run = drills.result("skip")
+    assert run.returncode == 1, run.stderr[-3000:]
+    # Rank 1 skipped step 6's all-reduce; gloo paired its step 7's with rank 0's step
+    # 6's, and so on, silently: by step 8 (counts are taken every 4 steps) it had
+    # entered one collective fewer of the world group (DDP's all-reduce of each step).
+    words = ("desync in group world by step 8: rank 1 had entered 7 collectives of the "
+             "group where rank 0 had entered 8 (1 fewer)")
+    hangs = [line["hang"] for line in jsonl(run) if line["kind"] == "progress" and line["hang"]]
+    assert hangs and all(h == words for h in hangs), hangs
+    assert f"ddtrain: {words}\n" in run.stderr
+    summary = jsonl(run)[-1]
+    assert summary["kind"] == "summary" and summary["status"] == "failed"
+    assert summary["failure"]["rank"] == 1, summary["failure"]
+    assert summary["failure"]["message"] == (
+        f"entered another number of its group's collectives (--hang-timeout 3): {words}")
     assert run.leftovers == []

@@ -56,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.core import wire
 from ddtop.core.contract import RUN_ID_ENV, telemetry_endpoint
-from ddtop.training import shardwatch
+from ddtop.training import collectives, shardwatch
 from ddtop.training.commtimer import CommTimer, DDPStats
 from ddtop.training.pairing import StepPairing
 from ddtop.training.receiver import receiver_answers
@@ -282,7 +282,11 @@ class LiveRank:
             step = steps - epoch * spe
         else:
             step = 0
-        self.telemetry.count_step(epoch, step, spe, steps, self._lr, loss, samples, hold, then)
+        counted = None  # every COUNTS_EVERY steps: each group's collectives entered so far
+        if steps % wire.COUNTS_EVERY == 0 and (groups := collectives.counts()):
+            counted = wire.GroupCounts(steps, groups)
+        self.telemetry.count_step(epoch, step, spe, steps, self._lr, loss, samples, hold, then,
+                                  counted)
 
     def sampler_epoch_set(self, epoch: Any) -> None:
         """A DistributedSampler's `set_epoch(epoch)` (autowatch.py): the epoch the

@@ -317,6 +317,16 @@ def group_entered(pg: Any, dtype: str, count: int) -> tuple[str, int, str, int, 
     return entry[0], entry[1], entry[2], entry[3], dtype, count, -1
 
 
+def counts() -> list[tuple[str, int]]:
+    """The collectives entered so far on each group of this rank that has had one
+    (wire.GroupCounts), at most wire.MAX_COUNTED_GROUPS of them."""
+    try:
+        found = [(e[0], e[3]) for e in list(_groups.values()) if e[4] and e[3]]
+    except RuntimeError:  # (a group made on another thread meanwhile: none this time)
+        return []
+    return found[:64]
+
+
 def entered(pg: Any, dtype: str = "", count: int = -1
             ) -> tuple[str, int, str, int, str, int, int]:
     """group_entered for a collective the built-in trainer issues itself (its

@@ -22,7 +22,12 @@ steps:
 - desync: the rank calls a collective of its own once, an all_gather of one
   element on the world group, where the others go on to their next one (in
   the built-in trainer, the next step's DDP gradient all-reduce): the two
-  sides never meet.
+  sides never meet;
+- skip: the rank's next step runs its backward without DDP's gradient
+  all-reduce (`no_sync`, as a rank that branches around it would; the
+  built-in trainer with --strategy ddp only). gloo pairs the others'
+  all-reduces with its following ones, one apart, silently: the ranks' counts
+  of the group's collectives (core/desync.py Counts) name it.
 
 Drills act in the first attempt only: a run restarted after one
 (`--max-restarts`) goes on.
@@ -62,6 +67,7 @@ class Drills:
         self.step_times: deque[float] = deque(maxlen=SLOW_WINDOW)
         self._step_end: float | None = None  # monotonic, after the last step's drills
         self._announced: set[inject.Drill] = set()  # each says once that it acts
+        self._skip = False  # skip: the next step's backward goes without its all-reduce
 
     @classmethod
     def from_environ(cls, rank: int, phase: Any = None, collective: Any = None
@@ -99,6 +105,12 @@ class Drills:
                 self._act(drill, global_step)
         self._step_end = time.monotonic()
 
+    def take_skip(self) -> bool:
+        """Whether this step's backward is to skip DDP's gradient all-reduce (a skip
+        drill acted after the last step); True once."""
+        skip, self._skip = self._skip, False
+        return skip
+
     def _announce(self, drill: inject.Drill, global_step: int) -> None:
         """One line in the rank's log as the drill acts, with the wall clock time
         (what bench/faults.py measures the daemon's diagnosis from)."""
@@ -121,6 +133,9 @@ class Drills:
         if drill.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # resumed (SIGCONT): trains on
+        if drill.action == "skip":
+            self._skip = True
+            return
         if drill.action == "desync":
             _collective_of_its_own(self.collective)
             return

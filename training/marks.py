@@ -72,6 +72,8 @@ class StepMark(msgspec.Struct, frozen=True, gc=False):
     samples: int | None
     hold: bool
     then: wire.Phase | None
+    # At a multiple of wire.COUNTS_EVERY: each group's collectives entered so far.
+    counts: wire.GroupCounts | None = None
 
 
 class LossMark(msgspec.Struct, frozen=True, gc=False):

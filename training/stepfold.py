@@ -114,6 +114,8 @@ class StepWindow:
     lr: float = 0.0
     loss_weight: float = 0.0  # what loss_sum is the sum over (samples, or 1 per loss)
     loss_cuda: CudaLoss | None = None  # its latest loss on a GPU, as the device's running sum
+    # Each group's collectives at the steps that took them (wire.COUNTS_EVERY), newest last.
+    counts: list[wire.GroupCounts] = field(default_factory=list)
 
 
 Memory = tuple[int | None, int | None, int | None]  # CUDA allocated, CUDA reserved, RSS
@@ -140,6 +142,7 @@ def step_message(w: StepWindow, run: str, rank: int, world_size: int,
         algbw_gbps=algbw, busbw_gbps=busbw, sync_wait_s=w.sync_wait_s,
         cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
         loss_weight=w.loss_weight, comm_overlap_s=overlap, compute_trim_s=trimmed,
+        group_counts=w.counts[-wire.MAX_COUNTS:] if w.counts else msgspec.UNSET,
     )
 
 
@@ -281,6 +284,8 @@ class StepFolder:
         if pending.comm_ops or pending.comm_exposed_s is not None:
             _take_comm(o, pending)
         self._add_loss(o, m.loss, m.samples)
+        if m.counts is not None:
+            o.counts.append(m.counts)
         self._hold_until = (self._hold_until or now + self.hold_s) if m.hold else 0.0
         self._step_start, self._excluded = m.at, 0.0
         self._open, self._open_since = o, now
@@ -341,6 +346,7 @@ class StepFolder:
             w.loss_cuda = o.loss_cuda
         w.epoch, w.step, w.steps_per_epoch = o.epoch, o.step, o.steps_per_epoch
         w.global_step, w.lr = o.global_step, o.lr
+        w.counts.extend(o.counts)
 
     def _add_loss(self, w: StepWindow, loss: Any, samples: int | None) -> None:
         count = samples if isinstance(samples, int) and samples > 0 else 0

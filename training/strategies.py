@@ -65,6 +65,11 @@ class Strategy:
         self.ledger.harvest()
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
+    def skip_sync(self) -> None:
+        """This step's forward and backward without the gradients' averaging (a skip
+        drill: training/drills.py; --inject checks it is given to ddp alone)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot skip its gradient sync")
+
     # -- checkpoints: the same format for every strategy (a plain module's and a
     # -- plain optimizer's state dicts), so a run may resume with another one.
     def model_state(self) -> dict[str, Any]:
@@ -117,6 +122,13 @@ class TorchDDP(Strategy):
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         if self._ready:  # then waits for the buckets still in flight
             self.ledger.telemetry.comm_exposed(time.perf_counter() - self._ready)
+        assert isinstance(self.model, DDP)
+        self.model.require_backward_grad_sync = True  # (after a skipped sync: again)
+
+    def skip_sync(self) -> None:
+        assert isinstance(self.model, DDP)
+        # What DDP's no_sync() does, from this forward to the end of its backward.
+        self.model.require_backward_grad_sync = False
 
 
 class AllReduceAfterBackward(Strategy):

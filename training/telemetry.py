@@ -171,11 +171,13 @@ class LiveTelemetry(Telemetry):
 
     def count_step(self, epoch: int | None, step: int, steps_per_epoch: int, global_step: int,
                    lr: float, loss: Any = None, samples: int | None = None,
-                   hold: bool = False, then: wire.Phase | None = None) -> None:
+                   hold: bool = False, then: wire.Phase | None = None,
+                   counted: wire.GroupCounts | None = None) -> None:
         """One optimizer step done: its time is everything since the last one but
         time in phases that are not step phases; its loss and samples, if given,
         go with it. `hold`: its loss comes later (add_loss with release). `then`:
-        the phase the rank is in from now (as `phase(then)` would say)."""
+        the phase the rank is in from now (as `phase(then)` would say). `counted`:
+        each group's collectives so far (at a multiple of wire.COUNTS_EVERY)."""
         now = time.perf_counter()
         said = self._said
         phase = then or said.phase[0]
@@ -183,7 +185,7 @@ class LiveTelemetry(Telemetry):
         if isinstance(loss, torch.Tensor):
             loss = self._loss_mark(loss, samples)
         self._marks.append(StepMark(now, epoch, step, steps_per_epoch, global_step, lr, loss,
-                                    samples, hold, then))
+                                    samples, hold, then, counted))
         said.epoch, said.global_step = epoch, global_step
 
     def resume_at(self, epoch: int | None, global_step: int) -> None:

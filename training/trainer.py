@@ -189,6 +189,8 @@ class Trainer:
                 x, y = next(batches)
                 x = x.to(self.device, non_blocking=True)
                 y = y.to(self.device, non_blocking=True)
+            if self.drills is not None and self.drills.take_skip():
+                self.strategy.skip_sync()  # --inject R:skip: this step's all-reduce
             with ddtop.phase("forward"):
                 self.optimizer.zero_grad(set_to_none=True)
                 logits = self.strategy.model(x)
