@@ -76,8 +76,13 @@ def test_an_fsdp2_script_with_no_ddtop_line_shows_comm_like_a_ddp_one(tmp_path: 
     per_step, ops = expected_per_step(MLP(TINY, root_parameter=True))
     assert (per_step, ops) == (40928, 11)  # (the rows of 33 padded to 34)
     sent = Sent(tmp_path / "runs" / "fsdp2")
+    counted = []
     for rank in range(WORLD):
         steps = steps_of(sent, rank)
+        # FSDP2's all-gathers and reduce-scatters are signed: counted in the world
+        # group's sequence, as the ranks say every 4 steps (core/desync.py compares).
+        counted.append({c.global_step: dict(c.counts) for s in steps
+                        if isinstance(s.group_counts, list) for c in s.group_counts})
         assert sum(s.steps for s in steps) == STEPS and steps[-1].global_step == STEPS
         assert sum(s.comm_bytes for s in steps) == STEPS * per_step
         assert sum(s.comm_ops for s in steps) == STEPS * ops
@@ -89,6 +94,7 @@ def test_an_fsdp2_script_with_no_ddtop_line_shows_comm_like_a_ddp_one(tmp_path: 
         assert sum(s.forward_s for s in steps) > 0 and sum(s.backward_s for s in steps) > 0
         assert sent.of(wire.Hello, rank)[-1].model == "MLP"
         assert sent.of(wire.Bye, rank)[-1].exit_code == 0
+    assert counted[0] == counted[1] == {4: {"world": 4 * ops}}, counted
     assert not [e for e in sent.of(wire.Event) if e.type in ("warning", "error")]
     for rank in range(WORLD):  # watched, it trains exactly as without ddtop
         plain = torch.load(tmp_path / f"bare.rank-{rank}.pt")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddtop.training.telemetry import Telemetry
+from ddtop.training.telemetry import Signature, Telemetry
 
 
 def allreduce_factor(n: int) -> float:
@@ -51,10 +51,11 @@ class CommLedger:
         self.paused = False
 
     @contextmanager
-    def blocking(self, op: str, nbytes: int, bus_factor: float) -> Iterator[None]:
+    def blocking(self, op: str, nbytes: int, bus_factor: float,
+                 sig: Signature | None = None) -> Iterator[None]:
         """Around a collective that returns when it is done (on CPU): all of it is
         time the rank waits."""
-        coll = self.telemetry.collective_started(op, nbytes)
+        coll = self.telemetry.collective_started(op, nbytes, sig)
         if self.cuda:
             start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start_ev.record()
@@ -101,22 +102,24 @@ class CommLedger:
             self.telemetry.comm_exposed(time.perf_counter() - start)
 
     def timed(self, op: str, nbytes: int, bus_factor: float, async_op: bool,
-              call: Callable[[], dist.Work | None]) -> dist.Work | None:
+              call: Callable[[], dist.Work | None],
+              sig: Signature | None = None) -> dist.Work | None:
         """`call()`, a collective that returns its work when `async_op` (whoever
         called it waits on that work: only its duration is known, from its
-        future) and blocks otherwise; accounted for either way."""
+        future) and blocks otherwise; accounted for either way. `sig`: its
+        signature (a blocking one's: training/collectives.py group_entered)."""
         if async_op:
             work = call()
             if work is not None:
                 self.launch(op, nbytes, bus_factor, lambda: work)
             return work
         if self.cuda:
-            with self.blocking(op, nbytes, bus_factor):
+            with self.blocking(op, nbytes, bus_factor, sig):
                 return call()
         # `blocking` on CPU, spelled out: a collective of FSDP2's costs the rank
         # this, several times a step (a generator-based context costs as much again).
         telemetry = self.telemetry
-        coll = telemetry.collective_started(op, nbytes)
+        coll = telemetry.collective_started(op, nbytes, sig)
         start = time.perf_counter()
         result = call()
         end = time.perf_counter()

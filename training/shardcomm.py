@@ -28,7 +28,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddtop.training.collectives import group_entered
 from ddtop.training.commledger import CommLedger, gather_factor
+from ddtop.training.telemetry import Signature
+
+
+def signed(group: Any, part: Any) -> Signature | None:
+    """The signature of one of FSDP2's collectives on `group`, counted in its
+    sequence: `part`, the tensor one rank gives (an all-gather's input, a
+    reduce-scatter's output); None where the arguments are not what FSDP2 gives."""
+    try:
+        return group_entered(group, str(part.dtype).removeprefix("torch."), part.numel())
+    except Exception:  # noqa: BLE001 - FSDP2's own call decides what a bad argument does
+        return None
 
 
 def timed_comm_types() -> tuple[type, type]:
@@ -55,7 +67,8 @@ def timed_comm_types() -> tuple[type, type]:
                 return call()
             # (async_op: not on CPU, where FSDP2 unshards synchronously unless told otherwise)
             return self.ledger.timed("all_gather", output_tensor.nbytes,
-                                     gather_factor(group.size()), async_op, call)
+                                     gather_factor(group.size()), async_op, call,
+                                     None if async_op else signed(group, input_tensor))
 
     class TimedReduceScatter(DefaultReduceScatter):
         def __init__(self, ledger: CommLedger) -> None:
@@ -71,7 +84,8 @@ def timed_comm_types() -> tuple[type, type]:
             if self.ledger.paused:
                 return call()
             return self.ledger.timed("reduce_scatter", input_tensor.nbytes,
-                                     gather_factor(group.size()), async_op, call)
+                                     gather_factor(group.size()), async_op, call,
+                                     None if async_op else signed(group, output_tensor))
 
     return TimedAllGather, TimedReduceScatter
 
@@ -100,11 +114,12 @@ class AllGatherTimer:
             return _timed("all_gather", self.ledgers, _arg(args, kwargs, 0, "output_tensor"),
                           _arg(args, kwargs, 2, "group"),
                           _arg(args, kwargs, 3, "async_op", False),
-                          lambda: self.inner(*args, **kwargs))
+                          lambda: self.inner(*args, **kwargs),
+                          _arg(args, kwargs, 1, "input_tensor", None))
         # As FSDP2 calls it: by keyword (on every collective: as few calls as can be).
         return _timed("all_gather", self.ledgers, kwargs.get("output_tensor"),
                       kwargs.get("group"), kwargs.get("async_op", False),
-                      lambda: self.inner(**kwargs))
+                      lambda: self.inner(**kwargs), kwargs.get("input_tensor"))
 
 
 class ReduceScatterTimer(AllGatherTimer):
@@ -118,10 +133,11 @@ class ReduceScatterTimer(AllGatherTimer):
             return _timed("reduce_scatter", self.ledgers, _arg(args, kwargs, 1, "input_tensor"),
                           _arg(args, kwargs, 2, "group"),
                           _arg(args, kwargs, 4, "async_op", False),
-                          lambda: self.inner(*args, **kwargs))
+                          lambda: self.inner(*args, **kwargs),
+                          _arg(args, kwargs, 0, "output_tensor", None))
         return _timed("reduce_scatter", self.ledgers, kwargs.get("input_tensor"),
                       kwargs.get("group"), kwargs.get("async_op", False),
-                      lambda: self.inner(**kwargs))
+                      lambda: self.inner(**kwargs), kwargs.get("output_tensor"))
 
 
 _MISSING = object()
@@ -135,9 +151,10 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,
 
 
 def _timed(op: str, ledgers: Ledgers, tensor: Any, group: Any, async_op: Any,
-           call: Callable[[], dist.Work | None]) -> dist.Work | None:
-    """`call()` timed as `op` on `tensor`'s bytes; untimed when the arguments are
-    not what the interface says (the call then fails, or not, as it would)."""
+           call: Callable[[], dist.Work | None], part: Any = None) -> dist.Work | None:
+    """`call()` timed as `op` on `tensor`'s bytes, and signed by `part` (the tensor
+    one rank gives) where it blocks; untimed when the arguments are not what the
+    interface says (the call then fails, or not, as it would)."""
     try:
         ledger = ledgers(tensor) if isinstance(tensor, torch.Tensor) else None
         factor = gather_factor(group.size()) if ledger is not None else 0.0
@@ -145,4 +162,6 @@ def _timed(op: str, ledgers: Ledgers, tensor: Any, group: Any, async_op: Any,
         ledger = None
     if ledger is None:
         return call()
-    return ledger.timed(op, tensor.nbytes, factor, bool(async_op), call)
+    blocks = not async_op
+    return ledger.timed(op, tensor.nbytes, factor, not blocks, call,
+                        signed(group, part) if blocks and part is not None else None)
