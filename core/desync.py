@@ -83,7 +83,7 @@ def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int],
         if not view.in_collective:
             continue
         sides.setdefault((c.group, c.group_seq), {}).setdefault(_sig(c), []).append(r)
-    for (group, number), by_sig in sorted(sides.items()):
+    for (_group, number), by_sig in sorted(sides.items()):
         if len(by_sig) < 2:
             continue
         # The side most ranks are on is the group's; a tie goes to the lowest rank's.
@@ -92,7 +92,7 @@ def find(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int],
         odd = sorted(r for side in order[1:] for r in side)
         first = ranks[usual[0]].coll_started
         assert first is not None  # (as _what's)
-        name = "world" if group == "world" else f"[{first.group_ranks}]"
+        name = first.group_words()
         told = [f"{rank_list(sorted(side))} entered {_what(ranks[side[0]].coll_started)}"
                 for side in order[1:]]
         text = (f"{PREFIX}{name} #{number}: {'; '.join(told)} while "
@@ -133,7 +133,7 @@ def _pair(ranks: Mapping[int, RankView], live: Iterable[int]) -> tuple[list[int]
             continue  # a send and its recv: they meet
         why = (" (neither receives)" if mine.op == "send" == theirs.op else
                " (neither sends)" if mine.op == "recv" == theirs.op else "")
-        group = mine.group if mine.group == "world" else f"[{mine.group_ranks}]"
+        group = mine.group_words()
         text = (f"{PREFIX}{group}{P2P_WORDS}{a} and {b}: rank {b} entered "
                 f"{_p2p(theirs)} while rank {a} entered {_p2p(mine)}{why}")
         return [b], text
@@ -232,5 +232,5 @@ def _group_name(group: str, ranks: Mapping[int, RankView]) -> str:
     for view in ranks.values():
         for c in (view.coll_started, view.coll_completed):
             if c is not None and c.group == group and c.group_ranks:
-                return f"[{c.group_ranks}]"
+                return c.group_words()
     return repr(group)

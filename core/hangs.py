@@ -132,6 +132,6 @@ def _sub_waits(sub: Mapping[int, wire.Collective], within: set[int], parts: list
             parts.append(f"rank {side[0]} wait in {c.op} #{c.seq} {way} rank {c.peer}")
             continue
         whom = f" for {rank_list(missing)}" if missing else ""
-        parts.append(f"{rank_list(sorted(side))} wait in group [{c.group_ranks}] {c.op} "
+        parts.append(f"{rank_list(sorted(side))} wait in group {c.group_words()} {c.op} "
                      f"#{c.group_seq}{whom}")
     return waited - within

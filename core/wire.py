@@ -118,6 +118,16 @@ class Collective(msgspec.Struct, frozen=True, kw_only=True):
     # A blocking send or recv: the other rank (global); -1 unknown (a recv from
     # anyone) or not point-to-point. Not its group's collective: its group_seq is 0.
     peer: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_JOB_RANKS)] = -1
+    # The group's description where one was given: new_group(group_desc=...), or a
+    # DeviceMesh's for its dimension ("mesh_tp"); "" for the world and unnamed groups.
+    group_desc: GroupName = ""
+
+    def group_words(self) -> str:
+        """The group as words name it: "world", "[2,3]", "[2,3] (tp)"."""
+        if self.group == "world":
+            return "world"
+        desc = self.group_desc.removeprefix("mesh_")
+        return f"[{self.group_ranks}]" + (f" ({desc})" if desc else "")
 
 
 # Every COUNTS_EVERY global steps a rank takes the count of collectives it entered on

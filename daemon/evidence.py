@@ -95,7 +95,7 @@ def group_names(state: RunState) -> dict[str, str]:
     for v in state.ranks.values():
         for c in (v.coll_started, v.coll_completed):
             if c is not None and c.group and c.group_ranks:
-                names[c.group] = "world" if c.group == "world" else f"[{c.group_ranks}]"
+                names[c.group] = c.group_words()
     return names
 
 

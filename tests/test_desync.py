@@ -4,7 +4,8 @@ entering another collective than its group's at one step:
 
 - on the world group, rank 3 all-gathers where ranks 0-2 all-reduce;
 - on a pair's sub-group ([2, 3]), rank 3 all-gathers where rank 2 all-reduces,
-  while ranks 0-1 go on to wait in DDP's all-reduce;
+  while ranks 0-1 go on to wait in DDP's all-reduce; again with the pairs a
+  DeviceMesh's tp dimension (named so);
 - on the world group, rank 3 all-gathers before a step's forward where ranks
   0-2 enter DDP's gradient all-reduce (one collective of the group a step).
 
@@ -22,7 +23,7 @@ size": over before a heartbeat could tell it. The words for it are tested in
 tests/test_desync_words.py.)
 
 Each is named as a desync (not "ranks 0-3 wait in all_reduce"), the odd rank is
-blamed, and --hang-timeout stops the run with the desync as its cause. The six
+blamed, and --hang-timeout stops the run with the desync as its cause. The seven
 runs start together (a module fixture), so that their hang timeouts overlap.
 """
 
@@ -48,6 +49,8 @@ JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
 RUNS = {
     "world": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather"),
     "pair": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs"),
+    # The same, the pairs a DeviceMesh's tp dimension.
+    "mesh": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs", "--mesh"),
     # Rank 3 all-gathers where ranks 0-2 enter DDP's gradient all-reduce.
     "ddp": ("--at", "3", "--odd-rank", "3", "--odd", "ddp"),
     # Ranks 0 and 1 each send to the other: neither receives.
@@ -67,6 +70,8 @@ WORDS = {
     "ddp": "desync in group world #7: rank 3 entered all_gather (float32 x 4 per rank) "
            "while ranks 0-2 entered DDP's gradient all-reduce (float32 x 9)",
     "pair": "desync in group [2,3] #4: rank 3 entered all_gather (float32 x 4 per rank) "
+            "while rank 2 entered all_reduce (float32 x 4)",
+    "mesh": "desync in group [2,3] (tp) #4: rank 3 entered all_gather (float32 x 4 per rank) "
             "while rank 2 entered all_reduce (float32 x 4)",
     "p2p-send": "desync in group world, send/recv of ranks 0 and 1: rank 1 entered send "
                 "(float32 x 4) to rank 0 while rank 0 entered send (float32 x 4) to rank 1 "
@@ -106,7 +111,7 @@ def lines(run: Run) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
-@pytest.mark.parametrize("name", ["world", "pair", "ddp"])
+@pytest.mark.parametrize("name", ["world", "pair", "mesh", "ddp"])
 def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
         runs: dict[str, Run], name: str) -> None:
     run = runs[name]
@@ -148,7 +153,7 @@ def test_a_rank_entering_another_collective_is_named_as_a_desync_and_blamed(
     # stacks were asked for, and its verdict: the odd rank's last entry is its own op,
     # not completed, in the group of the desync (torch's #N: every collective of the
     # group, DDP's and the object collectives' inner ones included).
-    group = "[2,3]" if name == "pair" else "world"
+    group = {"pair": "[2,3]", "mesh": "[2,3] (tp)"}.get(name, "world")
     odd_op = re.escape(words.split("rank 3 entered ")[1].split(" (")[0])
     for index in indexes:
         assert re.search(rf"Flight Recorder: (.*; )?group {re.escape(group)}: .*rank 3's (last )?"

@@ -166,42 +166,53 @@ def test_a_collectives_signature_counts_per_group_from_torchs_own_group(
     t = torch.ones(4)
     first = collectives.signature("all_reduce", (t,), {}, at["all_reduce"],
                                   described["all_reduce"])
-    assert first == ("world", 1, "0", 1, "float32", 4, -1)
+    assert first == ("world", 1, "0", 1, "float32", 4, -1, "")
     # The default group by name (group.WORLD) is the same group: its count goes on.
     again = collectives.signature("all_reduce", (t.double(),), {"group": dist.group.WORLD},
                                   at["all_reduce"], described["all_reduce"])
-    assert again == ("world", 1, "0", 2, "float64", 4, -1)
+    assert again == ("world", 1, "0", 2, "float64", 4, -1, "")
     sub = dist.new_group([0])
     gathered = collectives.signature("all_gather", ([t], torch.ones(2, 3), sub), {},
                                      at["all_gather"], described["all_gather"])
-    assert gathered[0] not in ("", "world") and gathered[1:] == (1, "0", 1, "float32", 6, -1)
+    assert gathered[0] not in ("", "world") and gathered[1:] == (1, "0", 1, "float32", 6, -1, "")
+    # A group's description where one was given (a DeviceMesh's names its dimension),
+    # in the words that name the group.
+    mesh = dist.new_group([0], group_desc="mesh_tp")
+    tp = collectives.signature("all_reduce", (t, "sum", mesh), {}, at["all_reduce"],
+                               described["all_reduce"])
+    assert tp[7] == "mesh_tp"
+    named = wire.Collective(seq=1, op="all_reduce", bytes=16, group=tp[0], group_ranks=tp[2],
+                            group_seq=tp[3], group_desc=tp[7])
+    assert named.group_words() == "[0] (tp)"
+    dist.destroy_process_group(mesh)
+    del mesh
     # A group the script destroys is not kept alive by its count.
     dist.destroy_process_group(sub)
     del sub
     gc.collect()
     assert [entry[0] for entry in collectives._groups.values()] == ["world"]
     barrier = collectives.signature("barrier", (), {}, -1, described["barrier"])
-    assert barrier == ("world", 1, "0", 3, "", -1, -1)
+    assert barrier == ("world", 1, "0", 3, "", -1, -1, "")
     # A send or recv names its peer, and is not the group's collective: its count
     # stays as it was (0 on the wire).
     send_at = collectives._param_at(c10d.send, "group")
     sent = collectives.signature("send", (t, 0), {}, send_at, described["send"],
                                  collectives.P2P["send"])
-    assert sent == ("world", 1, "0", 0, "float32", 4, 0)
+    assert sent == ("world", 1, "0", 0, "float32", 4, 0, "")
     received = collectives.signature("recv", (t,), {"src": None}, send_at, described["recv"],
                                      collectives.P2P["recv"])
-    assert received == ("world", 1, "0", 0, "float32", 4, -1)  # from anyone: not known
+    assert received == ("world", 1, "0", 0, "float32", 4, -1, "")  # from anyone: not known
     assert collectives.signature("barrier", (), {}, -1, described["barrier"])[3] == 4
     # DDP's gradient all-reduce of a step is one collective of its model's group, in the
     # same count: the gradients' dtype and elements (Linear(8, 1): 9), however bucketed.
     model = DistributedDataParallel(torch.nn.Linear(8, 1))
     step = DDPStats(Telemetry(), model)  # type: ignore[arg-type]
-    assert step.signature() == ("world", 1, "0", 5, "float32", 9, -1)
-    assert step.signature() == ("world", 1, "0", 6, "float32", 9, -1)
+    assert step.signature() == ("world", 1, "0", 5, "float32", 9, -1, "")
+    assert step.signature() == ("world", 1, "0", 6, "float32", 9, -1, "")
     mixed = torch.nn.Linear(8, 1)
     mixed.bias.data = mixed.bias.data.double()
     assert DDPStats(Telemetry(), DistributedDataParallel(mixed)).signature() == (  # type: ignore[arg-type]
-        "world", 1, "0", 7, "mixed", 9, -1)
+        "world", 1, "0", 7, "mixed", 9, -1, "")
 
 
 def test_a_hang_in_a_sub_group_names_the_group_and_blames_the_root() -> None:

@@ -292,20 +292,22 @@ def ranks_text(ranks: list[int]) -> str:
 
 def _group(pg: Any) -> list[Any]:
     """The entry of process group `pg` (the default one: "world"), made at its first
-    collective: [name, size, ranks, its collectives so far, 1] (for a group this rank
-    is not in, or before any process group: ["", 0, "", 0, 0], never counted)."""
+    collective: [name, size, ranks, its collectives so far, 1, its description] (for
+    a group this rank is not in, or before any process group: ["", 0, "", 0, 0, ""],
+    never counted)."""
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     try:
         ranks = sorted(c10d.get_process_group_ranks(pg))
-        name = "world" if pg is c10d.GroupMember.WORLD else str(c10d._get_process_group_name(pg))
-        entry = [name[:64], len(ranks), ranks_text(ranks), 0, 1]
+        world = pg is c10d.GroupMember.WORLD
+        name = "world" if world else str(c10d._get_process_group_name(pg))
+        entry = [name[:64], len(ranks), ranks_text(ranks), 0, 1, "" if world else _desc(pg)]
     except Exception:  # noqa: BLE001 - not a group of this rank's: never compared
-        entry = ["", 0, "", 0, 0]
+        entry = ["", 0, "", 0, 0, ""]
     _groups[pg] = entry
     return entry
 
 
-def group_entered(pg: Any, dtype: str, count: int) -> tuple[str, int, str, int, str, int, int]:
+def group_entered(pg: Any, dtype: str, count: int) -> tuple[str, int, str, int, str, int, int, str]:
     """The signature of a collective on group `pg` that ddtop issues or sees itself
     rather than through a wrapped function (DDP's gradient all-reduce of a step:
     training/commtimer.py), counted in the group's own sequence as the wrapped ones
@@ -314,7 +316,16 @@ def group_entered(pg: Any, dtype: str, count: int) -> tuple[str, int, str, int, 
     if entry is None:
         entry = _group(pg)
     entry[3] += entry[4]
-    return entry[0], entry[1], entry[2], entry[3], dtype, count, -1
+    return entry[0], entry[1], entry[2], entry[3], dtype, count, -1, entry[5]
+
+
+def _desc(pg: Any) -> str:
+    """A group's description where one was given (`new_group(group_desc=)`, or a
+    DeviceMesh's for its dimension: "mesh_tp"), else ""; printable, as wire.GroupName."""
+    desc = str(getattr(pg, "group_desc", "") or "")
+    if desc in ("undefined", "default_pg"):
+        return ""
+    return "".join(ch if ch.isprintable() else "?" for ch in desc[:64])
 
 
 def counts() -> list[tuple[str, int]]:
@@ -328,7 +339,7 @@ def counts() -> list[tuple[str, int]]:
 
 
 def entered(pg: Any, dtype: str = "", count: int = -1
-            ) -> tuple[str, int, str, int, str, int, int]:
+            ) -> tuple[str, int, str, int, str, int, int, str]:
     """group_entered for a collective the built-in trainer issues itself (its
     metrics' and checkpoints' all_gather_object, a desync drill's all_gather):
     `pg` None is the default group; an object collective has no dtype and -1
@@ -346,7 +357,7 @@ def _dtype(t: Any) -> str:
 
 def signature(name: str, args: Args, kwargs: Kwargs, group_at: int, described: Input,
               peer_at: tuple[int, str] | None = None
-              ) -> tuple[str, int, str, int, str, int, int]:
+              ) -> tuple[str, int, str, int, str, int, int, str]:
     """The signature of a call of `name` (telemetry.Signature): its group, the
     group's count of collectives on this rank (this one included; 0 where the
     group is not this rank's, and for a point-to-point call), the dtype and
@@ -369,8 +380,8 @@ def signature(name: str, args: Args, kwargs: Kwargs, group_at: int, described: I
     t = described(args, kwargs)
     if isinstance(t, torch.Tensor):
         dtype = _dtypes.get(t.dtype) or _dtype(t)
-        return entry[0], entry[1], entry[2], number, dtype, t.numel(), peer
-    return entry[0], entry[1], entry[2], number, "", -1, peer
+        return entry[0], entry[1], entry[2], number, dtype, t.numel(), peer, entry[5]
+    return entry[0], entry[1], entry[2], number, "", -1, peer, entry[5]
 
 
 def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,

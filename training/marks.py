@@ -113,7 +113,7 @@ class AllReduceSource(Protocol):
     grad_bytes: int  # bytes all-reduced per step
     buckets: int  # all-reduces per step
 
-    def signature(self) -> tuple[str, int, str, int, str, int, int] | None:
+    def signature(self) -> tuple[str, int, str, int, str, int, int, str] | None:
         """The signature of the step's all-reduce, counted in its group (telemetry.Signature)."""
 
 

@@ -67,9 +67,9 @@ from ddtop.training.stepfold import StepFolder
 
 # A collective's signature as training/collectives.py gives it: its group's name,
 # size and ranks, the group's count of collectives on this rank, its dtype, the
-# elements of its input, and a point-to-point call's peer (wire.Collective's
-# fields of the same names).
-Signature = tuple[str, int, str, int, str, int, int]
+# elements of its input, a point-to-point call's peer, and the group's description
+# (a DeviceMesh dimension's: wire.Collective's fields of the same names).
+Signature = tuple[str, int, str, int, str, int, int, str]
 
 
 class Telemetry:
@@ -270,10 +270,10 @@ class LiveTelemetry(Telemetry):
         if sig is None:
             coll = wire.Collective(seq=self._coll_seq, op=op, bytes=nbytes)
         else:
-            group, size, ranks, group_seq, dtype, count, peer = sig
+            group, size, ranks, group_seq, dtype, count, peer, desc = sig
             coll = wire.Collective(seq=self._coll_seq, op=op, bytes=nbytes, group=group,
                                    group_size=size, group_ranks=ranks, group_seq=group_seq,
-                                   dtype=dtype, count=count, peer=peer)
+                                   dtype=dtype, count=count, peer=peer, group_desc=desc)
         self._said.coll_started = coll
         return coll
 

@@ -14,7 +14,8 @@ sends 4 float32s to the next rank, which sends 4 to it: neither receives, a
 desync of the pair), ddp (it
 all-gathers 4 float32s on the world group before that step's forward, where
 the others enter DDP's gradient all-reduce), or none (a clean run: every rank
-alike).
+alike). --mesh: the pairs are a DeviceMesh's tp dimension (world/2 x 2, dims dp
+and tp) rather than groups of new_group.
 """
 
 import argparse
@@ -35,12 +36,20 @@ def main() -> None:
                         choices=["all_gather", "float64", "count", "skip", "sleep", "p2p",
                                  "p2p-send", "ddp", "none"])
     parser.add_argument("--pairs", action="store_true")
+    parser.add_argument("--mesh", action="store_true",
+                        help="the pairs as a DeviceMesh's tp dimension (world/2 x 2: dp, tp)")
     parser.add_argument("--step-s", type=float, default=0.0, help="seconds of sleep a step")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-    group = pairs[rank // 2] if args.pairs else None
+    if args.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        group = mesh.get_group("tp") if args.pairs else None
+    else:
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+        group = pairs[rank // 2] if args.pairs else None
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
