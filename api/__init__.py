@@ -159,7 +159,7 @@ class _Phase:
         self.previous = self.live.enter_phase(self.name)
 
     def __exit__(self, *exc: object) -> None:
-        self.live.enter_phase(self.previous)
+        self.live.enter_phase(self.previous, leaving=True)
 
 
 def log(**scalars: Any) -> None:

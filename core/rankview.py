@@ -107,6 +107,9 @@ class RankView(msgspec.Struct, kw_only=True):
     # newer Step message's (a step done since ends the phase and any collective
     # the heartbeat said; RunState._apply_step). -1: no reading in this process.
     phase_step: int = -1
+    # In the data phase: inside its data loader (True), between steps outside it
+    # (False), or not known (None: another phase, a sender that does not say).
+    loader: bool | None = None
     # When (receiver clock) a Step message last moved phase_step past a heartbeat's.
     stepped_at: float | None = None
     coll_started: wire.Collective | None = None
@@ -250,4 +253,7 @@ class RankView(msgspec.Struct, kw_only=True):
             c = self.coll_started
             size = f" ({c.bytes / 1e6:.1f} MB)" if c.bytes else ""
             return f"in {c.op} #{c.seq}{size}"
+        if self.phase == "data" and self.loader is False:
+            return (f"in Python between steps {self.global_step} and {self.global_step + 1}, "
+                    "outside any collective and its data loader")
         return f"in {self.phase} of step {self.global_step + 1}"

@@ -250,6 +250,10 @@ class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):
     phase_s: float
     coll_started: Collective | None = None
     coll_completed: Collective | None = None
+    # In the data phase: whether the rank is inside its data loader (a DataLoader's
+    # `__next__`, or a `ddtop.phase("data")` block) or between steps, outside it;
+    # absent where not known (another phase, an older sender).
+    loader: bool | UnsetType = UNSET
 
 
 class Aggregate(_Header, tag="aggregate", tag_field="kind", kw_only=True):

@@ -226,7 +226,9 @@ def test_a_rank_hung_after_its_optimizer_step_is_blamed_under_a_framework(
     # its 4th batch; DDP's, FSDP2's in its 4th step); rank 1, hung after step 3,
     # never came to it.
     assert hangs and f"rank 0 wait in {collective} #" in hangs[-1], hangs
-    assert "rank 1 is in data of step 4" in hangs[-1], hangs
+    # (between steps, outside its data loader: not "in data")
+    assert "rank 1 is in Python between steps 3 and 4, outside any collective and its data loader" \
+        in hangs[-1], hangs
     assert f"rank 1 hung for 3 s (--hang-timeout 3): rank 0 wait in {collective} #" in run.stderr
     got = runs.status(name)
     assert got["failure"]["rank"] == 1, got["failure"]
@@ -272,3 +274,21 @@ def test_ranks_that_never_communicate_are_told_once(runs: Started) -> None:
     assert f"  warning: {said}" in shown.stdout, shown.stdout
     assert [(r["rank"], r["global_step"]) for r in got["ranks"]] == [(0, 30), (1, 30)]
     assert run.leftovers == []
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_a_rank_stalled_in_its_data_loader_is_in_data_not_between_steps(tmp_path: Path) -> None:
+    """The zero-code rank's DataLoader `__next__` (autowatch): rank 1's dataset sleeps
+    8 s fetching its 5th batch while rank 0 waits in DDP's all-reduce of step 5."""
+    proc, tag = start([DDTRAIN, "start", "--foreground", "--headless", "--format", "jsonl",
+                       "--interval", "0.2", "-n", "2", "--run-id", "loader",
+                       str(SCRIPTS / "plain_ddp.py")], tmp_path,
+                      {"EPOCHS": "1", "STEPS": "8", "LOADER_SLEEP_RANK": "1",
+                       "LOADER_SLEEP_BATCH": "5", "LOADER_SLEEP_S": "8"})
+    run = finish(proc, tag, timeout=RUN_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.leftovers == []
+    hangs = [line["hang"] for line in jsonl(run) if line["kind"] == "progress" and line["hang"]]
+    assert hangs and all("rank 1 is in data of step 5" in h for h in hangs), hangs
+    assert all(h.startswith("rank 0 wait in allreduce #") for h in hangs), hangs

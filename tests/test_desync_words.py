@@ -344,3 +344,20 @@ def test_only_the_newest_steps_are_kept() -> None:
     assert sorted(counts.at) == list(steps[-desync.KEEP_STEPS:])
     counts.add(1, counted(4, world=3), 3, {})  # older than every step kept: not kept
     assert 4 not in counts.at and counts.found is None
+
+
+def test_a_rank_in_the_data_phase_is_in_data_only_inside_its_data_loader() -> None:
+    view = RankView(rank=2, phase="data", global_step=5)
+    assert view.where() == "in data of step 6"  # not known (an older sender)
+    view.loader = True
+    assert view.where() == "in data of step 6"
+    view.loader = False
+    assert view.where() == ("in Python between steps 5 and 6, outside any collective and its "
+                            "data loader")
+    view.phase = "forward"
+    assert view.where() == "in forward of step 6"
+    # The heartbeat says it in the data phase only.
+    beat = wire.decode(wire.encode(wire.Heartbeat(
+        run="r", rank=2, phase="data", epoch=0, global_step=5, phase_s=9.0, loader=False)),
+        run="r")
+    assert isinstance(beat, wire.Heartbeat) and beat.loader is False

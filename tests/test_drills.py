@@ -421,7 +421,9 @@ def test_a_hang_is_named_then_failed_by_hang_timeout_and_restarted(drills: Start
     hangs = [line["hang"] for line in lines if line["kind"] == "progress" and line["hang"]]
     # Rank 0 waits inside the all-reduce of step 6; rank 1 never reached it.
     assert hangs and "rank 0 wait in allreduce #" in hangs[0], hangs
-    assert "rank 1 is in data of step 6" in hangs[0], hangs
+    # (between steps, outside its data loader: not "in data")
+    assert "rank 1 is in Python between steps 5 and 6, outside any collective and its data loader" \
+        in hangs[0], hangs
     assert "rank 1 hung for 2 s (--hang-timeout 2): rank 0 wait in allreduce" in run.stderr
     assert "restart 1/1: rank 1 hung for 2 s (--hang-timeout 2) and was stopped" in run.stderr
     status = record(drills.run_dir("hang"))

@@ -332,16 +332,24 @@ class LiveRank:
             self.telemetry.phase("optimizer")
 
     # -- ddtop.phase / log ------------------------------------------------------------------
-    def enter_phase(self, name: str) -> str:
-        """Switch to phase `name` (a wire phase); the phase it was in before."""
+    def enter_phase(self, name: str, leaving: bool = False) -> str:
+        """Switch to phase `name` (a wire phase); the phase it was in before.
+        `leaving`: back to it as a `ddtop.phase` block ends (a data block's end is
+        outside the data loader)."""
         previous = self.telemetry.current_phase
         if self.active:
             if name == "optimizer":
                 self._all_reduces_over()
             if name == "setup" and self.steps:
                 name = "data"  # set-up is over once a step is done
-            self.telemetry.phase(name)  # type: ignore[arg-type]  # names from ddtop.PHASES
+            self.telemetry.phase(name, name == "data" and not leaving)  # type: ignore[arg-type]
         return previous
+
+    def loader_next(self, inside: bool) -> None:
+        """A DataLoader's `__next__` entered (`inside`) or left (autowatch): where the
+        rank is in the data phase, inside its data loader or between steps."""
+        if self.active and self.telemetry.current_phase == "data":
+            self.telemetry.in_loader(inside)
 
     def log(self, scalars: dict[str, Any]) -> None:
         if not self.active:

@@ -30,6 +30,10 @@
   set_epoch without calling DistributedSampler's is not seen; a rank whose
   sampler was never set says no epoch (shown "-"), unless ddtop.init's totals
   tell it;
+- sees the data loader: a DataLoader iterator's `__next__` is wrapped (once,
+  on the class), so a rank in the data phase says whether it is inside its
+  data loader or between steps, outside it (LiveRank.loader_next): words name
+  "in data" only the first;
 - sees every collective of torch.distributed the rank enters (collectives.py:
   Lightning's, Accelerate's and the Trainer's own, barriers, object
   collectives), named while the rank is in it and timed as communication; its
@@ -51,6 +55,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 from torch.utils.data.distributed import DistributedSampler
 
 from ddtop.training import collectives, shardwatch, watched
@@ -60,6 +65,7 @@ from ddtop.training.watched import WATCHED_ATTR, hook_failed, mark_forward, time
 _installed: LiveRank | None = None
 _original_init = DDP.__init__
 _original_set_epoch = DistributedSampler.set_epoch
+_original_next = _BaseDataLoaderIter.__next__
 
 
 ImportWatch = Callable[[str, Callable[[], None]], None]  # (module name, then)
@@ -80,6 +86,7 @@ def install(after_import: ImportWatch | None = None) -> bool:
         register_optimizer_step_post_hook(_optimizer_done)
         DDP.__init__ = _ddp_init  # type: ignore[method-assign]  # the point of zero-code
         DistributedSampler.set_epoch = _set_epoch  # type: ignore[method-assign]  # (the same)
+        _BaseDataLoaderIter.__next__ = _next  # type: ignore[method-assign]  # (the same)
         watched.mark_phases(rank)
         watched.wrap_forward()
         watched.wrap_registration(rank)
@@ -115,6 +122,25 @@ def _optimizer_done(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
             _installed.optimizer_stepped(optimizer)
         except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
             hook_failed("_optimizer_done", e, _installed)
+
+
+def _next(self: _BaseDataLoaderIter) -> Any:
+    """A DataLoader's next batch: the rank, in the data phase, is inside its data
+    loader meanwhile (words say so; between steps, outside it, they do not)."""
+    rank = _installed
+    if rank is None:
+        return _original_next(self)
+    try:
+        rank.loader_next(True)
+    except Exception as e:  # noqa: BLE001 - instrumentation must never break the script
+        hook_failed("_next", e, rank)
+    try:
+        return _original_next(self)
+    finally:
+        try:
+            rank.loader_next(False)
+        except Exception as e:  # noqa: BLE001 - (the same)
+            hook_failed("_next", e, rank)
 
 
 def _set_epoch(self: DistributedSampler[Any], epoch: int) -> None:

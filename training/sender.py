@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import torch
 import zmq
 
@@ -64,8 +65,8 @@ class Said:
     attribute stores, atomic under the GIL, that the sender only reads. The
     phase and since when are one value, so a heartbeat never reads a torn pair."""
 
-    __slots__ = ("coll_completed", "coll_started", "epoch", "global_step", "memory_device",
-                 "phase")
+    __slots__ = ("coll_completed", "coll_started", "epoch", "global_step", "loader",
+                 "memory_device", "phase")
 
     def __init__(self, phase: tuple[wire.Phase, float]) -> None:
         self.phase = phase  # (the phase, since when: perf_counter)
@@ -74,6 +75,8 @@ class Said:
         self.coll_started: wire.Collective | None = None
         self.coll_completed: wire.Collective | None = None
         self.memory_device: torch.device | None = None  # the CUDA device the model is on
+        # In the data phase: inside its data loader (True) or between steps (False).
+        self.loader = False
 
 
 class LatestScalars:
@@ -217,6 +220,7 @@ class Sender:
             run=self.run, rank=self.rank, phase=phase, epoch=said.epoch,
             global_step=said.global_step, phase_s=time.perf_counter() - since,
             coll_started=said.coll_started, coll_completed=said.coll_completed,
+            loader=said.loader if phase == "data" else msgspec.UNSET,
         )
 
     def _send_steps(self, sock: zmq.Socket[bytes], final: bool = False) -> bool:

@@ -77,7 +77,10 @@ class Telemetry:
 
     live = False
 
-    def phase(self, name: wire.Phase) -> None:
+    def phase(self, name: wire.Phase, loader: bool = False) -> None:
+        pass
+
+    def in_loader(self, inside: bool) -> None:
         pass
 
     @contextmanager
@@ -163,11 +166,17 @@ class LiveTelemetry(Telemetry):
     # happened as one mark (a struct appended to a deque, no lock, no arithmetic) and
     # the sender folds the marks into windows. Right after a step, with the caches
     # cold, every line here costs microseconds.
-    def phase(self, name: wire.Phase) -> None:
-        """Several times per step."""
+    def phase(self, name: wire.Phase, loader: bool = False) -> None:
+        """Several times per step. `loader`: in the data phase, inside the data
+        loader (a `ddtop.phase("data")` block, not the data phase a step ends in)."""
         now = time.perf_counter()
+        self._said.loader = loader
         self._said.phase = (name, now)
         self._marks.append(PhaseMark(name, now))
+
+    def in_loader(self, inside: bool) -> None:
+        """A DataLoader's `__next__` entered (or left) in the data phase (autowatch)."""
+        self._said.loader = inside
 
     def count_step(self, epoch: int | None, step: int, steps_per_epoch: int, global_step: int,
                    lr: float, loss: Any = None, samples: int | None = None,
@@ -181,6 +190,7 @@ class LiveTelemetry(Telemetry):
         now = time.perf_counter()
         said = self._said
         phase = then or said.phase[0]
+        said.loader = False  # (a step ends outside the data loader)
         said.phase = ("data" if phase == "setup" else phase, now)  # no phase spans two steps
         if isinstance(loss, torch.Tensor):
             loss = self._loss_mark(loss, samples)
