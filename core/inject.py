@@ -2,7 +2,8 @@
 
     SPEC    = RANK ":" ACTION [ "@" WHEN ]
     ACTION  = kill | stop | hang | raise | segfault | exit=CODE
-            | slow=FACTORx | stall-data=SECONDSs | desync | skip | take-port
+            | slow=FACTORx | stall-data=SECONDSs | desync | skip | p2p-hang
+            | take-port
     WHEN    = step=N | epoch=E
 
 e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
@@ -45,11 +46,13 @@ ACTIONS = {
                "the others go on to their next one"),
     "skip": ("skip its next step's gradient all-reduce (DDP's no_sync, --strategy ddp): "
              "the backend pairs the others' next ones with its own, one apart"),
+    "p2p-hang": ("wait in a recv from the next rank, which never sends (the others wait for "
+                 "it in their next collective)"),
     "take-port": ("rank 0 only, no WHEN: another process binds the rendezvous port the daemon "
                   "picked before rank 0 does (the daemon starts the ranks again on another)"),
 }
 ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx, "
-          "stall-data=SECONDSs, desync, skip or take-port")
+          "stall-data=SECONDSs, desync, skip, p2p-hang or take-port")
 AT_START = ("take-port",)  # actions at the start, before any step: no WHEN
 # Actions on the built-in trainer's DDP model: not in a user's script, and only with
 # --strategy ddp.

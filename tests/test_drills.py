@@ -5,7 +5,8 @@ segfault and exit=CODE@epoch=E (dead ranks, by signal and exit code),
 slow=FACTORx (named as the straggler, no other rank) with stall-data on the
 other rank, desync (named as a desync, then failed by --hang-timeout with it as
 the cause), skip (named by the ranks' counts of collectives, though gloo pairs
-the rest silently), hang (the hung rank and the collective named; --hang-timeout fails
+the rest silently), p2p-hang (rank 1 waits in recv for rank 0, which waits for
+it in its next all-reduce), hang (the hung rank and the collective named; --hang-timeout fails
 it, --max-restarts restarts it) and stop (silent, then failed by
 --hang-timeout). In a user's own script, through the optimizer step hook: raise
 (the script's line in the traceback), kill (named by its signal), stop (silent,
@@ -62,6 +63,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     # Rank 1 all-gathers after step 5 where rank 0 enters step 6's DDP all-reduce.
     "desync": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:desync@step=5",
                "--hang-timeout", "3"),
+    # Rank 1 waits in a recv from rank 0 after step 5; rank 0 in step 6's all-reduce.
+    "p2p-hang": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:p2p-hang@step=5",
+                 "--hang-timeout", "3"),
     # Rank 1's step 6 goes without DDP's all-reduce: gloo pairs the rest one apart.
     "skip": (*JSONL, *SHORT, "--epochs", "1", "--inject", "1:skip@step=5",
              "--hang-timeout", "3"),
@@ -145,7 +149,7 @@ def test_the_grammar_round_trips() -> None:
     specs = ["1:kill@step=50", "2:hang@step=80", "3:stop@step=30", "0:raise@step=10",
              "1:exit=3@epoch=1", "2:segfault@step=20", "1:slow=1.5x", "0:stall-data=2s@step=30",
              "1:slow=2x@step=10", "0:slow=1.0000001x",  # every digit a value needs
-             "1:desync@step=5", "1:skip@epoch=1"]
+             "1:desync@step=5", "1:skip@epoch=1", "0:p2p-hang@step=2"]
     drills = inject.parse_all(specs)
     assert [d.spec() for d in drills] == specs
     assert inject.parse_environ(inject.encode(drills)) == drills
@@ -513,4 +517,20 @@ def test_a_skip_drill_is_named_by_the_ranks_counts_of_collectives(drills: Starte
     assert summary["failure"]["rank"] == 1, summary["failure"]
     assert summary["failure"]["message"] == (
         f"entered another number of its group's collectives (--hang-timeout 3): {words}")
+    assert run.leftovers == []
+
+
+@pytest.mark.processes
+def test_a_p2p_hang_drill_waits_in_recv_for_its_peer_and_is_blamed(drills: Started) -> None:
+    run = drills.result("p2p-hang")
+    assert run.returncode == 1, run.stderr[-3000:]
+    hangs = [line["hang"] for line in jsonl(run) if line["kind"] == "progress" and line["hang"]]
+    # Rank 0 waits in step 6's DDP all-reduce for rank 1, which waits in its recv from
+    # rank 0 (the drill's, signed as the trainer's: not the world's collective).
+    assert hangs and re.fullmatch(r"rank 0 wait in allreduce #\d+; rank 1 wait in recv #\d+ "
+                                  r"from rank 0", hangs[-1]), hangs
+    summary = jsonl(run)[-1]
+    assert summary["kind"] == "summary" and summary["status"] == "failed"
+    assert summary["failure"]["rank"] == 1, summary["failure"]
+    assert summary["failure"]["message"].startswith("hung for 3 s (--hang-timeout 3): "), summary
     assert run.leftovers == []

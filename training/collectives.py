@@ -328,6 +328,19 @@ def _desc(pg: Any) -> str:
     return "".join(ch if ch.isprintable() else "?" for ch in desc[:64])
 
 
+def p2p_entered(pg: Any, dtype: str, count: int, peer: int
+                ) -> tuple[str, int, str, int, str, int, int, str]:
+    """The signature of a send or recv ddtop issues itself (a p2p-hang drill) on
+    group `pg` (None: the default one), with its `peer`: not counted in the
+    group's sequence, as a wrapped one's is not."""
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    pg = c10d.GroupMember.WORLD if pg is None else pg
+    entry = _groups.get(pg)
+    if entry is None:
+        entry = _group(pg)
+    return entry[0], entry[1], entry[2], 0, dtype, count, peer, entry[5]
+
+
 def counts() -> list[tuple[str, int]]:
     """The collectives entered so far on each group of this rank that has had one
     (wire.GroupCounts), at most wire.MAX_COUNTED_GROUPS of them."""

@@ -23,6 +23,9 @@ steps:
   element on the world group, where the others go on to their next one (in
   the built-in trainer, the next step's DDP gradient all-reduce): the two
   sides never meet;
+- p2p-hang: the rank waits in a recv of one element from the next rank
+  ((R + 1) mod the world size), which never sends: the others wait for it in
+  their next collective;
 - skip: the rank's next step runs its backward without DDP's gradient
   all-reduce (`no_sync`, as a rank that branches around it would; the
   built-in trainer with --strategy ddp only). gloo pairs the others'
@@ -139,6 +142,9 @@ class Drills:
         if drill.action == "desync":
             _collective_of_its_own(self.collective)
             return
+        if drill.action == "p2p-hang":
+            _recv_that_never_comes(self.collective)
+            return
         _flush()
         if drill.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -153,6 +159,22 @@ class Drills:
 
 
 STOP_FLUSH_S = 0.3
+
+
+def _recv_that_never_comes(collective: Any) -> None:
+    """A recv of one element from the next rank, which never sends: for good (the
+    run is stopped, or --hang-timeout fails it); signed as _collective_of_its_own's."""
+    import torch
+    import torch.distributed as dist
+
+    from ddtop.training.collectives import p2p_entered
+
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    with (collective("recv", sig=p2p_entered(None, "float32", 1, peer))
+          if collective is not None else contextlib.nullcontext()):
+        dist.recv(torch.empty(1, device=device), src=peer)
 
 
 def _collective_of_its_own(collective: Any) -> None:
