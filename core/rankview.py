@@ -110,6 +110,8 @@ class RankView(msgspec.Struct, kw_only=True):
     # In the data phase: inside its data loader (True), between steps outside it
     # (False), or not known (None: another phase, a sender that does not say).
     loader: bool | None = None
+    # Between steps: where its main thread is in the script ("train.py:88 in main").
+    at: str | None = None
     # When (receiver clock) a Step message last moved phase_step past a heartbeat's.
     stepped_at: float | None = None
     coll_started: wire.Collective | None = None
@@ -255,5 +257,6 @@ class RankView(msgspec.Struct, kw_only=True):
             return f"in {c.op} #{c.seq}{size}"
         if self.phase == "data" and self.loader is False:
             return (f"in Python between steps {self.global_step} and {self.global_step + 1}, "
-                    "outside any collective and its data loader")
+                    "outside any collective and its data loader"
+                    + (f" ({self.at})" if self.at else ""))
         return f"in {self.phase} of step {self.global_step + 1}"

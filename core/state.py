@@ -286,7 +286,7 @@ class RunState(msgspec.Struct, kw_only=True):
             # rank's own clock does, the phase starts again with the step.
             view.phase_s, view.phase_at, view.phase_step = 0.0, received, m.global_step
             view.stepped_at = received
-            view.loader = False  # (a step ends outside the data loader)
+            view.loader, view.at = False, None  # (a step ends outside the data loader)
             if view.phase == "setup":
                 view.phase = "data"
             if view.in_collective:
@@ -335,6 +335,7 @@ class RunState(msgspec.Struct, kw_only=True):
     def _apply_heartbeat(view: RankView, m: wire.Heartbeat, received: float) -> None:
         view.phase, view.phase_s, view.phase_at = m.phase, m.phase_s, received
         view.loader = None if isinstance(m.loader, msgspec.UnsetType) else m.loader
+        view.at = None if isinstance(m.at, msgspec.UnsetType) else m.at
         view.phase_step = m.global_step
         view.coll_started, view.coll_completed = m.coll_started, m.coll_completed
         view.communicated = view.communicated or m.coll_started is not None

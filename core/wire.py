@@ -100,6 +100,7 @@ def node_news(node: int, state: NodeState, ranks: list[int], host: str,
 GroupName = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[^\x00-\x1f\x7f]*$")]
 RanksText = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[0-9,.-]*$")]
 DtypeName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[A-Za-z0-9_]*$")]
+ScriptLine = Annotated[str, msgspec.Meta(max_length=160, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 
 class Collective(msgspec.Struct, frozen=True, kw_only=True):
@@ -254,6 +255,9 @@ class Heartbeat(_Header, tag="heartbeat", tag_field="kind", kw_only=True):
     # `__next__`, or a `ddtop.phase("data")` block) or between steps, outside it;
     # absent where not known (another phase, an older sender).
     loader: bool | UnsetType = UNSET
+    # Between steps, outside its data loader: where its main thread is in the script,
+    # "train.py:88 in main" (its innermost frame outside torch and ddtop).
+    at: ScriptLine | UnsetType = UNSET
 
 
 class Aggregate(_Header, tag="aggregate", tag_field="kind", kw_only=True):

@@ -354,6 +354,8 @@ def test_a_rank_in_the_data_phase_is_in_data_only_inside_its_data_loader() -> No
     view.loader = False
     assert view.where() == ("in Python between steps 5 and 6, outside any collective and its "
                             "data loader")
+    view.at = "train.py:88 in main"  # where its main thread is in the script
+    assert view.where().endswith("and its data loader (train.py:88 in main)")
     view.phase = "forward"
     assert view.where() == "in forward of step 6"
     # The heartbeat says it in the data phase only.

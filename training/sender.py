@@ -60,6 +60,27 @@ STATM = Path("/proc/self/statm")
 RSS_EVERY_S = 1.0  # how often the process's resident memory is read again
 
 
+_MAIN = threading.main_thread().ident
+# Files whose frames are not the script's: torch's and ddtop's own (its training
+# side, core, and the public API's folder).
+_NOT_THE_SCRIPT = tuple(str(Path(path).parent) + os.sep for path in (
+    torch.__file__ or "", wire.__file__ or "", __file__,
+    getattr(sys.modules.get("ddtop"), "__file__", None) or __file__))
+
+
+def main_at() -> str | msgspec.UnsetType:
+    """Where the main thread is in the script: "train.py:88 in main", its innermost
+    frame outside torch and ddtop (UNSET where there is none: the built-in trainer)."""
+    frame = sys._current_frames().get(_MAIN) if _MAIN is not None else None
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.startswith(_NOT_THE_SCRIPT):
+            at = f"{Path(code.co_filename).name}:{frame.f_lineno} in {code.co_name}"
+            return "".join(ch if ch.isprintable() else "?" for ch in at[:160])
+        frame = frame.f_back
+    return msgspec.UNSET
+
+
 class Said:
     """What the training thread says of the rank now, for heartbeats: plain
     attribute stores, atomic under the GIL, that the sender only reads. The
@@ -221,6 +242,7 @@ class Sender:
             global_step=said.global_step, phase_s=time.perf_counter() - since,
             coll_started=said.coll_started, coll_completed=said.coll_completed,
             loader=said.loader if phase == "data" else msgspec.UNSET,
+            at=main_at() if phase == "data" and not said.loader else msgspec.UNSET,
         )
 
     def _send_steps(self, sock: zmq.Socket[bytes], final: bool = False) -> bool:
