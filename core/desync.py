@@ -225,12 +225,17 @@ def _ranks_of(side: Side) -> str:
     return rank_list(sorted(side.ranks)) + (f" and {more:,} more" if more > 0 else "")
 
 
-def _group_name(group: str, ranks: Mapping[int, RankView]) -> str:
-    """'world', or '[2,3]' as a rank's signature of the group gives its ranks."""
-    if group == "world":
-        return "world"
+def group_names(ranks: Mapping[int, RankView]) -> dict[str, str]:
+    """Each group the ranks' last collectives named, as words name it ("world",
+    "[2,3] (tp)"), by torch's name of the group."""
+    names = {}
     for view in ranks.values():
         for c in (view.coll_started, view.coll_completed):
-            if c is not None and c.group == group and c.group_ranks:
-                return c.group_words()
-    return repr(group)
+            if c is not None and c.group and c.group_ranks:
+                names[c.group] = c.group_words()
+    return names
+
+
+def _group_name(group: str, ranks: Mapping[int, RankView]) -> str:
+    """'world', or '[2,3]' as a rank's signature of the group gives its ranks."""
+    return "world" if group == "world" else group_names(ranks).get(group, repr(group))

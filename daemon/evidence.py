@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from ddtop.core import desync
 from ddtop.core.contract import FR_JSON_SUFFIX
 from ddtop.core.processes import ProcessId
 from ddtop.core.rankview import RankView
@@ -89,14 +90,8 @@ def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why:
 
 
 def group_names(state: RunState) -> dict[str, str]:
-    """Each group a rank's last collectives named: "world", or "[its ranks]" (as
-    core/desync.py says them), by torch's name of the group."""
-    names = {}
-    for v in state.ranks.values():
-        for c in (v.coll_started, v.coll_completed):
-            if c is not None and c.group and c.group_ranks:
-                names[c.group] = c.group_words()
-    return names
+    """Each group a rank's last collectives named, by torch's name of the group."""
+    return desync.group_names(state.ranks)
 
 
 def finish(g: Gathering, limit: float) -> tuple[Path, str]:

@@ -312,9 +312,7 @@ def group_entered(pg: Any, dtype: str, count: int) -> tuple[str, int, str, int, 
     rather than through a wrapped function (DDP's gradient all-reduce of a step:
     training/commtimer.py), counted in the group's own sequence as the wrapped ones
     are: `dtype` and `count`, the elements it reduces."""
-    entry = _groups.get(pg)
-    if entry is None:
-        entry = _group(pg)
+    entry = _groups.get(pg) or _group(pg)
     entry[3] += entry[4]
     return entry[0], entry[1], entry[2], entry[3], dtype, count, -1, entry[5]
 
@@ -335,9 +333,7 @@ def p2p_entered(pg: Any, dtype: str, count: int, peer: int
     group's sequence, as a wrapped one's is not."""
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     pg = c10d.GroupMember.WORLD if pg is None else pg
-    entry = _groups.get(pg)
-    if entry is None:
-        entry = _group(pg)
+    entry = _groups.get(pg) or _group(pg)
     return entry[0], entry[1], entry[2], 0, dtype, count, peer, entry[5]
 
 
