@@ -24,20 +24,23 @@ Gathered when a desync is first told (the run goes on: the files are read back o
 a thread of their own), when --hang-timeout fails a hang (before its ranks are
 stopped), and when asked (`ddtrain evidence`: daemon/stacks.py). The stacks go
 through daemon/stacks.py's signal_stacks: only to the processes the daemon
-started or verified. A rank that gives no Python stacks
-(stopped, gone) is named in the index, as is one whose native stacks took
-longer than they were waited for: HANG_NATIVE_S where the run waits (a hang
-failed), py-spy's own DUMP_TIMEOUT_S where it goes on (a desync). Everything
-is the run owner's alone, as the run folder is.
+started or verified, the ranks the state names (a hang's, a desync's) read by
+py-spy first. The index is written once every rank's stacks are in, or at
+`budget` (2 s up to 8 ranks, 5 s at 64): a rank that gives no Python stacks
+(stopped, gone) is named in it, as is one whose native stacks py-spy had not read
+by then. Those that come later (within py-spy's DUMP_TIMEOUT_S) are added to the
+bundle and the index rewritten, naming them under "late". Everything is the run
+owner's alone, as the run folder is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +58,20 @@ from ddtop.daemon.stacks import PYTHON_DUMP, file_size, read_since, signal_stack
 # What a bundle is said to be, by why it was gathered ("evidence of the desync in ...").
 SAID = {"desync": "evidence of the desync", "hang": "evidence of the hang",
         "asked": "evidence asked for"}
-SETTLE_S = 0.3  # after py-spy: a rank's Python dump is written by then (or never)
 FRESH_SLACK_S = 1.0  # a dump this much older than the bundle's start is still its own
 INDEX = "index.json"
+POLL_S = 0.05  # how often the stacks files are looked at while they are written
+# The index waits for the ranks' stacks BUDGET_S up to BUDGET_RANKS ranks, and
+# BUDGET_MAX_S at BUDGET_MAX_RANKS and over, in proportion between: py-spy reads one
+# rank a core at a time (daemon/nativestacks.py).
+BUDGET_S, BUDGET_RANKS = 2.0, 8
+BUDGET_MAX_S, BUDGET_MAX_RANKS = 5.0, 64
+
+
+def budget(ranks: int) -> float:
+    """Seconds a bundle of `ranks` ranks waits for their stacks before its index."""
+    over = min(max(ranks - BUDGET_RANKS, 0), BUDGET_MAX_RANKS - BUDGET_RANKS)
+    return BUDGET_S + (BUDGET_MAX_S - BUDGET_S) * over / (BUDGET_MAX_RANKS - BUDGET_RANKS)
 
 
 @dataclass
@@ -73,6 +87,11 @@ class Gathering:
     stacks: dict[int, tuple[Path, int]]
     threads: list[threading.Thread]
     groups: dict[str, str]  # the groups the ranks' signatures named, by torch's name
+    began: float  # time.monotonic() at the signal
+    files: dict[str, str] = field(default_factory=dict)  # the index's, once written
+    missing: list[str] = field(default_factory=list)
+    fr_words: str = ""
+    texts: dict[int, str] = field(default_factory=dict)  # each rank's stacks at the index
 
 
 def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why: str,
@@ -84,9 +103,10 @@ def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why:
     write_json_atomic(folder / "ranks.json",
                       {str(k): rank_record(v) for k, v in sorted(state.ranks.items())})
     stacks = {k: (paths.rank_stacks(k), file_size(paths.rank_stacks(k))) for k in sorted(numbered)}
-    threads = signal_stacks(numbered, [None], paths.rank_stacks)
+    named = state.hung(now)  # (a hang's or a desync's ranks: py-spy reads them first)
+    threads = signal_stacks(numbered, [None], paths.rank_stacks, named[0] if named else ())
     return Gathering(folder, paths.run_id, why, verdict, now, stacks, threads,
-                     group_names(state))
+                     group_names(state), time.monotonic())
 
 
 def group_names(state: RunState) -> dict[str, str]:
@@ -94,38 +114,99 @@ def group_names(state: RunState) -> dict[str, str]:
     return desync.group_names(state.ranks)
 
 
-def finish(g: Gathering, limit: float) -> tuple[Path, str]:
-    """Wait for the stacks (py-spy's `limit` seconds at most), copy each rank's into
-    the bundle with its Flight Recorder, and write its index; the folder, and the
-    Flight Recorder's verdict ("" without a dump)."""
-    nativestacks.wait(g.threads, limit)
-    time.sleep(SETTLE_S)
-    files = {"verdict.txt": "the words the daemon named it with",
-             "ranks.json": "each rank as the daemon's state held it: process, phase, step, "
-                           "the collectives it last entered and finished, memory"}
-    missing: list[str] = []
-    fr_words = _flight_recorder(g, files, missing)
-    for k, (path, offset) in g.stacks.items():
-        text = read_since(path, offset)
+def finish(g: Gathering, limit: float) -> tuple[Path, str, list[int]]:
+    """Wait for the stacks (`limit` seconds from the signal at most), copy each rank's
+    into the bundle with its Flight Recorder, and write its index; the folder, the
+    Flight Recorder's verdict ("" without a dump), and the ranks whose stacks lacked
+    something then (`complete` adds what comes later)."""
+    texts = g.texts = _stacks_by(g, g.began + limit)
+    g.files = {"verdict.txt": "the words the daemon named it with",
+               "ranks.json": "each rank as the daemon's state held it: process, phase, step, "
+                             "the collectives it last entered and finished, memory"}
+    g.fr_words = _flight_recorder(g, g.files, g.missing)
+    late = []
+    for k, text in texts.items():
         # (faulthandler's dump and py-spy's block may come in either order: another
         # bundle's py-spy may be done with the rank first)
-        python, mark = PYTHON_DUMP in text, nativestacks.NATIVE_MARK in text
-        if text.strip():
-            (g.folder / f"rank-{k}.stacks").write_text(text)
-            files[f"rank-{k}.stacks"] = (
-                f"rank {k}'s stacks: " + ("Python's (every thread)" if python
-                                          else "no Python stacks (stopped, or gone)")
-                + (", native (py-spy, or why not)" if mark else ""))
-        if not python:
-            missing.append(f"rank {k}: no Python stacks (the process is stopped or gone)")
-        if not mark:
-            missing.append(f"rank {k}: no native stacks within {limit:g} s (py-spy's, "
-                           f"if they come, follow in {path})")
-    write_json_atomic(g.folder / INDEX, {
+        _copy_stacks(g, k, text)
+        lacks = _lacking(k, text, limit)
+        g.missing += lacks
+        if lacks:
+            late.append(k)
+    _write_index(g, [])
+    return g.folder, g.fr_words, late
+
+
+def _lacking(k: int, text: str, limit: float) -> list[str]:
+    """What rank `k`'s stacks so far lack, in the index's words."""
+    lacks = []
+    if PYTHON_DUMP not in text:
+        lacks.append(f"rank {k}: no Python stacks (the process is stopped or gone)")
+    if nativestacks.NATIVE_MARK not in text:
+        lacks.append(f"rank {k}: no native stacks within {limit:g} s (py-spy reads one rank a "
+                     "core at a time: added to this bundle when read)")
+    return lacks
+
+
+def complete(g: Gathering, late: list[int], limit: float) -> None:
+    """Once py-spy is done (DUMP_TIMEOUT_S a rank at most), what the `late` ranks'
+    stacks lacked at the index added to the bundle, and its index rewritten to say so."""
+    rounds = -(-len(g.stacks) // max(1, len(g.threads)))
+    nativestacks.wait(g.threads, nativestacks.DUMP_TIMEOUT_S * rounds)
+    added = []
+    for k in late:
+        path, offset = g.stacks[k]
+        text = read_since(path, offset)
+        before = _lacking(k, g.texts[k], limit)
+        came = [line for line in before if line not in _lacking(k, text, limit)]
+        if not came:
+            continue
+        try:
+            _copy_stacks(g, k, text)
+        except OSError:
+            continue
+        g.missing = [line for line in g.missing if line not in came]
+        what = " and ".join(("Python" if "Python" in line else "native") for line in came)
+        added.append(f"rank {k}: its {what} stacks, {time.monotonic() - g.began:.1f} s "
+                     "after the signal")
+    if added:
+        with contextlib.suppress(OSError):  # (a full disk, a folder gone: the first stands)
+            _write_index(g, added)
+
+
+def _stacks_by(g: Gathering, deadline: float) -> dict[int, str]:
+    """Each rank's stacks written since the bundle began, once every rank's Python and
+    native stacks are in (py-spy's threads done, the files still for a poll), or as
+    they are at `deadline`."""
+    texts: dict[int, str] = {}
+    while True:
+        before, texts = texts, {k: read_since(path, offset)
+                                for k, (path, offset) in g.stacks.items()}
+        done = (texts == before and not any(t.is_alive() for t in g.threads)
+                and all(PYTHON_DUMP in text for text in texts.values()))
+        if done or time.monotonic() >= deadline:
+            return texts
+        time.sleep(POLL_S)
+
+
+def _copy_stacks(g: Gathering, k: int, text: str) -> None:
+    if not text.strip():
+        return
+    (g.folder / f"rank-{k}.stacks").write_text(text)
+    g.files[f"rank-{k}.stacks"] = (
+        f"rank {k}'s stacks: " + ("Python's (every thread)" if PYTHON_DUMP in text
+                                  else "no Python stacks (stopped, or gone)")
+        + (", native (py-spy, or why not)" if nativestacks.NATIVE_MARK in text else ""))
+
+
+def _write_index(g: Gathering, late: list[str]) -> None:
+    index: dict[str, Any] = {
         "run": g.run, "why": g.why, "verdict": g.verdict,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(g.at)),
-        "files": files, "missing": missing, "flight_recorder": fr_words})
-    return g.folder, fr_words
+        "files": g.files, "missing": g.missing, "flight_recorder": g.fr_words}
+    if late:
+        index["late"] = late
+    write_json_atomic(g.folder / INDEX, index)
 
 
 def _flight_recorder(g: Gathering, files: dict[str, str], missing: list[str]) -> str:
@@ -168,30 +249,37 @@ class Gatherer:
         self._told: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []  # the one being finished on its own
+        self._next: tuple[str, str] | None = None  # asked for meanwhile: (why, verdict)
 
-    def gather(self, state: RunState, why: str, verdict: str, wait: bool = False,
-               limit: float = nativestacks.DUMP_TIMEOUT_S + 1) -> None:
-        """Begin a bundle; finish it now (`wait`: py-spy's threads waited for
-        HANG_NATIVE_S at most, the run waiting) or on a thread of its own (`limit`)."""
+    def gather(self, state: RunState, why: str, verdict: str, wait: bool = False) -> None:
+        """Begin a bundle; finish it now (`wait`: the run waits, `budget` at most; the
+        late native stacks are added on a thread of its own) or on a thread of its own."""
         # One bundle at a time (py-spy holds a rank while it reads it): while one is
-        # finished on its own thread, another is not begun, but a hang's waits for it.
-        if not wait and any(t.is_alive() for t in self._threads):
+        # finished on its own thread, another is begun by `pending` once it is done,
+        # but a hang's waits for it.
+        if not wait and self._busy():
+            self._next = (why, verdict)
             return
+        self._next = None
         for thread in self._threads:
             thread.join(nativestacks.DUMP_TIMEOUT_S + 1)
+        numbered = self.numbered()
         try:
-            g = begin(self.paths, state, self.numbered(), why, verdict, time.time())
+            g = begin(self.paths, state, numbered, why, verdict, time.time())
         except OSError as e:
             self._tell("warning", f"no evidence of the {why} gathered: {e}", None)
             return
-        if wait:  # (the run waits: py-spy's threads for HANG_NATIVE_S at most)
-            self._finish(g, nativestacks.HANG_NATIVE_S)
-            return
-        else:  # (the run goes on: a desync's gives each py-spy dump its DUMP_TIMEOUT_S)
-            thread = threading.Thread(target=self._finish, args=(g, limit),
-                                      name="ddtrain-evidence", daemon=True)
-            thread.start()
-            self._threads = [thread]
+        limit = budget(len(numbered))
+        late = self._finish(g, limit) if wait else None  # (the run waits for the index)
+        thread = threading.Thread(target=self._complete, args=(g, limit, late),
+                                  name="ddtrain-evidence", daemon=True)
+        thread.start()
+        self._threads = [thread]
+
+    def pending(self, state: RunState) -> None:
+        """Begin the bundle asked for while another was being finished, once it is."""
+        if self._next is not None and not self._busy():
+            self.gather(state, *self._next)
 
     def close(self) -> None:
         """Wait for the bundle being finished on its own thread, if one is (its py-spy
@@ -204,16 +292,24 @@ class Gatherer:
             lines, self._told = self._told, []
         return lines
 
-    def _finish(self, g: Gathering, limit: float) -> None:
+    def _busy(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def _complete(self, g: Gathering, limit: float, late: list[int] | None) -> None:
+        complete(g, self._finish(g, limit) if late is None else late, limit)
+
+    def _finish(self, g: Gathering, limit: float) -> list[int]:
+        """The bundle's index written, and told; the ranks whose native stacks are late."""
         try:
-            folder, fr_words = finish(g, limit)
+            folder, fr_words, late = finish(g, limit)
         except OSError as e:
             self._tell("warning", f"the evidence of the {g.why} in {g.folder} is incomplete: "
                        f"{e}", None)
-            return
+            return []
         self._tell("info", f"{SAID.get(g.why, g.why)} in {folder}", str(folder))
         if fr_words:
             self._tell("info", fr_words, None)
+        return late
 
     def _tell(self, kind: str, line: str, folder: str | None) -> None:
         with self._lock:

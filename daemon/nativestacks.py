@@ -13,31 +13,32 @@ frames among them.
 
 Only the processes the daemon started or verified are read (`numbered`: by
 pid and start time, as every signal it sends), never a pid a message names.
-Each dump is given DUMP_TIMEOUT_S, all ranks at once (a hang failed by
---hang-timeout waits HANG_NATIVE_S for them); what could not be had is
-said in the file in one line, and without py-spy one line says so: the Python
-stacks are then all there is.
+The ranks are read one a core at a time (`jobs`), the ranks a hang or a
+desync names first, and each dump is given DUMP_TIMEOUT_S; what could not be
+had is said in the file in one line, and without py-spy one line says so: the
+Python stacks are then all there is. (How long a bundle of evidence waits for
+them is its own: daemon/evidence.py.)
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ddtop.core.processes import ProcessId
 
 NATIVE_MARK = "--- native stacks"  # how each rank's native block begins in its stacks file
-# py-spy takes about 0.9 s a rank on this 2-core machine (libtorch's symbols), 1.65 s
-# for 4 ranks at once (docs/performance.md): a dump gets DUMP_TIMEOUT_S, and a hang
-# failed by --hang-timeout waits for them HANG_NATIVE_S at most before it stops the
-# ranks (a dump not done by then ends with its process).
+# py-spy takes 0.2 to 0.3 s a training rank alone on a 2-core machine (0.3 CPU-s:
+# libtorch's symbols); 8 ranks at once 2.2 to 2.5 s, two at a time 1.7 s
+# (docs/performance.md): so one a core at a time, each given DUMP_TIMEOUT_S.
 DUMP_TIMEOUT_S = 10.0
-HANG_NATIVE_S = 5.0
 # The Python dump first: faulthandler writes as the rank takes the signal, and
 # py-spy stops the process while it reads it.
 AFTER_SIGNAL_S = 0.1
@@ -49,18 +50,25 @@ def py_spy() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
+def jobs() -> int:
+    """py-spy dumps run at once: one a core this process may use."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
 def dump(numbered: dict[int, ProcessId], asked: list[int | None],
-         stacks_file: Callable[[int], Path]) -> list[threading.Thread]:
+         stacks_file: Callable[[int], Path], first: Iterable[int] = ()) -> list[threading.Thread]:
     """Start reading the native stacks of the ranks `asked` for (None: all) among
-    `numbered`, one thread each; each appends its block to `stacks_file(rank)`."""
-    tool = py_spy()
-    threads = []
-    for rank, process in numbered.items():
-        if None in asked or rank in asked:
-            thread = threading.Thread(target=_one, args=(tool, rank, process, stacks_file(rank)),
-                                      name=f"ddtrain-native-stacks-{rank}", daemon=True)
-            thread.start()
-            threads.append(thread)
+    `numbered`, the ranks `first` first, then by rank, `jobs()` at a time; each
+    appends its block to `stacks_file(rank)`. The threads doing it, to wait for."""
+    tool, ahead = py_spy(), set(first)
+    todo = deque(sorted(((rank, process) for rank, process in numbered.items()
+                         if None in asked or rank in asked),
+                        key=lambda item: (item[0] not in ahead, item[0])))
+    threads = [threading.Thread(target=_work, args=(tool, todo, stacks_file),
+                                name=f"ddtrain-native-stacks-{n}", daemon=True)
+               for n in range(min(len(todo), jobs()))]
+    for thread in threads:
+        thread.start()
     return threads
 
 
@@ -71,8 +79,18 @@ def wait(threads: list[threading.Thread], limit: float = DUMP_TIMEOUT_S) -> None
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _one(tool: str | None, rank: int, process: ProcessId, path: Path) -> None:
+def _work(tool: str | None, todo: deque[tuple[int, ProcessId]],
+          stacks_file: Callable[[int], Path]) -> None:
     time.sleep(AFTER_SIGNAL_S)
+    while True:
+        try:
+            rank, process = todo.popleft()  # (one call: safe between threads)
+        except IndexError:
+            return
+        _one(tool, rank, process, stacks_file(rank))
+
+
+def _one(tool: str | None, rank: int, process: ProcessId, path: Path) -> None:
     text = _read(tool, rank, process)
     try:
         with path.open("a") as f:

@@ -51,7 +51,7 @@ from ddtop.core.rundir import RunPaths
 from ddtop.core.state import RunState
 from ddtop.core.summary import ProcessRecord
 from ddtop.core.text import count_of
-from ddtop.daemon import evidence, leftovers, nativestacks
+from ddtop.daemon import evidence, leftovers
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter
 from ddtop.daemon.hangtimeout import HangTimer
@@ -325,6 +325,7 @@ class RunLoop:
         if (desync := self.hang.desync_news(self.relay.state, time.time())) is not None:
             self._tell("warning", desync)
             self.evidence.gather(self.relay.state, "desync", desync)
+        self.evidence.pending(self.relay.state)
         self._evidence_told()
         self._on_state(self.relay.state)
 
@@ -353,9 +354,7 @@ class RunLoop:
         if any(isinstance(r, protocol.Evidence) for r in asked):
             now = time.time()
             verdict = self.relay.state.hang(now) or "asked for (ddtrain evidence): no hang named"
-            # (asked for by someone waiting: py-spy's dumps waited for as a hang's are)
-            self.evidence.gather(self.relay.state, "asked", verdict,
-                                 limit=nativestacks.HANG_NATIVE_S)
+            self.evidence.gather(self.relay.state, "asked", verdict)
 
     def _begin_stop(self, timeout: float) -> None:
         self.role.stopping(timeout)  # a hub's stop is every node's too
@@ -407,7 +406,7 @@ class RunLoop:
         numbered = self.starter.numbered()
         # Where each rank hangs, kept: the evidence (daemon/evidence.py), their Python
         # and native stacks among it (py-spy reads the live process: waited for,
-        # HANG_NATIVE_S at most).
+        # evidence.budget at most).
         self.evidence.gather(self.relay.state, "hang", message, wait=True)
         self._evidence_told()
         for r in self.ranks:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ddtop.core import control, protocol
@@ -34,23 +35,25 @@ from ddtop.daemon import nativestacks
 
 
 def signal_stacks(numbered: dict[int, ProcessId], asked: list[int | None],
-                  stacks_file: Callable[[int], Path]) -> list[threading.Thread]:
+                  stacks_file: Callable[[int], Path],
+                  first: Iterable[int] = ()) -> list[threading.Thread]:
     """The daemon's part: the stacks signal to the ranks `asked` for (None: all),
     among the processes it started (or verified: `numbered`, checked by start
     time), and only to one that catches it: a rank ddtop does not instrument
     (one a watched command started that reports by itself) would die of it.
     Then their native stacks, read by py-spy into the same files
-    (daemon/nativestacks.py): the threads doing it, to wait for."""
+    (daemon/nativestacks.py; the ranks `first` first): the threads doing it, to
+    wait for."""
     for rank, process in numbered.items():
         if (None in asked or rank in asked) and catches(process.pid, STACKS_SIGNAL):
             send_signal(process, STACKS_SIGNAL)
-    return nativestacks.dump(numbered, asked, stacks_file)
+    return nativestacks.dump(numbered, asked, stacks_file, first)
 
 
 WAIT_S = 5.0  # for every asked rank's Python dump to appear
-# For the evidence asked for: the daemon's next pass, py-spy's dumps (HANG_NATIVE_S at
-# most) and the files.
-EVIDENCE_WAIT_S = nativestacks.HANG_NATIVE_S + 5.0
+# For the evidence asked for: the daemon's next pass, the bundle's wait for the stacks
+# (evidence.budget: 5 s at most) and the files.
+EVIDENCE_WAIT_S = 10.0
 SETTLE_S = 0.3  # a dump is complete once its file has not grown for this long
 PYTHON_DUMP = "(most recent call first)"  # in each thread's header of faulthandler's dump
 
@@ -140,10 +143,13 @@ def _print_bundle(bundle: Path) -> None:
 def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignore[type-arg]
     """Each asked rank's dump: its Python stacks within WAIT_S (a rank that gives
     none then, stopped or gone, is not waited for longer), and after them its
-    native block (py-spy's, within its DUMP_TIMEOUT_S, or the line saying why not)."""
+    native block (py-spy's, within its DUMP_TIMEOUT_S, or the line saying why not;
+    the ranks are read one a core at a time)."""
     start = time.monotonic()
     deadline = start + WAIT_S
-    native_deadline = start + nativestacks.AFTER_SIGNAL_S + nativestacks.DUMP_TIMEOUT_S + 0.5
+    rounds = math.ceil(len(files) / nativestacks.jobs())
+    native_deadline = (start + nativestacks.AFTER_SIGNAL_S + nativestacks.DUMP_TIMEOUT_S
+                       + 0.5 * rounds)
     sizes = dict(before)
     quiet_since: dict[int, float] = {}
     while (now := time.monotonic()) < max(deadline, native_deadline):

@@ -7,6 +7,7 @@ tests/test_desync.py (the world run's rank 3)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,34 @@ def test_what_could_not_be_read_is_one_line(tmp_path: Path, monkeypatch: pytest.
     assert stacks.read_text() == (f"{nativestacks.NATIVE_MARK}: py-spy is not installed (pip "
                                   "install py-spy, or the train extra): the Python stacks "
                                   "above are all there is ---\n")
+
+
+@pytest.mark.timeout(60)
+def test_the_named_ranks_are_read_first_one_a_core_at_a_time(tmp_path: Path) -> None:
+    if nativestacks.py_spy() is None:
+        pytest.skip("py-spy is not installed (the train extra installs it: make test does)")
+    procs = [subprocess.Popen([sys.executable, "-c", SLEEPER]) for _ in range(3)]
+    cores = os.sched_getaffinity(0)
+    try:
+        numbered = {k: ProcessId.of(proc.pid) for k, proc in enumerate(procs)}
+        assert all(numbered.values())
+        files = {k: tmp_path / f"rank-{k}.stacks" for k in numbered}
+        # One a core: as many readers as this process has cores, never more than ranks.
+        threads = nativestacks.dump(numbered, [None], files.__getitem__)
+        assert len(threads) == min(3, len(cores))
+        nativestacks.wait(threads)
+        for f in files.values():
+            f.unlink()
+        # On one core they go one at a time: rank 2, named first, then ranks 0 and 1.
+        os.sched_setaffinity(0, {min(cores)})
+        threads = nativestacks.dump(numbered, [None], files.__getitem__, first=[2])
+        assert len(threads) == 1
+        nativestacks.wait(threads)
+    finally:
+        os.sched_setaffinity(0, cores)
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+    written = sorted(files, key=lambda k: files[k].stat().st_mtime_ns)
+    assert written == [2, 0, 1], {k: f.stat().st_mtime_ns for k, f in files.items()}
+    assert all("held (<string>:3)" in f.read_text() for f in files.values())
