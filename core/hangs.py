@@ -128,7 +128,7 @@ def _sub_waits(sub: Mapping[int, wire.Collective], within: set[int], parts: list
         missing = sorted(group - set(side))
         waited.update(missing)
         if c.peer >= 0:
-            way = "from" if c.op == "recv" else "to"
+            way = "from" if c.op in ("recv", "irecv") else "to"
             parts.append(f"rank {side[0]} wait in {c.op} #{c.seq} {way} rank {c.peer}")
             continue
         whom = f" for {rank_list(missing)}" if missing else ""

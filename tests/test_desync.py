@@ -15,7 +15,10 @@ And hangs that are not a desync: in a sub-group, rank 2 sleeps before its
 pair's all-reduce (rank 3 waits in group [2,3] for rank 2, ranks 0-1 in the
 world's DDP all-reduce, and rank 2 is blamed); in a point-to-point pair, rank 0
 sleeps before its send (rank 1 waits in recv from rank 0, ranks 2-3 in the
-world's all_reduce, and rank 0 is blamed).
+world's all_reduce, and rank 0 is blamed); and in two ranks that exchange with
+isend and irecv each step, rank 1 waits on an irecv's work from rank 0, which
+sleeps (the exchange, batched and not, is never a desync: the world run has it
+too).
 
 (A mismatch of sizes that gloo sees, an all_reduce of 4 float64s against 4
 float32s, aborts the ranks at once, "Received data size doesn't match expected
@@ -23,7 +26,7 @@ size": over before a heartbeat could tell it. The words for it are tested in
 tests/test_desync_words.py.)
 
 Each is named as a desync (not "ranks 0-3 wait in all_reduce"), the odd rank is
-blamed, and --hang-timeout stops the run with the desync as its cause. The seven
+blamed, and --hang-timeout stops the run with the desync as its cause. The eight
 runs start together (a module fixture), so that their hang timeouts overlap.
 """
 
@@ -47,7 +50,8 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "desync.py")
 RUN_TIMEOUT_S = 120
 JSONL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.2")
 RUNS = {
-    "world": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather"),
+    # (with a ring exchange of isend and irecv a step, batched and not: never a desync)
+    "world": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--exchange"),
     "pair": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs"),
     # The same, the pairs a DeviceMesh's tp dimension.
     "mesh": ("--at", "3", "--odd-rank", "3", "--odd", "all_gather", "--pairs", "--mesh"),
@@ -59,7 +63,11 @@ RUNS = {
     "sleep": ("--at", "3", "--odd-rank", "2", "--odd", "sleep", "--pairs"),
     # Nor this: rank 0 sleeps before it sends to rank 1, which waits in recv.
     "p2p": ("--at", "3", "--odd-rank", "0", "--odd", "p2p"),
+    # Nor this, of 2 ranks exchanging with isend and irecv each step: rank 1 waits on
+    # its irecv's work.
+    "p2p-irecv": ("--at", "3", "--odd-rank", "0", "--odd", "p2p-irecv", "--exchange"),
 }
+WORLD = {"p2p-irecv": "2"}  # ranks, where not 4
 RUN_ROOT: dict[str, Path] = {}  # each run's folder (the module fixture's)
 WORDS = {
     # The world group's 8th collective: DDP's all-reduce, then an all_reduce, in each
@@ -88,7 +96,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
     try:
         for name, args in RUNS.items():
             (root / name).mkdir()
-            procs[name] = start([DDTRAIN, "start", "--run-id", name, *JSONL, "-n", "4",
+            procs[name] = start([DDTRAIN, "start", "--run-id", name, *JSONL,
+                                 "-n", WORLD.get(name, "4"),
                                  "--hang-timeout", "4", SCRIPT, "--steps", "12", *args],
                                 root / name, {"OMP_NUM_THREADS": "1"})
         for name, (proc, tag) in procs.items():
@@ -242,5 +251,21 @@ def test_a_rank_waiting_in_recv_waits_for_its_peer(runs: dict[str, Run]) -> None
     assert hangs, run.stdout[-3000:]
     assert hangs[-1].startswith("ranks 2-3 wait in all_reduce #"), hangs
     assert "; rank 1 wait in recv #" in hangs[-1] and " from rank 0; rank 0 is in " in hangs[-1]
+    summary = next(line for line in lines(run) if line["kind"] == "summary")
+    assert summary["failure"]["rank"] == 0, summary["failure"]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+def test_a_rank_waiting_on_an_irecvs_work_waits_for_its_peer(runs: dict[str, Run]) -> None:
+    run = runs["p2p-irecv"]
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.leftovers == []
+    hangs = [line["hang"] for line in lines(run) if line["kind"] == "progress" and line["hang"]]
+    # Each step's exchange (a batch of isend and irecv, then one of each) was never a
+    # desync; then rank 1 waits on an irecv's work (gloo's: no future, seen completed by
+    # its sender thread) from rank 0, which sleeps before its send.
+    assert hangs and not any("desync in group" in h for h in hangs), hangs
+    assert re.fullmatch(r"rank 1 wait in irecv #\d+ from rank 0; rank 0 is in Python between "
+                        r"steps 4 and 5, .*", hangs[-1]), hangs
     summary = next(line for line in lines(run) if line["kind"] == "summary")
     assert summary["failure"]["rank"] == 0, summary["failure"]

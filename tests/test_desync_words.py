@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddtop.core import desync, hangs, wire
 from ddtop.core.rankview import RUNNING, STALLED, RankView
-from ddtop.training import collectives
+from ddtop.training import collectives, pendingworks
 from ddtop.training.commtimer import DDPStats
 from ddtop.training.telemetry import Telemetry
 
@@ -363,3 +363,58 @@ def test_a_rank_in_the_data_phase_is_in_data_only_inside_its_data_loader() -> No
         run="r", rank=2, phase="data", epoch=0, global_step=5, phase_s=9.0, loader=False)),
         run="r")
     assert isinstance(beat, wire.Heartbeat) and beat.loader is False
+
+
+def test_a_p2pop_of_torchs_own_isend_taken_before_the_wrap_is_still_accepted(
+        one_rank: None) -> None:
+    c10d = dist.distributed_c10d
+    held_isend, check, batch = dist.isend, c10d._check_op, dist.batch_isend_irecv
+    collectives.wrap()
+    try:
+        assert dist.isend is not held_isend and dist.isend.__wrapped__ is held_isend
+        assert c10d.isend is dist.isend and c10d.irecv is dist.irecv
+        # torch's P2POp knows isend by identity: the wrapper, and torch's own taken before.
+        ops = [dist.P2POp(held_isend, torch.ones(2), 0),
+               dist.P2POp(dist.irecv, torch.empty(2), 0)]
+        with pytest.raises(ValueError, match="Invalid ``op``"):  # (its own check goes on)
+            dist.P2POp(print, torch.ones(2), 0)
+        # The batch hands torch's own the wrapper (else torch gives its isend the recv's
+        # keyword: a TypeError), then is torch's own: one rank cannot send to itself, as
+        # gloo says.
+        with pytest.raises(RuntimeError, match="not connected"):
+            dist.batch_isend_irecv(ops)
+        assert ops[0].op is dist.isend
+    finally:
+        collectives.unwrap()
+    assert dist.isend is held_isend and c10d.isend is held_isend
+    assert c10d._check_op is check and dist.batch_isend_irecv is batch
+    assert c10d.batch_isend_irecv is batch
+
+
+class Work:
+    """What pendingworks asks of a work: whether it is completed (or it cannot say)."""
+
+    def __init__(self) -> None:
+        self.completed: bool | None = False
+
+    def is_completed(self) -> bool:
+        if self.completed is None:
+            raise RuntimeError("the process group is gone")
+        return self.completed
+
+
+def test_a_work_without_a_future_is_over_once_completed_and_never_kept_forever() -> None:
+    over: list[int] = []
+    works = [Work() for _ in range(3)]
+    for n, work in enumerate(works):
+        pendingworks.add(work, lambda n=n: over.append(n))
+    pendingworks.poll()
+    assert over == [] and pendingworks.count() == 3
+    works[1].completed, works[2].completed = True, None  # (one torch cannot say of: over)
+    pendingworks.poll()
+    assert over == [1, 2] and pendingworks.count() == 1
+    # At most MAX_PENDING kept: the oldest let go, as over.
+    for n in range(pendingworks.MAX_PENDING):
+        pendingworks.add(Work(), lambda n=n: over.append(100 + n))
+    assert over == [1, 2, 0] and pendingworks.count() == pendingworks.MAX_PENDING
+    pendingworks._pending.clear()

@@ -31,13 +31,19 @@ DDP's gradient all-reduce is not one of them: its reducer calls the process
 group from C++, and a comm hook in Python (torch's `allreduce_hook`, PowerSGD,
 a user's own, ddtop's timer on a GPU) that calls `dist.all_reduce` runs as
 `ddp_hook` makes it, so what it calls is DDP's all-reduce, timed as such
-(DDPStats, CommTimer), not seen again here. Nor are the ProcessGroup's methods called
-directly (`pg.allreduce(...)`), the asynchronous point-to-point `isend`, `irecv`
-and `batch_isend_irecv` (torch's `P2POp` takes only the very functions
-torch.distributed holds: left as they are; blocking `send` and `recv` are
-seen, with their peer, never as their group's collective), torch's
-functional collectives (`torch.distributed._functional_collectives`, DTensor)
-and `all_gather_single` / `reduce_scatter_single` (FSDP2's own). Code that
+(DDPStats, CommTimer), not seen again here.
+
+Point-to-point calls are seen with their peer, never as their group's
+collective: `send` and `recv`, and `isend` and `irecv`, also as the ops of a
+`batch_isend_irecv` (each as the batch issues it; torch's P2POp and the batch
+know the two by identity, which training/p2pops.py keeps). An isend or irecv is
+over when its work is completed: gloo's give no future, so the sender thread
+asks (training/pendingworks.py), and their time is not counted as
+communication.
+
+Not seen: the ProcessGroup's methods called directly (`pg.allreduce(...)`),
+torch's functional collectives (`torch.distributed._functional_collectives`,
+DTensor) and `all_gather_single` / `reduce_scatter_single` (FSDP2's own). Code that
 holds a collective function it took before `wrap()` (`from torch.distributed
 import all_reduce` before the rank was instrumented) calls the original: under
 `ddtrain start` wrap() runs before the script, and the start-up hook runs it
@@ -45,7 +51,7 @@ as soon as torch is imported.
 
 Nothing here raises into the program: a failure of its own is one warning
 event, and the collective runs as it would have. This module imports only
-torch (and the standard library): the start-up hook loads it as torch is
+torch, the standard library and its two helpers: the start-up hook loads it as torch is
 imported, in processes that may never become ranks.
 """
 
@@ -61,6 +67,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from ddtop.training import p2pops, pendingworks
 
 if TYPE_CHECKING:
     from ddtop.training.telemetry import LiveTelemetry
@@ -155,12 +163,16 @@ OPS: dict[str, tuple[Size, str, Input]] = {
     "scatter_object_list": (_nothing, ONE, _none),
     "send": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
     "recv": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
+    "isend": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
+    "irecv": (_tensor(0, "tensor"), ONE, _input(0, "tensor")),
 }
 # Point-to-point: the peer's argument (a global rank). Not its group's collective:
-# never counted in the group's number (only two of its ranks take part). `isend`
-# and `irecv` are left torch's own: torch's P2POp accepts only the very functions
-# torch.distributed holds, and a program may hold them from before wrap().
-P2P = {"send": (1, "dst"), "recv": (1, "src")}
+# never counted in the group's number (only two of its ranks take part).
+P2P = {"send": (1, "dst"), "recv": (1, "src"), "isend": (1, "dst"), "irecv": (1, "src")}
+# Always asynchronous (no async_op: they return their work). torch's P2POp and
+# batch_isend_irecv know them by identity: wrapped only where training/p2pops.py
+# keeps those working.
+ASYNC = frozenset({"isend", "irecv"})
 
 
 class Rank(Protocol):
@@ -205,20 +217,33 @@ def wrap() -> None:
     if c10d is None:  # torch.distributed not available in this build
         return
     _members = c10d.GroupMember
+    p2p_ops = p2pops.can_install(c10d)
+    ours: dict[Callable[..., Any], Callable[..., Any]] = {}  # torch's isend, irecv -> ours
     for name, (size, family, described) in OPS.items():
         original = getattr(c10d, name, None)
-        if not callable(original):
+        if not callable(original) or (name in ASYNC and not p2p_ops):
             continue
         _wrapped[name] = original
         wrapper = _wrap(name, original, size, family, described)
+        if name in ASYNC:
+            ours[original] = wrapper
         for holder in HOLDERS:
             module = sys.modules.get(holder)
             if module is not None and getattr(module, name, None) is original:
                 setattr(module, name, wrapper)
+    if ours:
+        p2pops.install(c10d, _holders(), ours)
+
+
+def _holders() -> list[Any]:
+    return [m for m in (sys.modules.get(h) for h in HOLDERS) if m is not None]
 
 
 def unwrap() -> None:
     """torch's own functions back where they were (for tests and benchmarks)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is not None:
+        p2pops.uninstall(c10d, _holders())
     for name, original in _wrapped.items():
         for holder in HOLDERS:
             module = sys.modules.get(holder)
@@ -400,6 +425,7 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
     async_at = _param_at(original, "async_op")
     group_at = _param_at(original, "group")
     peer_at = P2P.get(name)
+    always = name in ASYNC
     perf_counter = time.perf_counter
 
     @functools.wraps(original)
@@ -414,8 +440,8 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
         try:
             telemetry = rank.telemetry
             nbytes = size(args, kwargs)
-            later = async_at >= 0 and bool(args[async_at] if len(args) > async_at
-                                           else kwargs.get("async_op", False))
+            later = always or (async_at >= 0 and bool(args[async_at] if len(args) > async_at
+                                                      else kwargs.get("async_op", False)))
             coll = telemetry.collective_started(name, nbytes, None if described is None else
                                                 signature(name, args, kwargs, group_at,
                                                           described, peer_at))
@@ -446,11 +472,12 @@ def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,
 
 def _when_done(work: Any, telemetry: LiveTelemetry, coll: Any, start: float, nbytes: int,
                factor: float) -> None:
-    """An asynchronous collective is over when its work's future completes."""
+    """An asynchronous collective is over when its work's future completes (a work
+    without one, gloo's isend and irecv: when the sender thread sees it completed)."""
     try:
         future = work.get_future()
-    except Exception:  # noqa: BLE001 - a backend without futures: over as it was launched
-        telemetry.collective_over(coll)
+    except Exception:  # noqa: BLE001 - no future: training/pendingworks.py
+        pendingworks.add(work, lambda: telemetry.collective_over(coll))
         return
 
     def done(_: Any) -> None:  # on the backend's thread

@@ -45,7 +45,7 @@ import zmq
 
 from ddtop.core import wire
 from ddtop.core.keys import secure
-from ddtop.training import flightrec
+from ddtop.training import flightrec, pendingworks
 from ddtop.training.beats import Beats
 from ddtop.training.marks import FoldRounds, Marks
 from ddtop.training.stepfold import Memory, StepFolder, StepWindow, step_message
@@ -187,6 +187,7 @@ class Sender:
                 stopping = self._stop.is_set()
                 self._send_events(sock)
                 flightrec.poll()  # the daemon asked for this rank's stacks: dumped beside
+                pendingworks.poll()  # an isend or irecv without a future, completed
                 now = time.monotonic()
                 if (now >= next_step or stopping) and self._send_steps(sock, final=stopping):
                     beats.stepped(now)

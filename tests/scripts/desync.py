@@ -11,11 +11,15 @@ the others' one after), sleep (10 minutes, then none: a hang, not a desync),
 p2p (it sleeps 10 minutes, then sends 4 float32s to the next rank, which waits
 in recv for them; then none: a hang of a point-to-point pair), p2p-send (it
 sends 4 float32s to the next rank, which sends 4 to it: neither receives, a
-desync of the pair), ddp (it
+desync of the pair), p2p-irecv (as p2p, the next rank waiting on an irecv's
+work), ddp (it
 all-gathers 4 float32s on the world group before that step's forward, where
 the others enter DDP's gradient all-reduce), or none (a clean run: every rank
 alike). --mesh: the pairs are a DeviceMesh's tp dimension (world/2 x 2, dims dp
-and tp) rather than groups of new_group.
+and tp) rather than groups of new_group. --exchange: after each step's
+collective, every rank sends 4 float32s to the next rank and receives the
+previous one's, with batch_isend_irecv, then 2 with isend and irecv (clean
+asynchronous point-to-point traffic, never a desync).
 """
 
 import argparse
@@ -34,11 +38,13 @@ def main() -> None:
     parser.add_argument("--odd-rank", type=int, default=-1)
     parser.add_argument("--odd", default="all_gather",
                         choices=["all_gather", "float64", "count", "skip", "sleep", "p2p",
-                                 "p2p-send", "ddp", "none"])
+                                 "p2p-irecv", "p2p-send", "ddp", "none"])
     parser.add_argument("--pairs", action="store_true")
     parser.add_argument("--mesh", action="store_true",
                         help="the pairs as a DeviceMesh's tp dimension (world/2 x 2: dp, tp)")
     parser.add_argument("--step-s", type=float, default=0.0, help="seconds of sleep a step")
+    parser.add_argument("--exchange", action="store_true",
+                        help="a ring exchange with batch_isend_irecv, isend and irecv a step")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,12 +70,14 @@ def main() -> None:
         time.sleep(args.step_s)
         odd = args.odd if step == args.at and rank == args.odd_rank else "none"
         peer = (args.odd_rank + 1) % world
-        if args.odd == "p2p" and step == args.at and rank in (args.odd_rank, peer):
+        if args.odd in ("p2p", "p2p-irecv") and step == args.at and rank in (args.odd_rank, peer):
             if rank == args.odd_rank:
                 time.sleep(600)
                 dist.send(torch.ones(4), dst=peer)
-            else:
+            elif args.odd == "p2p":
                 dist.recv(torch.empty(4), src=args.odd_rank)
+            else:
+                dist.irecv(torch.empty(4), src=args.odd_rank).wait()
             odd = "none"
         if args.odd == "p2p-send" and step == args.at and rank in (args.odd_rank, peer):
             print(f"entering {time.time():.6f}", flush=True)
@@ -90,8 +98,21 @@ def main() -> None:
         elif odd == "sleep":
             time.sleep(600)
             dist.all_reduce(torch.ones(4), group=group)
+        if args.exchange:
+            exchange(rank, world)
     print(f"rank {rank} of {world} done ({os.getpid()})", flush=True)
     dist.destroy_process_group()
+
+
+def exchange(rank: int, world: int) -> None:
+    after, before = (rank + 1) % world, (rank - 1) % world
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4), after),
+                                    dist.P2POp(dist.irecv, torch.empty(4), before)])
+    for work in works:
+        work.wait()
+    sent, received = dist.isend(torch.ones(2), after), dist.irecv(torch.empty(2), before)
+    sent.wait()
+    received.wait()
 
 
 if __name__ == "__main__":
