@@ -97,9 +97,16 @@ class Stacks(Request, tag="stacks"):
     rank: Rank | None = None
 
 
+# A bundle's folder name (daemon/evidence.py): "20261207-094412", "20261207-094412-1".
+BundleName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[0-9-]*$")]
+
+
 class Evidence(Request, tag="evidence"):
     """Gather the evidence now (ddtrain evidence): every rank's stacks and state, in a
-    folder of the run (daemon/evidence.py)."""
+    folder of the run (daemon/evidence.py). `hub`: a node daemon's own request, as the
+    hub's bundle of that name asked (its reply to the node's heartbeat)."""
+
+    hub: BundleName = ""
 
 
 class Focus(Request, tag="focus"):
@@ -186,6 +193,9 @@ class NodeReply(Reply):
     nodes: ForwardTo = ""
     # Ranks a dashboard has open: their Step messages unmerged (daemon/summariser.py).
     focus: Annotated[list[Rank], msgspec.Meta(max_length=MAX_FOCUS)] = []
+    # The hub's newest bundle of evidence: each node gathers its own ranks' once it
+    # sees a new one (daemon/forwarder.py).
+    evidence: BundleName = ""
 
 
 def refused(error: str) -> Reply:

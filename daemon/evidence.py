@@ -57,7 +57,7 @@ from ddtop.daemon.stacks import PYTHON_DUMP, file_size, read_since, signal_stack
 
 # What a bundle is said to be, by why it was gathered ("evidence of the desync in ...").
 SAID = {"desync": "evidence of the desync", "hang": "evidence of the hang",
-        "asked": "evidence asked for"}
+        "asked": "evidence asked for", "hub": "evidence asked for by the hub"}
 FRESH_SLACK_S = 1.0  # a dump this much older than the bundle's start is still its own
 INDEX = "index.json"
 POLL_S = 0.05  # how often the stacks files are looked at while they are written
@@ -92,6 +92,7 @@ class Gathering:
     missing: list[str] = field(default_factory=list)
     fr_words: str = ""
     texts: dict[int, str] = field(default_factory=dict)  # each rank's stacks at the index
+    nodes: str = ""  # a hub's: where the other nodes' ranks' evidence goes
 
 
 def begin(paths: RunPaths, state: RunState, numbered: dict[int, ProcessId], why: str,
@@ -204,6 +205,8 @@ def _write_index(g: Gathering, late: list[str]) -> None:
         "run": g.run, "why": g.why, "verdict": g.verdict,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(g.at)),
         "files": g.files, "missing": g.missing, "flight_recorder": g.fr_words}
+    if g.nodes:
+        index["nodes"] = g.nodes
     if late:
         index["late"] = late
     write_json_atomic(g.folder / INDEX, index)
@@ -243,8 +246,11 @@ class Gatherer:
     `told` gives, once each, the lines saying where the finished ones are (a bundle
     finished on its own thread is told by the loop's next pass)."""
 
-    def __init__(self, paths: RunPaths, numbered: Callable[[], dict[int, ProcessId]]) -> None:
-        self.paths, self.numbered = paths, numbered
+    def __init__(self, paths: RunPaths, numbered: Callable[[], dict[int, ProcessId]],
+                 began: Callable[[str], None] = lambda bundle: None, nodes: int = 1) -> None:
+        """`began`: told each bundle's folder name as it begins (a hub's asks its nodes
+        for theirs); `nodes`: the job's (the index of a hub's says where theirs go)."""
+        self.paths, self.numbered, self.began, self.nodes = paths, numbered, began, nodes
         # (an event type, a line, the folder it names)
         self._told: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
@@ -269,6 +275,11 @@ class Gatherer:
         except OSError as e:
             self._tell("warning", f"no evidence of the {why} gathered: {e}", None)
             return
+        self.began(g.folder.name)
+        if self.nodes > 1 and why != "hub":
+            g.nodes = (f"nodes 1-{self.nodes - 1} each gather their own ranks' into "
+                       f"runs/{g.run}/nodes/K/evidence/ on their host, within a second of "
+                       "this one (\"why\": \"hub\", its verdict naming this folder)")
         limit = budget(len(numbered))
         late = self._finish(g, limit) if wait else None  # (the run waits for the index)
         thread = threading.Thread(target=self._complete, args=(g, limit, late),

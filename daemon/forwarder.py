@@ -28,6 +28,11 @@ class Forwarder:
     never blocking), plus a heartbeat with this node's ranks and status.
     `accounts()`: the node's RankViews (their telemetry accounting)."""
 
+    # The hub's newest bundle of evidence as last heard (None: not yet; one from
+    # before this node heard the hub is not gathered), and one to gather now.
+    evidence_heard: str | None = None
+    evidence_asked = ""
+
     def __init__(self, config: TrainConfig, control: str, keys: RunKeys, run: str,
                  accounts: Callable[[], dict[int, RankView]]) -> None:
         self.node = config.node_rank
@@ -114,6 +119,9 @@ class Forwarder:
         self.summariser.focus = set(reply.focus)
         if reply.stop is not None:
             self.stop = reply.stop
+        if self.evidence_heard is not None and reply.evidence != self.evidence_heard:
+            self.evidence_asked = reply.evidence
+        self.evidence_heard = reply.evidence
         if self.push is None and reply.nodes:
             # The hub names itself as its host is called there; this node reached its
             # control endpoint at an address that works from here (--hub, hub.json):

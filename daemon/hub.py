@@ -117,6 +117,7 @@ class Hub:
         self.warned: set[int] = set()  # nodes told once that they spoke for another's rank
         self.nodes_endpoint = ""  # where node daemons push (public address)
         self.stop: float | None = None  # a stop for every node (its timeout)
+        self.evidence = ""  # the hub's newest bundle: every node gathers its own ranks'
         self.checked = 0.0  # monotonic time of the last look for silent nodes
 
     # -- from the relay ------------------------------------------------------------
@@ -152,7 +153,8 @@ class Hub:
             seen.state = UP
             self._say(node, "info", f"node {node} ({seen.host}) is reachable again")
         return protocol.NodeReply(ok=True, stop=self.stop, nodes=self.nodes_endpoint,
-                                  focus=self.relay.focused(time.monotonic()))
+                                  focus=self.relay.focused(time.monotonic()),
+                                  evidence=self.evidence)
 
     def forwarded(self, node: int, message: wire.Message, frame: bytes, received: float) -> None:
         """What node `node` sent: its ranks' summary (daemon/summariser.py),

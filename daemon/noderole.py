@@ -92,6 +92,11 @@ class NodeRole:
         self._say(f"node {self.config.node_rank} forwards to the hub at {control}")
         return keys
 
+    def gathering(self, bundle: str) -> None:
+        """This daemon begins a bundle of evidence: a hub's is every node's too."""
+        if self.hub is not None:
+            self.hub.evidence = bundle
+
     def stopping(self, timeout: float) -> None:
         """This daemon begins a stop (asked, or Ctrl-C): the hub's is every node's too."""
         if self.hub is not None and self.hub.stop is None:
@@ -107,6 +112,10 @@ class NodeRole:
             ranks = self._say_ranks(self.config.node_rank, local=True)
             self.forwarder.tick(ranks, relay.state.status)
             self._watch_hub()
+            if self.forwarder.evidence_asked:  # the hub gathers: this node its own ranks'
+                relay.asked.put(protocol.Evidence(hub=self.forwarder.evidence_asked),
+                                time.monotonic())
+                self.forwarder.evidence_asked = ""
             if self.forwarder.stop is not None:  # the hub's stop: this node's too
                 relay.asked.put(protocol.Stop(timeout=self.forwarder.stop), time.monotonic())
 

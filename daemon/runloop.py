@@ -115,7 +115,8 @@ class RunLoop:
         self.interrupted = False  # the stop came from Ctrl-C
         self.late: list[Rank] = []  # ranks a stop had to kill (SIGKILL) after its timeout
         self.hang = HangTimer(config.hang_timeout)
-        self.evidence = evidence.Gatherer(paths, starter.numbered)
+        self.evidence = evidence.Gatherer(paths, starter.numbered, role.gathering,
+                                          config.nnodes)
         self.world_told = 0  # `ddtrain watch`: the world size run.json has
 
     def run(self) -> int:
@@ -351,10 +352,15 @@ class RunLoop:
                 signal_stacks(numbered(), stacks, rank_stacks)
 
             self.relay.guarded("stacks", ask)
-        if any(isinstance(r, protocol.Evidence) for r in asked):
-            now = time.time()
-            verdict = self.relay.state.hang(now) or "asked for (ddtrain evidence): no hang named"
-            self.evidence.gather(self.relay.state, "asked", verdict)
+        wanted = next((r for r in asked if isinstance(r, protocol.Evidence)), None)
+        if wanted is not None:
+            hang = self.relay.state.hang(time.time())
+            if wanted.hub:  # (node K: the hub's bundle asks for this node's ranks')
+                self.evidence.gather(self.relay.state, "hub", f"asked with the hub's evidence "
+                                     f"{wanted.hub}" + (f": {hang}" if hang else ""))
+            else:
+                self.evidence.gather(self.relay.state, "asked",
+                                     hang or "asked for (ddtrain evidence): no hang named")
 
     def _begin_stop(self, timeout: float) -> None:
         self.role.stopping(timeout)  # a hub's stop is every node's too

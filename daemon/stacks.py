@@ -138,6 +138,8 @@ def _print_bundle(bundle: Path) -> None:
         print(f"  {name}: {what}")
     for line in missing:
         print(f"  missing: {line}")
+    if isinstance(index.get("nodes"), str) and index["nodes"]:
+        print(f"  nodes: {index['nodes']}")
 
 
 def _wait_for_dumps(files: dict, before: dict) -> dict[int, str]:  # type: ignore[type-arg]

@@ -295,6 +295,29 @@ def test_two_nodes_one_hub_status_and_refused_forwarder(stopjob: Job) -> None:
     assert sorted((s.labels["rank"], s.labels["node"]) for s in steps) == [
         ("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], steps
     assert all(s.labels["run"] == "stopjob" and s.value > 0 for s in steps), steps
+    # `ddtrain evidence` on node 0: the hub's bundle of its own ranks, its index saying
+    # where the other node's goes; node 1 gathers its ranks' once its heartbeat's reply
+    # names the hub's bundle.
+    asked = ddtrain("evidence", "stopjob", "--runs-dir", str(job.runs), cwd=job.tmp)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    assert "\n  nodes: nodes 1-1 each gather their own ranks' into " in asked.stdout, asked.stdout
+    (bundle,) = (job.runs / "stopjob" / "evidence").iterdir()
+    index = json.loads((bundle / "index.json").read_text())
+    assert {"rank-0.stacks", "rank-1.stacks"} <= set(index["files"]), index
+    assert not any("rank-2" in f or "rank-3" in f for f in index["files"]), index
+    assert index["nodes"].startswith("nodes 1-1 each gather their own ranks' into "
+                                     "runs/stopjob/nodes/K/evidence/"), index
+    theirs = job.node1 / "evidence"
+    deadline = time.monotonic() + 15
+    while not (theirs.is_dir() and any((b / "index.json").exists() for b in theirs.iterdir())):
+        assert time.monotonic() < deadline, f"no bundle in {theirs}"
+        time.sleep(0.2)
+    (node_bundle,) = theirs.iterdir()
+    node_index = json.loads((node_bundle / "index.json").read_text())
+    assert node_index["why"] == "hub", node_index
+    assert node_index["verdict"].startswith(f"asked with the hub's evidence {bundle.name}")
+    assert {"rank-2.stacks", "rank-3.stacks"} <= set(node_index["files"]), node_index
+    assert "trainer.py" in (node_bundle / "rank-2.stacks").read_text()
 
 
 @pytest.mark.processes

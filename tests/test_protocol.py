@@ -297,6 +297,21 @@ def test_the_hubs_reply_is_taken_only_whole() -> None:
     assert heard.heard is not None and heard.stop is None
 
 
+def test_a_node_gathers_its_evidence_when_the_hub_names_a_new_bundle() -> None:
+    node = forwarder()
+    reply = protocol.NodeReply(ok=True, evidence="20261207-101502")
+    node.take_reply(protocol.encode(reply))  # (from before this node heard the hub)
+    assert (node.evidence_heard, node.evidence_asked) == ("20261207-101502", "")
+    node.take_reply(protocol.encode(reply))
+    assert node.evidence_asked == ""
+    node.take_reply(protocol.encode(protocol.NodeReply(ok=True, evidence="20261207-101502-1")))
+    assert node.evidence_asked == "20261207-101502-1"
+    for bad in ("../../etc", "x" * 40, "20261207 101502"):  # not a bundle's name: refused whole
+        refused = forwarder()
+        refused.take_reply(msgspec.msgpack.encode({"ok": True, "evidence": bad}))
+        assert (refused.evidence_heard, refused.evidence_asked, refused.heard) == (None, "", None)
+
+
 def test_the_hub_passes_the_ranks_open_on_a_dashboard_to_the_nodes(relay: Relay,
                                                                    hub: Hub) -> None:
     reply = ask(relay, beat())
