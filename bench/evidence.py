@@ -12,6 +12,12 @@ Side by side, each round on the same live ranks:
                printed, how many ranks' native stacks that index holds, and the
                seconds from the ranks asked to the last native stacks added to the
                bundle (its index's `late`; the index printed, where none is late).
+
+`--stand-ins N`: instead, N plain Python processes standing for ranks (they take
+the stacks signal as ranks do, but load no torch: py-spy reads each in a few
+ms), gathered by daemon/evidence.py's begin, finish and complete in this
+process: what the bundle's own machinery costs at 64 ranks and more, where 64
+torch ranks would not fit this machine's memory.
 Numbers in docs/performance.md.
 """
 
@@ -73,14 +79,61 @@ def evidence(root: Path, world: int) -> tuple[float, int, float]:
     return printed, world - late_native, last
 
 
+STAND_IN = ("import faulthandler, signal, sys, time\n"
+            "faulthandler.register(signal.Signals({sig}), file=open(sys.argv[1], 'a'), "
+            "all_threads=True)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n")
+
+
+def stand_ins(n: int, rounds: int) -> None:
+    from ddtop.core.contract import STACKS_SIGNAL
+    from ddtop.core.processes import ProcessId
+    from ddtop.core.rundir import RunPaths
+    from ddtop.core.state import RunState
+    from ddtop.daemon import evidence as bundles
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = RunPaths(Path(tmp) / "stand-ins")
+        paths.logs.mkdir(parents=True)
+        script = STAND_IN.format(sig=int(STACKS_SIGNAL))
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(paths.rank_stacks(k))],
+                                  stdout=subprocess.PIPE, text=True) for k in range(n)]
+        try:
+            for proc in procs:
+                assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            numbered = {k: ProcessId.of(proc.pid) for k, proc in enumerate(procs)}
+            limit = bundles.budget(n)
+            print(f"{n} stand-in ranks on {os.cpu_count()} cores (budget {limit:g} s); seconds")
+            for _ in range(rounds):
+                began = time.monotonic()
+                g = bundles.begin(paths, RunState(run="stand-ins"), numbered,  # type: ignore[arg-type]
+                                  "asked", "asked for", time.time())
+                _, _, late = bundles.finish(g, limit)
+                index_s = time.monotonic() - began
+                bundles.complete(g, late, limit)
+                print(f"  index {index_s:5.2f}, natives in it {n - len(late):3d} of {n}, "
+                      f"every rank's in {time.monotonic() - began:5.2f}")
+                time.sleep(1.0)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--stand-ins", type=int, default=0,
+                        help="gather this many plain Python processes instead (0: a live run)")
     args = parser.parse_args()
     tool = nativestacks.py_spy()
     if tool is None:
         raise SystemExit("py-spy is not installed (make install installs the train extra)")
+    if args.stand_ins:
+        stand_ins(args.stand_ins, args.rounds)
+        return 0
     jobs = nativestacks.jobs()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
