@@ -21,6 +21,9 @@ then; the hang rule depends on the time asked, so it is asked at each point):
 
   dead ranks   kill / segfault / raise / exit=3: the failure names the rank with
                its signal or exit code (raise: with the error and a traceback);
+               oom: killed by the kernel's OOM killer, named so (the drill's time
+               is as it begins to allocate; where no memory cgroup can be made
+               here, it is left out, said so);
   hang         the state's hang names the rank as the one the others wait for,
                and the collective they wait in; --hang-timeout 2: the failure;
   stop         (SIGSTOP) the same, the rank called silent;
@@ -78,7 +81,7 @@ from typing import Any
 
 from stats import mean_interval, median_interval  # bench/stats.py, beside this script
 
-from ddtop.core import control, journal, protocol, wire
+from ddtop.core import control, journal, memcg, protocol, wire
 from ddtop.core.rundir import RunPaths
 from ddtop.core.runinfo import RunInfo
 from ddtop.core.state import RunState
@@ -119,6 +122,7 @@ def drills(world: int) -> list[Drill]:
         Drill("segfault", f"{last}:segfault@step={FAULT_STEP}", "dead", signal="SIGSEGV"),
         Drill("raise", f"0:raise@step={FAULT_STEP}", "dead", exit_code=1),
         Drill("exit=3", f"1:exit=3@step={FAULT_STEP}", "dead", exit_code=3),
+        Drill("oom", f"1:oom@step={FAULT_STEP}", "dead", signal="SIGKILL"),
         Drill("hang", f"{last}:hang@step={FAULT_STEP}", "hang",
               extra=("--hang-timeout", str(HANG_TIMEOUT_S))),
         Drill("stop (SIGSTOP)", f"1:stop@step={FAULT_STEP}", "hang",
@@ -202,7 +206,8 @@ def run_drill(drill: Drill, world: int, root: Path, index: int) -> Result:
             return (f is not None and f.rank == k and f.signal == drill.signal
                     and (drill.exit_code is None or f.exit_code == drill.exit_code)
                     and (drill.name != "raise" or ("injected failure" in (f.message or "")
-                                                   and bool(f.traceback))))
+                                                   and bool(f.traceback)))
+                    and (drill.name != "oom" or "OOM killer" in (f.reason or "")))
         assert fault_t is not None
         result.named_s = first(paths.journal, run_id, fault_t, dead)
     elif drill.check == "hang":
@@ -256,8 +261,25 @@ def spread(values: list[float | None], unit: str = " s", digits: int = 2) -> str
     return text + (f", {missed} never" if missed else "")
 
 
+def no_memory_cgroup() -> str:
+    """Why the oom drill cannot act here ("" where it can)."""
+    here = memcg.of("self")
+    if here is None:
+        return "no memory cgroup of this process is readable"
+    probe = here / f"ddtop-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        return f"cannot make a memory cgroup in {here} ({e.strerror}): run as root"
+    return ""
+
+
 def part_drills(world: int, repeats: int, root: Path, only: set[str] | None = None) -> None:
     chosen = [d for d in drills(world) if only is None or d.key in only]
+    if any(d.key == "oom" for d in chosen) and (why := no_memory_cgroup()):
+        print(f"  oom: left out: {why}", file=sys.stderr)
+        chosen = [d for d in chosen if d.key != "oom"]
     results: dict[str, list[Result]] = {}
     for index in range(repeats):
         for drill in chosen:

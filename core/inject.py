@@ -3,7 +3,7 @@
     SPEC    = RANK ":" ACTION [ "@" WHEN ]
     ACTION  = kill | stop | hang | raise | segfault | exit=CODE
             | slow=FACTORx | stall-data=SECONDSs | desync | skip | p2p-hang
-            | take-port
+            | oom | take-port
     WHEN    = step=N | epoch=E
 
 e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
@@ -48,11 +48,14 @@ ACTIONS = {
              "the backend pairs the others' next ones with its own, one apart"),
     "p2p-hang": ("wait in a recv from the next rank, which never sends (the others wait for "
                  "it in their next collective)"),
+    "oom": ("join a memory cgroup of its own (a 256 MiB limit) and allocate until the "
+            "kernel's OOM killer kills it (where the cgroup filesystem is writable: root; "
+            "else it says so and trains on)"),
     "take-port": ("rank 0 only, no WHEN: another process binds the rendezvous port the daemon "
                   "picked before rank 0 does (the daemon starts the ranks again on another)"),
 }
 ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx, "
-          "stall-data=SECONDSs, desync, skip, p2p-hang or take-port")
+          "stall-data=SECONDSs, desync, skip, p2p-hang, oom or take-port")
 AT_START = ("take-port",)  # actions at the start, before any step: no WHEN
 # Actions on the built-in trainer's DDP model: not in a user's script, and only with
 # --strategy ddp.

@@ -24,6 +24,7 @@ from ddtop.core.contract import (
 )
 from ddtop.core.rundir import RunPaths
 from ddtop.core.summary import TRACEBACK_TAIL_LINES
+from ddtop.daemon import oomkill
 from ddtop.daemon.relay import Relay
 from ddtop.daemon.report import Outcome
 from ddtop.daemon.starters import COMMAND, WATCH, Rank, RankStarter, process_name
@@ -46,6 +47,8 @@ class Exits:
         self.started = 0.0  # wall clock: error reports older than this are stale
         # A rank failed by the daemon (--hang-timeout): its exit carries this report.
         self.verdicts: dict[int, ErrorReport] = {}
+        # The ranks' memory, read once a second: a SIGKILL by the OOM killer is named so.
+        self.oom = oomkill.Watch()
 
     def begin(self) -> list[Rank]:
         """A new attempt: no ranks yet (the starter appends them), no verdicts."""
@@ -124,9 +127,16 @@ class Exits:
 
     # -- telling and blaming -------------------------------------------------------
     def ends(self, processes: list[Rank]) -> list[Rank]:
-        """How each rank ended, for processes that have exited."""
-        return [end for p in processes if p.exitcode is not None
+        """How each rank ended, for processes that have exited (one killed by the
+        kernel's OOM killer said so: daemon/oomkill.py)."""
+        ends = [end for p in processes if p.exitcode is not None
                 for end in self.starter.rank_exits(p, self.relay.state)]
+        for end in ends:
+            pid = end.process.pid
+            if (end.exitcode == -signal.SIGKILL and not end.stopped_by_us
+                    and end.reason is None and end.rank >= 0 and pid is not None):
+                end.reason = self.oom.verdict(end.rank, pid)
+        return ends
 
     def failure(self, stopping: bool) -> Outcome:
         """Blame one rank, tell every exit (the culprit's first), and the outcome."""

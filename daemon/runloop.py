@@ -135,6 +135,7 @@ class RunLoop:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self.evidence.close()  # a bundle still being finished is named by the final run.json
+        self.exits.oom.close()
         self._evidence_told()
         self._echo_logs(final=True)
         headline = self.report.headline(outcome)
@@ -319,6 +320,7 @@ class RunLoop:
     def _tick(self) -> None:
         for relaunch in self.starter.relaunched():
             self._relaunched(relaunch)
+        self.exits.oom.sample(self.starter.numbered())  # (once a second: cgroups, RSS)
         world = self.relay.state.world_size
         if self.watching and world != self.world_told and self.stopping is None:
             self.world_told = world  # run.json says the ranks' world size once they do

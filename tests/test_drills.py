@@ -149,7 +149,7 @@ def test_the_grammar_round_trips() -> None:
     specs = ["1:kill@step=50", "2:hang@step=80", "3:stop@step=30", "0:raise@step=10",
              "1:exit=3@epoch=1", "2:segfault@step=20", "1:slow=1.5x", "0:stall-data=2s@step=30",
              "1:slow=2x@step=10", "0:slow=1.0000001x",  # every digit a value needs
-             "1:desync@step=5", "1:skip@epoch=1", "0:p2p-hang@step=2"]
+             "1:desync@step=5", "1:skip@epoch=1", "0:p2p-hang@step=2", "1:oom@step=3"]
     drills = inject.parse_all(specs)
     assert [d.spec() for d in drills] == specs
     assert inject.parse_environ(inject.encode(drills)) == drills
@@ -164,6 +164,7 @@ def test_the_grammar_round_trips() -> None:
     ("1:kill", "say when: add @step=N"),
     ("1:desync", "say when: add @step=N"),
     ("1:desync=2@step=3", "desync takes no value"),
+    ("1:oom", "say when: add @step=N"),
     ("5:kill@step=3", "there is no rank 5: --world-size 2 has ranks 0-1"),
     ("1:slow=0.5x", "the factor must be a number above 1"),
     ("1:slow=infx", "the factor must be a number above 1"),

@@ -26,6 +26,11 @@ steps:
 - p2p-hang: the rank waits in a recv of one element from the next rank
   ((R + 1) mod the world size), which never sends: the others wait for it in
   their next collective;
+- oom: the rank makes a memory cgroup of its own beneath its present one
+  (`ddtop-oom-PID`, a limit of OOM_LIMIT), joins it and allocates until the
+  kernel's OOM killer kills it (the daemon names it so, and removes the
+  cgroup: daemon/oomkill.py); where the cgroup filesystem is not writable
+  (not root, a container) it says so in its log and trains on;
 - skip: the rank's next step runs its backward without DDP's gradient
   all-reduce (`no_sync`, as a rank that branches around it would; the
   built-in trainer with --strategy ddp only). gloo pairs the others'
@@ -145,6 +150,10 @@ class Drills:
         if drill.action == "p2p-hang":
             _recv_that_never_comes(self.collective)
             return
+        if drill.action == "oom":
+            why = _out_of_memory()  # (returns only where it could not)
+            print(f"ddtop drill {drill.spec()}: skipped: {why}", file=sys.stderr, flush=True)
+            return
         _flush()
         if drill.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -193,6 +202,37 @@ def _collective_of_its_own(collective: Any) -> None:
     with (collective("all_gather", sig=entered(None, "float32", 1)) if collective is not None
           else contextlib.nullcontext()):
         dist.all_gather(parts, mine)
+
+
+OOM_LIMIT = 256 << 20  # the oom drill's cgroup's limit (its rank's memory before it is
+OOM_CHUNK = 16 << 20  # not charged there: only what it allocates after joining)
+
+
+def _out_of_memory() -> str:
+    """Join a memory cgroup of its own beneath this process's, with OOM_LIMIT, and
+    allocate (every page written) until the kernel's OOM killer kills the process;
+    why not, where the cgroup cannot be made or joined (the cgroup it made removed)."""
+    from ddtop.core import memcg
+
+    here = memcg.of("self")
+    if here is None:
+        return "no memory cgroup of this process is readable here"
+    own = here / f"ddtop-oom-{os.getpid()}"
+    try:
+        own.mkdir()
+    except OSError as e:
+        return f"cannot make a memory cgroup in {here} ({e.strerror or e}): run as root"
+    try:
+        memcg.limit_file(own).write_text(str(OOM_LIMIT))
+        (own / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            own.rmdir()
+        return f"cannot join the memory cgroup {own} ({e.strerror or e})"
+    _flush()
+    held = []
+    while True:  # until killed
+        held.append(bytearray(b"\x01") * OOM_CHUNK)
 
 
 def _flush() -> None:
