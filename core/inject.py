@@ -2,8 +2,8 @@
 
     SPEC    = RANK ":" ACTION [ "@" WHEN ]
     ACTION  = kill | stop | hang | raise | segfault | exit=CODE
-            | slow=FACTORx | stall-data=SECONDSs | desync | skip | p2p-hang
-            | oom | take-port
+            | slow=FACTORx | slowdata=MSms | cpuhog | stall-data=SECONDSs
+            | desync | skip | p2p-hang | oom | take-port
     WHEN    = step=N | epoch=E
 
 e.g. `1:kill@step=50`, `2:hang@step=80`, `1:exit=3@epoch=1`, `1:slow=1.5x`,
@@ -41,6 +41,10 @@ ACTIONS = {
     "segfault": "crash with a segmentation fault (SIGSEGV)",
     "exit": "exit=CODE: exit at once with CODE (0-255; 0: a rank that leaves early)",
     "slow": "slow=FACTORx: take FACTOR times its normal step time (e.g. 1.5x)",
+    "slowdata": ("slowdata=MSms: from then on each of its data loadings takes MS milliseconds "
+                 "longer (e.g. 40ms): a slow data loader"),
+    "cpuhog": ("from then on a busy process shares its CPU: the rank and the hog are pinned "
+               "to one core (a noisy neighbour)"),
     "stall-data": "stall-data=SECONDSs: its data loading stalls that long, once (e.g. 2s)",
     "desync": ("call a collective of its own once (an all_gather on the world group) where "
                "the others go on to their next one"),
@@ -54,9 +58,11 @@ ACTIONS = {
     "take-port": ("rank 0 only, no WHEN: another process binds the rendezvous port the daemon "
                   "picked before rank 0 does (the daemon starts the ranks again on another)"),
 }
-ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx, "
-          "stall-data=SECONDSs, desync, skip, p2p-hang, oom or take-port")
+ONE_OF = ("kill, stop, hang, raise, segfault, exit=CODE, slow=FACTORx, slowdata=MSms, "
+          "cpuhog, stall-data=SECONDSs, desync, skip, p2p-hang, oom or take-port")
 AT_START = ("take-port",)  # actions at the start, before any step: no WHEN
+REPEATS = ("slow", "slowdata")  # every step from the trigger on
+FROM_FIRST = ("slow", "slowdata", "cpuhog")  # without WHEN: from the first step
 # Actions on the built-in trainer's DDP model: not in a user's script, and only with
 # --strategy ddp.
 DDP_ONLY = ("skip",)
@@ -64,6 +70,7 @@ SEPARATOR = ","
 MAX_EXIT_CODE = 255
 MAX_SLOW_FACTOR = 1000.0
 MAX_STALL_S = 86400.0
+MAX_SLOWDATA_MS = 60000.0
 
 _SPEC = re.compile(r"(?P<rank>[^:@]*):(?P<action>[^@=]*)(?:=(?P<value>[^@]*))?"
                    r"(?:@(?P<when>.*))?")
@@ -85,8 +92,9 @@ class Drill:
 
     @property
     def repeats(self) -> bool:
-        """True for `slow`: every step from the trigger on, not once."""
-        return self.action == "slow"
+        """True for `slow` and `slowdata`: every step from the trigger on, not once
+        (`cpuhog` acts once, and its hog stays)."""
+        return self.action in REPEATS
 
     def first_step(self, steps_per_epoch: int) -> int | None:
         """The global step after which it fires (from which on, for slow); None
@@ -107,6 +115,8 @@ class Drill:
             action += f"={_spelled(self.value)}x"
         elif action == "stall-data":
             action += f"={_spelled(self.value)}s"
+        elif action == "slowdata":
+            action += f"={_spelled(self.value)}ms"
         when = (f"@step={self.step}" if self.step is not None
                 else f"@epoch={self.epoch}" if self.epoch is not None else "")
         return f"{self.rank}:{action}{when}"
@@ -161,7 +171,7 @@ def parse(text: str, source: str = FLAG) -> Drill:
     if action in AT_START:
         if when is not None or rank != 0:
             raise bad(f"{action} acts on rank 0 at the start: write it as 0:{action}")
-    elif when is None and action != "slow":
+    elif when is None and action not in FROM_FIRST:
         raise bad(f"say when: add @step=N (after global step N) or @epoch=E "
                   f"(after epoch E), e.g. {rank}:{match['action']}"
                   f"{'=' + match['value'] if match['value'] is not None else ''}@step=50")
@@ -170,9 +180,10 @@ def parse(text: str, source: str = FLAG) -> Drill:
 
 def _value(action: str, text: str | None, bad: Callable[[str], UsageError]) -> float:
     """The number after '=' that `action` takes (none for the others)."""
-    if action in ("exit", "slow", "stall-data"):
+    if action in ("exit", "slow", "slowdata", "stall-data"):
         if text is None:
-            example = {"exit": "exit=3", "slow": "slow=1.5x", "stall-data": "stall-data=2s"}
+            example = {"exit": "exit=3", "slow": "slow=1.5x", "slowdata": "slowdata=40ms",
+                       "stall-data": "stall-data=2s"}
             raise bad(f"{action} needs a value, e.g. {example[action]}")
     elif text is not None:
         raise bad(f"{action} takes no value: drop '={text}'")
@@ -190,6 +201,12 @@ def _value(action: str, text: str | None, bad: Callable[[str], UsageError]) -> f
             raise bad(f"slow={text}: the factor must be a number above 1 and at most "
                       f"{MAX_SLOW_FACTOR:g}, e.g. slow=1.5x (1.5 times its normal step time)")
         return factor
+    if action == "slowdata":
+        ms = _number(text.removesuffix("ms"))
+        if ms is None or not 0.0 < ms <= MAX_SLOWDATA_MS:
+            raise bad(f"slowdata={text}: give milliseconds above 0 and at most "
+                      f"{MAX_SLOWDATA_MS:g}, e.g. slowdata=40ms")
+        return ms
     seconds = _number(text.removesuffix("s"))
     if seconds is None or not 0.0 < seconds <= MAX_STALL_S:
         raise bad(f"stall-data={text}: give seconds above 0 and at most {MAX_STALL_S:g}, "

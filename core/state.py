@@ -291,8 +291,16 @@ class RunState(msgspec.Struct, kw_only=True):
                 view.phase = "data"
             if view.in_collective:
                 view.coll_completed = view.coll_started
+        runq = None if isinstance(m.runq_s, msgspec.UnsetType) else m.runq_s
+        faults = None if isinstance(m.major_faults, msgspec.UnsetType) else m.major_faults
+        host = runq is not None and faults is not None  # (the host's readings: both, or none)
+        split = stragglers.Window(
+            data_s=m.data_s, work_s=max(0.0, m.step_s - m.comm_s - m.data_s),
+            runq_s=runq if host and runq is not None else 0.0,
+            faults=faults if host and faults is not None else 0,
+            host_steps=m.steps if host else 0)
         stragglers.add_steps(self.straggler_rounds, view.evidence, m.steps, m.step_s, m.comm_s,
-                             received, self.world_size, self._stepping, m.compute_trim_s)
+                             received, self.world_size, self._stepping, m.compute_trim_s, split)
         steps, span = m.steps, m.step_s
         if view.last_step_t is not None and m.t > view.last_step_t:
             # Wall clock, so syncs count; never less than the steps took (a message sent
@@ -452,6 +460,11 @@ class RunState(msgspec.Struct, kw_only=True):
             if v.evidence.verdict.named and not v.exited and v.bye_code is None
             and not stragglers.quiet(v.evidence, self.updated))
 
+    def straggler_causes(self) -> dict[int, tuple[str, str]]:
+        """Each straggler's cause and its words (core/causes.py), where judged."""
+        _, _, slow = self.stragglers()
+        return {r: c for r in slow if (c := self.ranks[r].evidence.cause) is not None}
+
     def hang(self, now: float) -> str | None:
         """Which ranks wait in which collective, and for whom, when some are stalled."""
         found = self.hung(now)
@@ -526,6 +539,7 @@ class RunState(msgspec.Struct, kw_only=True):
             failure=self.failure, global_step=done, total_steps=total,
             samples_per_s=self._throughput(now, states), telemetry_loss=self.telemetry_loss(),
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
+            straggler_causes={r: c[1] for r, c in self.straggler_causes().items()},
             journal_dropped=self.journal_dropped, hang=hung[1] if hung else None,
             ranks=told.rank_summaries(self.ranks, states, self.rank_nodes, now),
             started=self.started, updated=self.updated, metrics=told.user_epochs(self.aggregate),

@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
+from ddtop.core import causes
+
 WINDOW_STEPS = 5  # steps per window, at least (whole Step messages)
 FACTOR = 1.25  # compute per step at least this many times the others' median ...
 STEP_SHARE = 0.15  # ... and above it by this share of the median step time ...
@@ -77,6 +79,21 @@ class Window(msgspec.Struct, array_like=True):
     # Every message of it carried its steps' compute without the longest step
     # (Step.compute_trim_s): one descheduled step does not move it.
     robust: bool = True
+    # Where the compute went, for its cause (core/causes.py): the data phase; the
+    # rest of it (forward, backward and the optimizer, less the gradient all-reduce,
+    # in which a fast rank waits); and, over `host_steps` of its steps
+    # (those whose messages carried them), the wait for a CPU and major faults.
+    data_s: float = 0.0
+    work_s: float = 0.0
+    runq_s: float = 0.0
+    faults: int = 0
+    host_steps: int = 0
+
+    def parts(self) -> causes.Parts:
+        """Per step (the host's readings over the steps that carried them)."""
+        n, h = max(1, self.steps), self.host_steps
+        return causes.Parts(self.data_s / n, self.work_s / n,
+                            self.runq_s / h if h else None, self.faults / h if h else None)
 
 
 class Verdict(msgspec.Struct, array_like=True):
@@ -115,6 +132,8 @@ class Evidence(msgspec.Struct, kw_only=True):
     unjudged: bool = False  # `newest` waits for its round
     verdict: Verdict = msgspec.field(default_factory=Verdict)  # named: a straggler
     excess_s: float = 0.0  # newest judged window: compute per step above the others' median
+    # While named: why, from its newest judged window (core/causes.py): (cause, words).
+    cause: tuple[str, str] | None = None
     stepped_at: float | None = None  # receiver time of its newest steps
     step_s: float = 0.0  # per step, in its newest closed window
 
@@ -129,17 +148,24 @@ class Rounds(msgspec.Struct, kw_only=True):
 def add_steps(rounds: Rounds, evidence: Evidence, steps: int, step_s: float, comm_s: float,
               received: float, world_size: int,
               stepping: Callable[[], Mapping[int, Evidence]],
-              compute_trim_s: float | None = None) -> None:
+              compute_trim_s: float | None = None, split: Window | None = None) -> None:
     """Fold one Step message's sums (`steps` steps of `step_s` seconds in all,
     `comm_s` of it in the all-reduce, received at `received`) into a rank's
     evidence, judging a round when one is due. `stepping()`: the evidence of
-    every rank still running (called only for a round)."""
+    every rank still running (called only for a round). `split`: where the
+    message's compute went (Window's data_s, work_s, runq_s, faults, host_steps)."""
     evidence.stepped_at = received
     if steps <= 0:
         return
     w = evidence.open
     w.steps += steps
     w.step_s += step_s
+    if split is not None:
+        w.data_s += split.data_s
+        w.work_s += split.work_s
+        w.runq_s += split.runq_s
+        w.faults += split.faults
+        w.host_steps += split.host_steps
     if (compute_trim_s is not None and steps >= TRIM_MIN_STEPS and math.isfinite(compute_trim_s)
             and compute_trim_s >= 0):
         w.compute_s += compute_trim_s * steps
@@ -177,8 +203,22 @@ def judge(rounds: Rounds, ranks: Mapping[int, Evidence]) -> None:
         big = e.excess_s >= max(MIN_EXCESS_S, STEP_SHARE * step)
         e.verdict.judge(mine >= FACTOR * others and big, e.newest,
                         strong=mine >= FACTOR_STRONG * others and big)
+        e.cause = (causes.choose(e.newest.parts(), _medians([w for w in fresh
+                                                            if w is not e.newest]),
+                                 e.excess_s) if e.verdict.named else None)
     rounds.number += 1
     rounds.unjudged = 0
+
+
+def _medians(windows: list[Window]) -> causes.Parts:
+    """The part-wise median of `windows`, per step (of those that read the host's)."""
+    parts = [w.parts() for w in windows]
+    runq = [p.runq_s for p in parts if p.runq_s is not None]
+    faults = [p.faults for p in parts if p.faults is not None]
+    return causes.Parts(statistics.median(p.data_s for p in parts) if parts else 0.0,
+                        statistics.median(p.work_s for p in parts) if parts else 0.0,
+                        statistics.median(runq) if runq else None,
+                        statistics.median(faults) if faults else None)
 
 
 def _median_without(ordered: list[float], value: float) -> float:

@@ -179,6 +179,8 @@ class RunSummary(msgspec.Struct, kw_only=True):
     slowest_rank: int | None = None
     skew_s: float = 0.0
     stragglers: list[int] = []
+    # Each straggler's cause in words, by rank (core/causes.py): "input: 44 ms/step ...".
+    straggler_causes: dict[int, str] = {}
     hang: str | None = None
     alone: str | None = None  # ranks of the world that never communicated, in words (alone.py)
     # The folders of the evidence gathered (daemon/evidence.py), oldest first.

@@ -227,6 +227,11 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     # steps (a sender that signs collectives; absent elsewhere).
     group_counts: Annotated[list[GroupCounts], msgspec.Meta(max_length=MAX_COUNTS)] \
         | UnsetType = UNSET
+    # Over these steps (read by the sender thread as it sends: training/hostreadings.py):
+    # the seconds the training thread waited for a CPU (run-queue delay, schedstat),
+    # and the process's major page faults. Absent where not readable.
+    runq_s: Annotated[float, msgspec.Meta(ge=0)] | UnsetType = UNSET
+    major_faults: Annotated[int, msgspec.Meta(ge=0)] | UnsetType = UNSET
 
     def weight(self) -> float:
         """What `loss_sum` is a sum over (the one place the rule is written):

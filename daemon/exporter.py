@@ -31,7 +31,7 @@ from typing import Any, Literal, TextIO, get_args
 
 import msgspec
 
-from ddtop.core import desync, outlets, wire
+from ddtop.core import causes, desync, outlets, wire
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.outlets import parse_listen, url
@@ -62,6 +62,7 @@ class RankReading(msgspec.Struct, frozen=True, kw_only=True):
     samples_per_s: float | None
     loss: float | None
     straggler: bool
+    cause: str | None  # a straggler's (core/causes.py), where judged
     waited_for: bool
     restarts: int  # restarts its failure caused
     lost: int
@@ -91,6 +92,7 @@ def read(state: RunState, now: float) -> Reading:
     """The numbers of `state` at `now` (the daemon's loop calls it, between messages)."""
     states = state.rank_states(now)
     _, _, stragglers = state.stragglers()
+    why = state.straggler_causes()
     hung = state.hung(now)
     waited = set(hung[0]) if hung is not None else set()
     blamed: dict[int, int] = {}
@@ -105,7 +107,7 @@ def read(state: RunState, now: float) -> Reading:
                                      state=rank_state, global_step=0, last_step_t=None,
                                      step_s=None, comm_s=None, compute_s=None, comm_share=None,
                                      busbw_bytes=None, samples_per_s=None, loss=None,
-                                     straggler=False, waited_for=r in waited,
+                                     straggler=False, cause=None, waited_for=r in waited,
                                      restarts=blamed.get(r, 0), lost=0))
             continue
         compute = None
@@ -118,7 +120,8 @@ def read(state: RunState, now: float) -> Reading:
             step_s=v.step_time_s, comm_s=v.comm_s, compute_s=compute, comm_share=v.comm_share,
             busbw_bytes=None if v.busbw_gbps is None else v.busbw_gbps * 1e9,
             samples_per_s=v.samples_per_s, loss=v.loss, straggler=r in stragglers,
-            waited_for=r in waited, restarts=blamed.get(r, 0), lost=v.lost))
+            cause=why[r][0] if r in why else None, waited_for=r in waited,
+            restarts=blamed.get(r, 0), lost=v.lost))
     done, total = state.progress()
     info = {"model": state.model, "dataset": state.dataset, "backend": state.backend,
             "strategy": state.strategy, "program": state.program}
@@ -157,8 +160,9 @@ def _agg(field: str) -> Callable[[Reading], float | None]:
     return lambda reading: None if reading.aggregate is None else getattr(reading.aggregate, field)
 
 
-# Every family /metrics serves, in the order served; "state", "status", "info" and
-# "rejected" are labelled by what they count (built in `families`). A new series is a row.
+# Every family /metrics serves, in the order served; "state", "straggler_cause", "status",
+# "info" and "rejected" are labelled by what they count (built in `families`). A new series
+# is a row.
 SERIES: tuple[Series | str, ...] = (
     Series("rank", "gauge", "global_step", "optimizer steps the rank has done",
            _rank("global_step")),
@@ -179,6 +183,7 @@ SERIES: tuple[Series | str, ...] = (
     "state",
     Series("rank", "gauge", "straggler", "1 when the others persistently wait for this rank",
            _rank("straggler")),
+    "straggler_cause",
     Series("rank", "gauge", "hang", "1 when the run hangs and the others wait for this rank",
            _rank("waited_for")),
     Series("rank", "counter", "restarts", "restarts of the run this rank's failures caused",
@@ -246,6 +251,15 @@ def families(reading: Reading) -> list[Any]:
                 for each in RANK_STATES:
                     state.add_metric((*rank.labels, each), float(rank.state == each))
             return state
+        if name == "straggler_cause":
+            cause = GaugeMetricFamily("ddtop_rank_straggler_cause", "a straggler's cause: 1 for "
+                                      "it, 0 for the others (docs/monitoring.md)",
+                                      labels=(*RANK_LABELS, "cause"))
+            for rank in reading.ranks:
+                if rank.cause is not None:
+                    for each in causes.CAUSES:
+                        cause.add_metric((*rank.labels, each), float(rank.cause == each))
+            return cause
         if name == "status":
             status = GaugeMetricFamily("ddtop_run_status", "1 for the run's status, 0 for the "
                                        "others", labels=("run", "status"))

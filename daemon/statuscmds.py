@@ -109,6 +109,8 @@ def status_lines(info: RunInfo, s: RunRecord, every_rank: bool = False) -> list[
     if s.stragglers and digest is None:
         lines.append(f"  stragglers: {', '.join(map(str, s.stragglers))} "
                      f"(skew {1000 * s.skew_s:.1f} ms per step)")
+    for rank, cause in sorted(s.straggler_causes.items()):  # (shown, never trusted)
+        lines.append(f"  rank {rank} straggles: {cause}")
     if digest is not None:
         lines += manyranks.lines(digest)
         lines.append(f"  (every rank: ddtrain status {info.paths.run_id} --ranks)")

@@ -124,6 +124,11 @@ def merge_steps(merged: _Merged, step: wire.Step) -> _Merged:
     both_unweighted = (isinstance(a.loss_weight, msgspec.UnsetType)
                        and isinstance(step.loss_weight, msgspec.UnsetType))
     counts = [*_counts(a), *_counts(step)][-wire.MAX_COUNTS:]
+    runq = (msgspec.UNSET if isinstance(a.runq_s, msgspec.UnsetType)
+            or isinstance(step.runq_s, msgspec.UnsetType) else a.runq_s + step.runq_s)
+    faults = (msgspec.UNSET if isinstance(a.major_faults, msgspec.UnsetType)
+              or isinstance(step.major_faults, msgspec.UnsetType)
+              else a.major_faults + step.major_faults)
     combined = msgspec.structs.replace(
         step, steps=steps, samples=a.samples + step.samples,
         loss_sum=a.loss_sum + step.loss_sum, step_s=a.step_s + step.step_s,
@@ -133,7 +138,7 @@ def merge_steps(merged: _Merged, step: wire.Step) -> _Merged:
         comm_ops=a.comm_ops + step.comm_ops, sync_wait_s=a.sync_wait_s + step.sync_wait_s,
         dropped=a.dropped + step.dropped, comm_overlap_s=overlap,
         loss_weight=msgspec.UNSET if both_unweighted else weight, compute_trim_s=None,
-        group_counts=counts or msgspec.UNSET)
+        group_counts=counts or msgspec.UNSET, runq_s=runq, major_faults=faults)
     longest = max(merged.longest_s, compute if step.steps == 1 else 0.0)
     return _Merged(combined, merged.compute_s + compute, longest, merged.robust and robust)
 

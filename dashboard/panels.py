@@ -95,6 +95,9 @@ def header(state: RunState, now: float, note: str = "") -> Text:
     if slow:
         text.append(f" · stragglers: {', '.join(map(str, slow[:8]))}"
                     f"{'…' if len(slow) > 8 else ''}", "bold yellow")
+    cause = state.straggler_causes().get(slowest) if slowest is not None else None
+    if cause is not None:
+        text.append(f" · {cause[1]}", "yellow")
     return text
 
 

@@ -30,6 +30,7 @@ import re
 import statistics
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -388,6 +389,10 @@ def test_a_slow_rank_is_named_and_a_data_stall_is_data_time(drills: Started) -> 
     progress = [line for line in jsonl(run) if line["kind"] == "progress"]
     named = [line["stragglers"] for line in progress if line["stragglers"]]
     assert named and all(slow == [1] for slow in named), [p["stragglers"] for p in progress]
+    # Its cause (core/causes.py), mostly: its own work (the drill sleeps in forward).
+    said = Counter(line["straggler_causes"].get("1", {}).get("cause") for line in progress
+                   if line["stragglers"])
+    assert said.most_common(1)[0][0] == "compute", said
     # Rank 0's data loading after step 60 took 2 s more: its data time, not a hang.
     state_steps = [wire.decode([r.frame]) for r in
                    journal.read(drills.run_dir("slow") / "telemetry.journal")]

@@ -17,6 +17,12 @@ steps:
 - slow=FACTORx: every step from then on, the rank sleeps (FACTOR - 1) times
   its step time (the median of its last steps, measured without the sleeps),
   so that it takes FACTOR times as long as it would;
+- slow=FACTORx sleeps in the forward phase: its own work;
+- slowdata=MSms: every step from then on, the rank's next data loading takes
+  MS milliseconds longer (it sleeps in the data phase): a slow loader;
+- cpuhog: every thread of the rank is pinned to one core (its rank's among
+  those it may use), and a busy process is started pinned there too, which
+  spins until the rank is gone: the rank gets about half a core;
 - stall-data=SECONDSs: the rank's next data loading takes SECONDS longer
   (it sleeps in the data phase), once;
 - desync: the rank calls a collective of its own once, an all_gather of one
@@ -48,10 +54,12 @@ import ctypes
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import weakref
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from ddtop.core import inject
@@ -76,6 +84,7 @@ class Drills:
         self._step_end: float | None = None  # monotonic, after the last step's drills
         self._announced: set[inject.Drill] = set()  # each says once that it acts
         self._skip = False  # skip: the next step's backward goes without its all-reduce
+        self._hog: subprocess.Popen[bytes] | None = None  # cpuhog's busy process
 
     @classmethod
     def from_environ(cls, rank: int, phase: Any = None, collective: Any = None
@@ -103,7 +112,10 @@ class Drills:
             if drill.repeats and global_step >= first:
                 if drill not in self._announced:
                     self._announce(drill, global_step)
-                self._slow(drill.value)
+                if drill.action == "slow":
+                    self._slow(drill.value)
+                else:
+                    self._in_phase("data", drill.value / 1000)  # slowdata: the next batch
             elif global_step == first:
                 if drill.action == "stop":
                     # The steps since the sender's last message (it sends every 0.1 s)
@@ -127,16 +139,22 @@ class Drills:
               f"(at {time.time():.3f})", file=sys.stderr, flush=True)
 
     def _slow(self, factor: float) -> None:
-        if self.step_times:
-            time.sleep((factor - 1.0) * statistics.median(self.step_times))
+        if self.step_times:  # (its own work: in the forward phase)
+            self._in_phase("forward", (factor - 1.0) * statistics.median(self.step_times))
+
+    def _in_phase(self, name: str, seconds: float) -> None:
+        with self.phase(name) if self.phase is not None else contextlib.nullcontext():
+            time.sleep(seconds)
 
     def _act(self, drill: inject.Drill, global_step: int) -> None:
         what = f"injected failure at step {global_step} (--inject {drill.spec()})"
         if drill.action == "raise":
             raise RuntimeError(what)
         if drill.action == "stall-data":
-            with self.phase("data") if self.phase is not None else contextlib.nullcontext():
-                time.sleep(drill.value)
+            self._in_phase("data", drill.value)
+            return
+        if drill.action == "cpuhog":
+            self._hog = _hog()
             return
         if drill.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -202,6 +220,28 @@ def _collective_of_its_own(collective: Any) -> None:
     with (collective("all_gather", sig=entered(None, "float32", 1)) if collective is not None
           else contextlib.nullcontext()):
         dist.all_gather(parts, mine)
+
+
+# cpuhog's busy process: it spins, pinned to the rank's core, and ends once its
+# parent (the rank) is gone.
+HOG = ("import os, sys, time\n"
+       "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+       "parent = os.getppid()\n"
+       "while os.getppid() == parent:\n"
+       "    end = time.monotonic() + 0.1\n"
+       "    while time.monotonic() < end:\n"
+       "        pass\n")
+
+
+def _hog() -> subprocess.Popen[bytes]:
+    """Pin every thread of this rank to one core (its rank's, among those it may
+    use) and start a busy process pinned there too: the two share it."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % len(cores)]
+    for task in Path("/proc/self/task").iterdir():  # (sched_setaffinity pins one thread)
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(int(task.name), {core})
+    return subprocess.Popen([sys.executable, "-c", HOG, str(core)], stdin=subprocess.DEVNULL)
 
 
 OOM_LIMIT = 256 << 20  # the oom drill's cgroup's limit (its rank's memory before it is

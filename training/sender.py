@@ -47,6 +47,7 @@ from ddtop.core import wire
 from ddtop.core.keys import secure
 from ddtop.training import flightrec, pendingworks
 from ddtop.training.beats import Beats
+from ddtop.training.hostreadings import HostReadings
 from ddtop.training.marks import FoldRounds, Marks
 from ddtop.training.stepfold import Memory, StepFolder, StepWindow, step_message
 
@@ -146,6 +147,7 @@ class Sender:
         self._cuda_loss_sent: dict[torch.device, float] = {}  # the GPU loss sums sent, by device
         self._rss: int | None = None  # resident memory as last read, and when (monotonic)
         self._rss_at = -math.inf
+        self._host = HostReadings()  # the training thread's CPU wait, the major faults
         self._bye: wire.Bye | None = None
         self._beats = beats or Beats()  # this thread's alone
         self._wake = threading.Event()
@@ -265,7 +267,7 @@ class Sender:
                 folder.wait(windows[i:])  # in order, before newer ones
                 break
             sent = self._send(sock, step_message(w, self.run, self.rank, self.world_size,
-                                                 self._memory()))
+                                                 self._memory(), self._host.take()))
             stepped = stepped or (sent and w.steps > 0)
         if scalars:
             values = {key: float(value) for key, value in scalars.items()}

@@ -122,8 +122,9 @@ Memory = tuple[int | None, int | None, int | None]  # CUDA allocated, CUDA reser
 
 
 def step_message(w: StepWindow, run: str, rank: int, world_size: int,
-                 memory: Memory) -> wire.Step:
-    """The Step message of window `w` (its loss read: `loss_sum` a number)."""
+                 memory: Memory, host: tuple[float, int] | None = None) -> wire.Step:
+    """The Step message of window `w` (its loss read: `loss_sum` a number); `host`:
+    the run-queue wait and major faults over it (training/hostreadings.py)."""
     algbw, _ = wire.algbw_busbw(w.comm_bytes, w.comm_s, world_size)
     busbw = w.comm_bus_bytes / w.comm_s / 1e9 if w.comm_s > 0 else 0.0
     overlap: float | msgspec.UnsetType = msgspec.UNSET  # not measured
@@ -143,6 +144,8 @@ def step_message(w: StepWindow, run: str, rank: int, world_size: int,
         cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
         loss_weight=w.loss_weight, comm_overlap_s=overlap, compute_trim_s=trimmed,
         group_counts=w.counts[-wire.MAX_COUNTS:] if w.counts else msgspec.UNSET,
+        runq_s=host[0] if host is not None else msgspec.UNSET,
+        major_faults=host[1] if host is not None else msgspec.UNSET,
     )
 
 
