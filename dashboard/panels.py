@@ -224,6 +224,10 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
                 f"lr {num(v.lr, '.2e')} · memory {fmt.size(v.memory)} · messages "
                 f"{v.received} received, {v.lost} lost, {v.duplicates} duplicates, "
                 f"{v.sender_dropped} dropped by the rank\n")
+    cause = state.straggler_causes().get(rank)
+    if cause is not None:  # (a straggler: why, core/causes.py)
+        text.append(f"straggles (+{1000 * v.evidence.excess_s:.1f} ms/step): {cause[1]}\n",
+                    "bold yellow")
     if ended:
         how = describe_exit(v.exit_code if v.exit_code is not None else v.bye_code, v.signal,
                             short=True)

@@ -149,3 +149,16 @@ def test_metrics_give_a_stragglers_cause_as_a_label() -> None:
     samples = found["ddtop_rank_straggler_cause"].samples
     assert {(s.labels["rank"], s.labels["cause"]): s.value for s in samples} == {
         ("3", each): float(each == "input") for each in causes.CAUSES}
+
+
+def test_the_rank_detail_says_why_it_straggles() -> None:
+    from ddtop.dashboard import panels
+
+    state = lockstep("data")
+    shown = panels.detail(state, 3, 200.0).plain
+    assert ("straggles (+30.0 ms/step): input: 32 ms/step waiting for data vs 2.0 ms median"
+            in shown), shown
+    assert "straggles" not in panels.detail(state, 0, 200.0).plain
+    header = panels.header(state, 200.0).plain
+    assert header.endswith(" · stragglers: 3 · input: 32 ms/step waiting for data vs 2.0 ms "
+                           "median"), header
