@@ -242,6 +242,7 @@ def progress_text(state: RunState, now: float, short: bool = False,
         hang = state.hang(now)
         if hang:
             parts.append(f"hang: {hang}")
+        parts += [f"rank {r} {words}" for r, words in sorted(state.creeping().items())]
         if state.scalars:
             parts.append(f"scalars: {scalars_line(state.scalars)}")
     return f"{state.status}: " + "; ".join(parts)
@@ -262,6 +263,7 @@ def progress_record(state: RunState, now: float) -> dict[str, Any]:
         "eta_s": state.eta(now), "stragglers": slow, "skew_s": skew,
         "straggler_causes": {str(r): {"cause": c[0], "words": c[1]}
                              for r, c in state.straggler_causes().items()},
+        "memory_creeping": {str(r): words for r, words in state.creeping().items()},
         "hang": state.hang(now), "telemetry_loss": state.telemetry_loss(),  # messages lost
         "ranks": [{"rank": r.rank, "state": r.state, "epoch": r.epoch, "step": r.step,
                    "global_step": r.global_step, "loss": r.loss,

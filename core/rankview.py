@@ -14,7 +14,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from ddtop.core import wire
+from ddtop.core import memcreep, wire
 from ddtop.core.stragglers import Evidence
 
 SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): silent
@@ -98,6 +98,10 @@ class RankView(msgspec.Struct, kw_only=True):
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     rss: int | None = None
+    rss_peak: int | None = None  # the peaks so far, as the rank read them
+    cuda_peak: int | None = None
+    # Its memory's current run of growth ("memory creeping": core/memcreep.py).
+    creep: memcreep.Creep = msgspec.field(default_factory=memcreep.Creep)
     last_step_t: float | None = None  # sender time of the newest step message
     # Liveness, from heartbeats (receiver clock).
     phase: wire.Phase = "setup"

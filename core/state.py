@@ -330,6 +330,8 @@ class RunState(msgspec.Struct, kw_only=True):
                             "backward": m.backward_s / steps, "optimizer": m.optimizer_s / steps}
         view.lr = m.lr
         view.cuda_allocated, view.cuda_reserved, view.rss = m.cuda_allocated, m.cuda_reserved, m.rss
+        view.rss_peak, view.cuda_peak = m.rss_peak, m.cuda_peak
+        view.creep.add(received, view.memory)
         view.history.append(Point(m.t, m.global_step, view.loss, rate, view.comm_share))
         if len(view.history) > (keep := history_points(self.world_size)):
             del view.history[: len(view.history) - keep]
@@ -460,6 +462,12 @@ class RunState(msgspec.Struct, kw_only=True):
             if v.evidence.verdict.named and not v.exited and v.bye_code is None
             and not stragglers.quiet(v.evidence, self.updated))
 
+    def creeping(self) -> dict[int, str]:
+        """The ranks whose memory creeps, in words (core/memcreep.py), of those not
+        ended."""
+        return {r: words for r, v in self.ranks.items()
+                if not v.exited and (words := v.creep.words()) is not None}
+
     def straggler_causes(self) -> dict[int, tuple[str, str]]:
         """Each straggler's cause and its words (core/causes.py), where judged."""
         _, _, slow = self.stragglers()
@@ -540,6 +548,7 @@ class RunState(msgspec.Struct, kw_only=True):
             samples_per_s=self._throughput(now, states), telemetry_loss=self.telemetry_loss(),
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
             straggler_causes={r: c[1] for r, c in self.straggler_causes().items()},
+            memory_creeping=self.creeping(),
             journal_dropped=self.journal_dropped, hang=hung[1] if hung else None,
             ranks=told.rank_summaries(self.ranks, states, self.rank_nodes, now),
             started=self.started, updated=self.updated, metrics=told.user_epochs(self.aggregate),

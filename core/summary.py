@@ -106,6 +106,9 @@ class RankSummary(msgspec.Struct):
     stopped_by_daemon: bool = False
     last_seen_s: float | None = None
     lost: int = 0  # telemetry messages lost
+    # Its memory (CUDA allocated where it uses CUDA, else RSS) and that one's peak so far.
+    memory: int | None = None
+    memory_peak: int | None = None
 
     @classmethod
     def of(cls, v: RankView, state: RankState, node: int | None, now: float) -> RankSummary:
@@ -119,9 +122,11 @@ class RankSummary(msgspec.Struct):
             comm / step if comm < step else 1.0)
         ago = None if seen is None else (now - seen if now > seen else 0.0)
         epoch = None if v.epoch is None else v.epoch + 1
+        cuda = v.cuda_allocated
+        memory, peak = (v.rss, v.rss_peak) if cuda is None else (cuda, v.cuda_peak)
         return cls(v.rank, state, v.host, node, v.pid, epoch, v.step, v.global_step,
                    v.loss, v.samples_per_s, share, step, v.exit_code, v.signal,
-                   v.phase, v.stopped_by_daemon, ago, v.lost)
+                   v.phase, v.stopped_by_daemon, ago, v.lost, memory, peak)
 
 
 def rank_summaries(views: Mapping[int, RankView], states: Mapping[int, RankState],
@@ -181,6 +186,8 @@ class RunSummary(msgspec.Struct, kw_only=True):
     stragglers: list[int] = []
     # Each straggler's cause in words, by rank (core/causes.py): "input: 44 ms/step ...".
     straggler_causes: dict[int, str] = {}
+    # The ranks whose memory creeps, in words (core/memcreep.py), by rank.
+    memory_creeping: dict[int, str] = {}
     hang: str | None = None
     alone: str | None = None  # ranks of the world that never communicated, in words (alone.py)
     # The folders of the evidence gathered (daemon/evidence.py), oldest first.

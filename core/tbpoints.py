@@ -81,6 +81,12 @@ def step_values(m: wire.Step) -> tuple[tuple[str, float], ...]:
         values.append(("train/loss", loss))
     if (rate := m.samples_per_s(m.step_s)) is not None:
         values.append(("train/samples_per_second", rate))
+    for tag, value in (("memory/rss_bytes", m.rss), ("memory/rss_peak_bytes", m.rss_peak),
+                       ("memory/cuda_allocated_bytes", m.cuda_allocated),
+                       ("memory/cuda_reserved_bytes", m.cuda_reserved),
+                       ("memory/cuda_peak_bytes", m.cuda_peak)):
+        if value is not None:
+            values.append((tag, float(value)))
     return tuple(values)
 
 

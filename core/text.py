@@ -59,3 +59,14 @@ def rank_list(ranks: list[int]) -> str:
         if r is not None:
             start = prev = r
     return "ranks " + ", ".join(parts)
+
+
+def size(nbytes: float | None) -> str:
+    """'512.0 MB', '1.2 GB', '-' where not known (decimal units, as the table shows)."""
+    if nbytes is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(nbytes) < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return "-"  # unreachable: GB ends the loop

@@ -210,6 +210,10 @@ class Step(_Header, tag="step", tag_field="kind", kw_only=True):
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     rss: int | None = None
+    # The peaks so far: the process's RSS (getrusage's ru_maxrss) and the CUDA memory
+    # allocated on its device (torch.cuda.max_memory_allocated); None where absent.
+    rss_peak: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    cuda_peak: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # What `loss_sum` is weighted by when it is not `samples`: a script's
     # ddtop.step(loss=...) weighs each loss by its samples if given, else by 1.
     # Absent (UNSET) from the built-in trainer: the weight is `samples`.

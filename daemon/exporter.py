@@ -66,6 +66,12 @@ class RankReading(msgspec.Struct, frozen=True, kw_only=True):
     waited_for: bool
     restarts: int  # restarts its failure caused
     lost: int
+    rss: int | None = None  # bytes, as the rank last read them
+    rss_peak: int | None = None
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    cuda_peak: int | None = None
+    creep: float | None = None  # bytes a second its memory grows by, while it creeps
 
 
 class Reading(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,7 +127,9 @@ def read(state: RunState, now: float) -> Reading:
             busbw_bytes=None if v.busbw_gbps is None else v.busbw_gbps * 1e9,
             samples_per_s=v.samples_per_s, loss=v.loss, straggler=r in stragglers,
             cause=why[r][0] if r in why else None, waited_for=r in waited,
-            restarts=blamed.get(r, 0), lost=v.lost))
+            restarts=blamed.get(r, 0), lost=v.lost, rss=v.rss, rss_peak=v.rss_peak,
+            cuda_allocated=v.cuda_allocated, cuda_reserved=v.cuda_reserved,
+            cuda_peak=v.cuda_peak, creep=v.creep.rate()))
     done, total = state.progress()
     info = {"model": state.model, "dataset": state.dataset, "backend": state.backend,
             "strategy": state.strategy, "program": state.program}
@@ -180,6 +188,17 @@ SERIES: tuple[Series | str, ...] = (
     Series("rank", "gauge", "samples_per_second", "the rank's training samples per second",
            _rank("samples_per_s")),
     Series("rank", "gauge", "loss", "the rank's training loss, newest window", _rank("loss")),
+    Series("rank", "gauge", "rss_bytes", "the rank's resident memory", _rank("rss")),
+    Series("rank", "gauge", "rss_peak_bytes", "the rank's resident memory at its peak so far",
+           _rank("rss_peak")),
+    Series("rank", "gauge", "cuda_allocated_bytes", "CUDA memory the rank has allocated",
+           _rank("cuda_allocated")),
+    Series("rank", "gauge", "cuda_reserved_bytes", "CUDA memory the rank's allocator holds",
+           _rank("cuda_reserved")),
+    Series("rank", "gauge", "cuda_peak_bytes", "CUDA memory allocated at its peak so far",
+           _rank("cuda_peak")),
+    Series("rank", "gauge", "memory_creep_bytes_per_second", "while the rank's memory creeps "
+           "(grows steadily for 5 minutes or more): how fast", _rank("creep")),
     "state",
     Series("rank", "gauge", "straggler", "1 when the others persistently wait for this rank",
            _rank("straggler")),

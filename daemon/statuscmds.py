@@ -26,7 +26,7 @@ from ddtop.core.summary import (
     metrics_words,
     rate_words,
 )
-from ddtop.core.text import count_of
+from ddtop.core.text import count_of, size
 from ddtop.daemon.leftovers import end
 from ddtop.daemon.watchguard import describe, started_by
 
@@ -111,6 +111,8 @@ def status_lines(info: RunInfo, s: RunRecord, every_rank: bool = False) -> list[
                      f"(skew {1000 * s.skew_s:.1f} ms per step)")
     for rank, cause in sorted(s.straggler_causes.items()):  # (shown, never trusted)
         lines.append(f"  rank {rank} straggles: {cause}")
+    for rank, creep in sorted(s.memory_creeping.items()):
+        lines.append(f"  rank {rank} {creep}")
     if digest is not None:
         lines += manyranks.lines(digest)
         lines.append(f"  (every rank: ddtrain status {info.paths.run_id} --ranks)")
@@ -134,15 +136,17 @@ def _rank_table(s: RunRecord) -> list[str]:
     where = f"{'NODE':>4}  {'HOST':<16}  " if nodes else ""
     w = 11 if nodes else 9  # a node's ranks may be "unreachable"
     lines.append(f"{'RANK':>4}  {where}{'PID':>7}  {'STATE':<{w}} {'EPOCH':>5}  {'STEP':>7}  "
-                 f"{'LOSS':>8}  {'SAMPLES/S':>9}  EXIT")
+                 f"{'LOSS':>8}  {'SAMPLES/S':>9}  {'MEMORY (PEAK)':>17}  EXIT")
     for r in s.ranks:
+        memory = "-" if r.memory is None else size(r.memory) + (
+            f" ({size(r.memory_peak)})" if r.memory_peak is not None else "")
         exit_ = r.signal or _fmt(r.exit_code)
         if r.stopped_by_daemon and exit_ not in ("-", "0"):
             exit_ += " (stopped)"
         where = f"{_fmt(r.node):>4}  {r.host[:16]:<16}  " if nodes else ""
         lines.append(f"{r.rank:>4}  {where}{_fmt(r.pid):>7}  {r.state:<{w}} {_fmt(r.epoch):>5}  "
                      f"{r.global_step:>7}  {_fmt(r.loss, '.4f'):>8}  "
-                     f"{_fmt(r.samples_per_s, ',.0f'):>9}  {exit_}")
+                     f"{_fmt(r.samples_per_s, ',.0f'):>9}  {memory:>17}  {exit_}")
     return lines
 
 

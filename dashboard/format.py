@@ -27,7 +27,7 @@ from ddtop.core.rankview import (
 )
 from ddtop.core.scalars import SCALAR_WIDTH, compact
 from ddtop.core.state import RunState
-from ddtop.core.text import num
+from ddtop.core.text import num, size
 
 PROBLEM_STATES: tuple[RankState, ...] = (STALLED, SILENT, UNREACHED, DEAD)
 
@@ -41,16 +41,6 @@ def millis(s: float | None) -> str:
     if s is None:
         return "-"
     return f"{1000 * s:.1f}" if s < 0.1 else f"{1000 * s:.0f}"
-
-
-def size(nbytes: float | None) -> str:
-    if nbytes is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(nbytes) < 1000 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return "-"  # unreachable: GB ends the loop
 
 
 def epoch_text(epoch: int | None) -> str:

@@ -22,13 +22,14 @@ from ddtop.core.rankview import (
     STARTING,
     UNREACHED,
     RankState,
+    RankView,
 )
 from ddtop.core.scalars import SCALAR_WIDTH, compact
 from ddtop.core.scalars import line as scalars_line
 from ddtop.core.state import RunState
 from ddtop.core.strategy_names import comm_ops
 from ddtop.core.summary import LOST, rate_words
-from ddtop.core.text import count_of, lost_words, num, seconds, traceback_tail
+from ddtop.core.text import count_of, lost_words, num, seconds, size, traceback_tail
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard.feed import Feed
 
@@ -152,7 +153,7 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
         secs = med([v.comm_s or 0.0 for v in views])
         per_op = nbytes / ops if ops else 0
         text.append(comm_ops(state.strategy) + " ", "bold")
-        text.append(f"{ops:.0f} ops of {fmt.size(per_op)} = {fmt.size(nbytes)} in "
+        text.append(f"{ops:.0f} ops of {size(per_op)} = {size(nbytes)} in "
                     f"{fmt.millis(secs)} ms; algbw {med([v.algbw_gbps or 0 for v in views]):.2f}"
                     f" busbw {med([v.busbw_gbps or 0 for v in views]):.2f} GB/s")
         overlaps = [v.comm_overlap_s for v in views if v.comm_overlap_s is not None]
@@ -167,7 +168,7 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
     if v is not None and v.comm_s is not None:
         share = 100 * (v.comm_share or 0)
         text.append(f"rank {v.rank}: ", "bold")
-        text.append(f"{v.comm_ops or 0:.1f} ops, {fmt.size(v.comm_bytes)}, "
+        text.append(f"{v.comm_ops or 0:.1f} ops, {size(v.comm_bytes)}, "
                     f"{fmt.millis(v.comm_s)} ms "
                     f"({share:.0f}% of step), busbw {num(v.busbw_gbps, '.2f')} GB/s, "
                     f"sync wait {v.sync_wait_s:.2f} s\n")
@@ -221,9 +222,12 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
                 f"(global {v.global_step}){where} · last message "
                 f"{seconds(None if v.last_seen is None else now - v.last_seen)} ago\n")
     text.append(f"loss {num(v.loss, '.4f')} · {num(v.samples_per_s, ',.0f')} samples/s · "
-                f"lr {num(v.lr, '.2e')} · memory {fmt.size(v.memory)} · messages "
+                f"lr {num(v.lr, '.2e')} · memory {size(v.memory)}"
+                f"{f' (peak {size(peak)})' if (peak := _peak(v)) is not None else ''} · messages "
                 f"{v.received} received, {v.lost} lost, {v.duplicates} duplicates, "
                 f"{v.sender_dropped} dropped by the rank\n")
+    if (creep := v.creep.words()) is not None:
+        text.append(creep + "\n", "bold yellow")
     cause = state.straggler_causes().get(rank)
     if cause is not None:  # (a straggler: why, core/causes.py)
         text.append(f"straggles (+{1000 * v.evidence.excess_s:.1f} ms/step): {cause[1]}\n",
@@ -261,6 +265,11 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
     for line in traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text
+
+
+def _peak(v: RankView) -> int | None:
+    """The peak of the memory the rank's table shows (CUDA's where it uses CUDA)."""
+    return v.cuda_peak if v.cuda_allocated is not None else v.rss_peak
 
 
 def rank_scalars(state: RunState, rank: int, width: int) -> list[str]:

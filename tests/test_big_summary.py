@@ -165,3 +165,12 @@ def test_a_ranks_state_is_its_phase_against_its_stall_limit() -> None:
                         phase, at, phase_s, step)
                     cases += slow
     assert cases > 20  # both answers seen
+
+
+def test_a_rank_summary_carries_the_memory_its_table_shows_and_its_peak() -> None:
+    v = RankView(rank=1, rss=100, rss_peak=150)
+    got = RankSummary.of(v, "running", None, 1.0)
+    assert (got.memory, got.memory_peak) == (100, 150)
+    v.cuda_allocated, v.cuda_peak = 70, 90  # a GPU rank: CUDA's, not the process's
+    got = RankSummary.of(v, "running", None, 1.0)
+    assert (got.memory, got.memory_peak) == (70, 90)

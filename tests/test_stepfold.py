@@ -62,7 +62,7 @@ def only(windows: list[StepWindow]) -> StepWindow:
 
 
 def message(w: StepWindow) -> dict[str, object]:
-    m = step_message(w, "r", 0, 2, (None, None, 1 << 30))
+    m = step_message(w, "r", 0, 2, (None, None, 1 << 30, None, None))
     return {f: getattr(m, f) for f in m.__struct_fields__}
 
 

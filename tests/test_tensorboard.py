@@ -40,6 +40,10 @@ accumulator = pytest.importorskip(
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 STEP_TAGS = ["step/seconds", "step/compute_seconds", "step/comm_seconds", "step/comm_share",
              "train/loss", "train/samples_per_second"]
+# ... and each memory reading the Step messages carry (a rank reads RSS or CUDA's).
+MEMORY_TAGS = {"memory/rss_bytes": "rss", "memory/rss_peak_bytes": "rss_peak",
+               "memory/cuda_allocated_bytes": "cuda_allocated",
+               "memory/cuda_reserved_bytes": "cuda_reserved", "memory/cuda_peak_bytes": "cuda_peak"}
 
 
 def read_back(folder: Path) -> accumulator.EventAccumulator:
@@ -69,8 +73,10 @@ def assert_points_are_the_step_messages(run: Path, written: Path) -> None:
     for rank in ranks:
         mine = [m for m in steps if m.rank == rank]
         found = read_back(written / f"rank{rank}")
-        assert found.Tags()["scalars"] == STEP_TAGS
-        for tag in STEP_TAGS:
+        memory = [tag for tag, field in MEMORY_TAGS.items()
+                  if all(getattr(m, field) is not None for m in mine)]
+        assert found.Tags()["scalars"] == STEP_TAGS + memory
+        for tag in STEP_TAGS + memory:
             points = found.Scalars(tag)
             assert len(points) == len(mine), tag
             assert [p.step for p in points] == [m.global_step for m in mine], tag
@@ -86,6 +92,10 @@ def assert_points_are_the_step_messages(run: Path, written: Path) -> None:
         assert share == pytest.approx([min(1.0, m.comm_s / m.step_s) for m in mine], rel=1e-6)
         loss = [p.value for p in found.Scalars("train/loss")]
         assert loss == pytest.approx([m.loss_sum / m.samples for m in mine], rel=1e-6)
+        for tag in memory:
+            assert [p.value for p in found.Scalars(tag)] == [
+                float(getattr(m, MEMORY_TAGS[tag])) for m in mine], tag
+    assert "memory/rss_bytes" in memory, memory  # (CPU ranks: their RSS, every message)
 
 
 @pytest.fixture

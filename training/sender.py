@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import resource
 import sys
 import threading
 import time
@@ -147,6 +148,7 @@ class Sender:
         self._cuda_loss_sent: dict[torch.device, float] = {}  # the GPU loss sums sent, by device
         self._rss: int | None = None  # resident memory as last read, and when (monotonic)
         self._rss_at = -math.inf
+        self._rss_peak: int | None = None  # its peak so far (getrusage's ru_maxrss)
         self._host = HostReadings()  # the training thread's CPU wait, the major faults
         self._bye: wire.Bye | None = None
         self._beats = beats or Beats()  # this thread's alone
@@ -293,18 +295,20 @@ class Sender:
         return True
 
     def _memory(self) -> Memory:
-        """(CUDA allocated, CUDA reserved, process RSS) in bytes; None where absent.
-        CUDA only once it is initialised (never initialising it from this thread)."""
+        """(CUDA allocated, CUDA reserved, process RSS, its peak, CUDA allocated's peak)
+        in bytes; None where absent. CUDA only once it is initialised (never
+        initialising it from this thread)."""
         device = self._said.memory_device
         # torch leaves is_initialized unannotated.
         if device is not None and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
-                    None)
+                    None, None, torch.cuda.max_memory_allocated(device))
         now = time.monotonic()
         if now - self._rss_at >= RSS_EVERY_S:  # (reading it costs more than the rest of a send)
             self._rss_at = now
             try:
                 self._rss = int(STATM.read_text().split()[1]) * PAGE_SIZE
+                self._rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             except (OSError, IndexError, ValueError):
-                self._rss = None
-        return None, None, self._rss
+                self._rss = self._rss_peak = None
+        return None, None, self._rss, self._rss_peak, None

@@ -118,7 +118,8 @@ class StepWindow:
     counts: list[wire.GroupCounts] = field(default_factory=list)
 
 
-Memory = tuple[int | None, int | None, int | None]  # CUDA allocated, CUDA reserved, RSS
+# CUDA allocated, CUDA reserved, RSS, RSS's peak, CUDA allocated's peak
+Memory = tuple[int | None, int | None, int | None, int | None, int | None]
 
 
 def step_message(w: StepWindow, run: str, rank: int, world_size: int,
@@ -130,7 +131,7 @@ def step_message(w: StepWindow, run: str, rank: int, world_size: int,
     overlap: float | msgspec.UnsetType = msgspec.UNSET  # not measured
     if w.comm_exposed_s is not None:
         overlap = max(0.0, w.comm_s - w.comm_exposed_s)
-    cuda_allocated, cuda_reserved, rss = memory
+    cuda_allocated, cuda_reserved, rss, rss_peak, cuda_peak = memory
     n = w.compute_steps
     trimmed = (w.compute_sum_s - w.compute_max_s) / (n - 1) if n >= TRIM_MIN_STEPS else None
     return wire.Step(
@@ -142,6 +143,7 @@ def step_message(w: StepWindow, run: str, rank: int, world_size: int,
         comm_s=w.comm_s, comm_bytes=w.comm_bytes, comm_ops=w.comm_ops,
         algbw_gbps=algbw, busbw_gbps=busbw, sync_wait_s=w.sync_wait_s,
         cuda_allocated=cuda_allocated, cuda_reserved=cuda_reserved, rss=rss,
+        rss_peak=rss_peak, cuda_peak=cuda_peak,
         loss_weight=w.loss_weight, comm_overlap_s=overlap, compute_trim_s=trimmed,
         group_counts=w.counts[-wire.MAX_COUNTS:] if w.counts else msgspec.UNSET,
         runq_s=host[0] if host is not None else msgspec.UNSET,
