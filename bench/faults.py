@@ -261,23 +261,9 @@ def spread(values: list[float | None], unit: str = " s", digits: int = 2) -> str
     return text + (f", {missed} never" if missed else "")
 
 
-def no_memory_cgroup() -> str:
-    """Why the oom drill cannot act here ("" where it can)."""
-    here = memcg.of("self")
-    if here is None:
-        return "no memory cgroup of this process is readable"
-    probe = here / f"ddtop-probe-{os.getpid()}"
-    try:
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as e:
-        return f"cannot make a memory cgroup in {here} ({e.strerror}): run as root"
-    return ""
-
-
 def part_drills(world: int, repeats: int, root: Path, only: set[str] | None = None) -> None:
     chosen = [d for d in drills(world) if only is None or d.key in only]
-    if any(d.key == "oom" for d in chosen) and (why := no_memory_cgroup()):
+    if any(d.key == "oom" for d in chosen) and (why := memcg.why_not_writable()):
         print(f"  oom: left out: {why}", file=sys.stderr)
         chosen = [d for d in chosen if d.key != "oom"]
     results: dict[str, list[Result]] = {}

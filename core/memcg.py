@@ -13,6 +13,7 @@ by the oom drill (training/drills.py). Pure standard library.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -104,3 +105,19 @@ def host_oom_kills() -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def why_not_writable() -> str:
+    """Why no memory cgroup can be made beneath this process's ("" where one can: the
+    oom drill's need; a probe made and removed)."""
+    here = of("self")
+    if here is None:
+        return "no memory cgroup of this process is readable here"
+    probe = here / f"ddtop-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        return (f"cannot make a memory cgroup in {here} ({e.strerror or e}): the oom drill "
+                "needs root and a writable cgroup filesystem")
+    return ""

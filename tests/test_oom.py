@@ -31,16 +31,10 @@ RUN_TIMEOUT_S = 120
 @pytest.fixture
 def own_cgroup() -> Path:
     """This process's memory cgroup, where a cgroup can be made beneath it."""
+    why = memcg.why_not_writable()
     here = memcg.of("self")
-    if here is None:
-        pytest.skip("no memory cgroup of this process is readable here")
-    probe = here / f"ddtop-probe-{os.getpid()}"
-    try:
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as e:
-        pytest.skip(f"cannot make a memory cgroup in {here} ({e.strerror}): the oom drill "
-                    "needs root and a writable cgroup filesystem")
+    if why or here is None:
+        pytest.skip(why)
     return here
 
 
