@@ -57,6 +57,7 @@ from ddtop.core.rundir import (
 )
 from ddtop.core.runinfo import RunInfo
 from ddtop.core.text import count_of
+from ddtop.daemon import profilecmd
 from ddtop.daemon.stacks import cmd_evidence, cmd_stacks
 from ddtop.daemon.startline import (
     add_start_command,
@@ -142,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
         "stacks and its state (collectives with their signatures, memory), in "
         "runs/<id>/evidence/<time>/; print what it wrote.")
     with_run(evidence)
+    profile = commands.add_parser(
+        "profile", help="torch.profiler on chosen ranks, the same steps: top operators side "
+        "by side",
+        description="Profile ranks of a live run with torch.profiler for the same N "
+        "optimizer steps, a few steps from now: one trace per rank (Chrome / Perfetto JSON, "
+        "gzipped) in runs/<id>/profiles/<time>/, then each rank's top operators by self "
+        "time per step side by side, and the straggler against the median of the others. "
+        "Zero-code: no line of the script changes.")
+    with_run(profile)
+    profilecmd.add_arguments(profile)
     serve = commands.add_parser("serve")  # the detached daemon; not for people
     serve.add_argument("run_dir")
     return parser
@@ -377,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     commands = {"start": cmd_start, "serve": cmd_serve, "status": cmd_status,
                 "list": cmd_list, "stop": cmd_stop, "logs": cmd_logs,
-                "stacks": cmd_stacks, "evidence": cmd_evidence, "watch": cmd_watch}
+                "stacks": cmd_stacks, "evidence": cmd_evidence, "watch": cmd_watch,
+                "profile": profilecmd.cmd_profile}
     try:
         args = parse_command_line(parser, sys.argv[1:] if argv is None else argv, os.environ)
         return commands[args.command](args)

@@ -28,7 +28,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Input
 from textual.worker import get_current_worker
 
-from ddtop.core import control, protocol
+from ddtop.core import control, profilereq, protocol
 from ddtop.core.control import STOP_REQUEST_TIMEOUT_S
 from ddtop.dashboard import format as fmt
 from ddtop.dashboard import panels, rankmap
@@ -42,6 +42,7 @@ from ddtop.dashboard.widgets import RankTable
 # A live feed of a few ranks is folded once per half frame, within these bounds (see pump).
 PUMP_S, PUMP_MAX_S = 0.05, 0.25
 STOP_TIMEOUT_S = 30.0  # the graceful stop's deadline, sent to the daemon with the request
+PROFILE_STEPS = 5  # the steps `P` profiles the selected rank for
 IDLE_REDRAW_S, URGENT_GAP_S = 1.0, 0.1  # an event is drawn at once unless a frame just was
 # Lines around the table (ddtop.tcss): header, footer, least for the panels, for the table.
 HEADER_LINES, FOOTER_LINES, LOWER_MIN_LINES, TABLE_MIN_LINES = 4, 1, 10, 3
@@ -87,6 +88,7 @@ class DashboardApp(App[None]):
         Binding("p", "pause", "pause"),
         Binding("x", "stop_run", "stop run"),
         Binding("e", "evidence", "evidence", show=False),
+        Binding("P", "profile", "profile", show=False),
         Binding("plus,equals_sign", "speed(2.0)", "faster", show=False),
         Binding("minus", "speed(0.5)", "slower", show=False),
         Binding("escape", "clear_filter", show=False),
@@ -401,6 +403,33 @@ class DashboardApp(App[None]):
                         severity="warning")
             return
         self._request_evidence(endpoint)
+
+    def action_profile(self) -> None:
+        """Profile the selected rank for PROFILE_STEPS steps (ddtrain profile): the
+        request goes into the run folder; the folder is said, and `ddtrain profile
+        --show` prints it."""
+        paths = self.feed.paths
+        if not self.can_stop or paths is None:  # (the run folder is the owner's)
+            self.notify("profiling is off in this dashboard (ddtop --serve: --allow-stop)",
+                        severity="warning")
+            return
+        if self.feed.stop_endpoint is None:
+            self.notify("this run is not live: only a live run can be profiled",
+                        severity="warning")
+            return
+        rank = self.query_one(RankTable).selected_rank
+        view = self.feed.state.ranks.get(rank) if rank is not None else None
+        if rank is None or view is None:
+            self.notify("select a rank to profile first", severity="warning")
+            return
+        start = profilereq.start_after([view.global_step], view.step_time_s or 0.0)
+        try:
+            request = profilereq.write(paths.logs, [rank], start, PROFILE_STEPS)
+        except OSError as e:
+            self.notify(f"the profile request could not be written: {e}", severity="error")
+            return
+        self.notify(f"profiling rank {rank} for steps {start + 1}-{start + PROFILE_STEPS}: "
+                    f"ddtrain profile --show {request.id}", severity="information")
 
     @work(thread=True, group="evidence", exit_on_error=False)
     def _request_evidence(self, endpoint: str) -> None:

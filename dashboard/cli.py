@@ -51,6 +51,7 @@ KEYS = (("q", "quit (the run goes on)"), ("question_mark", "help"),
         ("escape", "clear the filter"), ("f", "problems only"), ("p", "pause"),
         ("m", "rank map / ranks table (256 ranks or more; arrows move on the map)"),
         ("x", "stop the run (asks first)"), ("e", "gather the evidence now"),
+        ("P", "profile the selected rank"),
         ("plus,equals_sign,minus", "replay faster / slower (--replay)"),
         ("up,down,k,j,pageup,pagedown,home,end", "move"), ("enter", "the rank's detail"))
 DETAIL_KEYS = (("t", "its Python stacks"), ("l", "its log"),

@@ -41,6 +41,8 @@ HELP = """\
   [b]x[/b]        stop the run (asks first): ranks finish the step, rank 0 checkpoints
   [b]e[/b]        gather the evidence now: every rank's stacks and state, in the
            run's evidence/ folder (the events say which)
+  [b]P[/b]        profile the selected rank for 5 steps (torch.profiler; then
+           ddtrain profile --show prints its top operators)
   [b]+[/b] / [b]-[/b]    replay faster / slower (with --replay)
 
 [b]Ranks table[/b]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import queue
 import re
@@ -236,6 +237,15 @@ def test_live_run_rows_advance_quit_leaves_it_running_and_x_stops_it(tmp_path: P
             (bundle,) = paths.evidence.iterdir()
             assert {"index.json", "rank-0.stacks", "rank-1.stacks"} <= {
                 f.name for f in bundle.iterdir()}
+            # P: the selected rank profiled for 5 steps, a second of steps from now.
+            await pilot.press("P")
+            await until(pilot, lambda: bool(list(paths.root.glob("profiles/*/rank-*.top.json"))),
+                        timeout=30)
+            (taken,) = (paths.root / "profiles").iterdir()
+            (top,) = taken.glob("rank-*.top.json")
+            record = json.loads(top.read_text())
+            assert record["steps"] == 5 and record["top"], record
+            assert (taken / top.name.replace("top.json", "trace.json.gz")).stat().st_size > 0
             await pilot.press("q")
 
         drive(LiveFeed(paths=paths), (120, 40), watch_then_quit)

@@ -56,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddtop.core import wire
 from ddtop.core.contract import RUN_ID_ENV, telemetry_endpoint
-from ddtop.training import collectives, shardwatch
+from ddtop.training import collectives, profiling, shardwatch
 from ddtop.training.commtimer import CommTimer, DDPStats
 from ddtop.training.pairing import StepPairing
 from ddtop.training.receiver import receiver_answers
@@ -272,6 +272,7 @@ class LiveRank:
             timer.harvest()
         self._all_reduces_over()
         steps = self.steps = self.steps + 1
+        profiling.at_step(steps)  # (`ddtrain profile`: nothing asked is one global read)
         spe = self.steps_per_epoch
         # (self._epoch_of, inline)
         epoch: int | None = self.sampler_epoch

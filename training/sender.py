@@ -46,7 +46,7 @@ import zmq
 
 from ddtop.core import wire
 from ddtop.core.keys import secure
-from ddtop.training import flightrec, pendingworks
+from ddtop.training import flightrec, pendingworks, profiling
 from ddtop.training.beats import Beats
 from ddtop.training.hostreadings import HostReadings
 from ddtop.training.marks import FoldRounds, Marks
@@ -192,6 +192,7 @@ class Sender:
                 self._send_events(sock)
                 flightrec.poll()  # the daemon asked for this rank's stacks: dumped beside
                 pendingworks.poll()  # an isend or irecv without a future, completed
+                profiling.poll()  # `ddtrain profile` asked for this rank: taken
                 now = time.monotonic()
                 if (now >= next_step or stopping) and self._send_steps(sock, final=stopping):
                     beats.stepped(now)

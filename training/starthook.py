@@ -222,9 +222,10 @@ def _dump_stacks_on_signal(rank: int) -> None:
         _say(f"stacks will not be available for this rank: {e}")
         return
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
-    from ddtop.training import flightrec
+    from ddtop.training import flightrec, profiling
 
     flightrec.watch(path)  # its Flight Recorder dumped beside them, by the sender thread
+    profiling.watch(path)  # and profile requests looked for beside them
 
 
 def _local_rank(rank: int) -> int:

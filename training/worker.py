@@ -38,7 +38,7 @@ from ddtop.core.contract import (
 )
 from ddtop.core.processes import lead_own_session, pid_alive, set_parent_death_signal
 from ddtop.core.rundir import RunPaths, log_stream
-from ddtop.training import errorreport, flightrec, stopping
+from ddtop.training import errorreport, flightrec, profiling, stopping
 from ddtop.training.distributed import RankEnv
 from ddtop.training.rendezvous import install as install_loopback
 from ddtop.training.trainer import train
@@ -196,6 +196,7 @@ def dump_stacks_on_signal(path: Path) -> None:
         return
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
     flightrec.watch(path)  # its Flight Recorder dumped beside them, by the sender thread
+    profiling.watch(path)  # and profile requests looked for beside them
 
 
 def leave_rank(code: int) -> None:
