@@ -295,7 +295,7 @@ def test_a_rank_that_raises_is_named_with_its_error(watches: Watches) -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
-def test_ddtrain_stacks_and_stop_of_a_watched_command(tmp_path: Path) -> None:
+def test_ddtrain_stacks_profile_and_stop_of_a_watched_command(tmp_path: Path) -> None:
     proc, tag = start([DDTRAIN, "watch", "--run-id", "long", "--", *TWO_RANKS, str(SCRIPT)],
                       tmp_path, {"STEPS": "100000", "SLEEP": "0.01"})
     stop = None
@@ -314,6 +314,12 @@ def test_ddtrain_stacks_and_stop_of_a_watched_command(tmp_path: Path) -> None:
         assert stacks.returncode == 0, stacks.stderr  # written by the hook's faulthandler
         assert "== rank 0" in stacks.stdout and "== rank 1" in stacks.stdout
         assert stacks.stdout.count("plain_ddp.py") >= 2, stacks.stdout
+        # ddtrain profile of the watched ranks: the start-up hook's, zero-code.
+        profile = subprocess.run([DDTRAIN, "profile", "long", "--ranks", "all", "--steps", "3"],
+                                 cwd=tmp_path, capture_output=True, text=True, timeout=90,
+                                 env=tagged_env(tag))
+        assert profile.returncode == 0, profile.stdout + profile.stderr
+        assert len(list((tmp_path / "runs/long/profiles").glob("*/rank-*.trace.json.gz"))) == 2
         stop = subprocess.run([DDTRAIN, "stop", "long"], cwd=tmp_path, capture_output=True,
                               text=True, timeout=60, env=tagged_env(tag))
         assert stop.returncode == 0, stop.stderr
