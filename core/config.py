@@ -161,6 +161,9 @@ class TrainConfig:
                                        why="each is kept in every rank's memory")
     """entries of torch's Flight Recorder each rank keeps (its last collectives, on
     every process group), dumped into the evidence of a hang or a desync; 0: off"""
+    profile_stragglers: bool = flag(False, group="run")
+    """profile a newly named straggler and the median rank for 5 steps (as ddtrain
+    profile does), at most once every 10 minutes; what differs is told"""
     metrics: str = flag("", metavar="[HOST:]PORT", group="run", default_text="off")
     """serve every rank's metrics to Prometheus at http://HOST:PORT/metrics (HOST
     127.0.0.1 unless given; PORT 0: a free one, in run.json); docs/monitoring.md"""

@@ -162,30 +162,40 @@ def print_tops(folder: Path, tops: dict[int, dict[str, Any]], stragglers: list[i
         if isinstance(record.get("refused"), str):
             print(f"  rank {rank}: not profiled: {record['refused'][:300]}")
             continue
-        steps = record.get("steps")
-        ops = record.get("top")
-        if not isinstance(steps, int) or steps < 1 or not isinstance(ops, list):
+        mine = per_step_ms({rank: record}).get(rank)
+        if mine is None:
             print(f"  rank {rank}: its top.json does not read as a profile")
             continue
-        per_step[rank] = {str(op.get("name", "?"))[:200]: float(op.get("self_us", 0.0)) / steps
-                          / 1000 for op in ops if isinstance(op, dict)
-                          and isinstance(op.get("self_us"), (int, float))}
+        per_step[rank] = mine
         print(f"  rank {rank}: steps {record.get('from_step')}-{record.get('to_step')}, "
               f"trace {folder / f'rank-{rank}.trace.json.gz'}")
     if not per_step:
         return
     ranks = sorted(per_step)
-    totals: dict[str, float] = {}
-    for ops in per_step.values():
-        for name, ms in ops.items():
-            totals[name] = totals.get(name, 0.0) + ms
+    totals = _totals(per_step)
     names = sorted(totals, key=lambda n: -totals[n])[:ROWS]
     print(f"\n  {'self ms/step':<{NAME_WIDTH}}" + "".join(f"{f'rank {r}':>10}" for r in ranks))
     for name in names:
         cells = "".join(f"{per_step[r].get(name, 0.0):>10.2f}" for r in ranks)
         print(f"  {_cut(name):<{NAME_WIDTH}}{cells}")
-    if len(ranks) < 2:
-        return
+    if len(ranks) >= 2:
+        print(f"\n  {against(per_step, stragglers)}")
+
+
+def _totals(per_step: dict[int, dict[str, float]]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for ops in per_step.values():
+        for name, ms in ops.items():
+            totals[name] = totals.get(name, 0.0) + ms
+    return totals
+
+
+def against(per_step: dict[int, dict[str, float]], stragglers: list[int]) -> str:
+    """'rank 1 (the straggler) against the median of rank 0: aten::addmm +12.00 ms; ...':
+    the operators where the straggler (or the slowest rank) spends most above the
+    median of the others, per step."""
+    ranks = sorted(per_step)
+    totals = _totals(per_step)
     sums = {r: sum(per_step[r].values()) for r in ranks}
     odd = next((r for r in stragglers if r in per_step), max(ranks, key=lambda r: sums[r]))
     others = [r for r in ranks if r != odd]
@@ -194,7 +204,19 @@ def print_tops(folder: Path, tops: dict[int, dict[str, Any]], stragglers: list[i
     diffs = sorted(((per_step[odd].get(n, 0.0) - median[n], n) for n in totals), reverse=True)
     who = "the straggler" if odd in stragglers else "the slowest asked"
     said = "; ".join(f"{_cut(n, 30)} {d:+.2f} ms" for d, n in diffs[:3] if d > 0) or "none above"
-    print(f"\n  rank {odd} ({who}) against the median of {rank_list(others)}: {said}")
+    return f"rank {odd} ({who}) against the median of {rank_list(others)}: {said}"
+
+
+def per_step_ms(tops: dict[int, dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Each profiled rank's operators, self milliseconds per step (refused ones left out)."""
+    found = {}
+    for rank, record in tops.items():
+        steps, ops = record.get("steps"), record.get("top")
+        if isinstance(steps, int) and steps >= 1 and isinstance(ops, list):
+            found[rank] = {str(op.get("name", "?"))[:200]: float(op["self_us"]) / steps / 1000
+                           for op in ops if isinstance(op, dict)
+                           and isinstance(op.get("self_us"), (int, float))}
+    return found
 
 
 def _cut(name: str, width: int = NAME_WIDTH) -> str:

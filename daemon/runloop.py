@@ -52,6 +52,7 @@ from ddtop.core.state import RunState
 from ddtop.core.summary import ProcessRecord
 from ddtop.core.text import count_of
 from ddtop.daemon import evidence, leftovers
+from ddtop.daemon.autoprofile import AutoProfile
 from ddtop.daemon.exits import Exits
 from ddtop.daemon.exporter import Exporter, NoExporter
 from ddtop.daemon.hangtimeout import HangTimer
@@ -118,6 +119,7 @@ class RunLoop:
         self.evidence = evidence.Gatherer(paths, starter.numbered, role.gathering,
                                           config.nnodes)
         self.world_told = 0  # `ddtrain watch`: the world size run.json has
+        self.autoprofile = AutoProfile(paths, config.profile_stragglers)
 
     def run(self) -> int:
         """Supervise the run to its end; its exit code."""
@@ -330,6 +332,8 @@ class RunLoop:
             self.evidence.gather(self.relay.state, "desync", desync)
         self.evidence.pending(self.relay.state)
         self._evidence_told()
+        for line in self.autoprofile.tick(self.relay.state):  # (--profile-stragglers)
+            self._tell("info", line)
         self._on_state(self.relay.state)
 
     def _on_state(self, state: RunState) -> None:  # every pass of the loop

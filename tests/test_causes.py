@@ -99,14 +99,17 @@ SMALL = ("--foreground", "--headless", "--format", "jsonl", "--interval", "0.5",
          "--epochs", "1")
 
 
-def progress(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
+def run_lines(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
     proc, tag = start([DDTRAIN, "start", "--run-id", "cause", *SMALL, *args], tmp_path,
                       {"OMP_NUM_THREADS": "1"})
     run = finish(proc, tag, timeout=RUN_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.leftovers == []  # (cpuhog's busy process ended with its rank)
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return [line for line in lines if line["kind"] == "progress"]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def progress(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
+    return [line for line in run_lines(tmp_path, *args) if line["kind"] == "progress"]
 
 
 def said(lines: list[dict[str, Any]]) -> Counter[str]:
@@ -119,14 +122,29 @@ def said(lines: list[dict[str, Any]]) -> Counter[str]:
 
 @pytest.mark.processes
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
-def test_a_slow_data_loader_is_named_input(tmp_path: Path) -> None:
-    lines = progress(tmp_path, "--synthetic-train-samples", "9600",
-                     "--inject", "1:slowdata=40ms@step=10")
+def test_a_slow_data_loader_is_named_input_and_profiled_beside_the_median(
+        tmp_path: Path) -> None:
+    every = run_lines(tmp_path, "--synthetic-train-samples", "9600", "--profile-stragglers",
+                      "--inject", "1:slowdata=40ms@step=10")
+    lines = [line for line in every if line["kind"] == "progress"]
     causes_said = said(lines)
     assert causes_said.most_common(1)[0][0] == "input", causes_said
     words = next(line["straggler_causes"]["1"]["words"] for line in lines
                  if line["straggler_causes"].get("1", {}).get("cause") == "input")
     assert words.startswith("input: 4") and "ms/step waiting for data vs" in words, words
+    # --profile-stragglers: the straggler and the median rank (rank 0) profiled by
+    # themselves, once, and what differs told.
+    told = [line["message"] for line in every if line["kind"] == "event"
+            and line.get("type") == "info" and "profil" in line["message"]]
+    asked = [m for m in told if m.startswith("profiling rank 1 (a straggler) and rank 0 (the "
+                                             "median) for steps ")]
+    assert len(asked) == 1, told
+    name = asked[0].rsplit(" ", 1)[1]
+    folder = tmp_path / "runs" / "cause" / "profiles" / name
+    assert sorted(p.name for p in folder.glob("rank-*.trace.json.gz")) == [
+        "rank-0.trace.json.gz", "rank-1.trace.json.gz"]
+    assert any(m.startswith(f"profile {name}: rank 1 (the straggler) against the median of "
+                            "rank 0: ") for m in told), told
 
 
 @pytest.mark.processes

@@ -46,6 +46,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--strategy": (("ddp", "allreduce", "hooks", "hooks-async", "ring", "fsdp"), "ddp"),
     "--hang-timeout": (float, None),  # added with fault drills (docs/daemon.md)
     "--flight-recorder": (int, None),  # added with the evidence (docs/daemon.md)
+    "--profile-stragglers": (bool, False),  # added with ddtrain profile (docs/cli.md)
     # added with multi-node jobs (docs/multi-node.md)
     "--nnodes": (int, 1), "--node-rank": (int, 0), "--nproc-per-node": (int, 1),
     "--rdzv-endpoint": (str, ""), "--hub": (str, ""), "--hub-keys": (str, ""),
@@ -124,7 +125,7 @@ def test_choices_are_the_literal_arguments_and_bools_are_switches() -> None:
     for name in literals:
         assert tuple(found[name][0].choices or ()) == typing.get_args(HINTS[name]), name
     switches = [n for n, hint in HINTS.items() if hint is bool and n not in NO_FLAG]
-    assert switches == ["download", "fail_on_nan", "resume"]
+    assert switches == ["download", "fail_on_nan", "resume", "profile_stragglers"]
     for name in switches:
         assert isinstance(found[name][0], argparse._StoreTrueAction), name
 
