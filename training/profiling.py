@@ -57,11 +57,15 @@ class Plan:
 
 
 def watch(stacks: Path) -> None:
-    """Look for profile requests beside `stacks` (logs/rank-K.stacks: rank K's)."""
-    global _request, _rank
+    """Look for profile requests beside `stacks` (logs/rank-K.stacks: rank K's), from
+    now on: one made before this process (a rank restarted) is not acted on again."""
+    global _request, _rank, _seen
     number = stacks.name.removeprefix("rank-").removesuffix(".stacks")
     if number.isdigit():
         _request, _rank = profilereq.request_path(stacks.parent), int(number)
+        with contextlib.suppress(OSError):
+            st = _request.stat()
+            _seen = (st.st_size, st.st_mtime_ns)
 
 
 def poll() -> None:
