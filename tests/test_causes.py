@@ -150,7 +150,7 @@ def test_a_slow_data_loader_is_named_input_and_profiled_beside_the_median(
 @pytest.mark.processes
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_a_busy_process_on_its_core_is_named_host(tmp_path: Path) -> None:
-    lines = progress(tmp_path, "--model", "cnn", "--synthetic-train-samples", "6400",
+    lines = progress(tmp_path, "--model", "cnn", "--synthetic-train-samples", "4800",
                      "--inject", "1:cpuhog@step=10")
     causes_said = said(lines)
     assert causes_said.most_common(1)[0][0] == "host", causes_said

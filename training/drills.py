@@ -222,10 +222,12 @@ def _collective_of_its_own(collective: Any) -> None:
         dist.all_gather(parts, mine)
 
 
-# cpuhog's busy process: it spins, pinned to the rank's core, and ends once its
-# parent (the rank) is gone.
-HOG = ("import os, sys, time\n"
+# cpuhog's busy process: it spins, pinned to the rank's core (at a higher priority
+# where it may), and ends once its parent (the rank) is gone.
+HOG = ("import contextlib, os, sys, time\n"
        "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+       "with contextlib.suppress(OSError):\n"
+       "    os.nice(-5)  # (where it may: a neighbour that takes its share, and more)\n"
        "parent = os.getppid()\n"
        "while os.getppid() == parent:\n"
        "    end = time.monotonic() + 0.1\n"
