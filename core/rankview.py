@@ -83,6 +83,11 @@ class RankView(msgspec.Struct, kw_only=True):
     global_step: int = 0
     samples: int = 0
     stepping_s: float = 0.0  # the time its samples took: the spans its step messages covered
+    # Every Step message's sums, added up (/metrics' counters): its steps' time, of it in
+    # communication, and in the data phase (waiting for its batches).
+    step_s_total: float = 0.0
+    comm_s_total: float = 0.0
+    data_s_total: float = 0.0
     loss: float | None = None
     step_time_s: float | None = None  # per step
     samples_per_s: float | None = None

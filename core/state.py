@@ -275,6 +275,9 @@ class RunState(msgspec.Struct, kw_only=True):
 
     def _apply_step(self, view: RankView, m: wire.Step, late: bool, received: float) -> None:
         view.samples += m.samples
+        view.step_s_total += m.step_s
+        view.comm_s_total += m.comm_s
+        view.data_s_total += m.data_s
         if not isinstance(m.group_counts, msgspec.UnsetType):
             self.counts.add(m.rank, m.group_counts, self.world_size, self.ranks)
         if late or m.steps <= 0:

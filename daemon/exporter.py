@@ -72,6 +72,13 @@ class RankReading(msgspec.Struct, frozen=True, kw_only=True):
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
     creep: float | None = None  # bytes a second its memory grows by, while it creeps
+    # Counters, from its Step messages added up: steps, samples, and seconds of its steps
+    # outside communication, in it, and in the data phase.
+    steps_total: int | None = None
+    samples_total: int | None = None
+    compute_total: float | None = None
+    comm_total: float | None = None
+    data_total: float | None = None
 
 
 class Reading(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,7 +136,9 @@ def read(state: RunState, now: float) -> Reading:
             cause=why[r][0] if r in why else None, waited_for=r in waited,
             restarts=blamed.get(r, 0), lost=v.lost, rss=v.rss, rss_peak=v.rss_peak,
             cuda_allocated=v.cuda_allocated, cuda_reserved=v.cuda_reserved,
-            cuda_peak=v.cuda_peak, creep=v.creep.rate()))
+            cuda_peak=v.cuda_peak, creep=v.creep.rate(), steps_total=v.global_step,
+            samples_total=v.samples, compute_total=max(0.0, v.step_s_total - v.comm_s_total),
+            comm_total=v.comm_s_total, data_total=v.data_s_total))
     done, total = state.progress()
     info = {"model": state.model, "dataset": state.dataset, "backend": state.backend,
             "strategy": state.strategy, "program": state.program}
@@ -205,6 +214,16 @@ SERIES: tuple[Series | str, ...] = (
     "straggler_cause",
     Series("rank", "gauge", "hang", "1 when the run hangs and the others wait for this rank",
            _rank("waited_for")),
+    Series("rank", "counter", "steps", "optimizer steps the rank has done (rate(): steps a "
+           "second, 0 in a stall)", _rank("steps_total")),
+    Series("rank", "counter", "samples", "training samples the rank has stepped through",
+           _rank("samples_total")),
+    Series("rank", "counter", "step_compute_seconds", "seconds of its steps outside "
+           "communication", _rank("compute_total")),
+    Series("rank", "counter", "step_comm_seconds", "seconds of its steps in collectives",
+           _rank("comm_total")),
+    Series("rank", "counter", "data_wait_seconds", "seconds of its steps in the data phase "
+           "(waiting for its batches)", _rank("data_total")),
     Series("rank", "counter", "restarts", "restarts of the run this rank's failures caused",
            _rank("restarts")),
     Series("rank", "counter", "messages_lost", "telemetry messages of the rank lost on the way",

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from helpers import Detached, detached, terminate
 from prometheus_client.parser import text_string_to_metric_families
@@ -210,6 +211,36 @@ def test_a_reading_is_what_the_fold_says_at_that_moment() -> None:
     assert reading.ranks[0].compute_s == pytest.approx(0.15)  # the step outside comm
     later = read(state, t0 + 60)  # nothing since: silent, the timestamp as it was
     assert [(r.state, r.last_step_t) for r in later.ranks] == [("silent", t0 + 1)] * 2
+
+
+def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from ddtop.daemon.exporter import families
+
+    t0 = 1000.0
+    state = _state(t0)
+    for seq, t in ((2, t0 + 2), (3, t0 + 3)):
+        state.apply(msgspec.structs.replace(_step(0, seq, t, seq), data_s=0.05), t)
+    zero = {r.labels[1]: r for r in read(state, t0 + 3.5).ranks}["0"]
+    assert (zero.steps_total, zero.samples_total) == (3, 96)
+    assert zero.compute_total == pytest.approx(3 * 0.15)
+    assert zero.comm_total == pytest.approx(0.3) and zero.data_total == pytest.approx(0.1)
+    # A stall: no step, the counters as they were (rate() of them: 0), unlike a gauge.
+    assert {r.labels[1]: r for r in read(state, t0 + 60).ranks}["0"].steps_total == 3
+
+    class Once:
+        def collect(self) -> Any:
+            return families(read(state, t0 + 3.5))
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Once())  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    for name in ("steps", "samples", "step_compute_seconds", "step_comm_seconds",
+                 "data_wait_seconds"):
+        assert f"# TYPE ddtop_rank_{name}_total counter" in text, name
+        assert f"\nddtop_rank_{name}_total{{" in text, name
 
 
 # -- a live run --------------------------------------------------------------------
