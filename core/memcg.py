@@ -63,8 +63,9 @@ def of(pid: int | str) -> Path | None:
 
 
 def oom_kills(folder: Path) -> int | None:
-    """The OOM killer's kills counted in cgroup `folder` (v2: its subtree's)."""
-    for name in (V1_FILES[1], V2_FILES[1]):
+    """The OOM killer's kills counted in cgroup `folder` itself (v2's
+    memory.events.local where the kernel has it: not its subtree's)."""
+    for name in (V1_FILES[1], "memory.events.local", V2_FILES[1]):
         try:
             text = (folder / name).read_text()
         except OSError:

@@ -6,9 +6,11 @@ killer or CUDA's allocator ends the run. Each rank's memory (CUDA allocated
 where it uses CUDA, else its RSS) is looked at, at most every SAMPLE_S, as its
 Step messages bring it (`Creep.add`). A run of growth begins at a reading and
 goes on while no reading falls more than SLACK below the run's highest
-(allocators and collectors give some back now and then); a larger fall begins a
-new run there. The rank is creeping once its run has lasted CREEP_AFTER_S and
-grown by at least MIN_GROWTH bytes and MIN_SHARE of where it began:
+(allocators and collectors give some back now and then) and a new highest comes
+within FLAT_S; a larger fall, or memory flat that long (grown at start-up, then
+steady: not a leak), begins a new run there. The rank is creeping once its run
+has lasted CREEP_AFTER_S and grown by at least MIN_GROWTH bytes and MIN_SHARE of
+where it began:
 
     memory creeping: +12.0 MiB/min for 6 min (1.20 GiB -> 1.27 GiB)
 
@@ -25,6 +27,7 @@ MIN_GROWTH = 64 << 20  # ... by at least this much ...
 MIN_SHARE = 0.05  # ... and this share of where it began
 SLACK_BYTES = 16 << 20  # a fall below the run's highest by more than the larger of
 SLACK_SHARE = 0.02  # these begins a new run
+FLAT_S = 120.0  # so does no new highest for this long
 MIB = 1 << 20
 
 
@@ -37,15 +40,18 @@ class Creep(msgspec.Struct, array_like=True):
     top: int = 0
     last_t: float = 0.0
     last: int = 0
+    top_t: float = 0.0  # when the highest was read
 
     def add(self, t: float, memory: int | None) -> None:
         """A reading of `memory` bytes at `t` (seconds, any clock the fold keeps)."""
         if memory is None or (self.began >= 0 and t - self.last_t < SAMPLE_S):
             return
         slack = max(SLACK_BYTES, int(SLACK_SHARE * self.top))
-        if self.began < 0 or memory < self.top - slack:
-            self.began_t, self.began, self.top = t, memory, memory
-        self.top = max(self.top, memory)
+        if self.began < 0 or memory < self.top - slack or (
+                memory <= self.top and t - self.top_t > FLAT_S):
+            self.began_t, self.began, self.top, self.top_t = t, memory, memory, t
+        if memory > self.top:
+            self.top, self.top_t = memory, t
         self.last_t, self.last = t, memory
 
     def rate(self) -> float | None:

@@ -82,14 +82,19 @@ def write(logs: Path, ranks: list[int] | Literal["all"], start: int, steps: int,
     the run's profiles). OSError: it cannot be written."""
     now = time.time() if now is None else now
     name = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    taken = {p.name for p in profiles_path(logs.parent).glob(f"{name}*")}
-    number = 0
-    while (f"{name}-{number}" if number else name) in taken:
-        number += 1
-    request = Request(id=f"{name}-{number}" if number else name, ranks=ranks, start=start,
-                      steps=steps)
-    (profiles_path(logs.parent) / request.id).mkdir(parents=True, mode=0o700)
-    tmp = request_path(logs).with_name(f".{REQUEST}.{os.getpid()}")
+    root = profiles_path(logs.parent)
+    root.mkdir(mode=0o700, exist_ok=True)
+    for number in range(1000):  # (the id taken by making its folder: one writer wins it)
+        taken = f"{name}-{number}" if number else name
+        try:
+            (root / taken).mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"{root}: 1000 profiles asked in one second")
+    request = Request(id=taken, ranks=ranks, start=start, steps=steps)
+    tmp = request_path(logs).with_name(f".{REQUEST}.{os.getpid()}.{number}")
     tmp.write_bytes(msgspec.json.encode(request))
     tmp.replace(request_path(logs))
     return request

@@ -30,15 +30,16 @@ from ddtop.daemon import profilecmd
 
 EVERY_S = 600.0  # at most one profile this often
 STEPS = 5
-WAIT_S = 120.0  # for both profiles to be written, at most
+WAIT_S = 60.0  # for both profiles to be written: this beyond the steps' own time
 
 
 class AutoProfile:
     def __init__(self, paths: RunPaths, enabled: bool) -> None:
         self.paths, self.enabled = paths, enabled
-        self.named: set[int] = set()  # the stragglers named at the last look
+        self.acted: set[int] = set()  # stragglers profiled while they stay named
         self.last = -EVERY_S  # monotonic time of the last profile asked
-        self.pending: tuple[str, list[int], int, float] | None = None  # id, ranks, straggler
+        # The profile asked for: its id, ranks, straggler, and until when it is waited for.
+        self.pending: tuple[str, list[int], int, float] | None = None
 
     def tick(self, state: RunState, now: float | None = None) -> list[str]:
         """The lines to tell (info events), after a look at `state`."""
@@ -47,8 +48,8 @@ class AutoProfile:
         now = time.monotonic() if now is None else now
         said = self._done(now)
         _, _, slow = state.stragglers()
-        new = [r for r in slow if r not in self.named]
-        self.named = set(slow)
+        self.acted &= set(slow)  # (one no longer named is new again when it is)
+        new = [r for r in slow if r not in self.acted]
         if new and self.pending is None and now - self.last >= EVERY_S:
             said += self._ask(state, new[0], set(slow), now)
         return said
@@ -71,17 +72,21 @@ class AutoProfile:
         except OSError as e:
             self.last = now
             return [f"--profile-stragglers: the request could not be written: {e}"]
-        self.last, self.pending = now, (request.id, ranks, straggler, now)
+        step_s = max(v.step_time_s or 0.0 for v in chosen)
+        lead = start - min(v.global_step for v in chosen)
+        self.acted.add(straggler)
+        self.last = now
+        self.pending = (request.id, ranks, straggler, now + WAIT_S + step_s * (lead + STEPS))
         return [f"profiling rank {straggler} (a straggler) and rank {median} (the median) for "
                 f"steps {start + 1}-{start + STEPS}: ddtrain profile --show {request.id}"]
 
     def _done(self, now: float) -> list[str]:
         if self.pending is None:
             return []
-        name, ranks, straggler, asked = self.pending
+        name, ranks, straggler, until = self.pending
         folder = profilereq.profiles_path(self.paths.root) / name
-        tops = profilecmd.read_tops(folder)
-        if not set(ranks) <= set(tops) and now - asked < WAIT_S:
+        tops = profilecmd.read_tops(folder)  # (what ranks wrote: bounded, never raises)
+        if not set(ranks) <= set(tops) and now < until:
             return []
         self.pending = None
         per_step = profilecmd.per_step_ms(tops)

@@ -15,9 +15,10 @@ it) from where it stood when the daemon started, never blocking. When a rank
 it did not stop ends with SIGKILL (`verdict`):
 
 - the kernel log's "Killed process PID" for its pid names it, certainly;
-- where the log is not readable, a count of OOM kills that rose in its cgroup
-  (or, without a cgroup, on the host) since the last look names it as likely:
-  another process of the cgroup or the host may have been the one;
+- else a count of OOM kills that rose in its cgroup since the last look names it
+  as most likely (another process of the cgroup may have been the one; a
+  container's kernel log names the host's pids);
+- else, where the log is not readable, one that rose on the host, as maybe;
 - else it stays "killed by SIGKILL".
 
 The words carry the evidence: the cgroup and its limit, the kernel's line,
@@ -55,6 +56,7 @@ class Seen:
     pid: int
     cgroup: Path | None = None
     kills: int | None = None
+    host_kills: int | None = None  # the host's count at that reading
     rss: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=128))
 
 
@@ -122,6 +124,7 @@ class Watch:
             cgroup = _drill_cgroup(memcg.of(process.pid), process.pid)
             if cgroup is not None:
                 seen.cgroup, seen.kills = cgroup, memcg.oom_kills(cgroup)
+            seen.host_kills = self.host_kills
             rss = _rss(process.pid)
             if rss is not None:
                 seen.rss.append((now, rss))
@@ -151,22 +154,23 @@ class Watch:
         evidence = []
         if cgroup is not None:
             cap = memcg.limit(cgroup)
-            counted = (f", its OOM kills {base} -> {kills}"
-                       if kills is not None and base is not None else "")
+            count = (f", its OOM kills {base} -> {kills}"
+                     if kills is not None and base is not None else "")
             evidence.append(f"memory cgroup {cgroup}"
-                            + (f" (limit {cap / MIB:,.0f} MiB{counted})" if cap
-                               else f" (no limit{counted})"))
+                            + (f" (limit {cap / MIB:,.0f} MiB{count})" if cap
+                               else f" (no limit{count})"))
+        counted = kills is not None and base is not None and kills > base
         if line is not None:
             words = "was killed by the kernel's OOM killer (SIGKILL)"
             evidence.append(f"kernel: {line[:300]!r}")
-        elif self.log.fd is not None:
-            return None  # the kernel log names whom it killed, and not this rank
-        elif kills is not None and base is not None and kills > base:
+        elif counted:  # (a log that names other pids: a container's view of the host's)
             words = ("was killed by SIGKILL, most likely by the kernel's OOM killer (its "
                      "memory cgroup counted a kill as it died)")
-        elif host is not None and self.host_kills is not None and host > self.host_kills:
+        elif self.log.fd is not None:
+            return None  # the kernel log names whom it killed, and not this rank
+        elif host is not None and seen.host_kills is not None and host > seen.host_kills:
             words = ("was killed by SIGKILL, maybe by the kernel's OOM killer (the host "
-                     f"counted {host - self.host_kills} OOM kill(s) as it died)")
+                     f"counted {host - seen.host_kills} OOM kill(s) as it died)")
         else:
             return None
         if self.log.fd is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -75,7 +76,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     slowest = min((known[r].global_step for r in asked if r in known), default=0)
     step_s = max((known[r].step_time_s or 0.0 for r in asked if r in known), default=0.0)
     start = profilereq.start_after([known[r].global_step for r in asked if r in known], step_s)
-    request = profilereq.write(paths.logs, ranks, start, args.steps)
+    try:
+        request = profilereq.write(paths.logs, ranks, start, args.steps)
+    except OSError as e:
+        raise UsageError(f"the profile request cannot be written in {paths.logs}: {e}") from None
     folder = profilereq.profiles_path(paths.root) / request.id
     limit = WAIT_EXTRA_S + step_s * (start - slowest + args.steps)
     print(f"ddtrain: profiling {'every rank' if ranks == 'all' else rank_list(asked)} "
@@ -106,13 +110,16 @@ def parse_ranks(text: str, world: int) -> list[int] | Literal["all"]:
     ranks: set[int] = set()
     for part in text.split(","):
         low, dash, high = part.strip().partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
+        if not low.isdigit() or (dash and not high.isdigit()) or len(part) > 20:
             raise UsageError(f"--ranks {text}: give ranks as 0,3 or 2-5, or all")
-        ranks.update(range(int(low), int(high if dash else low) + 1))
-    outside = sorted(r for r in ranks if r >= world)
-    if outside:
-        raise UsageError(f"--ranks {text}: the run has ranks 0-{world - 1}, not "
-                         f"{rank_list(outside)}")
+        first, last = int(low), int(high if dash else low)
+        if last < first:
+            raise UsageError(f"--ranks {text}: {part.strip()} runs backwards: write "
+                             f"{last}-{first}")
+        if last >= world:
+            raise UsageError(f"--ranks {text}: the run has ranks 0-{world - 1}, not "
+                             f"{rank_list(sorted({r for r in (first, last) if r >= world}))}")
+        ranks.update(range(first, last + 1))
     return sorted(ranks)
 
 
@@ -146,7 +153,7 @@ def read_tops(folder: Path) -> dict[int, dict[str, Any]]:
         try:
             with (folder / f"rank-{rank}.top.json").open("rb") as f:
                 record = json.loads(f.read(MAX_TOP_BYTES))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         if isinstance(record, dict):
             tops[rank] = record
@@ -212,11 +219,20 @@ def per_step_ms(tops: dict[int, dict[str, Any]]) -> dict[int, dict[str, float]]:
     found = {}
     for rank, record in tops.items():
         steps, ops = record.get("steps"), record.get("top")
-        if isinstance(steps, int) and steps >= 1 and isinstance(ops, list):
-            found[rank] = {str(op.get("name", "?"))[:200]: float(op["self_us"]) / steps / 1000
-                           for op in ops if isinstance(op, dict)
+        if isinstance(steps, int) and 1 <= steps <= profilereq.MAX_STEPS and isinstance(ops, list):
+            found[rank] = {str(op.get("name", "?"))[:200]: _ms(op["self_us"]) / steps
+                           for op in ops[:100] if isinstance(op, dict)
                            and isinstance(op.get("self_us"), (int, float))}
     return found
+
+
+def _ms(us: float) -> float:
+    """Microseconds as milliseconds, within what a profile can hold (else 0)."""
+    try:
+        ms = float(us) / 1000
+    except (OverflowError, ValueError):
+        return 0.0
+    return ms if math.isfinite(ms) and 0 <= ms <= 1e9 else 0.0
 
 
 def _cut(name: str, width: int = NAME_WIDTH) -> str:

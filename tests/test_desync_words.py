@@ -202,6 +202,10 @@ def test_a_collectives_signature_counts_per_group_from_torchs_own_group(
     received = collectives.signature("recv", (t,), {"src": None}, send_at, described["recv"],
                                      collectives.P2P["recv"])
     assert received == ("world", 1, "0", 0, "float32", 4, -1, "")  # from anyone: not known
+    # batch_isend_irecv gives its ops the peer as a rank of the group: named globally.
+    batched = collectives.signature("irecv", (t,), {"group": None, "group_src": 0}, send_at,
+                                    described["irecv"], collectives.P2P["irecv"])
+    assert batched[6] == 0, batched
     assert collectives.signature("barrier", (), {}, -1, described["barrier"])[3] == 4
     # DDP's gradient all-reduce of a step is one collective of its model's group, in the
     # same count: the gradients' dtype and elements (Linear(8, 1): 9), however bucketed.
@@ -418,3 +422,9 @@ def test_a_work_without_a_future_is_over_once_completed_and_never_kept_forever()
         pendingworks.add(Work(), lambda n=n: over.append(100 + n))
     assert over == [1, 2, 0] and pendingworks.count() == pendingworks.MAX_PENDING
     pendingworks._pending.clear()
+    # A work the program dropped (it will never wait on it) is over, and not kept alive.
+    dropped = Work()
+    pendingworks.add(dropped, lambda: over.append(-1))
+    del dropped
+    pendingworks.poll()
+    assert over[-1] == -1 and pendingworks.count() == 0

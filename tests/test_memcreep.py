@@ -39,6 +39,9 @@ def test_memory_that_grows_steadily_for_five_minutes_is_creeping() -> None:
     assert fed(dipping).words() is not None
     fallen = steady[:20] + [(200.0, start)] + [(t, m) for t, m in steady[21:]]
     assert fed(fallen).rate() is None  # its run began again at 200 s: not 5 minutes
+    # Grown at start-up, then flat: not a leak (its run begins again once flat for 2 min).
+    warm = [(10.0 * i, start + int(40 * MIB * min(i, 10))) for i in range(37)]
+    assert fed(warm).words() is None
     # Readings closer than SAMPLE_S are not looked at; none at all is nothing.
     assert fed([(0.0, GIB), (1.0, 2 * GIB)]).last == GIB
     assert Creep().words() is None and Creep().rate() is None

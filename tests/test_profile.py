@@ -26,7 +26,9 @@ def test_ranks_are_a_list_a_range_or_all() -> None:
     assert parse_ranks("1-3,0", 4) == [0, 1, 2, 3]
     assert parse_ranks("all", 4) == "all"
     for bad, says in (("x", "give ranks as 0,3 or 2-5, or all"),
-                      ("4", "the run has ranks 0-3, not rank 4"), ("1-", "give ranks as")):
+                      ("4", "the run has ranks 0-3, not rank 4"), ("1-", "give ranks as"),
+                      ("3-1", "3-1 runs backwards: write 1-3"),
+                      ("0-10000000000", "the run has ranks 0-3, not rank 10000000000")):
         with pytest.raises(UsageError, match=says):
             parse_ranks(bad, 4)
 
@@ -132,3 +134,36 @@ def test_the_command_is_in_ddtrains_help() -> None:
     shown = subprocess.run([DDTRAIN, "profile", "--help"], capture_output=True, text=True,
                            timeout=60, check=False)
     assert shown.returncode == 0 and "--ranks LIST" in shown.stdout
+
+
+def test_a_request_that_comes_while_one_runs_waits_its_turn(tmp_path: Path) -> None:
+    import time
+
+    from ddtop.training import profiling
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    stacks = logs / "rank-0.stacks"
+    stacks.touch()
+    try:
+        profiling.watch(stacks)
+        first = profilereq.write(logs, [0], 2, 2, now=0.0)
+        profiling.poll()
+        for step in (1, 2, 3):  # it begins after step 2
+            profiling.at_step(step)
+        second = profilereq.write(logs, "all", 3, 1, now=0.0)  # (while the first runs)
+        profiling.poll()
+        for step in (4, 5, 6):  # the first ends after step 4; the second runs step 6
+            profiling.at_step(step)
+        folders = {r.id: tmp_path / "profiles" / r.id for r in (first, second)}
+        deadline = time.monotonic() + 30
+        while not all((f / "rank-0.top.json").exists() for f in folders.values()):
+            assert time.monotonic() < deadline, list(tmp_path.rglob("*"))
+            time.sleep(0.05)
+        tops = {name: json.loads((f / "rank-0.top.json").read_text())
+                for name, f in folders.items()}
+        assert (tops[first.id]["from_step"], tops[first.id]["to_step"]) == (3, 4), tops
+        assert (tops[second.id]["from_step"], tops[second.id]["to_step"]) == (6, 6), tops
+    finally:
+        profiling._request, profiling._running = None, None
+        profiling._plans.clear()

@@ -410,12 +410,23 @@ def signature(name: str, args: Args, kwargs: Kwargs, group_at: int, described: I
     else:
         at, arg = peer_at
         given = args[at] if len(args) > at else kwargs.get(arg)
+        if given is None and isinstance(kwargs.get(f"group_{arg}"), int):
+            given = _global(group, kwargs[f"group_{arg}"])  # (batch_isend_irecv's way)
         peer, number = given if isinstance(given, int) and given >= 0 else -1, 0
     t = described(args, kwargs)
     if isinstance(t, torch.Tensor):
         dtype = _dtypes.get(t.dtype) or _dtype(t)
         return entry[0], entry[1], entry[2], number, dtype, t.numel(), peer, entry[5]
     return entry[0], entry[1], entry[2], number, "", -1, peer, entry[5]
+
+
+def _global(group: Any, group_rank: int) -> int:
+    """The global rank of `group`'s rank `group_rank` (-1: not known)."""
+    try:
+        return int(sys.modules["torch.distributed.distributed_c10d"].get_global_rank(
+            group, group_rank))
+    except Exception:  # noqa: BLE001 - not a group of this rank's: no peer named
+        return -1
 
 
 def _wrap(name: str, original: Callable[..., Any], size: Size, family: str,

@@ -12,15 +12,17 @@ one that sent and computes before its wait is in its isend meanwhile, as an
 asynchronous all_reduce is. Their time is not counted as communication: when
 they ended is known only to the sender thread's pass.
 
-At most MAX_PENDING are kept: the oldest beyond that (a program that never
-waits on its works) is let go as over. This module imports only the standard
-library.
+Each is held by a weak reference: a work the program has dropped (it will never
+wait on it) is over, and its tensors are not kept alive here. At most
+MAX_PENDING are kept: the oldest beyond that is let go as over. This module
+imports only the standard library.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +30,18 @@ from typing import Any
 MAX_PENDING = 256
 
 _lock = threading.Lock()
-_pending: deque[tuple[Any, Callable[[], None]]] = deque()
+_pending: deque[tuple[Any, Callable[[], None]]] = deque()  # (a weak reference, over)
 
 
 def add(work: Any, over: Callable[[], None]) -> None:
-    """Keep `work` until it is completed; then `over()` (on the sender thread)."""
+    """Keep `work` until it is completed (or dropped); then `over()` (on the sender
+    thread)."""
+    try:
+        held: Any = weakref.ref(work)
+    except TypeError:  # (a work that takes no weak reference: held, up to MAX_PENDING)
+        held = _Strong(work)
     with _lock:
-        _pending.append((work, over))
+        _pending.append((held, over))
         dropped = _pending.popleft() if len(_pending) > MAX_PENDING else None
     if dropped is not None:
         _over(dropped[1])
@@ -57,7 +64,18 @@ def count() -> int:
     return len(_pending)
 
 
-def _completed(work: Any) -> bool:
+class _Strong:
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def __call__(self) -> Any:
+        return self.work
+
+
+def _completed(held: Any) -> bool:
+    work = held()
+    if work is None:  # the program dropped it: it will never wait on it
+        return True
     try:
         return bool(work.is_completed())
     except Exception:  # noqa: BLE001 - a work torch can no longer say anything of: over

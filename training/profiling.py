@@ -17,7 +17,8 @@ rank uses it), and N steps later stops it; a thread of its own then writes, in
                            seconds from its last step to this file (written_s),
                            written last: the rank's profile is done
 
-A rank already past the step begins at its next one, and says from which. A
+A rank already past the step begins at its next one, and says from which.
+Requests that come while one runs wait their turn (the newest 8). A
 rank whose own program runs a profiler already is not profiled: its top.json
 says so in one line (`refused`). What the request file holds is checked
 (bounded, typed): a bad one is skipped.
@@ -32,6 +33,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,10 @@ TOP = 20  # operators kept in top.json, by self time
 _request: Path | None = None  # logs/profile.json, once watched
 _seen: tuple[int, int] = (-1, -1)  # its (size, mtime_ns) as last read
 _rank = -1
-_plan: Plan | None = None  # set by the sender thread, taken by the training thread
-_running: Any = None  # the profiler, while it runs
+# Requests for this rank, oldest first: appended by the sender thread, taken one at a
+# time by the training thread (a deque: both ends safe between threads).
+_plans: deque[Plan] = deque(maxlen=8)
+_running: tuple[Plan, Any, int] | None = None  # the plan, its profiler, the step it began after
 _done: set[str] = set()  # the requests this rank has answered
 
 
@@ -69,8 +73,8 @@ def watch(stacks: Path) -> None:
 
 
 def poll() -> None:
-    """On the sender thread, each pass: a new request for this rank, taken."""
-    global _seen, _plan
+    """On the sender thread, each pass: a new request for this rank, queued."""
+    global _seen
     path = _request
     if path is None:
         return
@@ -85,26 +89,26 @@ def poll() -> None:
     asked = profilereq.read(path)
     if asked is None or asked.id in _done or not asked.covers(_rank):
         return
-    _plan = Plan(asked.id, asked.start, asked.steps,
-                 profilereq.profiles_path(path.parent.parent) / asked.id)
+    if any(plan.id == asked.id for plan in _plans):
+        return
+    _plans.append(Plan(asked.id, asked.start, asked.steps,
+                       profilereq.profiles_path(path.parent.parent) / asked.id))
 
 
 def at_step(global_step: int) -> None:
     """On the training thread, as global step `global_step` is counted."""
-    global _plan, _running
-    plan = _plan
-    if plan is None:
-        return
+    global _running
     if _running is None:
-        if global_step < plan.start:
+        if not _plans or global_step < _plans[0].start:
             return
-        _running = _start(plan, global_step)
-        if _running is None:
-            _plan = None
+        plan = _plans.popleft()
+        profiler = _start(plan, global_step)
+        if profiler is not None:
+            _running = (plan, profiler, global_step)
         return
-    profiler, began = _running
+    plan, profiler, began = _running
     if global_step - began >= plan.steps:
-        _plan, _running = None, None
+        _running = None
         _done.add(plan.id)
         stopped = time.monotonic()
         with contextlib.suppress(Exception):  # (a profiler that fails: said in its file)
@@ -113,7 +117,8 @@ def at_step(global_step: int) -> None:
                          name="ddtop-profile", daemon=True).start()
 
 
-def _start(plan: Plan, global_step: int) -> tuple[Any, int] | None:
+def _start(plan: Plan, global_step: int) -> Any:
+    """The profiler started for `plan` (None: refused, and said so)."""
     import torch
 
     if _profiling_already(torch):
@@ -131,7 +136,7 @@ def _start(plan: Plan, global_step: int) -> tuple[Any, int] | None:
         _done.add(plan.id)
         _answer(plan, {"rank": _rank, "refused": f"torch.profiler did not start: {e}"})
         return None
-    return profiler, global_step
+    return profiler
 
 
 def _profiling_already(torch: Any) -> bool:
