@@ -268,10 +268,15 @@ class DashboardApp(App[None]):
     MAIN_VIEW_ACTIONS = frozenset({"sort", "filter", "problems", "pause", "stop_run", "speed",
                                    "clear_filter", "rank_map"})
 
+    # What acts on a live run: out of the footer (and off) in a replay.
+    LIVE_ACTIONS = frozenset({"stop_run", "evidence", "profile"})
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """The main view's keys are off (and out of the footer) on the other screens."""
         if action == "rank_map" and not rankmap.wanted(self.feed.state):
             return False  # a small run: the table alone (and `m` out of the footer)
+        if action in self.LIVE_ACTIONS and self.replay:
+            return False
         return not (action in self.MAIN_VIEW_ACTIONS and len(self.screen_stack) > 1)
 
     def action_help(self) -> None:
@@ -330,6 +335,9 @@ class DashboardApp(App[None]):
     def action_problems(self) -> None:
         self.problems_only = not self.problems_only
         self.render_view()
+        if self.problems_only and not fmt.filter_rows(
+                fmt.rank_rows(self.feed.state, self.feed.now(), ()), "", True):
+            self.notify("no rank has a problem: none is stalled, silent, dead or a straggler")
 
     def action_pause(self) -> None:
         if self.feed.replay_controls:

@@ -186,10 +186,15 @@ def test_replay_plays_the_journal_in_its_own_time(recorded: Path) -> None:
 
     async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
         await until(pilot, lambda: "replay 4x" in screen_text(app))
+        # What acts on a live run is not offered in a replay.
+        assert not any(app.check_action(a, ()) for a in ("stop_run", "evidence", "profile"))
         await pilot.press("plus")
         await until(pilot, lambda: "replay 8x" in screen_text(app))
         await until(pilot, lambda: app.feed.finished, timeout=20)
         await until(pilot, lambda: " succeeded " in screen_text(app))
+        await pilot.press("f")  # problems only, in a run without one: said so
+        await until(pilot, lambda: any("no rank has a problem" in str(n.message)
+                                       for n in app._notifications))
 
     drive(feed, (120, 40), script)
 
