@@ -70,3 +70,24 @@ def size(nbytes: float | None) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1000
     return "-"  # unreachable: GB ends the loop
+
+
+NATIVE_MARK = "--- native stacks"  # how py-spy's block begins after a rank's Python dump
+THREAD_HEADS = ("Thread 0x", "Current thread 0x")  # faulthandler's head of each thread
+
+
+def main_thread_first(dump: str) -> str:
+    """A faulthandler dump of every thread, its last thread put first: faulthandler
+    lists the newest thread first, so the main one (the training loop's) comes last.
+    What follows the dump (py-spy's native block) stays as it was."""
+    head, mark, rest = dump.partition(NATIVE_MARK)
+    lines = head.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.startswith(THREAD_HEADS)]
+    if len(starts) < 2:
+        return dump
+    blocks = [lines[a:b] for a, b in zip(starts, [*starts[1:], len(lines)], strict=True)]
+    last = blocks[-1]
+    if last and not last[-1].endswith("\n"):
+        last = [*last[:-1], last[-1] + "\n"]
+    return "".join(lines[: starts[0]] + last + [line for b in blocks[:-1] for line in b]
+                   ) + mark + rest

@@ -32,9 +32,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ddtop.core import text
 from ddtop.core.processes import ProcessId
 
-NATIVE_MARK = "--- native stacks"  # how each rank's native block begins in its stacks file
+NATIVE_MARK = text.NATIVE_MARK  # how each rank's native block begins in its stacks file
 # py-spy takes 0.2 to 0.3 s a training rank alone on a 2-core machine (0.3 CPU-s:
 # libtorch's symbols); 8 ranks at once 2.2 to 2.5 s, two at a time 1.7 s
 # (docs/performance.md): so one a core at a time, each given DUMP_TIMEOUT_S.

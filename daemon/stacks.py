@@ -31,6 +31,7 @@ from ddtop.core.hangs import rank_list
 from ddtop.core.processes import ProcessId, catches, send_signal
 from ddtop.core.rundir import locate_run
 from ddtop.core.runinfo import RunInfo
+from ddtop.core.text import main_thread_first
 from ddtop.daemon import nativestacks
 
 
@@ -85,7 +86,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
         if PYTHON_DUMP in text:  # (before or after a py-spy block: another's may come first)
             answered = True
             print(f"== rank {k} ({files[k]}) ==")
-            print(text.rstrip())
+            print(main_thread_first(text).rstrip())
         else:
             print(f"== rank {k}: no stacks within {WAIT_S:g} s (the process is stopped, "
                   "gone, or not one the daemon started) ==")

@@ -97,3 +97,18 @@ def test_the_named_ranks_are_read_first_one_a_core_at_a_time(tmp_path: Path) -> 
     written = sorted(files, key=lambda k: files[k].stat().st_mtime_ns)
     assert written == [2, 0, 1], {k: f.stat().st_mtime_ns for k, f in files.items()}
     assert all("held (<string>:3)" in f.read_text() for f in files.values())
+
+
+def test_the_main_thread_is_listed_first() -> None:
+    from ddtop.core.text import main_thread_first
+
+    dump = ("Thread 0x2 (most recent call first):\n  File \"w.py\", line 2 in worker\n\n"
+            "Thread 0x3 (most recent call first):\n  File \"w.py\", line 2 in worker\n\n"
+            "Current thread 0x1 (most recent call first):\n  File \"train.py\", line 6 in main\n")
+    native = f"{nativestacks.NATIVE_MARK} of rank 0 ---\nThread 1 (idle)\n"
+    first = main_thread_first(dump + native)
+    assert first.startswith("Current thread 0x1 (most recent call first):\n  File \"train.py\"")
+    assert first.index("Thread 0x2") < first.index("Thread 0x3") < first.index(native)
+    assert first.endswith(native) and sorted(first.splitlines()) == sorted(
+        (dump + native).splitlines())
+    assert main_thread_first("no threads here") == "no threads here"
