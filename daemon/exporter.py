@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Literal, TextIO, get_args
 
 import msgspec
@@ -177,8 +179,21 @@ def _agg(field: str) -> Callable[[Reading], float | None]:
     return lambda reading: None if reading.aggregate is None else getattr(reading.aggregate, field)
 
 
+def _build() -> dict[str, str]:
+    """ddtop's, Python's and torch's versions (torch's from its metadata: not imported)."""
+    found = {"python": platform.python_version()}
+    for package in ("ddtop", "torch"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "unknown"
+    return {"version": found["ddtop"], "python": found["python"], "torch": found["torch"]}
+
+
+BUILD = _build()
+
 # Every family /metrics serves, in the order served; "state", "straggler_cause", "status",
-# "info" and "rejected" are labelled by what they count (built in `families`). A new series
+# "info", "build" and "rejected" are labelled by what they count (built in `families`). A new series
 # is a row.
 SERIES: tuple[Series | str, ...] = (
     Series("rank", "gauge", "global_step", "optimizer steps the rank has done",
@@ -230,6 +245,7 @@ SERIES: tuple[Series | str, ...] = (
            _rank("lost")),
     "status",
     "info",
+    "build",
     Series("run", "gauge", "world_size", "ranks of the run", lambda r: r.world_size),
     Series("run", "gauge", "global_step", "optimizer steps done by the slowest rank",
            lambda r: r.global_step),
@@ -308,6 +324,11 @@ def families(reading: Reading) -> list[Any]:
             info = InfoMetricFamily("ddtop_run", "what the run trains", labels=("run",))
             info.add_metric(run, reading.info)
             return info
+        if name == "build":
+            build = InfoMetricFamily("ddtop_build", "the ddtop, Python and torch versions of "
+                                     "this daemon's environment", labels=())
+            build.add_metric((), BUILD)
+            return build
         rejected = CounterMetricFamily("ddtop_run_messages_rejected", "frames the daemon "
                                        "refused, by reason", labels=("run", "reason"))
         for reason, count in sorted(reading.rejected.items()):

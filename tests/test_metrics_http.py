@@ -237,6 +237,9 @@ def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Once())  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
+    # What this daemon runs: ddtop's, Python's and torch's versions (ddtop_build_info).
+    build = next(line for line in text.splitlines() if line.startswith("ddtop_build_info{"))
+    assert 'python="3.' in build and 'torch="2.' in build and 'version="' in build, build
     for name in ("steps", "samples", "step_compute_seconds", "step_comm_seconds",
                  "data_wait_seconds"):
         assert f"# TYPE ddtop_rank_{name}_total counter" in text, name
