@@ -15,7 +15,6 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Sparkline, Static
 
 from ddtop.core import control, protocol
-from ddtop.core.text import main_thread_first
 from ddtop.dashboard import panels
 from ddtop.dashboard.feed import Feed
 from ddtop.dashboard.pacing import CHARTS_EVERY_S, Every
@@ -213,7 +212,7 @@ class RankDetail(Screen[None]):
             data = ""
         if not data:
             return text.append(self.stacks_note, "dim")
-        return text.append(main_thread_first(data))  # (the training loop's thread first)
+        return text.append(data)
 
     def _log_tail(self) -> Text:
         """The stacks, or the log's tail: read again only when the file's size or

