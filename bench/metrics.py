@@ -152,7 +152,9 @@ def fed_state(ranks: int) -> object:
 def exporter_cpu(ranks: int, repeats: int) -> dict[str, float]:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ddtop.daemon.exporter import Exporter, families, read
+    from ddtop.daemon.exporter import Exporter
+    from ddtop.daemon.metricreading import read
+    from ddtop.daemon.metrictable import families
 
     state = fed_state(ranks)
     now = time.time()

@@ -43,6 +43,10 @@ MAX_SEED = 2**32 - 1
 MAX_EVERY_STEPS = 1_000_000_000
 MAX_KEEP_CHECKPOINTS = 10_000  # 0 keeps all of them
 MAX_STEP_DELAY_S = 3600.0  # --step-delay: an hour between steps is a paused run, not a slow one
+# --metrics-linger: two scrapes at Prometheus' default 15 s interval by default; an hour
+# at most (a daemon kept for its last scrapes, not a server).
+METRICS_LINGER_S = 30.0
+MAX_METRICS_LINGER_S = 3600.0
 MAX_RESTARTS = 1000  # each restarts every rank; a run failing that often will not finish
 MAX_PORT = 65535
 # A run id names a folder, and the sockets inside it: short enough for any file system.

@@ -29,6 +29,7 @@ from ddtop.core.bounds import (
     MAX_JOB_RANKS,
     MAX_KEEP_CHECKPOINTS,
     MAX_MACHINE_RANKS,
+    MAX_METRICS_LINGER_S,
     MAX_NNODES,
     MAX_PORT,
     MAX_RESTARTS,
@@ -38,6 +39,7 @@ from ddtop.core.bounds import (
     MAX_SYNTHETIC_SAMPLES,
     MAX_THREADS_PER_RANK,
     MAX_WORKERS,
+    METRICS_LINGER_S,
     NAME_MAX,
     Range,
     check_ranges,
@@ -167,6 +169,10 @@ class TrainConfig:
     metrics: str = flag("", metavar="[HOST:]PORT", group="run", default_text="off")
     """serve every rank's metrics to Prometheus at http://HOST:PORT/metrics (HOST
     127.0.0.1 unless given; PORT 0: a free one, in run.json); docs/monitoring.md"""
+    metrics_linger: float = flag(METRICS_LINGER_S, metavar="S", group="run")
+    """with --metrics: after the run ends, keep serving its final state (how it ended,
+    its failures by cause) for S seconds, so that the next scrapes store it (ddtrain
+    stop or Ctrl-C ends it sooner); 0: the daemon exits at once"""
     metrics_auth: str = flag("", metavar="FILE", group="run", default_text="none")
     """with --metrics: every scrape must send the credential in FILE, one line: a bearer
     token, or USER:PASSWORD for basic auth (at least 16 characters of secret; the file
@@ -277,6 +283,9 @@ class TrainConfig:
                                       self.metrics_auth, self.metrics_cert, self.metrics_key)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if not 0 <= self.metrics_linger <= MAX_METRICS_LINGER_S:  # NaN too
+            raise UsageError(f"--metrics-linger must be a number of seconds from 0 to "
+                             f"{MAX_METRICS_LINGER_S:g} (got {self.metrics_linger:g})")
         if self.hang_timeout is not None and not (
                 math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
             raise UsageError(f"--hang-timeout must be a positive, finite number of seconds "

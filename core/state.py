@@ -99,6 +99,7 @@ class RunState(msgspec.Struct, kw_only=True):
     status: Status = "starting"
     status_message: str = ""
     exit_code: int | None = None  # from the daemon's final RunStatus
+    ended: float | None = None  # its time (the daemon's wall clock)
     restarts: int = 0
     timeline: list[wire.Restart] = []  # restarts: which rank, why, at what step, from where
     failure: Failure | None = None
@@ -415,7 +416,8 @@ class RunState(msgspec.Struct, kw_only=True):
             if m.status == "restarting":
                 self.failure = None
             self.status, self.restarts, self.status_message = m.status, m.restarts, m.message
-            self.exit_code = m.exit_code if m.status in wire.FINAL_STATUSES else None
+            final = m.status in wire.FINAL_STATUSES
+            self.exit_code, self.ended = (m.exit_code, m.t) if final else (None, None)
             self.world_size = m.world_size or self.world_size
             self._event(m.t, m.rank, "status", m.message or f"run {m.status}")
         elif isinstance(m, wire.Restarting):

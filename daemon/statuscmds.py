@@ -211,6 +211,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"ddtrain: run {rid} is not running ({info.status}{reused}){said}", flush=True)
         if info.status == LOST and daemon is not None and daemon.start is not None:
             _end_what_it_started(rid, daemon, args.timeout)
+        elif daemon is not None and info.daemon_here and not unverifiable:
+            # Ended, its daemon still serving the final state for scrapes: ended now.
+            send_signal(daemon, signal.SIGTERM)
+            print(f"ddtrain: run {rid}: its daemon (pid {pid}), which kept serving its "
+                  "final metrics (--metrics-linger), is ended", flush=True)
         return EXIT_OK
     assert pid is not None
     try:
@@ -233,7 +238,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
         # Only the daemon itself: send_signal checks that the pid still names it.
         send_signal(daemon, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout + STOP_BACKSTOP_S
-    while same_process(daemon):
+    # Until the run has ended: its daemon may serve its final metrics a while longer
+    # (--metrics-linger).
+    while same_process(daemon) and RunInfo.load(info.paths).live:
         if time.monotonic() > deadline:
             print(f"ddtrain: the daemon (pid {pid}) is still there; killing it", flush=True)
             send_signal(daemon, signal.SIGKILL)

@@ -127,15 +127,22 @@ class Supervisor:
                 raise
             raise UsageError(f"cannot write the run directory {paths.root}: {e.strerror}; "
                              "pick another --runs-dir") from None
+        ended = False
         try:
-            return loop.run()
+            code = loop.run()
+            ended = True
+            return code
         finally:
             # Every way out, an error the loop did not survive included: its ranks
             # must not train on unsupervised, nothing they left may hold the helpers.
             loop.end_ranks(tell=False)
             role.close()
             starter.close()  # the forkserver and resource tracker, waited for
-            exporter.close()
+            if ended:  # its final state, kept for the last scrapes (--metrics-linger)
+                exporter.finish(relay.state)
             relay.close()  # its sockets (and a private sockets folder) go with it
             if lock is not None:
-                os.close(lock)
+                os.close(lock)  # the run's folder is free while its metrics linger
+            if ended:
+                exporter.linger(config.metrics_linger, self.err)
+            exporter.close()

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddtop.core.bounds import MAX_JOB_RANKS
+from ddtop.core.bounds import MAX_JOB_RANKS, METRICS_LINGER_S
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import (
     EXIT_OK,
@@ -76,6 +76,10 @@ def add_watch_command(commands: Any, exit_codes: str) -> argparse.ArgumentParser
                        help="serve every rank's metrics to Prometheus at "
                        "http://HOST:PORT/metrics (HOST 127.0.0.1 unless given; PORT 0: a "
                        "free one, in run.json; docs/monitoring.md)")
+    watch.add_argument("--metrics-linger", type=float, default=METRICS_LINGER_S, metavar="S",
+                       help="with --metrics: after the run ends, keep serving its final state "
+                       "for S seconds, for the next scrapes (ddtrain stop or Ctrl-C ends it "
+                       f"sooner); 0: exit at once (default {METRICS_LINGER_S:g})")
     watch.add_argument("--metrics-auth", default="", metavar="FILE",
                        help="with --metrics: every scrape must send the credential in FILE "
                        "(a bearer token, or USER:PASSWORD; chmod 600); else 401")
@@ -141,7 +145,8 @@ def watch_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(run_id=args.run_id, runs_dir=args.runs_dir or default_runs_dir(),
                        bind=args.bind, hang_timeout=args.hang_timeout, watch=command,
                        tensorboard=args.tensorboard,
-                       metrics=args.metrics, metrics_auth=args.metrics_auth,
+                       metrics=args.metrics, metrics_linger=args.metrics_linger,
+                       metrics_auth=args.metrics_auth,
                        metrics_cert=args.metrics_cert, metrics_key=args.metrics_key,
                        idle=args.idle, allow_no_ranks=args.allow_no_ranks,
                        workdir=str(Path.cwd()), **nodes).validate()

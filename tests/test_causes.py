@@ -161,7 +161,8 @@ def test_a_busy_process_on_its_core_is_named_host(tmp_path: Path) -> None:
 
 def test_metrics_give_a_stragglers_cause_as_a_label() -> None:
     pytest.importorskip("prometheus_client")  # (the metrics extra; make test installs it)
-    from ddtop.daemon.exporter import families, read
+    from ddtop.daemon.metricreading import read
+    from ddtop.daemon.metrictable import families
 
     found = {f.name: f for f in families(read(lockstep("data"), 200.0))}
     samples = found["ddtop_rank_straggler_cause"].samples

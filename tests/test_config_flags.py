@@ -53,6 +53,7 @@ BEFORE: dict[str, tuple[Any, Any]] = {
     "--local-addr": (str, ""),
     "--tensorboard": (str, ""),  # added with TensorBoard files (docs/monitoring.md)
     "--metrics": (str, ""),  # added with Prometheus metrics (docs/monitoring.md)
+    "--metrics-linger": (float, 30.0),  # added with the end kept for scrapes (monitoring.md)
     # added with the doors of --metrics: a credential, TLS (docs/monitoring.md)
     "--metrics-auth": (str, ""), "--metrics-cert": (str, ""), "--metrics-key": (str, ""),
     "--step-delay": (float, 0.0),  # added for runs watched at leisure (docs/cli.md)

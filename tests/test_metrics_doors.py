@@ -373,8 +373,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     cert, key = make_certificate(cwd)
     token = private(cwd / "token", TOKEN + "\n")
     with detached("-n", "1", "--epochs", "100", "--step-delay", "0.2", "--metrics", "0",
-                  "--metrics-auth", "token", "--metrics-cert", cert.name, "--metrics-key",
-                  key.name, "--run-id", "doors", cwd=cwd) as run:
+                  "--metrics-linger", "0", "--metrics-auth", "token", "--metrics-cert",
+                  cert.name, "--metrics-key", key.name, "--run-id", "doors", cwd=cwd) as run:
         assert run.started.returncode == 0, run.started.stdout + run.started.stderr
         root = cwd / "runs" / "doors"
         info = json.loads((root / "run.json").read_text())

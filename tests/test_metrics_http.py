@@ -37,12 +37,14 @@ import msgspec
 import pytest
 from helpers import Detached, detached, terminate
 from prometheus_client.parser import text_string_to_metric_families
+from promserver import prometheus, quick_rules
 from test_bad_input import in_tmp, usage_error_in_process
 
 from ddtop.core import wire
 from ddtop.core.outlets import parse_listen
 from ddtop.core.state import RunState
-from ddtop.daemon.exporter import ANSWER_S, Exporter, read
+from ddtop.daemon.exporter import ANSWER_S, Exporter
+from ddtop.daemon.metricreading import read
 
 __all__ = ["in_tmp"]  # a fixture of test_bad_input's, used here
 
@@ -160,8 +162,11 @@ def test_a_scrape_reads_the_state_the_loop_hands_over() -> None:
     assert by_rank(stamps, "ddtop_rank_last_step_timestamp_seconds") == {
         "0": t0 + 4, "1": t0 + 1}
     one = next(s for s in stamps if s.labels["rank"] == "1")
-    assert one.labels == {"run": "r", "rank": "1", "node": "0", "host": "h", "pid": "101",
-                          "local_rank": "1"}
+    # Its identity only (the same across restarts); its process is on ddtop_rank_info.
+    assert one.labels == {"run": "r", "rank": "1", "node": "0", "host": "h"}
+    [info] = [s for s in second["ddtop_rank_info"] if s.labels["rank"] == "1"]
+    assert info.labels == {"run": "r", "rank": "1", "node": "0", "host": "h", "pid": "101",
+                           "local_rank": "1"} and info.value == 1.0
     assert by_rank(second["ddtop_rank_comm_share_ratio"], "ddtop_rank_comm_share_ratio") == {
         "0": 0.4, "1": 0.4}
     assert by_rank(second["ddtop_rank_bus_bandwidth_bytes_per_second"],
@@ -217,7 +222,7 @@ def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
     from prometheus_client.exposition import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
-    from ddtop.daemon.exporter import families
+    from ddtop.daemon.metrictable import families
 
     t0 = 1000.0
     state = _state(t0)
@@ -253,7 +258,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, s
     time (a step every few tenths of a second), then freezes after STOP_STEP."""
     cwd = tmp_path_factory.mktemp("metrics")
     with detached("-n", "2", "--epochs", "50",
-                  "--step-delay", "0.05", "--metrics", "0", "--run-id", "prom",
+                  "--step-delay", "0.05", "--metrics", "0", "--metrics-linger", "0",
+                  "--run-id", "prom",
                   "--inject", "1:slow=20x", "--inject", f"1:stop@step={STOP_STEP}",
                   cwd=cwd) as run:
         assert run.started.returncode == 0, run.started.stdout + run.started.stderr
@@ -306,11 +312,15 @@ def test_one_series_per_rank_and_the_step_advances(live: tuple[Detached, str]) -
     second = until("a step more", lambda: (s := stepping()) and s["1"] > first["1"]
                    and s["0"] > first["0"] and s)
     assert second["0"] > first["0"]
-    labels = [s.labels for s in scrape(url)[RANK_SERIES]]
+    found = scrape(url)
+    labels = [s.labels for s in found[RANK_SERIES]]
     assert sorted(label["rank"] for label in labels) == ["0", "1"]
-    assert all(label["run"] == "prom" and label["host"] and label["pid"].isdigit()
-               and label["local_rank"] == label["rank"] and label["node"] == "0"
-               for label in labels), labels
+    assert all(label["run"] == "prom" and label["host"] and label["node"] == "0"
+               and set(label) == {"run", "rank", "node", "host"} for label in labels), labels
+    infos = [s.labels for s in found["ddtop_rank_info"]]
+    assert sorted(info["rank"] for info in infos) == ["0", "1"]
+    assert all(info["pid"].isdigit() and info["local_rank"] == info["rank"]
+               for info in infos), infos
 
 
 @pytest.mark.processes
@@ -334,7 +344,7 @@ def test_a_frozen_rank_keeps_its_last_step_timestamp(live: tuple[Detached, str])
     steps = by_rank(after[RANK_SERIES], RANK_SERIES)
     assert steps == by_rank(before[RANK_SERIES], RANK_SERIES)
     assert STOP_STEP - 2 <= steps["1"] <= STOP_STEP  # its newest Step message, sent or not
-    assert by_rank(after["ddtop_rank_hang"], "ddtop_rank_hang") == {"0": 0.0, "1": 1.0}
+    assert by_rank(after["ddtop_rank_hung"], "ddtop_rank_hung") == {"0": 0.0, "1": 1.0}
     assert [s.value for s in after["ddtop_run_hung"]] == [1.0]
 
 
@@ -377,8 +387,24 @@ def test_a_prometheus_server_reads_the_rank_series_back(
     ours = scrape(url)[RANK_SERIES]
     for sample in ours:
         theirs = series[sample.labels["rank"]]["metric"]
-        assert theirs["pid"] == sample.labels["pid"] and theirs["job"] == "ddtop"
-        assert theirs["__name__"] == RANK_SERIES and theirs["local_rank"] == sample.labels[
-            "local_rank"]
+        assert theirs["host"] == sample.labels["host"] and theirs["job"] == "ddtop"
+        assert theirs["__name__"] == RANK_SERIES and theirs["node"] == sample.labels["node"]
         # Frozen since the test before: Prometheus holds the number served.
         assert float(series[sample.labels["rank"]]["value"][1]) == sample.value
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_the_shipped_alerts_fire_on_the_frozen_rank(live: tuple[Detached, str],
+                                                    tmp_path: Path) -> None:
+    """examples/prometheus/ddtop-alerts.yml (its waits cut to 1 s) in a real Prometheus:
+    rank 1, frozen since the tests before, is hung on and silent; rank 0 neither, and
+    nothing failed."""
+    _, url = live
+    wanted = {("DdtopRankHung", "1"), ("DdtopRankSilent", "1")}
+    with prometheus(tmp_path, [urllib.parse.urlsplit(url).netloc],
+                    quick_rules(tmp_path)) as server:
+        fired = until("the hang and silence alerts", lambda: wanted <= (
+            found := {(a["alertname"], a.get("rank", "")) for a in server.firing()}) and found)
+    assert wanted <= fired and not {name for name, rank in fired if rank == "0"}, fired
+    assert not {name for name, _ in fired} & {"DdtopRunFailed", "DdtopRankFailed"}, fired

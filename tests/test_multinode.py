@@ -226,7 +226,7 @@ def stopjob(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     share it, in file order: the first looks at it running, the second freezes
     its hub a while and then stops it with `ddtrain stop` on node 0."""
     job = Job(tmp_path_factory.mktemp("stopjob"), "stopjob", "--epochs", "1000",
-              hub_extra=("--metrics", "0"))
+              hub_extra=("--metrics", "0", "--metrics-linger", "0"))
     try:
         yield job
     finally:

@@ -1,0 +1,234 @@
+"""The table of every metric family /metrics serves, and a reading spelled in it.
+
+`SERIES` has a row per family, in the order served: a `Series` (a gauge or a counter
+per rank or per run, its help, and how a reading gives its value), or the name of one
+labelled by what it counts, built in `families`. `families` turns one Reading
+(daemon/exporter.py) into prometheus_client's families; pure, tested without a server.
+docs/monitoring.md lists the same families for users.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Literal
+
+from ddtop.core import causes, endings
+from ddtop.daemon.metricreading import (
+    RANK_LABELS,
+    RANK_STATES,
+    RUN_STATUSES,
+    RankReading,
+    Reading,
+)
+
+
+@dataclass(frozen=True)
+class Series:
+    """One metric family of a table row: `ddtop_<per>_<name>`, a gauge or a counter, its
+    help text, and how a reading gives its value (a rank's or the run's; None: no sample,
+    never a made-up 0)."""
+
+    per: Literal["rank", "run"]
+    kind: Literal["gauge", "counter"]
+    name: str
+    doc: str
+    value: Callable[[Any], float | None]
+
+
+def _rank(field: str) -> Callable[[RankReading], float | None]:
+    return lambda rank: getattr(rank, field)
+
+
+def _agg(field: str) -> Callable[[Reading], float | None]:
+    return lambda reading: None if reading.aggregate is None else getattr(reading.aggregate, field)
+
+
+def _build() -> dict[str, str]:
+    """ddtop's, Python's and torch's versions (torch's from its metadata: not imported)."""
+    found = {"python": platform.python_version()}
+    for package in ("ddtop", "torch"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "unknown"
+    return {"version": found["ddtop"], "python": found["python"], "torch": found["torch"]}
+
+
+BUILD = _build()
+
+# Every family /metrics serves, in the order served; "state", "straggler_cause",
+# "rank_info", "status", "outcome", "failures", "info", "build" and "rejected" are labelled
+# by what they count (built in `families`). A new series is a row.
+SERIES: tuple[Series | str, ...] = (
+    Series("rank", "gauge", "global_step", "optimizer steps the rank has done",
+           _rank("global_step")),
+    Series("rank", "gauge", "last_step_timestamp_seconds", "when the rank's newest step ended "
+           "(Unix time, the rank's clock); frozen while the rank takes no step",
+           _rank("last_step_t")),
+    Series("rank", "gauge", "step_seconds", "seconds per step, newest window", _rank("step_s")),
+    Series("rank", "gauge", "compute_seconds", "seconds per step outside exposed communication",
+           _rank("compute_s")),
+    Series("rank", "gauge", "comm_seconds", "seconds per step in collectives", _rank("comm_s")),
+    Series("rank", "gauge", "comm_share_ratio", "comm seconds over step seconds, 0 to 1",
+           _rank("comm_share")),
+    Series("rank", "gauge", "bus_bandwidth_bytes_per_second", "collectives' bus bandwidth "
+           "(nccl-tests' busbw)", _rank("busbw_bytes")),
+    Series("rank", "gauge", "samples_per_second", "the rank's training samples per second",
+           _rank("samples_per_s")),
+    Series("rank", "gauge", "loss", "the rank's training loss, newest window", _rank("loss")),
+    Series("rank", "gauge", "rss_bytes", "the rank's resident memory", _rank("rss")),
+    Series("rank", "gauge", "rss_peak_bytes", "the rank's resident memory at its peak so far",
+           _rank("rss_peak")),
+    Series("rank", "gauge", "cuda_allocated_bytes", "CUDA memory the rank has allocated",
+           _rank("cuda_allocated")),
+    Series("rank", "gauge", "cuda_reserved_bytes", "CUDA memory the rank's allocator holds",
+           _rank("cuda_reserved")),
+    Series("rank", "gauge", "cuda_peak_bytes", "CUDA memory allocated at its peak so far",
+           _rank("cuda_peak")),
+    Series("rank", "gauge", "memory_creep_bytes_per_second", "while the rank's memory creeps "
+           "(grows steadily for 5 minutes or more): how fast", _rank("creep")),
+    "state",
+    Series("rank", "gauge", "straggler", "1 when the others persistently wait for this rank",
+           _rank("straggler")),
+    "straggler_cause",
+    Series("rank", "gauge", "hung", "1 when the run hangs and the others wait for this rank",
+           _rank("waited_for")),
+    "rank_info",
+    Series("rank", "counter", "steps", "optimizer steps the rank has done (rate(): steps a "
+           "second, 0 in a stall)", _rank("steps_total")),
+    Series("rank", "counter", "samples", "training samples the rank has stepped through",
+           _rank("samples_total")),
+    Series("rank", "counter", "step_compute_seconds", "seconds of its steps outside "
+           "communication", _rank("compute_total")),
+    Series("rank", "counter", "step_comm_seconds", "seconds of its steps in collectives",
+           _rank("comm_total")),
+    Series("rank", "counter", "data_wait_seconds", "seconds of its steps in the data phase "
+           "(waiting for its batches)", _rank("data_total")),
+    Series("rank", "counter", "restarts", "restarts of the run this rank's failures caused",
+           _rank("restarts")),
+    Series("rank", "counter", "messages_lost", "telemetry messages of the rank lost on the way",
+           _rank("lost")),
+    "status",
+    "outcome",
+    Series("run", "gauge", "end_timestamp_seconds", "when the run ended (Unix time, the "
+           "daemon's clock); no sample while it runs", lambda r: r.ended),
+    "failures",
+    "info",
+    "build",
+    Series("run", "gauge", "world_size", "ranks of the run", lambda r: r.world_size),
+    Series("run", "gauge", "global_step", "optimizer steps done by the slowest rank",
+           lambda r: r.global_step),
+    Series("run", "gauge", "total_steps", "optimizer steps the run will take (when known)",
+           lambda r: r.total_steps or None),
+    Series("run", "gauge", "samples_per_second", "training samples per second, all ranks",
+           lambda r: r.samples_per_s),
+    Series("run", "gauge", "hung", "1 while ranks are stalled in a collective",
+           lambda r: r.hung),
+    Series("run", "gauge", "desync", "1 while ranks of a process group are inside different "
+           "collectives at the same point of the group (a hang: hung is 1 too)",
+           lambda r: r.desync),
+    Series("run", "gauge", "loss", "global training loss, newest metric sync",
+           _agg("train_loss")),
+    Series("run", "gauge", "accuracy_ratio", "global training accuracy, newest metric sync",
+           _agg("train_accuracy")),
+    Series("run", "gauge", "val_loss", "validation loss, newest epoch", _agg("val_loss")),
+    Series("run", "gauge", "val_accuracy_ratio", "validation accuracy, newest epoch",
+           _agg("val_accuracy")),
+    Series("run", "counter", "restarts", "restarts of every rank after a failure",
+           lambda r: r.restarts),
+    Series("run", "counter", "messages_lost", "telemetry messages lost on the way, all ranks",
+           lambda r: r.lost),
+    "rejected",
+    Series("run", "counter", "journal_dropped", "records not written to the journal "
+           "(a full disk)", lambda r: r.journal_dropped),
+)
+
+
+def families(reading: Reading) -> list[Any]:
+    """The metric families of one reading (SERIES walked), in prometheus_client's types
+    (imported here: only a daemon serving --metrics needs prometheus_client)."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        InfoMetricFamily,
+    )
+
+    run = (reading.run,)
+
+    def family(series: Series) -> Any:
+        kind = GaugeMetricFamily if series.kind == "gauge" else CounterMetricFamily
+        labelled = (RANK_LABELS if series.per == "rank" else ("run",))
+        made = kind(f"ddtop_{series.per}_{series.name}", series.doc, labels=labelled)
+        rows = ([(rank.labels, series.value(rank)) for rank in reading.ranks]
+                if series.per == "rank" else [(run, series.value(reading))])
+        for labels, number in rows:
+            if number is not None:  # not known yet: no sample (never a made-up 0)
+                made.add_metric(labels, float(number))
+        return made
+
+    def labelled(name: str) -> Any:
+        if name == "state":
+            state = GaugeMetricFamily("ddtop_rank_state", "1 for the state the rank is in, 0 "
+                                      "for the others", labels=(*RANK_LABELS, "state"))
+            for rank in reading.ranks:
+                for each in RANK_STATES:
+                    state.add_metric((*rank.labels, each), float(rank.state == each))
+            return state
+        if name == "straggler_cause":
+            cause = GaugeMetricFamily("ddtop_rank_straggler_cause", "a straggler's cause: 1 for "
+                                      "it, 0 for the others (docs/monitoring.md)",
+                                      labels=(*RANK_LABELS, "cause"))
+            for rank in reading.ranks:
+                if rank.cause is not None:
+                    for each in causes.CAUSES:
+                        cause.add_metric((*rank.labels, each), float(rank.cause == each))
+            return cause
+        if name == "rank_info":
+            info = InfoMetricFamily("ddtop_rank", "the rank's process now: its pid and its "
+                                    "index on its machine (a restart changes them)",
+                                    labels=RANK_LABELS)
+            for rank in reading.ranks:
+                if rank.pid:
+                    info.add_metric(rank.labels, {"pid": rank.pid,
+                                                  "local_rank": rank.local_rank})
+            return info
+        if name == "status":
+            status = GaugeMetricFamily("ddtop_run_status", "1 for the run's status, 0 for the "
+                                       "others", labels=("run", "status"))
+            for each in RUN_STATUSES:
+                status.add_metric((*run, each), float(reading.status == each))
+            return status
+        if name == "outcome":
+            outcome = InfoMetricFamily("ddtop_run_outcome", "how the run ended (succeeded, "
+                                       "failed or stopped) and a failed run's cause; no "
+                                       "sample while it runs", labels=("run",))
+            if reading.outcome is not None:
+                outcome.add_metric(run, {"outcome": reading.outcome[0],
+                                         "cause": reading.outcome[1]})
+            return outcome
+        if name == "failures":
+            failed = CounterMetricFamily("ddtop_run_failures", "failures of the run by cause "
+                                         "(docs/monitoring.md): every restart's, and the "
+                                         "last's of a failed run", labels=("run", "cause"))
+            for each in endings.CAUSES:
+                failed.add_metric((*run, each), float(reading.failures.get(each, 0)))
+            return failed
+        if name == "info":
+            info = InfoMetricFamily("ddtop_run", "what the run trains", labels=("run",))
+            info.add_metric(run, reading.info)
+            return info
+        if name == "build":
+            build = InfoMetricFamily("ddtop_build", "the ddtop, Python and torch versions of "
+                                     "this daemon's environment", labels=())
+            build.add_metric((), BUILD)
+            return build
+        rejected = CounterMetricFamily("ddtop_run_messages_rejected", "frames the daemon "
+                                       "refused, by reason", labels=("run", "reason"))
+        for reason, count in sorted(reading.rejected.items()):
+            rejected.add_metric((*run, reason), float(count))
+        return rejected
+
+    return [labelled(row) if isinstance(row, str) else family(row) for row in SERIES]
