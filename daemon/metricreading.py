@@ -77,6 +77,7 @@ class Reading(msgspec.Struct, frozen=True, kw_only=True):
     info: dict[str, str]
     aggregate: wire.Aggregate | None
     ranks: list[RankReading]
+    taken: float = 0.0  # when it was read (the daemon's clock)
     # Once the run has ended: when (the daemon's clock), how, and a failed run's cause.
     ended: float | None = None
     outcome: tuple[str, str] | None = None
@@ -136,7 +137,7 @@ def read(state: RunState, now: float, host: str = "") -> Reading:
         desync=hung is not None and desync.named(hung[1]),
         lost=sum(v.lost for v in state.ranks.values()), rejected=dict(state.rejected),
         journal_dropped=state.journal_dropped, info=info, aggregate=state.aggregate,
-        ranks=ranks, ended=state.ended if outcome is not None else None,
+        ranks=ranks, taken=now, ended=state.ended if outcome is not None else None,
         outcome=None if outcome is None else (outcome[0], outcome[1] or ""),
         failures={str(k): n for k, n in endings.failures(
             state.timeline, state.status, state.failure).items()})

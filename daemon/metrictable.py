@@ -61,7 +61,8 @@ BUILD = _build()
 
 # Every family /metrics serves, in the order served; "state", "straggler_cause",
 # "rank_info", "status", "outcome", "failures", "info", "build" and "rejected" are labelled
-# by what they count (built in `families`). A new series is a row.
+# by what they count, "age" by the moment of the scrape (built in `families`). A new series
+# is a row.
 SERIES: tuple[Series | str, ...] = (
     Series("rank", "gauge", "global_step", "optimizer steps the rank has done",
            _rank("global_step")),
@@ -116,6 +117,7 @@ SERIES: tuple[Series | str, ...] = (
     Series("run", "gauge", "end_timestamp_seconds", "when the run ended (Unix time, the "
            "daemon's clock); no sample while it runs", lambda r: r.ended),
     "failures",
+    "age",
     "info",
     "build",
     Series("run", "gauge", "world_size", "ranks of the run", lambda r: r.world_size),
@@ -147,7 +149,7 @@ SERIES: tuple[Series | str, ...] = (
 )
 
 
-def families(reading: Reading) -> list[Any]:
+def families(reading: Reading, now: float | None = None) -> list[Any]:
     """The metric families of one reading (SERIES walked), in prometheus_client's types
     (imported here: only a daemon serving --metrics needs prometheus_client)."""
     from prometheus_client.core import (
@@ -209,6 +211,14 @@ def families(reading: Reading) -> list[Any]:
                 outcome.add_metric(run, {"outcome": reading.outcome[0],
                                          "cause": reading.outcome[1]})
             return outcome
+        if name == "age":
+            age = GaugeMetricFamily("ddtop_run_reading_age_seconds", "how old the numbers of "
+                                    "this scrape are: 0 but while the daemon's loop is busy "
+                                    "(starting or stopping ranks), or after the run's end",
+                                    labels=("run",))
+            if now is not None:
+                age.add_metric(run, max(0.0, now - reading.taken))
+            return age
         if name == "failures":
             failed = CounterMetricFamily("ddtop_run_failures", "failures of the run by cause "
                                          "(docs/monitoring.md): every restart's, and the "

@@ -472,6 +472,8 @@ class RunLoop:
         world = 0 if self.watching else self.config.world_size
         self.relay.emit(wire.RunStatus, status=status, world_size=world,
                         restarts=self.restarts, message=message, exit_code=exit_code)
+        if status in wire.FINAL_STATUSES:  # served from now on, before run.json says it
+            self.exporter.finish(self.relay.state)
         if write:
             self.report.write(self.relay.state, {**self.relay.endpoints,
                                                  **self.exporter.endpoints}, self.starter.port,

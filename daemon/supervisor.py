@@ -95,6 +95,7 @@ class Supervisor:
                           world_size=None if watching else config.world_size,
                           bind=bind or None, keys=keys, nodes=hub,
                           tensorboard=config.tensorboard)
+            exporter.prime(relay.state)  # scrapes answered at once while the ranks start
             if not config.master_port:
                 # Chosen again once the relay's own ports are bound, so it cannot be one of them.
                 port = choose_port(config.master_addr, 0)

@@ -205,6 +205,28 @@ def test_a_loop_that_does_not_pass_is_answered_for_with_its_last_reading() -> No
     assert waited >= ANSWER_S
     name = "ddtop_rank_global_step"
     assert by_rank(second[name], name) == by_rank(first[name], name) == {"0": 1.0, "1": 1.0}
+    # The age of what is served says so: fresh at first, the older reading's age after.
+    [fresh], [old] = first["ddtop_run_reading_age_seconds"], second[
+        "ddtop_run_reading_age_seconds"]
+    assert fresh.value < old.value and old.value >= ANSWER_S
+
+
+def test_a_scrape_before_the_loop_runs_gets_the_first_reading() -> None:
+    """Primed as soon as the run's state exists: while the ranks start (the loop not
+    passing yet), a scrape is answered with it, not with nothing."""
+    state = RunState(run="r")
+    state.apply(wire.RunStatus(run="r", rank=-1, seq=1, t=time.time(), status="starting",
+                               world_size=2), time.time())
+    exporter = Exporter("127.0.0.1:0")
+    try:
+        exporter.prime(state)
+        found = scrape(exporter.url)  # no loop: nobody passes
+    finally:
+        exporter.close()
+    starting = [s.labels["status"] for s in found["ddtop_run_status"] if s.value == 1.0]
+    assert starting == ["starting"]
+    assert sorted(s.labels["state"] for s in found["ddtop_rank_state"] if s.value == 1.0) == [
+        "starting", "starting"]
 
 
 def test_a_reading_is_what_the_fold_says_at_that_moment() -> None:
