@@ -32,6 +32,11 @@ MAX_MISSING = 10_000  # sequence numbers remembered as lost, per rank
 # Work outside the steps (wire.STEP_PHASES), stalled only after SLOW_PHASE_STALL_S
 # ("done" never).
 SLOW_PHASES: tuple[wire.Phase, ...] = ("setup", "evaluation", "checkpoint")
+# The upper bounds (s) of a step's time that /metrics' histogram counts steps by: from a
+# small model's few ms to a big one's minute.
+STEP_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                                   10.0, 30.0, 60.0)
+STEP_SLOTS = len(STEP_BUCKETS) + 1  # and one for the slower
 
 # A rank's state, as shown: `RankView.state` tells the first six from its readings;
 # RunState.rank_states the rest, from the run's (LOST: core/summary.py).
@@ -88,6 +93,12 @@ class RankView(msgspec.Struct, kw_only=True):
     step_s_total: float = 0.0
     comm_s_total: float = 0.0
     data_s_total: float = 0.0
+    # ... and its work's phases, and its steps by time (STEP_BUCKETS: each message's steps
+    # at their mean time; the last count, those slower than every bound).
+    forward_s_total: float = 0.0
+    backward_s_total: float = 0.0
+    optimizer_s_total: float = 0.0
+    step_buckets: list[int] = msgspec.field(default_factory=lambda: [0] * STEP_SLOTS)
     loss: float | None = None
     step_time_s: float | None = None  # per step
     samples_per_s: float | None = None

@@ -20,6 +20,8 @@ It records typed events for people (core/events.py); `summary` is a RunSummary (
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Mapping
 
 import msgspec
@@ -44,6 +46,7 @@ from ddtop.core.rankview import (
     RUNNING,
     SILENT_AFTER_S,
     STALLED,
+    STEP_BUCKETS,
     Point,
     RankState,
     RankView,
@@ -100,6 +103,7 @@ class RunState(msgspec.Struct, kw_only=True):
     status_message: str = ""
     exit_code: int | None = None  # from the daemon's final RunStatus
     ended: float | None = None  # its time (the daemon's wall clock)
+    last_checkpoint: float | None = None  # the newest checkpoint event's time (its rank's)
     restarts: int = 0
     timeline: list[wire.Restart] = []  # restarts: which rank, why, at what step, from where
     failure: Failure | None = None
@@ -279,6 +283,11 @@ class RunState(msgspec.Struct, kw_only=True):
         view.step_s_total += m.step_s
         view.comm_s_total += m.comm_s
         view.data_s_total += m.data_s
+        view.forward_s_total += m.forward_s
+        view.backward_s_total += m.backward_s
+        view.optimizer_s_total += m.optimizer_s
+        if m.steps > 0 and math.isfinite(m.step_s):
+            view.step_buckets[bisect.bisect_left(STEP_BUCKETS, m.step_s / m.steps)] += m.steps
         if not isinstance(m.group_counts, msgspec.UnsetType):
             self.counts.add(m.rank, m.group_counts, self.world_size, self.ranks)
         if late or m.steps <= 0:
@@ -440,6 +449,8 @@ class RunState(msgspec.Struct, kw_only=True):
 
     def _event(self, t: float, rank: int, type: EventKind, message: str,
                data: EventData | None = None, traceback: str | None = None) -> None:
+        if type == "checkpoint":
+            self.last_checkpoint = t
         self.events.append(RunEvent(t=t, rank=rank, type=type, message=message,
                                     data=dict(data or {}), traceback=traceback))
         self.event_count += 1

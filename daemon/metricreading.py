@@ -11,7 +11,7 @@ from typing import get_args
 import msgspec
 
 from ddtop.core import desync, endings, wire
-from ddtop.core.rankview import RankState
+from ddtop.core.rankview import FINISHED, RUNNING, STARTING, RankState
 from ddtop.core.state import RunState
 from ddtop.core.summary import LOST
 
@@ -57,6 +57,15 @@ class RankReading(msgspec.Struct, frozen=True, kw_only=True):
     compute_total: float | None = None
     comm_total: float | None = None
     data_total: float | None = None
+    forward_total: float | None = None  # of its steps' work: each phase's seconds
+    backward_total: float | None = None
+    optimizer_total: float | None = None
+    # Its steps by time, a count per STEP_BUCKETS bound and one for the slower (not added
+    # up), and their seconds: the histogram's.
+    step_buckets: tuple[int, ...] = ()
+    step_seconds_total: float = 0.0
+    lr: float | None = None
+    epoch: int | None = None  # counted from 1, as status and the training log count it
 
 
 class Reading(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +87,7 @@ class Reading(msgspec.Struct, frozen=True, kw_only=True):
     aggregate: wire.Aggregate | None
     ranks: list[RankReading]
     taken: float = 0.0  # when it was read (the daemon's clock)
+    last_checkpoint: float | None = None  # the newest checkpoint's time (its rank's clock)
     # Once the run has ended: when (the daemon's clock), how, and a failed run's cause.
     ended: float | None = None
     outcome: tuple[str, str] | None = None
@@ -119,28 +129,43 @@ def read(state: RunState, now: float, host: str = "") -> Reading:
             global_step=v.global_step, last_step_t=v.last_step_t,
             step_s=v.step_time_s, comm_s=v.comm_s, compute_s=compute, comm_share=v.comm_share,
             busbw_bytes=None if v.busbw_gbps is None else v.busbw_gbps * 1e9,
-            samples_per_s=v.samples_per_s, loss=v.loss, straggler=r in stragglers,
+            samples_per_s=_stepping(v.samples_per_s, rank_state), loss=v.loss,
+            straggler=r in stragglers,
             cause=why[r][0] if r in why else None, waited_for=r in waited,
             restarts=blamed.get(r, 0), lost=v.lost, rss=v.rss, rss_peak=v.rss_peak,
             cuda_allocated=v.cuda_allocated, cuda_reserved=v.cuda_reserved,
             cuda_peak=v.cuda_peak, creep=v.creep.rate(), steps_total=v.global_step,
             samples_total=v.samples, compute_total=max(0.0, v.step_s_total - v.comm_s_total),
-            comm_total=v.comm_s_total, data_total=v.data_s_total))
+            comm_total=v.comm_s_total, data_total=v.data_s_total,
+            forward_total=v.forward_s_total, backward_total=v.backward_s_total,
+            optimizer_total=v.optimizer_s_total, step_buckets=tuple(v.step_buckets),
+            step_seconds_total=v.step_s_total, lr=v.lr,
+            epoch=None if v.epoch is None else v.epoch + 1))
     done, total = state.progress()
     outcome = endings.outcome(state.status, state.failure)
+    rate = state.throughput(now)
+    if hung is not None and outcome is None and rate is not None:
+        rate = 0.0  # a hang is a stall: no sample goes through (the fold keeps the last rate)
     info = {"model": state.model, "dataset": state.dataset, "backend": state.backend,
             "strategy": state.strategy, "program": state.program}
     return Reading(
         run=state.run, status=state.status, world_size=state.world_size,
         restarts=state.restarts, global_step=done, total_steps=total,
-        samples_per_s=state.throughput(now), hung=hung is not None,
+        samples_per_s=rate, hung=hung is not None,
         desync=hung is not None and desync.named(hung[1]),
         lost=sum(v.lost for v in state.ranks.values()), rejected=dict(state.rejected),
         journal_dropped=state.journal_dropped, info=info, aggregate=state.aggregate,
-        ranks=ranks, taken=now, ended=state.ended if outcome is not None else None,
+        ranks=ranks, taken=now, last_checkpoint=state.last_checkpoint,
+        ended=state.ended if outcome is not None else None,
         outcome=None if outcome is None else (outcome[0], outcome[1] or ""),
         failures={str(k): n for k, n in endings.failures(
             state.timeline, state.status, state.failure).items()})
+
+
+def _stepping(rate: float | None, rank_state: str) -> float | None:
+    """A rank's samples a second as served: 0 while it takes no step (stalled, silent,
+    dead), not the rate of its last window; None where it reports no samples."""
+    return rate if rate is None or rank_state in (RUNNING, FINISHED, STARTING) else 0.0
 
 
 def _text(value: int | None) -> str:

@@ -9,6 +9,7 @@ docs/monitoring.md lists the same families for users.
 
 from __future__ import annotations
 
+import itertools
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from importlib import metadata
 from typing import Any, Literal
 
 from ddtop.core import causes, endings
+from ddtop.core.rankview import STEP_BUCKETS
 from ddtop.daemon.metricreading import (
     RANK_LABELS,
     RANK_STATES,
@@ -60,9 +62,9 @@ def _build() -> dict[str, str]:
 BUILD = _build()
 
 # Every family /metrics serves, in the order served; "state", "straggler_cause",
-# "rank_info", "status", "outcome", "failures", "info", "build" and "rejected" are labelled
-# by what they count, "age" by the moment of the scrape (built in `families`). A new series
-# is a row.
+# "rank_info", "step_duration" (a histogram), "status", "outcome", "failures", "info",
+# "build" and "rejected" are labelled by what they count, "age" by the moment of the
+# scrape (built in `families`). A new series is a row.
 SERIES: tuple[Series | str, ...] = (
     Series("rank", "gauge", "global_step", "optimizer steps the rank has done",
            _rank("global_step")),
@@ -77,7 +79,8 @@ SERIES: tuple[Series | str, ...] = (
            _rank("comm_share")),
     Series("rank", "gauge", "bus_bandwidth_bytes_per_second", "collectives' bus bandwidth "
            "(nccl-tests' busbw)", _rank("busbw_bytes")),
-    Series("rank", "gauge", "samples_per_second", "the rank's training samples per second",
+    Series("rank", "gauge", "samples_per_second", "the rank's training samples per second, "
+           "newest window; 0 while it takes no step (stalled, silent, dead)",
            _rank("samples_per_s")),
     Series("rank", "gauge", "loss", "the rank's training loss, newest window", _rank("loss")),
     Series("rank", "gauge", "rss_bytes", "the rank's resident memory", _rank("rss")),
@@ -108,6 +111,17 @@ SERIES: tuple[Series | str, ...] = (
            _rank("comm_total")),
     Series("rank", "counter", "data_wait_seconds", "seconds of its steps in the data phase "
            "(waiting for its batches)", _rank("data_total")),
+    Series("rank", "counter", "step_forward_seconds", "seconds of its steps in the forward "
+           "pass", _rank("forward_total")),
+    Series("rank", "counter", "step_backward_seconds", "seconds of its steps in the backward "
+           "pass", _rank("backward_total")),
+    Series("rank", "counter", "step_optimizer_seconds", "seconds of its steps in the "
+           "optimizer", _rank("optimizer_total")),
+    "step_duration",
+    Series("rank", "gauge", "learning_rate", "the learning rate of its newest step (where "
+           "known)", _rank("lr")),
+    Series("rank", "gauge", "epoch", "the epoch it is in, counted from 1 (where known)",
+           _rank("epoch")),
     Series("rank", "counter", "restarts", "restarts of the run this rank's failures caused",
            _rank("restarts")),
     Series("rank", "counter", "messages_lost", "telemetry messages of the rank lost on the way",
@@ -117,6 +131,8 @@ SERIES: tuple[Series | str, ...] = (
     Series("run", "gauge", "end_timestamp_seconds", "when the run ended (Unix time, the "
            "daemon's clock); no sample while it runs", lambda r: r.ended),
     "failures",
+    Series("run", "gauge", "last_checkpoint_timestamp_seconds", "when the newest checkpoint "
+           "was written (Unix time, its rank's clock)", lambda r: r.last_checkpoint),
     "age",
     "info",
     "build",
@@ -125,7 +141,8 @@ SERIES: tuple[Series | str, ...] = (
            lambda r: r.global_step),
     Series("run", "gauge", "total_steps", "optimizer steps the run will take (when known)",
            lambda r: r.total_steps or None),
-    Series("run", "gauge", "samples_per_second", "training samples per second, all ranks",
+    Series("run", "gauge", "samples_per_second", "training samples per second, all ranks; "
+           "0 while the run hangs",
            lambda r: r.samples_per_s),
     Series("run", "gauge", "hung", "1 while ranks are stalled in a collective",
            lambda r: r.hung),
@@ -155,6 +172,7 @@ def families(reading: Reading, now: float | None = None) -> list[Any]:
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
+        HistogramMetricFamily,
         InfoMetricFamily,
     )
 
@@ -211,6 +229,17 @@ def families(reading: Reading, now: float | None = None) -> list[Any]:
                 outcome.add_metric(run, {"outcome": reading.outcome[0],
                                          "cause": reading.outcome[1]})
             return outcome
+        if name == "step_duration":
+            steps = HistogramMetricFamily("ddtop_rank_step_duration_seconds", "its steps by "
+                                          "time (each Step message's steps at their mean)",
+                                          labels=RANK_LABELS)
+            bounds = [*(format(b, "g") for b in STEP_BUCKETS), "+Inf"]
+            for rank in reading.ranks:
+                if rank.step_buckets:
+                    steps.add_metric(rank.labels, list(zip(
+                        bounds, itertools.accumulate(rank.step_buckets), strict=True)),
+                        rank.step_seconds_total)
+            return steps
         if name == "age":
             age = GaugeMetricFamily("ddtop_run_reading_age_seconds", "how old the numbers of "
                                     "this scrape are: 0 but while the daemon's loop is busy "

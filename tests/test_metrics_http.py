@@ -273,6 +273,52 @@ def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
         assert f"\nddtop_rank_{name}_total{{" in text, name
 
 
+def test_steps_by_time_phases_and_a_stall_read_as_they_are() -> None:
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from ddtop.daemon.metrictable import families
+
+    t0 = 1000.0
+    state = _state(t0)  # each rank: a step of 0.25 s
+    # Rank 0: four more steps of 0.05 s each, in one message; then a checkpoint.
+    state.apply(msgspec.structs.replace(_step(0, 2, t0 + 2, 5), steps=4, step_s=0.2), t0 + 2)
+    state.apply(wire.Event(run="r", rank=0, seq=3, t=t0 + 2.5, type="checkpoint",
+                           message="checkpoint written"), t0 + 2.5)
+
+    def served(now: float) -> dict[str, list[Any]]:
+        class Once:
+            def collect(self) -> Any:
+                return families(read(state, now))
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Once())  # type: ignore[arg-type]
+        return {f.name: f.samples
+                for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+    found = served(t0 + 3)
+    buckets = {s.labels["le"]: s.value for s in found["ddtop_rank_step_duration_seconds"]
+               if s.name.endswith("_bucket") and s.labels["rank"] == "0"}
+    assert (buckets["0.025"], buckets["0.05"], buckets["0.1"], buckets["0.25"],
+            buckets["+Inf"]) == (0, 4, 4, 5, 5)
+    totals = {s.name: s.value for s in found["ddtop_rank_step_duration_seconds"]
+              if s.labels["rank"] == "0" and not s.name.endswith("_bucket")}
+    assert totals["ddtop_rank_step_duration_seconds_count"] == 5
+    assert totals["ddtop_rank_step_duration_seconds_sum"] == pytest.approx(0.45)
+    assert by_rank(found["ddtop_rank_step_forward_seconds"],
+                   "ddtop_rank_step_forward_seconds_total")["0"] == pytest.approx(0.1)
+    assert by_rank(found["ddtop_rank_learning_rate"], "ddtop_rank_learning_rate") == {
+        "0": 0.1, "1": 0.1}
+    assert by_rank(found["ddtop_rank_epoch"], "ddtop_rank_epoch") == {"0": 1, "1": 1}
+    assert [s.value for s in found["ddtop_run_last_checkpoint_timestamp_seconds"]] == [t0 + 2.5]
+    assert min(by_rank(found["ddtop_rank_samples_per_second"],
+                       "ddtop_rank_samples_per_second").values()) > 0
+    # A minute with no step: the ranks are silent, and their rate reads 0, not the last.
+    stalled = served(t0 + 60)
+    assert by_rank(stalled["ddtop_rank_samples_per_second"],
+                   "ddtop_rank_samples_per_second") == {"0": 0.0, "1": 0.0}
+
+
 # -- a live run --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Detached, str]]:
@@ -368,6 +414,10 @@ def test_a_frozen_rank_keeps_its_last_step_timestamp(live: tuple[Detached, str])
     assert STOP_STEP - 2 <= steps["1"] <= STOP_STEP  # its newest Step message, sent or not
     assert by_rank(after["ddtop_rank_hung"], "ddtop_rank_hung") == {"0": 0.0, "1": 1.0}
     assert [s.value for s in after["ddtop_run_hung"]] == [1.0]
+    # A stall reads as one: no samples a second, the run's and each rank's.
+    assert [s.value for s in after["ddtop_run_samples_per_second"]] == [0.0]
+    assert set(by_rank(after["ddtop_rank_samples_per_second"],
+                       "ddtop_rank_samples_per_second").values()) == {0.0}
 
 
 @pytest.mark.processes
