@@ -36,6 +36,10 @@ from ddtop.core.state import RunState
 
 RUN_FOLDER = "run"
 EVENTS_TAG = "events"
+# A folder's later lives (after a restart or a resume): <folder>/restart<n>.
+LIFE = "restart"
+# The run's lines of one step, in one text (TensorBoard keeps one a step): a rule between.
+LINE_BREAK = "\n\n---\n\n"
 # Stragglers and hangs are read from the state at most this often (receiver time, s):
 # each reading goes over every rank.
 CHECK_S = 1.0
@@ -101,15 +105,25 @@ def aggregate_values(m: wire.Aggregate) -> tuple[tuple[str, float], ...]:
 
 class Translator:
     """Messages into items, in the order they are folded. It keeps only what it has
-    said: the events it has written, the stragglers and hang it has named."""
+    said: the events it has written, the stragglers and hang it has named, each
+    folder's life and its tags' highest steps, and the lines of the newest step.
+    `first_life`: the life a writer's folders begin in (above 0: a resumed run's
+    daemon, writing beside what the one before it wrote)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_life: int = 0) -> None:
         self.step = 0  # the highest global step seen: where the run's own lines go
         self.events_seen = 0
         self.stragglers: list[int] = []
         self.hang: str | None = None
         self.checked_at: float | None = None
         self.steps_written = 0  # Step messages written as points
+        self.first_life = first_life
+        self.lives: dict[str, int] = {}  # a folder -> the life its points go to now
+        self.tops: dict[tuple[str, str], int] = {}  # (folder, tag) -> its highest step, this life
+        self.lines: list[str] = []  # the run's lines at self.line_step
+        self.line_step = 0
+        self.line_wall = 0.0
+        self.lines_written = 0  # of self.lines, those in the last Text given
 
     def items(self, message: wire.Message, state: RunState, received: float) -> list[Item]:
         """What `message` (just folded into `state`, received at `received`) adds."""
@@ -117,19 +131,61 @@ class Translator:
         out: list[Item] = []
         # A node's summary (daemon/summariser.py): its ranks' messages, each a point.
         for m in message.messages if isinstance(message, wire.NodeSummary) else (message,):
-            out.extend(self._points(m, state, m.t if m.t > 0 else wall))
+            out.extend(self._placed(item) for item in self._points(m, state, m.t if m.t > 0
+                                                                   else wall))
         events, self.events_seen = new_events(state, self.events_seen)
         for event in events:
             text = f"**{event.type}** · {event.source()}: {event.message}"
             if event.traceback:
                 text += "\n\n```\n" + event.traceback + "\n```"
-            out.append(Text(RUN_FOLDER, self.step, event.t or wall, EVENTS_TAG, text))
+            out.extend(self._line(text, event.t or wall))
         if self.checked_at is None or received - self.checked_at >= CHECK_S:
             self.checked_at = received
-            out.extend(self._check(state, received, wall))
+            for text in self._check(state, received):
+                out.extend(self._line(text, wall))
         return out
 
-    def _points(self, message: wire.Message, state: RunState, wall: float) -> list[Item]:
+    def pending(self) -> list[Item]:
+        """The newest step's lines not given yet, as one Text with every line of that
+        step (TensorBoard keeps one text a step: the last); the writer asks for it
+        before it writes its files, and at the end."""
+        if len(self.lines) == self.lines_written:
+            return []
+        self.lines_written = len(self.lines)
+        return [Text(self._life(RUN_FOLDER, self.first_life), self.line_step, self.line_wall,
+                     EVENTS_TAG, LINE_BREAK.join(self.lines))]
+
+    def _line(self, text: str, wall: float) -> list[Item]:
+        """A line of the run's at the highest step: held with that step's others; the
+        lines of the step before, given where some were not yet."""
+        out: list[Item] = []
+        if self.step != self.line_step:
+            out = self.pending()
+            self.lines, self.lines_written, self.line_step = [], 0, self.step
+        self.lines.append(text)
+        self.line_wall = wall
+        return out
+
+    def _placed(self, item: Scalars) -> Scalars:
+        """`item` in its folder's life: a new one where a tag of it would step back (a
+        restart, a resume), as TensorBoard drops a series' points past a step it is
+        given again."""
+        base = item.folder
+        life = self.lives.get(base, self.first_life)
+        if any(item.step < self.tops.get((base, tag), -1) for tag, _ in item.values):
+            life += 1
+            self.tops = {key: top for key, top in self.tops.items() if key[0] != base}
+        self.lives[base] = life
+        for tag, _ in item.values:
+            self.tops[base, tag] = max(item.step, self.tops.get((base, tag), item.step))
+        folder = self._life(base, life)
+        return item if folder == base else msgspec.structs.replace(item, folder=folder)
+
+    @staticmethod
+    def _life(folder: str, life: int) -> str:
+        return folder if life == 0 else f"{folder}/{LIFE}{life}"
+
+    def _points(self, message: wire.Message, state: RunState, wall: float) -> list[Scalars]:
         if isinstance(message, wire.Step | wire.Heartbeat | wire.Aggregate | wire.Scalars):
             self.step = max(self.step, message.global_step)
         if isinstance(message, wire.Step):
@@ -145,7 +201,7 @@ class Translator:
                             tuple((f"log/{k}", v) for k, v in message.values.items()))]
         return []
 
-    def _check(self, state: RunState, now: float, wall: float) -> list[Item]:
+    def _check(self, state: RunState, now: float) -> list[str]:
         """Lines for stragglers named or no longer, and a hang found or over."""
         said: list[str] = []
         _, skew, slow = state.stragglers()
@@ -158,4 +214,4 @@ class Translator:
         if hang != self.hang:
             said.append(f"**hang** · {hang}" if hang else "**hang** · over")
             self.hang = hang
-        return [Text(RUN_FOLDER, self.step, wall, EVENTS_TAG, line) for line in said]
+        return said

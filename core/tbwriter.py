@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -135,7 +136,7 @@ class EventFiles:
             folder, (buffer, _) = next(iter(self._held.items()))
             path = self.root / folder
             if folder not in self._made:
-                path.mkdir(exist_ok=True)
+                path.mkdir(parents=True, exist_ok=True)
                 self._made.add(folder)
             with (path / self.name).open("ab") as file:
                 file.write(buffer.getbuffer())
@@ -150,7 +151,7 @@ class EventFiles:
         raises: what cannot be removed stays."""
         self._held.clear()
         self._counts.clear()
-        for folder in self._made:
+        for folder in sorted(self._made, key=lambda f: -f.count("/")):  # a life's first
             with contextlib.suppress(OSError):
                 (self.root / folder / self.name).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
@@ -165,6 +166,20 @@ def _tensor_protos() -> tuple[Any, Any]:
     return tensor_pb2.TensorProto, tensor_shape_pb2.TensorShapeProto
 
 
+def first_life(root: Path) -> int:
+    """The life a writer's folders begin in under `root` (DIR/<run id>): 0 where nothing
+    is written there yet; else the one after the highest there (a resumed run: its
+    points begin again from a checkpoint's step, in folders of their own)."""
+    try:
+        if not any(root.rglob("*tfevents*")):
+            return 0
+        lives = [int(m.group(1)) for path in root.rglob(f"{tbpoints.LIFE}*")
+                 if (m := re.fullmatch(rf"{tbpoints.LIFE}(\d+)", path.name))]
+    except OSError:
+        return 0  # (the writer says what it cannot do as it writes)
+    return max(lives, default=0) + 1
+
+
 class TensorBoardTap:
     """The daemon's live writer (one for all ranks): `take` each message the relay
     folded, with the state it was folded into. Never raises OSError: a refused
@@ -175,7 +190,7 @@ class TensorBoardTap:
     def __init__(self, root: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
         self.clock = clock
-        self.translator = tbpoints.Translator()
+        self.translator = tbpoints.Translator(first_life(root))
         self.files: EventFiles | None = None
         self.error: str | None = None  # the outage now going on, in words
         self.dropped = 0  # records not written, in all
@@ -221,6 +236,7 @@ class TensorBoardTap:
 
     def _flush(self) -> None:
         assert self.files is not None
+        self.files.write(self.translator.pending())  # the newest step's lines, so far
         self.files.flush()
         if self.error is not None:  # written again: the outage is over
             lost = self.dropped - self._outage_from

@@ -137,6 +137,7 @@ def _write(paths: RunPaths, files: EventFiles) -> Exported:
         if state.apply(message, record.received):  # as the daemon takes it: or not at all
             files.write(translator.items(message, state, record.received))
         done.records += 1
+    files.write(translator.pending())  # the last step's lines
     files.close()  # on an error, what is held is dropped with the rest (export)
     done.steps, done.damaged_bytes = translator.steps_written, reading.unread
     done.ranks = len(state.ranks)

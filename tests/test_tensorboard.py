@@ -59,8 +59,9 @@ def journal_messages(run: Path) -> list[wire.Message]:
 
 
 def events_text(folder: Path) -> list[str]:
-    return [e.tensor_proto.string_val[0].decode()
-            for e in read_back(folder).Tensors(tbpoints.EVENTS_TAG)]
+    """The run's lines, each step's text split into its lines (one text a step)."""
+    return [line for e in read_back(folder).Tensors(tbpoints.EVENTS_TAG)
+            for line in e.tensor_proto.string_val[0].decode().split(tbpoints.LINE_BREAK)]
 
 
 def assert_points_are_the_step_messages(run: Path, written: Path) -> None:
@@ -291,6 +292,8 @@ def test_the_translation_of_hand_made_messages() -> None:
     assert logged == [tbpoints.Scalars("rank1", 5, 103.0, (("log/grad_norm", 3.0),))]
     said = fold(wire.Event(run="r", rank=0, seq=3, t=104.0, type="warning", message="hot"),
                 104.0)
+    assert said == []  # held with the other lines of its step, given when asked for
+    said = translator.pending()
     assert said == [tbpoints.Text("run", 5, 104.0, "events", "**warning** · rank 0: hot")]
     assert translator.steps_written == 1
     # a node's summary (a multi-node hub's journal): a point for each rank's step in it
@@ -469,3 +472,42 @@ def test_a_live_run_that_cannot_write_its_files_succeeds_with_one_warning(
     warnings = [m for m in journal_messages(tmp_path / "runs" / "nowrite")
                 if isinstance(m, wire.Event) and m.type == "warning"]
     assert [w.message for w in warnings] == [line]
+
+
+def test_a_rank_that_steps_back_goes_on_in_a_life_of_its_own(tmp_path: Path) -> None:
+    """TensorBoard's server drops a series' points past a step given again: points
+    that step back (a restart from a checkpoint) go to `<folder>/restart<n>`, the tags
+    that do not (the run's lines) stay; a resumed run's writer begins after the lives
+    already written (core/tbwriter.first_life)."""
+    from ddtop.core.tbwriter import first_life
+
+    translator = tbpoints.Translator()
+    s = tbpoints.Scalars
+    tag = (("step/seconds", 0.1),)
+    placed = [translator._placed(item) for item in (
+        s("rank0", 10, 1.0, tag), s("rank0", 20, 2.0, tag),
+        s("rank0", 15, 3.0, (("log/x", 1.0),)),  # another tag, lower: no step back for it
+        s("rank0", 12, 4.0, tag),  # the restart: back to 12
+        s("rank0", 14, 5.0, tag), s("rank1", 3, 6.0, tag),
+        s("rank0", 1, 7.0, tag))]  # and a second one
+    assert [(p.folder, p.step) for p in placed] == [
+        ("rank0", 10), ("rank0", 20), ("rank0", 15), ("rank0/restart1", 12),
+        ("rank0/restart1", 14), ("rank1", 3), ("rank0/restart2", 1)]
+    assert first_life(tmp_path / "none") == 0
+    (tmp_path / "r" / "rank0" / "restart1").mkdir(parents=True)
+    assert first_life(tmp_path / "r") == 0  # folders, but nothing written in them
+    (tmp_path / "r" / "rank0" / "events.out.tfevents.1.h.1").write_bytes(b"")
+    assert first_life(tmp_path / "r") == 2
+    resumed = tbpoints.Translator(first_life=2)
+    assert resumed._placed(s("rank0", 40, 1.0, (("step/seconds", 0.1),))).folder == \
+        "rank0/restart2"
+    state = RunState(run="r")
+    message = wire.Event(run="r", rank=0, seq=0, t=1.0, type="warning", message="a")
+    state.apply(message, 1.0)
+    assert resumed.items(message, state, 1.0) == []
+    state.apply(msgspec.structs.replace(message, seq=1, message="b"), 1.1)
+    assert resumed.items(message, state, 1.1) == []
+    [text] = resumed.pending()  # both lines of the step, one text, in the resumed life
+    assert (text.folder, text.text) == ("run/restart2", f"**warning** · rank 0: a"
+                                        f"{tbpoints.LINE_BREAK}**warning** · rank 0: b")
+    assert resumed.pending() == []  # nothing new since
