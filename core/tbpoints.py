@@ -28,6 +28,8 @@ most once every CHECK_S of the run's time, as the printer's lines do.
 
 from __future__ import annotations
 
+import statistics
+
 import msgspec
 
 from ddtop.core import wire
@@ -35,6 +37,8 @@ from ddtop.core.printer import new_events
 from ddtop.core.state import RunState
 
 RUN_FOLDER = "run"
+SPREAD_FOLDER = "ranks"  # ranks/max, ranks/median, ranks/min
+CONFIG_FOLDER = ""  # the run's own folder: the HParams session
 EVENTS_TAG = "events"
 # A folder's later lives (after a restart or a resume): <folder>/restart<n>.
 LIFE = "restart"
@@ -68,7 +72,17 @@ class Text(msgspec.Struct, frozen=True):
     text: str
 
 
-Item = Scalars | Text
+class HParams(msgspec.Struct, frozen=True):
+    """The run's configuration, once, for TensorBoard's HParams plugin: its session is
+    the run's own folder (DIR/<run id>), its metrics the scalars of the folders in it."""
+
+    folder: str
+    trial: str  # the run id
+    wall: float
+    values: tuple[tuple[str, str | int | float], ...]
+
+
+Item = Scalars | Text | HParams
 
 
 def step_values(m: wire.Step) -> tuple[tuple[str, float], ...]:
@@ -92,6 +106,15 @@ def step_values(m: wire.Step) -> tuple[tuple[str, float], ...]:
         if value is not None:
             values.append((tag, float(value)))
     return tuple(values)
+
+
+def run_config(state: RunState, lr: float) -> tuple[tuple[str, str | int | float], ...]:
+    """What the run trains and how, as HParams compare runs by: every run has every key
+    (an empty text or 0 where not known)."""
+    return (("model", state.model), ("dataset", state.dataset), ("program", state.program),
+            ("strategy", state.strategy), ("backend", state.backend),
+            ("world_size", state.world_size), ("global_batch", state.global_batch),
+            ("epochs", state.epochs), ("lr", float(lr)))
 
 
 def aggregate_values(m: wire.Aggregate) -> tuple[tuple[str, float], ...]:
@@ -124,6 +147,7 @@ class Translator:
         self.line_step = 0
         self.line_wall = 0.0
         self.lines_written = 0  # of self.lines, those in the last Text given
+        self.configured = first_life > 0  # the HParams are written (by the first daemon)
 
     def items(self, message: wire.Message, state: RunState, received: float) -> list[Item]:
         """What `message` (just folded into `state`, received at `received`) adds."""
@@ -131,6 +155,10 @@ class Translator:
         out: list[Item] = []
         # A node's summary (daemon/summariser.py): its ranks' messages, each a point.
         for m in message.messages if isinstance(message, wire.NodeSummary) else (message,):
+            if isinstance(m, wire.Step) and not self.configured:
+                self.configured = True
+                out.append(HParams(CONFIG_FOLDER, state.run, m.t if m.t > 0 else wall,
+                                   run_config(state, m.lr)))
             out.extend(self._placed(item) for item in self._points(m, state, m.t if m.t > 0
                                                                    else wall))
         events, self.events_seen = new_events(state, self.events_seen)
@@ -143,6 +171,7 @@ class Translator:
             self.checked_at = received
             for text in self._check(state, received):
                 out.extend(self._line(text, wall))
+            out.extend(self._placed(item) for item in self._spread(state, wall))
         return out
 
     def pending(self) -> list[Item]:
@@ -200,6 +229,25 @@ class Translator:
             return [Scalars(rank_folder(message.rank), message.global_step, wall,
                             tuple((f"log/{k}", v) for k, v in message.values.items()))]
         return []
+
+    def _spread(self, state: RunState, wall: float) -> list[Scalars]:
+        """The ranks' step time and comm share (each one's newest window) at their max,
+        median and min, one folder each (ranks/max, ...): three lines where one per
+        rank is a tangle; two ranks at least."""
+        seconds = sorted(v.step_time_s for v in state.ranks.values()
+                         if v.step_time_s is not None)
+        shares = sorted(share for v in state.ranks.values()
+                        if (share := v.comm_share) is not None)
+        if len(seconds) < 2:
+            return []
+        out = []
+        for name, pick in (("max", lambda xs: xs[-1]), ("median", statistics.median),
+                           ("min", lambda xs: xs[0])):
+            values = [("step/seconds", float(pick(seconds)))]
+            if len(shares) >= 2:
+                values.append(("step/comm_share", float(pick(shares))))
+            out.append(Scalars(f"{SPREAD_FOLDER}/{name}", self.step, wall, tuple(values)))
+        return out
 
     def _check(self, state: RunState, now: float) -> list[str]:
         """Lines for stragglers named or no longer, and a hang found or over."""

@@ -117,6 +117,14 @@ class EventFiles:
     def write(self, items: Iterable[tbpoints.Item]) -> None:
         Value = self._summary.Value
         for item in items:
+            if isinstance(item, tbpoints.HParams):
+                from tensorboard.plugins.hparams import summary_v2
+
+                summary = summary_v2.hparams_pb(dict(item.values), trial_id=item.trial,
+                                                start_time_secs=item.wall)
+                event = self._event(wall_time=item.wall, step=0, summary=summary)
+                self._writer(item.folder).write(event.SerializeToString())
+                continue
             if isinstance(item, tbpoints.Scalars):
                 values = [Value(tag=tag, simple_value=v) for tag, v in item.values]
             else:

@@ -70,7 +70,11 @@ def assert_points_are_the_step_messages(run: Path, written: Path) -> None:
     steps = [m for m in journal_messages(run) if isinstance(m, wire.Step)]
     ranks = sorted({m.rank for m in steps})
     assert ranks == [0, 1]
-    assert sorted(p.name for p in written.iterdir()) == ["rank0", "rank1", "run"]
+    # A folder per rank, the run's, and the ranks' spread (ranks/max, median, min); the
+    # run's own folder holds its HParams.
+    assert sorted(p.name for p in written.iterdir() if p.is_dir()) == [
+        "rank0", "rank1", "ranks", "run"]
+    assert sorted(p.name for p in (written / "ranks").iterdir()) == ["max", "median", "min"]
     for rank in ranks:
         mine = [m for m in steps if m.rank == rank]
         found = read_back(written / f"rank{rank}")
@@ -273,7 +277,10 @@ def test_the_translation_of_hand_made_messages() -> None:
             "sync_wait_s": 0.0}
     step = wire.Step(rank=0, seq=0, t=100.0, global_step=4, steps=4, samples=8, loss_sum=4.0,
                      step_s=2.0, comm_s=0.5, loss_weight=2.0, **base)
-    (point,) = fold(step, 100.5)
+    config, point = fold(step, 100.5)  # the first step: the run's HParams, once
+    assert config == tbpoints.HParams("", "r", 100.0, (
+        ("model", ""), ("dataset", ""), ("program", ""), ("strategy", ""), ("backend", ""),
+        ("world_size", 0), ("global_batch", 0), ("epochs", 0), ("lr", 0.1)))
     assert point == tbpoints.Scalars("rank0", 4, 100.0, (
         ("step/seconds", 0.5), ("step/compute_seconds", 0.375), ("step/comm_seconds", 0.125),
         ("step/comm_share", 0.25), ("train/loss", 2.0), ("train/samples_per_second", 4.0)))
@@ -304,8 +311,15 @@ def test_the_translation_of_hand_made_messages() -> None:
                                    run="r", rank=3, seq=6, t=105.2, values={"gn": 1.0},
                                    global_step=6)])
     points = fold(summary, 105.6)
-    assert [(p.folder, p.step, p.wall) for p in points if isinstance(p, tbpoints.Scalars)] == [
+    assert [(p.folder, p.step, p.wall) for p in points if isinstance(p, tbpoints.Scalars)
+            and not p.folder.startswith("ranks/")] == [
         ("rank2", 6, 105.0), ("rank3", 6, 105.0), ("rank3", 6, 105.2)]
+    # ... and the ranks' spread, at most once a second: ranks 0, 2 and 3 have step times.
+    spread = {p.folder: dict(p.values) for p in points if isinstance(p, tbpoints.Scalars)
+              and p.folder.startswith("ranks/")}
+    assert spread == {"ranks/max": {"step/seconds": 0.5, "step/comm_share": 0.5},
+                      "ranks/median": {"step/seconds": 0.5, "step/comm_share": 0.5},
+                      "ranks/min": {"step/seconds": 0.5, "step/comm_share": 0.25}}
     assert translator.steps_written == 3
 
 

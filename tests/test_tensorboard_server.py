@@ -10,7 +10,8 @@ step are one text. A real run (`--max-restarts 1 --inject 1:kill@step=50
 --checkpoint-every 20 --step-delay 0.02 --tensorboard DIR`: its steps go back from about
 50 to the checkpoint's 40) is checked point for point against its journal, with
 EventAccumulator (its defaults) and with the server, and every event it folded is a
-line the server shows.
+line the server shows. The server's HParams plugin lists the run's configuration, and
+the ranks' spread (ranks/max, median, min) is drawn.
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ def server(logdir: Path) -> Any:
                             stderr=(logdir.parent / "tensorboard.log").open("w"),
                             stdin=subprocess.DEVNULL)
 
-    def get(path: str, **query: str) -> Any:
+    def get(path: str, body: dict[str, Any] | None = None, **query: str) -> Any:
+        """GET /data/PATH?QUERY, or POST `body` as JSON (the HParams plugin's way)."""
         url = f"http://127.0.0.1:{port}/data/{path}?{urllib.parse.urlencode(query)}"
+        request = urllib.request.Request(url) if body is None else urllib.request.Request(
+            url, json.dumps(body).encode(), {"Content-Type": "application/json"})
         deadline = time.monotonic() + 60
         while True:
             with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(
-                    url, timeout=10) as reply:
+                    request, timeout=10) as reply:
                 return json.load(reply)
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise AssertionError(f"TensorBoard did not answer {url}")
@@ -116,9 +120,21 @@ def test_every_life_of_a_rank_and_every_event_is_shown(tmp_path: Path) -> None:
             points = get("plugin/scalars/scalars", run=f"lives/{folder}", tag="step/seconds")
             assert [p[1] for p in points] == [m.global_step for m in steps], folder
         texts = get("plugin/text/text", run="lives/run", tag=tbpoints.EVENTS_TAG)
+        experiment = get("plugin/hparams/experiment", {"experimentName": ""})
+        spread = get("plugin/scalars/scalars", run="lives/ranks/max", tag="step/seconds")
     assert f"lives/rank1/{tbpoints.LIFE}1" in runs, runs
     lines = [line for t in texts for line in re.split(r"<hr\s*/?>", t["text"])]
     assert len(lines) == len(written_lines), (len(lines), len(written_lines))
+    # The run's configuration, for the HParams plugin to compare runs by; the global
+    # metrics are its metrics; the ranks' spread is drawn.
+    hparams = {h["name"]: h for h in experiment["hparamInfos"]}
+    assert {"model", "dataset", "program", "strategy", "backend", "world_size",
+            "global_batch", "epochs", "lr"} == set(hparams), hparams
+    assert hparams["model"]["domainDiscrete"] == ["mlp"]
+    assert hparams["world_size"]["domainInterval"]["minValue"] == 2.0
+    assert {"group": "run", "tag": "global/val_loss"} in [
+        m["name"] for m in experiment["metricInfos"]]
+    assert len(spread) > 3 and all(p[2] > 0 for p in spread)
     said = " ".join(lines)
     assert "restart 1/1: rank 1 was killed by SIGKILL" in said and "run succeeded" \
         in said, said[-500:]
