@@ -44,6 +44,7 @@ EVENT_STYLE: dict[EventKind, str] = {
     "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
     "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
 BAR_WIDTH = 30
+WAITING_S = 1.0  # inside a collective this long: the ranks wait, their numbers compared
 
 
 def header(state: RunState, now: float, note: str = "") -> Text:
@@ -172,18 +173,31 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
                     f"{fmt.millis(v.comm_s)} ms "
                     f"({share:.0f}% of step), busbw {num(v.busbw_gbps, '.2f')} GB/s, "
                     f"sync wait {v.sync_wait_s:.2f} s\n")
-    text.append("last collective (started / completed), laggards first\n", "dim")
-    # The rank that has not yet started the collective the others are in comes first.
-    ordered = sorted(state.ranks.values(), key=lambda r: (
-        r.coll_started.seq if r.coll_started else -1,
-        r.coll_completed.seq if r.coll_completed else -1, r.rank))
+    # Each rank's numbers come with its heartbeat, once a second, each rank's at its own
+    # moment: while the ranks step, readings a second apart differ by hundreds of
+    # collectives and say nothing of who lags. They are compared (laggards first) only
+    # while ranks wait inside one, where they stand still; each line says its age.
+    live = [r for r in state.ranks.values() if not r.exited and r.bye_code is None]
+    waiting = any(r.in_collective and r.phase_elapsed(now) > WAITING_S for r in live)
+    if waiting:
+        text.append("last collective (started / completed, its age), laggards first\n", "dim")
+        # The rank that has not yet started the collective the others are in comes first.
+        ordered = sorted(state.ranks.values(), key=lambda r: (
+            r.coll_started.seq if r.coll_started else -1,
+            r.coll_completed.seq if r.coll_completed else -1, r.rank))
+    else:
+        text.append("last collective (started / completed, its age): the ranks step, so "
+                    "readings a second apart are not compared\n", "dim")
+        ordered = sorted(state.ranks.values(), key=lambda r: r.rank)
     for r in ordered[:max(0, lines - len(text.plain.splitlines()))]:
         started = f"{r.coll_started.op} #{r.coll_started.seq}" if r.coll_started else "-"
         completed = f"#{r.coll_completed.seq}" if r.coll_completed else "-"
         inside = r.in_collective and not r.exited and r.bye_code is None
-        style = "bold yellow" if inside and r.phase_elapsed(now) > 1 else ""
+        style = "bold yellow" if inside and r.phase_elapsed(now) > WAITING_S else ""
+        age = f"  {seconds(max(0.0, now - r.phase_at))} ago" if r.phase_at is not None and (
+            r.coll_started or r.coll_completed) else ""
         text.append(f"rank {r.rank:>4}: {started} / {completed}"
-                    f"{'  (inside)' if inside else ''}\n", style)
+                    f"{'  (inside)' if inside else ''}{age}\n", style)
     return text
 
 

@@ -6,7 +6,8 @@ A run of N ranks is folded by hand: each rank reports 10 steps (320 samples) a
 message, from step 10 to step 200, one message a second (320 samples/s a rank)
 but every fifth 1.25 s (256 samples/s: the last one too), loss 2 - step/200
 (+0.01 per rank), comm 20% of the step (+1% per rank); the global loss at steps
-50, 100, 150 and 200 is 2 - step/200 (1.0 at the end).
+50, 100, 150 and 200 is 2 - step/200 (1.0 at the end). A finished run ends as a real
+one does: each rank's goodbye, then the daemon's `succeeded` (every rank `finished`).
 
 Snapshots are rewritten with DDTOP_UPDATE_SNAPSHOTS=1 (review the diff); with
 DDTOP_SCREENSHOTS=1 the same screens are saved as SVG under docs/images/ (the
@@ -92,8 +93,11 @@ def run_of(ranks: int, finished: bool = True) -> RunState:
             state.apply(wire.Aggregate(run=RUN, rank=0, seq=seqs[0], t=t, scope="sync",
                                        epoch=0, global_step=step, train_loss=2.0 - step / 200,
                                        train_accuracy=0.5, train_samples=32 * step), t)
-    if finished:
+    if finished:  # as a run ends: every rank says goodbye, then the daemon the status
         t += 1.0
+        for rank in range(ranks):
+            seqs[rank] += 1
+            state.apply(wire.Bye(run=RUN, rank=rank, seq=seqs[rank], t=t, exit_code=0), t)
         state.apply(wire.RunStatus(run=RUN, rank=wire.DAEMON_RANK, t=t, status="succeeded",
                                    world_size=ranks), t)
     return state

@@ -54,6 +54,23 @@ def test_stalled_rank_names_the_collective_the_others_wait_in() -> None:
     assert "(inside)" in comm
 
 
+def test_stepping_ranks_collective_numbers_are_not_ranked_by_stale_readings() -> None:
+    """Heartbeats a second apart: rank 1's reading is older, 500 collectives behind while
+    its steps match; no one waits, so the ranks are listed in order, each reading's age
+    said, and none is put first as a laggard."""
+    s = RunState(run=RUN)
+    for m, at in ((hello(0), 100.0), (hello(1), 100.0), (step(0, 1, 10), 100.0),
+                  (step(1, 1, 10), 100.0), (beat(1, 2, "forward", 10, started=3, completed=3),
+                                             100.1),
+                  (beat(0, 2, "forward", 10, started=503, completed=503), 101.0)):
+        s.apply(m, at)
+    comm = panels.comm(s, 101.2, None, 20).plain.splitlines()
+    header = next(i for i, line in enumerate(comm) if line.startswith("last collective"))
+    assert "not compared" in comm[header] and "laggards first" not in comm[header]
+    assert comm[header + 1] == "rank    0: allreduce #503 / #503  0.2 s ago"
+    assert comm[header + 2] == "rank    1: allreduce #3 / #3  1.1 s ago"
+
+
 def test_silent_rank_after_no_message_for_a_while() -> None:
     s = two_running()
     s.apply(beat(0, 3, "forward", 11), 110.0)
