@@ -93,7 +93,8 @@ def header(state: RunState, now: float, note: str = "") -> Text:
         text.append(f" (step {agg.global_step})", "dim")
     slowest, skew, slow = state.stragglers()
     if slowest is not None:
-        text.append(f" · slowest rank {slowest} (+{1000 * skew:.1f} ms/step)")
+        text.append(f" · slowest rank {slowest} (+{1000 * skew:.1f} ms/step, the others wait "
+                    "for it)")
     if slow:
         text.append(f" · stragglers: {', '.join(map(str, slow[:8]))}"
                     f"{'…' if len(slow) > 8 else ''}", "bold yellow")
@@ -242,10 +243,14 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
                 f"{v.sender_dropped} dropped by the rank\n")
     if (creep := v.creep.words()) is not None:
         text.append(creep + "\n", "bold yellow")
-    cause = state.straggler_causes().get(rank)
-    if cause is not None:  # (a straggler: why, core/causes.py)
-        text.append(f"straggles (+{1000 * v.evidence.excess_s:.1f} ms/step): {cause[1]}\n",
+    if rank in state.stragglers()[2]:  # why the mark, and why its row may read better
+        cause = state.straggler_causes().get(rank)  # (core/causes.py)
+        text.append(f"straggles (+{1000 * v.evidence.excess_s:.1f} ms/step): "
+                    f"{cause[1] if cause is not None else 'cause not judged yet'}\n",
                     "bold yellow")
+        text.append("the others wait for it in their collectives: the wait is in their step "
+                    "time and COMM%, so its own step time and samples/s may read better than "
+                    "theirs\n", "yellow")
     if ended:
         how = describe_exit(v.exit_code if v.exit_code is not None else v.bye_code, v.signal,
                             short=True)

@@ -48,7 +48,8 @@ HELP = """\
 [b]Ranks table[/b]
   [yellow]![/yellow] a straggler: for 4 windows of 5+ steps in a row it computed 1.25x as
     long per step as the others' median, and they waited 15% of each step for it
-  [yellow]▲[/yellow] the slowest straggler (the one the others wait for longest)
+  [yellow]▲[/yellow] the slowest straggler (the one the others wait for longest): their wait
+    counts in their STEP ms and COMM%, so its own row may read faster than theirs
   STATE  [green]running[/green]  [yellow]stalled[/yellow] (no progress, heartbeats still come)
          [magenta]silent[/magenta] (no message for 5 s)  [red]dead[/red] (exit code or signal)
          [blue]finished[/blue]  [magenta]unreached[/magenta] (never heard from, 30 s into the run)

@@ -105,7 +105,13 @@ def test_straggler_is_marked_and_the_slowest_named() -> None:
     assert rows[2].slowest and rows[2].straggler and rows[2].problem
     assert not rows[0].straggler and not rows[1].straggler
     assert [r.rank for r in fmt.filter_rows(list(rows.values()), "straggler", False)] == [2]
-    assert "slowest rank 2 (+70.0 ms/step) · stragglers: 2" in panels.header(s, 100.5).plain
+    assert "slowest rank 2 (+70.0 ms/step, the others wait for it) · stragglers: 2" in (
+        panels.header(s, 100.5).plain)
+    # The mark's reason, in the rank detail: why its own row may read better.
+    detail = panels.detail(s, 2, 100.5).plain
+    assert "straggles (+70.0 ms/step)" in detail, detail
+    assert "the others wait for it in their collectives" in detail
+    assert "the others wait for it" not in panels.detail(s, 0, 100.5).plain
 
 
 def test_finished_ranks_and_the_header_of_a_finished_run() -> None:
