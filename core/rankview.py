@@ -16,6 +16,7 @@ import msgspec
 
 from ddtop.core import memcreep, wire
 from ddtop.core.stragglers import Evidence
+from ddtop.core.thinned import Thinned, mean
 
 SILENT_AFTER_S = 5.0  # no message for this long (heartbeats come every 1 s): silent
 # A step phase lasting this long (and STALL_STEPS steps' time): stalled. A hung rank
@@ -53,6 +54,13 @@ FINISHED: Final = "finished"
 UNREACHED: Final = "unreached"
 # On a node the hub cannot reach (or has lost): how it stands is unknown.
 UNREACHABLE: Final = "unreachable"
+
+
+def merge_points(a: Point, wa: int, b: Point, wb: int) -> Point:
+    """Two readings as one (core/thinned.py), weighted: at the later one's step and time."""
+    return Point(b.t, b.global_step, mean(a.loss, wa, b.loss, wb),
+                 mean(a.samples_per_s, wa, b.samples_per_s, wb),
+                 mean(a.comm_share, wa, b.comm_share, wb))
 
 
 def history_points(world_size: int) -> int:
@@ -162,6 +170,7 @@ class RankView(msgspec.Struct, kw_only=True):
     below_seq: int = -1
     below_run: int = 0
     history: list[Point] = []
+    whole: Thinned[Point] = msgspec.field(default_factory=Thinned)  # the whole run, even
     # Whether the others wait for it: windows of its steps, judged (core/stragglers.py).
     evidence: Evidence = msgspec.field(default_factory=Evidence)
 

@@ -51,12 +51,14 @@ from ddtop.core.rankview import (
     RankState,
     RankView,
     history_points,
+    merge_points,
 )
 from ddtop.core.rankview import SILENT as SILENT
 from ddtop.core.rankview import STARTING as STARTING
 from ddtop.core.rankview import UNREACHED as UNREACHED
 from ddtop.core.scalars import keep_newest, summaries
 from ddtop.core.summary import LOST, Failure, RunSummary, ScalarSummary, Status
+from ddtop.core.thinned import Thinned, mean
 
 MAX_RANKS = MAX_JOB_RANKS  # the ranks one fold holds: a job's (core/bounds.py)
 # A rank that has spoken sends its next message with the next sequence number, or
@@ -87,6 +89,13 @@ class GlobalPoint(msgspec.Struct, array_like=True):
     train_accuracy: float
 
 
+def _merge_global(a: GlobalPoint, wa: int, b: GlobalPoint, wb: int) -> GlobalPoint:
+    loss, accuracy = (mean(a.train_loss, wa, b.train_loss, wb),
+                      mean(a.train_accuracy, wa, b.train_accuracy, wb))
+    assert loss is not None and accuracy is not None
+    return GlobalPoint(b.t, b.global_step, loss, accuracy)
+
+
 class RunState(msgspec.Struct, kw_only=True):
     run: str
     world_size: int = 0
@@ -115,6 +124,7 @@ class RunState(msgspec.Struct, kw_only=True):
     events: list[RunEvent] = []  # the newest MAX_EVENTS (core/events.py)
     event_count: int = 0  # events ever recorded: readers print those after the last they saw
     global_history: list[GlobalPoint] = []  # metric syncs, newest HISTORY_POINTS
+    global_whole: Thinned[GlobalPoint] = msgspec.field(default_factory=Thinned)  # all of them
     scalars: dict[str, dict[int, float]] = {}  # ddtop.log: key -> rank -> newest value
     scalars_dropped: int = 0  # keys over MAX_RUN_SCALAR_KEYS (core/scalars.py), ignored
     folded: int = 0
@@ -345,9 +355,11 @@ class RunState(msgspec.Struct, kw_only=True):
         view.cuda_allocated, view.cuda_reserved, view.rss = m.cuda_allocated, m.cuda_reserved, m.rss
         view.rss_peak, view.cuda_peak = m.rss_peak, m.cuda_peak
         view.creep.add(received, view.memory)
-        view.history.append(Point(m.t, m.global_step, view.loss, rate, view.comm_share))
+        point = Point(m.t, m.global_step, view.loss, rate, view.comm_share)
+        view.history.append(point)
         if len(view.history) > (keep := history_points(self.world_size)):
             del view.history[: len(view.history) - keep]
+        view.whole.add(point, keep, merge_points)
 
     def _stepping(self) -> dict[int, stragglers.Evidence]:
         """Every running rank's straggler evidence (once per round of windows)."""
@@ -377,6 +389,7 @@ class RunState(msgspec.Struct, kw_only=True):
                                                    m.train_accuracy))
             if len(self.global_history) > HISTORY_POINTS:
                 del self.global_history[: len(self.global_history) - HISTORY_POINTS]
+            self.global_whole.add(self.global_history[-1], HISTORY_POINTS, _merge_global)
         if m.scope == "epoch" and all(e.epoch != m.epoch or e.global_step != m.global_step
                                       for e in self.epochs_done):
             self.epochs_done.append(m)

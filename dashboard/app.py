@@ -35,7 +35,14 @@ from ddtop.dashboard import panels, rankmap
 from ddtop.dashboard.charts import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH
 from ddtop.dashboard.feed import Feed as FeedBase
 from ddtop.dashboard.feed import Pacer
-from ddtop.dashboard.mainpanels import Banner, ChartGrid, CommPanel, EventsPanel, RunHeader
+from ddtop.dashboard.mainpanels import (
+    CHART_POINTS,
+    Banner,
+    ChartGrid,
+    CommPanel,
+    EventsPanel,
+    RunHeader,
+)
 from ddtop.dashboard.screens import ConfirmStop, HelpScreen, RankDetail
 from ddtop.dashboard.widgets import RankTable
 
@@ -86,6 +93,7 @@ class DashboardApp(App[None]):
         Binding("f", "problems", "problems only"),
         Binding("m", "rank_map", "map/table"),
         Binding("p", "pause", "pause"),
+        Binding("w", "chart_window", "whole run/latest", show=False),
         Binding("x", "stop_run", "stop run"),
         Binding("e", "evidence", "evidence", show=False),
         Binding("P", "profile", "profile", show=False),
@@ -330,6 +338,13 @@ class DashboardApp(App[None]):
         for selector, on in (("#mapview", True), ("#ranks", False), ("#lower", False)):
             self.query_one(selector).display = on == self.map_shown
         self.query_one(rankmap.RankMap if self.map_shown else RankTable).focus()
+        self.dirty = True
+
+    def action_chart_window(self) -> None:
+        """The charts over the whole run (thinned), or the newest steps, and back."""
+        self.chart_grid.whole = not self.chart_grid.whole
+        self.notify("charts: the whole run" if self.chart_grid.whole else
+                    f"charts: the newest {CHART_POINTS} steps", timeout=2)
         self.dirty = True
 
     def action_problems(self) -> None:

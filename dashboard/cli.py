@@ -49,6 +49,7 @@ FIND_POLL_S = 0.2
 KEYS = (("q", "quit (the run goes on)"), ("question_mark", "help"),
         ("s,S", "sort by the next column / reverse"), ("slash", "filter ranks"),
         ("escape", "clear the filter"), ("f", "problems only"), ("p", "pause"),
+        ("w", "charts: the whole run / the newest 120 steps"),
         ("m", "rank map / ranks table (256 ranks or more; arrows move on the map)"),
         ("x", "stop the run (asks first)"), ("e", "gather the evidence now"),
         ("P", "profile the selected rank"),

@@ -22,7 +22,7 @@ from ddtop.dashboard.feed import Feed
 from ddtop.dashboard.pacing import CHARTS_EVERY_S, HEADER_EVERY_S, PANELS_EVERY_S, Every
 from ddtop.dashboard.widgets import TextPanel
 
-CHART_POINTS = 120  # global steps a run-wide chart shows
+CHART_POINTS = 120  # global steps a run-wide chart shows in the latest window (key w)
 # The run-wide charts: widget id, title, the y axis's unit.
 CHARTS = (("loss-global", "loss: global", "loss"), ("loss-rank", "loss: selected rank", "loss"),
           ("rate", "samples/s", "samples/s"), ("comm-share", "comm %", "% of step"))
@@ -131,6 +131,7 @@ class ChartGrid(Container):
         self.charts = {name: Chart(title, unit, id=name) for name, title, unit in CHARTS}
         self.turn = 0  # the chart first in line for new data
         self.finished = False
+        self.whole = True  # the whole run (thinned); False: the newest CHART_POINTS steps
 
     def compose(self) -> ComposeResult:
         yield from self.charts.values()
@@ -139,8 +140,9 @@ class ChartGrid(Container):
         with feed.lock:
             state = feed.state
             self.finished = feed.finished
-            if self.every.due((id(state), selected), feed.finished):
-                self.data = series.charts(state, selected, CHART_POINTS)
+            if self.every.due((id(state), selected, self.whole), feed.finished):
+                self.data = series.charts(state, selected,
+                                          None if self.whole else CHART_POINTS)
         self.hand_out()
 
     def hand_out(self) -> None:

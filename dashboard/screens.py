@@ -35,6 +35,7 @@ HELP = """\
   [b]m[/b]        rank map / ranks table (256 ranks or more: the map first, a
            half cell a rank by node; arrows move on it, Enter: its detail)
   [b]p[/b]        pause the view (telemetry is still read, nothing is lost)
+  [b]w[/b]        charts: the whole run (its older steps thinned) or the newest 120 steps
   [b]Enter[/b]    the selected rank's detail: charts, step breakdown, events, log;
            there [b]t[/b] shows the rank's Python stacks now (all threads, also
            inside a collective), [b]l[/b] the log again

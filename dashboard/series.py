@@ -11,9 +11,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TypeVar
 
-from ddtop.core.state import RunState
+from ddtop.core.rankview import Point
+from ddtop.core.state import GlobalPoint, RunState
+from ddtop.core.thinned import Thinned
 
+P = TypeVar("P", Point, GlobalPoint)
 PER_RANK_LINES = 4  # up to this many ranks, the comm chart has a line per rank; more: the spread
 
 
@@ -53,45 +57,58 @@ class ChartData:
         return f"{self.name} {self.latest}" if self.latest else self.name
 
 
-def global_loss(state: RunState) -> ChartData:
-    """The global training loss at each metric sync."""
-    points = state.global_history
+def span(thinned: Thinned[P], recent: list[P], whole: bool) -> list[P]:
+    """The points a chart draws: the newest readings as they came; with `whole`, the
+    whole run thinned (core/thinned.py), then the newest readings past its last point."""
+    if not whole or not thinned.points:
+        return recent
+    last: int = thinned.points[-1].global_step
+    return thinned.points + [p for p in recent if p.global_step > last]
+
+
+def global_loss(state: RunState, whole: bool = False) -> ChartData:
+    """The global training loss at each metric sync (`whole`: over the whole run)."""
+    points = span(state.global_whole, state.global_history, whole)
     if not points:
         return ChartData("loss: global", "loss")
-    last = points[-1]
+    last = state.global_history[-1]
     return ChartData("loss: global", "loss",
                      (Line("global", tuple(p.global_step for p in points),
                            tuple(p.train_loss for p in points)),),
                      f"{last.train_loss:.4f}", last.global_step)
 
 
-def rank_loss(state: RunState, rank: int | None) -> ChartData:
+def rank_loss(state: RunState, rank: int | None, whole: bool = False) -> ChartData:
     """The selected rank's loss at each of its Step messages that reported one; a
     rank that reports none (zero-code) is said to, never charted as 0."""
     view = state.ranks.get(rank) if rank is not None else None
     if view is None or not view.history:
         return ChartData("loss: selected rank" if rank is None else f"loss: rank {rank}", "loss")
-    points = [(p.global_step, p.loss) for p in view.history if p.loss is not None]
+    points = [(p.global_step, p.loss) for p in span(view.whole, view.history, whole)
+              if p.loss is not None]
     if not points:
         return ChartData(f"loss: rank {rank}", "loss", latest="not reported")
-    step, loss = points[-1]
+    newest = [p for p in view.history if p.loss is not None]
+    step, loss = (newest[-1].global_step, newest[-1].loss) if newest else points[-1]
     return ChartData(f"loss: rank {rank}", "loss",
                      (Line(f"rank {rank}", tuple(s for s, _ in points),
                            tuple(y for _, y in points)),), f"{loss:.4f}", step)
 
 
-def _by_step(state: RunState, points: int, field: str) -> list[tuple[int, list[float]]]:
+def _by_step(state: RunState, points: int | None, field: str) -> list[tuple[int, list[float]]]:
     """The ranks' readings of `field` (a Point's) grouped by global step, the newest
-    `points` steps, oldest first; a reading not reported (None) is left out."""
+    `points` steps (None: the whole run, thinned), oldest first; a reading not reported
+    (None) is left out."""
     steps: defaultdict[int, list[float]] = defaultdict(list)
     for view in state.ranks.values():
-        for p in view.history:
+        for p in span(view.whole, view.history, points is None):
             if (value := getattr(p, field)) is not None:
                 steps[p.global_step].append(value)
-    return sorted(steps.items())[-points:]
+    found = sorted(steps.items())
+    return found if points is None else found[-points:]
 
 
-def throughput(state: RunState, points: int) -> ChartData:
+def throughput(state: RunState, points: int | None) -> ChartData:
     """Run-wide samples/s at each global step: the sum over the ranks that reported
     it, scaled to all ranks with a history (a rank's reading not yet in counts as
     the mean of the others')."""
@@ -106,7 +123,7 @@ def throughput(state: RunState, points: int) -> ChartData:
                      f"{ys[-1]:,.0f}", steps[-1][0])
 
 
-def comm_share(state: RunState, points: int) -> ChartData:
+def comm_share(state: RunState, points: int | None) -> ChartData:
     """The share of the step spent communicating, in percent: a line per rank up to
     PER_RANK_LINES ranks, else the spread over ranks (min, median, max) per step."""
     steps = _by_step(state, points, "comm_share")
@@ -117,7 +134,9 @@ def comm_share(state: RunState, points: int) -> ChartData:
     if len(ranks) <= PER_RANK_LINES:
         lines = []
         for rank in ranks:
-            mine = [(p.global_step, 100 * p.comm_share) for p in state.ranks[rank].history
+            view = state.ranks[rank]
+            mine = [(p.global_step, 100 * p.comm_share)
+                    for p in span(view.whole, view.history, points is None)
                     if p.global_step >= xs[0] and p.comm_share is not None]
             lines.append(Line(f"rank {rank}", tuple(s for s, _ in mine),
                               tuple(y for _, y in mine)))
@@ -133,7 +152,11 @@ def comm_share(state: RunState, points: int) -> ChartData:
                      f"min {low:.0f} med {mid:.0f} max {high:.0f}", xs[-1])
 
 
-def charts(state: RunState, selected: int | None, points: int) -> dict[str, ChartData]:
-    """The main view's four charts, by widget id (mainpanels.CHARTS)."""
-    return {"loss-global": global_loss(state), "loss-rank": rank_loss(state, selected),
+def charts(state: RunState, selected: int | None, points: int | None) -> dict[str, ChartData]:
+    """The main view's four charts, by widget id (mainpanels.CHARTS): the newest `points`
+    steps, or (None) the whole run."""
+    whole = points is None
+    return {"loss-global": global_loss(state, whole),
+            "loss-rank": rank_loss(state, selected, whole),
             "rate": throughput(state, points), "comm-share": comm_share(state, points)}
+
