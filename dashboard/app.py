@@ -239,13 +239,16 @@ class DashboardApp(App[None]):
         self.banner.text = banner
         table.set_rows(rows)
         self._fit_table(table, len(rows), self.banner.outer_size.height if banner else 0)
+        charts_waiting = False
         if not self.map_shown:  # behind the map: not built at all
             selected = table.selected_rank
-            self.chart_grid.show_run(feed, selected)
+            charts_waiting = self.chart_grid.show_run(feed, selected)
             self.comm.show_run(feed, now, selected)
         self.events.show_run(feed)
         self.frames += 1
-        self.dirty = not laid_out  # the map just shown: drawn at the next tick, laid out
+        # The map just shown: drawn at the next tick, laid out; charts waiting for their
+        # turn: drawn at the next tick too.
+        self.dirty = not laid_out or charts_waiting
         self.last_render = time.monotonic()
 
     def _fit_table(self, table: RankTable, rows: int, banner: int) -> None:
@@ -269,12 +272,16 @@ class DashboardApp(App[None]):
         return self.query_one(selector).size.height
 
     def _note(self) -> str:
-        return panels.note(self.feed, self.replay, self.filter_text, self.problems_only,
+        note = panels.note(self.feed, self.replay, self.filter_text, self.problems_only,
                            self.paused)
+        if self.chart_grid.whole:
+            return note
+        latest = f"charts: the newest {CHART_POINTS} steps (w: the whole run)"
+        return f"{note} · {latest}" if note else latest
 
     # -- keys ------------------------------------------------------------------------
     MAIN_VIEW_ACTIONS = frozenset({"sort", "filter", "problems", "pause", "stop_run", "speed",
-                                   "clear_filter", "rank_map"})
+                                   "clear_filter", "rank_map", "chart_window"})
 
     # What acts on a live run: out of the footer (and off) in a replay.
     LIVE_ACTIONS = frozenset({"stop_run", "evidence", "profile"})
@@ -342,9 +349,7 @@ class DashboardApp(App[None]):
 
     def action_chart_window(self) -> None:
         """The charts over the whole run (thinned), or the newest steps, and back."""
-        self.chart_grid.whole = not self.chart_grid.whole
-        self.notify("charts: the whole run" if self.chart_grid.whole else
-                    f"charts: the newest {CHART_POINTS} steps", timeout=2)
+        self.chart_grid.whole = not self.chart_grid.whole  # (the header's note says which)
         self.dirty = True
 
     def action_problems(self) -> None:

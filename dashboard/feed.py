@@ -103,7 +103,11 @@ class StateFeed(Feed):
         self.connection = LIVE
 
     def pump(self, timeout_s: float) -> int:
+        """Nothing to fold here: it waits out `timeout_s`, as a feed with nothing come
+        does (returned at once, the app's worker would spin a core)."""
         self.finished = self.state.status in wire.FINAL_STATUSES
+        if not self.finished:
+            time.sleep(timeout_s)
         return 0
 
     def now(self) -> float:

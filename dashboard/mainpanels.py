@@ -136,21 +136,24 @@ class ChartGrid(Container):
     def compose(self) -> ComposeResult:
         yield from self.charts.values()
 
-    def show_run(self, feed: Feed, selected: int | None) -> None:
+    def show_run(self, feed: Feed, selected: int | None) -> bool:
+        """New data handed out; True while a chart still waits for its turn (the app
+        draws another frame for it at once, not at its next idle one)."""
         with feed.lock:
             state = feed.state
             self.finished = feed.finished
             if self.every.due((id(state), selected, self.whole), feed.finished):
                 self.data = series.charts(state, selected,
                                           None if self.whole else CHART_POINTS)
-        self.hand_out()
+        return self.hand_out()
 
-    def hand_out(self) -> None:
+    def hand_out(self) -> bool:
         """New data to the next chart in turn whose data changed (to every one once
-        the run is over)."""
+        the run is over); True while another one's data changed too."""
         names = list(self.data)
         for i in range(len(names)):
             name = names[(self.turn + i) % len(names)]
             if self.charts[name].set_data(self.data[name]) and not self.finished:
                 self.turn = (self.turn + i + 1) % len(names)
-                return
+                return any(self.charts[n].data != self.data[n] for n in names)
+        return False
