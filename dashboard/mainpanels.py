@@ -56,7 +56,7 @@ class RunHeader(ShownText):
             if not self.every.due((id(state), note, state.status, state.event_count,
                                    feed.connection, feed.detail), not paced):
                 return self.banner
-            text = panels.header(state, now, note)
+            text = panels.header(state, now, note, self.size.width or None)
             self.banner = panels.banner(state, now, feed.connection, feed.detail)
         self.shown = text
         return self.banner
@@ -64,7 +64,7 @@ class RunHeader(ShownText):
     def show_note(self, feed: Feed, now: float, note: str) -> None:
         """The header at once, for a note that changed (the dashboard paused)."""
         with feed.lock:
-            text = panels.header(feed.state, now, note)
+            text = panels.header(feed.state, now, note, self.size.width or None)
         self.shown = text
 
 

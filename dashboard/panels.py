@@ -44,10 +44,14 @@ EVENT_STYLE: dict[EventKind, str] = {
     "checkpoint": "cyan", "epoch_end": "bold", "join": "dim", "status": "blue",
     "stopped": "yellow", "stop_requested": "yellow", "resumed": "cyan"}
 BAR_WIDTH = 30
+MIN_BAR = 8  # a progress bar narrower than this is left out
+SHARE_ROW_TEXT = 44  # a step-breakdown row's cells besides its bar, its note included
 WAITING_S = 1.0  # inside a collective this long: the ranks wait, their numbers compared
 
 
-def header(state: RunState, now: float, note: str = "") -> Text:
+def header(state: RunState, now: float, note: str = "", width: int | None = None) -> Text:
+    """The run in a few lines; the progress line fitted to `width` cells where given (the
+    bar shorter, then gone, then fewer words), so that elapsed time and ETA stay."""
     done, total = state.progress()
     fraction = done / total if total else 0.0
     world = state.world_size or len(state.ranks)
@@ -65,7 +69,6 @@ def header(state: RunState, now: float, note: str = "") -> Text:
                 f"{count_of(world, 'rank')} on {count_of(n_nodes, 'node')} · "
                 f"restarts {state.restarts} · {lost_words(state.telemetry_loss())}")
     text.append("\n")
-    text.append(fmt.bar(fraction, BAR_WIDTH), "green")
     # The furthest epoch a rank is in; "-" where none knows its own (a script's
     # sampler never set_epoch'd), left out where nothing at all is known.
     known = [v.epoch for v in state.ranks.values() if v.epoch is not None]
@@ -73,10 +76,22 @@ def header(state: RunState, now: float, note: str = "") -> Text:
     epochs = (f" · epoch {furthest}/{state.epochs}" if state.epochs
               else f" · epoch {furthest}" if known else "")
     eta = state.eta(now)
-    text.append(f" step {done}/{total or '?'} ({100 * fraction:.1f}%){epochs} · "
-                f"{rate_words(state.throughput(now), state.status)} · elapsed "
-                f"{seconds(state.elapsed(now))}"
-                f"{' · ETA ' + seconds(eta) if eta is not None else ''}")
+    rate = rate_words(state.throughput(now), state.status)
+    timing = (f" · elapsed {seconds(state.elapsed(now))}"
+              f"{' · ETA ' + seconds(eta) if eta is not None else ''}")
+    steps = f" step {done}/{total or '?'}"
+    # The whole line, then shorter ones, the first that fits (elapsed and ETA kept).
+    lines = [f"{steps} ({100 * fraction:.1f}%){epochs} · {rate}{timing}",
+             f"{steps} ({100 * fraction:.1f}%){epochs} · {rate.replace(' on average', ' avg')}"
+             f"{timing}",
+             f"{steps}{epochs} · {rate.replace(' on average', ' avg')}{timing}"]
+    room = None if width is None else width - 1  # (the header's left padding)
+    line = next((x for x in lines if room is None or len(x) + MIN_BAR <= room
+                 or len(x) <= room), lines[-1])
+    bar = BAR_WIDTH if room is None else min(BAR_WIDTH, room - len(line))
+    if bar >= MIN_BAR:
+        text.append(fmt.bar(fraction, bar), "green")
+    text.append(line if bar >= MIN_BAR else line.lstrip())
     agg = state.aggregate
     if agg is None and state.program:  # a user's script: its ddtop.log scalars instead
         text.append("\nscalars: ")
@@ -262,13 +277,17 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
         lines = rank_scalars(state, rank, width)
         text.append("\n".join(lines) + "\n" if lines else "none logged by this rank\n",
                     "" if lines else "dim")
-    text.append("\nper step (ms)\n", "bold")
+    text.append("per step (ms)\n", "bold")  # (no blank line: whole at 80x24, comm included)
     step = v.step_time_s or 0.0
+
+    # The bars as wide as the detail leaves them (20 at most), so that a row and its
+    # note stay whole (80x24: the detail is about 52 cells wide).
+    bar = max(4, min(20, width - SHARE_ROW_TEXT))
 
     def share_row(name: str, value: float | None, note: str = "") -> None:
         share = (value or 0.0) / step if step else 0.0
         text.append(f"{name:>10} {fmt.millis(value):>7} ")
-        text.append(fmt.bar(share, 20), "cyan")
+        text.append(fmt.bar(share, bar), "cyan")
         text.append(f" {100 * share:4.0f}%{note}\n")
 
     for name, value in v.phase_split.items():  # these add up to the step
@@ -277,10 +296,10 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
     # DDP all-reduces gradient buckets while backward still runs: this time is
     # part of the phases above, not added to them.
     if v.comm_overlap_s is None:
-        share_row("all-reduce", v.comm_s, " of the step, overlapping backward")
+        share_row("all-reduce", v.comm_s, " (in backward)")
     else:  # measured (the built-in trainer's --strategy)
         overlapped = v.comm_overlap_s / v.comm_s if v.comm_s else 0.0
-        share_row("comm", v.comm_s, f" of the step, {100 * overlapped:.0f}% of it overlapped")
+        share_row("comm", v.comm_s, f" ({100 * overlapped:.0f}% overlapped)")
     for line in traceback_tail(v.traceback, 12):
         text.append(f"  | {line}\n", "red")
     return text

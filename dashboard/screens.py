@@ -10,7 +10,7 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Sparkline, Static
 
@@ -27,39 +27,47 @@ HELP = """\
 [b]ddtop keys[/b]
 
   [b]q[/b]        quit the dashboard (the run goes on; ddtop re-attaches)
-  [b]?[/b]        this help
+  [b]?[/b]        this help (arrows and PgUp/PgDn scroll it)
   [b]s[/b] / [b]S[/b]    sort by the next column / reverse the order
-  [b]/[/b]        filter ranks: a rank number, part of a host name, or a state
-           (running, stalled, silent, dead, finished, straggler); empty clears
+  [b]/[/b]        filter ranks: a rank number, part of a host name, or a
+           state (running, stalled, silent, dead, finished,
+           straggler); empty clears
   [b]f[/b]        problems only: stalled, silent, dead and straggling ranks
-  [b]m[/b]        rank map / ranks table (256 ranks or more: the map first, a
-           half cell a rank by node; arrows move on it, Enter: its detail)
+  [b]m[/b]        rank map / ranks table (256 ranks or more: the map first,
+           a half cell a rank by node; arrows move on it, Enter: its
+           detail)
   [b]p[/b]        pause the view (telemetry is still read, nothing is lost)
-  [b]w[/b]        charts: the whole run (its older steps thinned) or the newest 120 steps
-  [b]Enter[/b]    the selected rank's detail: charts, step breakdown, events, log;
-           there [b]t[/b] shows the rank's Python stacks now (all threads, also
-           inside a collective), [b]l[/b] the log again
-  [b]x[/b]        stop the run (asks first): ranks finish the step, rank 0 checkpoints
-  [b]e[/b]        gather the evidence now: every rank's stacks and state, in the
-           run's evidence/ folder (the events say which)
-  [b]P[/b]        profile the selected rank for 5 steps (torch.profiler; then
-           ddtrain profile --show prints its top operators)
+  [b]w[/b]        charts: the whole run (its older steps thinned) or the
+           newest 120 steps
+  [b]Enter[/b]    the selected rank's detail: charts, step breakdown,
+           events, log; there [b]t[/b] shows the rank's Python stacks now
+           (all threads, also inside a collective), [b]l[/b] the log again
+  [b]x[/b]        stop the run (asks first): ranks finish the step, rank 0
+           checkpoints
+  [b]e[/b]        gather the evidence now: every rank's stacks and state, in
+           the run's evidence/ folder (the events say which)
+  [b]P[/b]        profile the selected rank for 5 steps (torch.profiler;
+           then ddtrain profile --show prints its top operators)
   [b]+[/b] / [b]-[/b]    replay faster / slower (with --replay)
 
 [b]Ranks table[/b]
-  [yellow]![/yellow] a straggler: for 4 windows of 5+ steps in a row it computed 1.25x as
-    long per step as the others' median, and they waited 15% of each step for it
-  [yellow]▲[/yellow] the slowest straggler (the one the others wait for longest): their wait
-    counts in their STEP ms and COMM%, so its own row may read faster than theirs
+  [yellow]![/yellow] a straggler: for 4 windows of 5+ steps in a row it computed
+    1.25x as long per step as the others' median, and they waited 15%
+    of each step for it
+  [yellow]▲[/yellow] the slowest straggler (the one the others wait for longest):
+    their wait counts in their STEP ms and COMM%, so its own row may
+    read faster than theirs
   STATE  [green]running[/green]  [yellow]stalled[/yellow] (no progress, heartbeats still come)
          [magenta]silent[/magenta] (no message for 5 s)  [red]dead[/red] (exit code or signal)
-         [blue]finished[/blue]  [magenta]unreached[/magenta] (never heard from, 30 s into the run)
+         [blue]finished[/blue]  [magenta]unreached[/magenta] (never heard from, 30 s into
+         the run)
   COMM%  share of the step spent in the gradient all-reduce
   BUSBW  all-reduce bus bandwidth, GB/s (nccl-tests' definition)
-  SYNC s time spent waiting in metric syncs (all_gather_object), in total
+  SYNC s time spent waiting in metric syncs (all_gather_object), in all
   SEEN   seconds since the rank's last message
-  then your script's ddtop.log scalars, a column each (the rank's newest value;
-  - not logged by it) as many as fit; "+N more" counts the others (Enter: all)
+  then your script's ddtop.log scalars, a column each (the rank's
+  newest value; - not logged by it) as many as fit; "+N more" counts
+  the others (Enter: all)
 
 Press Escape or ? to close."""
 
@@ -68,7 +76,8 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "dismiss", "close")]
 
     def compose(self) -> ComposeResult:
-        yield Static(HELP, id="help")
+        with VerticalScroll(id="help"):  # taller than a 24-line terminal: it scrolls
+            yield Static(HELP)
 
 
 class ConfirmStop(ModalScreen[bool]):

@@ -131,6 +131,46 @@ def test_snapshot_of_a_finished_run(recorded: Path, size: tuple[int, int]) -> No
     assert shots[0] + "\n" == expected.read_text()
 
 
+def test_every_view_is_whole_at_80x24(recorded: Path) -> None:
+    """The header keeps the elapsed time (its bar goes first), the help fits its width
+    and scrolls to its last line, and the rank detail keeps its comm row."""
+    import re
+
+    from ddtop.dashboard.screens import HELP
+
+    help_lines = [line.rstrip() for line in re.sub(r"\[/?[a-z ]+\]", "", HELP).splitlines()]
+    seen: dict[str, str] = {}
+
+    async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await settled(app, pilot)
+        seen["main"] = screen_text(app)
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        await pilot.pause(0.2)
+        seen["help"] = screen_text(app)
+        for _ in range(4):
+            await pilot.press("pagedown")
+            await pilot.pause(0.2)
+            seen["help"] += screen_text(app)
+        seen["help end"] = screen_text(app)
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, RankDetail))
+        await until(pilot, lambda: "per step (ms)" in screen_text(app))
+        seen["detail"] = screen_text(app)
+
+    drive(open_feed(RunPaths(recorded / "recorded-ok")), (80, 24), script)
+    progress = seen["main"].splitlines()[2]
+    assert "elapsed 7.2 s" in progress and "…" not in progress, progress
+    for line in help_lines:  # every line whole, at the top or once scrolled down
+        assert line.strip() in seen["help"], line
+    assert "Press Escape or ? to close." in seen["help end"]
+    comm = next(line for line in seen["detail"].splitlines() if "all-reduce" in line
+                and "%" in line)
+    assert comm.rstrip().endswith("(in backward)"), comm
+
+
 def test_keys_on_a_recorded_failed_run(recorded: Path) -> None:
     async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
         await settled(app, pilot)
