@@ -35,6 +35,16 @@ def shown(m: wire.Event) -> bool:
 # What an event is about: a rank's or the daemon's own Event types, and those the
 # fold says itself (a rank joined, a rank exited, the run's status changed).
 EventKind = wire.EventType | Literal["join", "exit", "status"]
+# What concerns every rank: shown in each rank's detail beside its own events.
+RUN_WIDE: tuple[str, ...] = ("epoch_end", "status", "restart")
+
+
+def epoch_words(m: wire.Aggregate) -> str:
+    """An epoch's end in words: its global train (and validation) metrics."""
+    val = (f"; val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"
+           if m.val_loss is not None and m.val_accuracy is not None else "")
+    return (f"epoch {m.epoch + 1} done: train loss {m.train_loss:.4f} acc "
+            f"{100 * m.train_accuracy:.2f}%{val}")
 EventData = dict[str, str | int | float | bool | None]
 
 

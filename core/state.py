@@ -37,6 +37,7 @@ from ddtop.core.events import (
     EventData,
     EventKind,
     RunEvent,
+    epoch_words,
     shown,
 )
 from ddtop.core.rankview import DEAD as DEAD  # re-exported: rank states live here too
@@ -393,10 +394,7 @@ class RunState(msgspec.Struct, kw_only=True):
         if m.scope == "epoch" and all(e.epoch != m.epoch or e.global_step != m.global_step
                                       for e in self.epochs_done):
             self.epochs_done.append(m)
-            val = (f"; val loss {m.val_loss:.4f} acc {100 * m.val_accuracy:.2f}%"
-                   if m.val_loss is not None and m.val_accuracy is not None else "")
-            self._event(m.t, m.rank, "epoch_end", f"epoch {m.epoch + 1} done: train loss "
-                        f"{m.train_loss:.4f} acc {100 * m.train_accuracy:.2f}%{val}")
+            self._event(m.t, m.rank, "epoch_end", epoch_words(m))
 
     def _apply_event(self, view: RankView, m: wire.Event) -> None:
         if m.type == "error":

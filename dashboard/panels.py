@@ -12,7 +12,7 @@ import statistics
 from rich.text import Text
 
 from ddtop.core.contract import describe_exit
-from ddtop.core.events import EventKind
+from ddtop.core.events import RUN_WIDE, EventKind, RunEvent, epoch_words
 from ddtop.core.rankview import (
     DEAD,
     FINISHED,
@@ -218,8 +218,16 @@ def comm(state: RunState, now: float, selected: int | None, lines: int) -> Text:
 
 
 def events(state: RunState, lines: int, rank: int | None = None, title: str = "events") -> Text:
+    """The newest events; of one rank (its detail): its own and the run's (epochs, the
+    status, restarts), every epoch's end included, also one older than the events the
+    state keeps (a dashboard attached late to a long run)."""
     text = Text(f"{title}\n", "bold", no_wrap=True, overflow="ellipsis")
-    chosen = [e for e in state.events if rank is None or e.rank == rank]
+    chosen = [e for e in state.events if rank is None or e.rank == rank or e.type in RUN_WIDE]
+    if rank is not None:
+        kept = {(e.t, e.message) for e in chosen if e.type == "epoch_end"}
+        older = [RunEvent(t=m.t, rank=m.rank, type="epoch_end", message=words)
+                 for m in state.epochs_done if (m.t, words := epoch_words(m)) not in kept]
+        chosen = [*older, *chosen]  # (older than every event kept)
     for event in chosen[-lines:]:
         text.append(f"{fmt.clock(event.t)} ", "dim")
         text.append(event.message, EVENT_STYLE.get(event.type, ""))

@@ -114,6 +114,30 @@ def test_straggler_is_marked_and_the_slowest_named() -> None:
     assert "the others wait for it" not in panels.detail(s, 0, 100.5).plain
 
 
+def test_a_rank_detail_lists_every_epoch_also_to_a_dashboard_attached_late() -> None:
+    """An epoch's end is the run's (rank 0's metrics arrived first): rank 1's detail
+    lists it too, and after 600 more events (more than the state keeps), so does a
+    dashboard that attaches then (the daemon's snapshot)."""
+    from ddtop.core import state as folds
+
+    s = two_running()
+    s.apply(wire.Aggregate(run=RUN, rank=0, seq=20, t=103.0, scope="epoch", epoch=0,
+                           global_step=10, train_loss=1.5, train_accuracy=0.5,
+                           train_samples=640), 103.0)
+    assert "epoch 1 done: train loss 1.5000" in panels.events(s, 10, rank=1).plain
+    for i in range(600):
+        s.apply(wire.Event(run=RUN, rank=0, seq=21 + i, t=104.0 + i, type="info",
+                           message=f"note {i}"), 104.0 + i)
+    assert all("epoch" not in e.message for e in s.events)  # dropped from the newest kept
+    attached = folds.decode_snapshot(folds.encode_snapshot(s))
+    for state in (s, attached):
+        lines = panels.events(state, 10, rank=1).plain.splitlines()
+        assert any("epoch 1 done: train loss 1.5000 acc 50.00%" in line for line in lines)
+        assert not any("note" in line for line in lines)  # rank 0's own: not rank 1's
+    mine = panels.events(s, 1000, rank=0).plain.splitlines()
+    assert "epoch 1 done" in mine[1] and "note 599" in mine[-1]  # oldest first
+
+
 def test_finished_ranks_and_the_header_of_a_finished_run() -> None:
     s = two_running()
     for r in (0, 1):
