@@ -22,7 +22,7 @@ help:
 	@echo "make test-fast  ruff, mypy and the in-process tests only (under a minute): while editing"
 	@echo "                 (pytest workers: PYTEST_FAST_WORKERS=2 for test-fast, PYTEST_WORKERS=2 for test; 0: serial)"
 	@echo "make fuzz       the decoders' property-based fuzzing, long (20,000 examples each; make test runs 110)"
-	@echo "make bench      benchmarks: start-up, a rank's garbage collector, start-up hook, telemetry, dashboard, own scripts, collectives, a desync named, the Flight Recorder, a bundle of evidence, a straggler's host readings, framework callbacks, FSDP2 scripts, comm timing, sockets, strategies, faults, TensorBoard files, Prometheus metrics and scrape times, a rank on the wire, a big job's summary, the rank map, a hub at 1,024 to 16,384 ranks (bench/)"
+	@echo "make bench      benchmarks: start-up, a rank's garbage collector, start-up hook, telemetry, dashboard, own scripts, collectives, a desync named, the Flight Recorder, a bundle of evidence, a straggler's host readings, framework callbacks, FSDP2 scripts, comm timing, sockets, strategies, faults, TensorBoard files, Prometheus metrics and scrape times, a browser's first table, a rank on the wire, a big job's summary, the rank map, a hub at 1,024 to 16,384 ranks (bench/)"
 	@echo "make compat     the process tests against torch's oldest and newest, in venvs of their own (.compat/; GBs; COMPAT_TORCH=\"2.13.0 2.15.0\")"
 	@echo "make clean      remove .venv and caches (runs/ is kept)"
 
@@ -102,6 +102,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/tensorboard_files.py
 	$(BIN)/python bench/metrics.py
 	$(BIN)/python bench/scrapes.py
+	$(BIN)/python bench/serve_page.py
 	$(BIN)/python bench/rank_wire.py
 	$(BIN)/python bench/summary.py
 	$(BIN)/python bench/rankmap.py

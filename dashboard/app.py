@@ -102,8 +102,12 @@ class DashboardApp(App[None]):
         Binding("escape", "clear_filter", show=False),
     ]
 
-    def __init__(self, feed: FeedBase, fps: float = 5.0, can_stop: bool = True) -> None:
+    def __init__(self, feed: FeedBase, fps: float = 5.0, can_stop: bool = True,
+                 rank: int | None = None, view: str | None = None) -> None:
+        """`rank`: its detail opened at once; `view`: "map" or "table" first (ddtop --rank,
+        --view: a page's #rank=N, #view=map)."""
         super().__init__()
+        self.open_rank = rank
         self.feed, self.fps = feed, fps
         self.can_stop = can_stop  # off: --no-stop (a page of ddtop --serve)
         self.pump_s = min(PUMP_MAX_S, max(PUMP_S, 0.5 / fps))
@@ -117,7 +121,8 @@ class DashboardApp(App[None]):
         self.sort_key = fmt.SORT_KEYS[0]  # ... and a click on a title may pick a scalar's
         self.filter_text, self.problems_only = "", False
         self.frames = 0
-        self.map_shown: bool | None = None  # the rank map (rankmap.py); None: not decided yet
+        # The rank map (rankmap.py); None: not decided yet (by the ranks' count).
+        self.map_shown: bool | None = None if view is None else view == "map"
         self.shown_folded: tuple[int, int] | None = None  # _folded() at the last frame
 
     def compose(self) -> ComposeResult:
@@ -142,8 +147,12 @@ class DashboardApp(App[None]):
         self.query_one(RankTable).focus()
         self.query_one("#filter", Input).display = False
         self.pump()
+        if self.map_shown is not None:  # --view
+            self.action_rank_map(self.map_shown)
         self.render_view()
         self.set_interval(1 / self.fps, self.tick)
+        if self.open_rank is not None:  # --rank
+            self.on_rank_table_selected(RankTable.Selected(self.open_rank))
 
     def tick(self) -> None:
         """A frame when something was folded since the last one, else once a second

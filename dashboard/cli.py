@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddtop.core.bounds import MAX_JOB_RANKS
 from ddtop.core.contract import EXIT_USAGE, UsageError
 from ddtop.core.flags import (
     OneLineParser,
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --serve: the page may stop the run (x); off by default")
     parser.add_argument("--no-stop", action="store_true",
                         help="x does not stop the run (what --serve's pages run)")
+    parser.add_argument("--rank", type=int, default=None, metavar="N",
+                        help="open rank N's detail at once (a page's #rank=N)")
+    parser.add_argument("--view", choices=("table", "map"), default=None,
+                        help="start on the ranks table or the rank map (default: the map "
+                        "from 256 ranks; a page's #view=map)")
     parser.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="S",
                         help="seconds to wait for a run to appear and its daemon to answer "
                         f"(default {DEFAULT_WAIT_S:g})")
@@ -193,6 +199,10 @@ def check(args: argparse.Namespace) -> None:
                        "(run.json's endpoints.control)")
     if problem is None and args.serve is not None and args.headless:
         problem = "--serve shows the dashboard in a browser: drop --headless"
+    if problem is None and args.rank is not None and not 0 <= args.rank < MAX_JOB_RANKS:
+        problem = f"--rank must be a rank number from 0 to {MAX_JOB_RANKS - 1} (got {args.rank})"
+    if problem is None and args.headless and (args.rank is not None or args.view):
+        problem = "--rank and --view open a view of the dashboard: drop --headless"
     if problem is None and args.allow_stop and args.serve is None:
         problem = "--allow-stop is for --serve's pages (a terminal's dashboard may stop its run)"
     if problem is not None:
@@ -239,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             return watch(feed, printer, args.wait)
         from ddtop.dashboard.app import DashboardApp
 
-        app = DashboardApp(feed, fps=args.fps, can_stop=not args.no_stop)
+        app = DashboardApp(feed, fps=args.fps, can_stop=not args.no_stop, rank=args.rank,
+                           view=args.view)
         app.run()
         return app.exit_code
     finally:

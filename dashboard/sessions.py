@@ -31,12 +31,14 @@ import re
 import signal
 import socket
 from asyncio.subprocess import Process
+from pathlib import Path
 
 from aiohttp import WSMsgType, web
 from aiohttp.typedefs import Handler
 from textual_serve.app_service import AppService
 from textual_serve.server import Server
 
+from ddtop.core.bounds import MAX_JOB_RANKS
 from ddtop.dashboard.doors import (
     ACCEPT_BACKLOG,
     KEEPALIVE_S,
@@ -52,6 +54,7 @@ SESSION_TERM_S = 2.0  # ... and this long after SIGTERM before SIGKILL
 SHUTDOWN_S = 2.0  # aiohttp's wait for the handlers still running when it stops
 MAX_SESSIONS = 16  # browser tabs at once: each is a ddtop process
 MAX_CELLS = 1000  # the most columns or lines a tab may ask for
+TEMPLATES = Path(__file__).parent / "templates"  # the page (app_index.html)
 # A Host header the page may use for its websocket's address (a name or address, a port).
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")
 FORBIDDEN = ("ddtop: 403: this server answers only the link with its token, "
@@ -102,7 +105,8 @@ class DashboardServer(Server):
     """textual-serve's Server: routes under /TOKEN/, sessions kept and ended."""
 
     def __init__(self, argv: list[str], token: str, title: str) -> None:
-        super().__init__(" ".join(argv), title=title)
+        # ddtop's page (dashboard/templates): no web font, and the deep links.
+        super().__init__(" ".join(argv), title=title, templates_path=TEMPLATES)
         self.argv, self.token = argv, token
         self.sessions: set[Session] = set()
         self.sockets: set[web.WebSocketResponse] = set()
@@ -110,7 +114,9 @@ class DashboardServer(Server):
 
     async def _make_app(self) -> web.Application:
         root = web.Application(middlewares=[self._guard])
-        root.add_subapp(f"/{self.token}/", await super()._make_app())
+        app = await super()._make_app()
+        app.router.add_get("/ws/{open}", self.handle_websocket)  # a page's #rank=N, #view=
+        root.add_subapp(f"/{self.token}/", app)
         root.on_response_prepare.append(self._no_referrer)
         return root
 
@@ -156,7 +162,8 @@ class DashboardServer(Server):
         try:
             await websocket.prepare(request)
             self.sockets.add(websocket)
-            session = Session(self.argv, write_bytes=websocket.send_bytes,
+            session = Session(self.argv + opened(request.match_info.get("open")),
+                              write_bytes=websocket.send_bytes,
                               write_str=websocket.send_str, close=websocket.close,
                               download_manager=self.download_manager)
             self.sessions.add(session)
@@ -225,6 +232,20 @@ class DashboardServer(Server):
                     await websocket.close()
                 await runner.cleanup()
                 refusals.say()
+
+
+def opened(asked: str | None) -> list[str]:
+    """The session's ddtop options for what a page's address asked (its #rank=N: rank-N,
+    its #view=map: view-map), checked; nothing for anything else."""
+    if asked is None:
+        return []
+    what, _, value = asked.partition("-")
+    if (what == "rank" and value.isascii() and value.isdigit() and len(value) <= 6
+            and int(value) < MAX_JOB_RANKS):
+        return ["--rank", str(int(value))]
+    if what == "view" and value in ("map", "table"):
+        return ["--view", value]
+    return []
 
 
 def _size(given: str | int | None, default: int) -> int:

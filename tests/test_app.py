@@ -171,6 +171,46 @@ def test_every_view_is_whole_at_80x24(recorded: Path) -> None:
     assert comm.rstrip().endswith("(in backward)"), comm
 
 
+def test_rank_and_view_open_where_they_say(recorded: Path) -> None:
+    """ddtop --rank 1 opens rank 1's detail at once (a page's #rank=1), and Escape goes
+    back to the table; --view map starts on the rank map (a page's #view=map)."""
+    paths = RunPaths(recorded / "recorded-ok")
+    seen: list[str] = []
+
+    async def detail(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await until(pilot, lambda: isinstance(app.screen, RankDetail))
+        await until(pilot, lambda: "per step (ms)" in screen_text(app))
+        seen.append(screen_text(app))
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, RankDetail))
+        await settled(app, pilot)
+        seen.append(screen_text(app))
+
+    app = DashboardApp(open_feed(paths), fps=10, rank=1)
+
+    async def main(app: DashboardApp, script: Any) -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await script(app, pilot)
+
+    try:
+        asyncio.run(main(app, detail))
+    finally:
+        app.feed.close()
+    assert seen[0].lstrip().startswith("rank 1") and "RANK" not in seen[0]
+    assert re.search(r"^\s+1\s+\S+", seen[1], re.MULTILINE) and "RANK" in seen[1]
+
+    async def mapped(app: DashboardApp, pilot: Pilot[None]) -> None:
+        await settled(app, pilot)
+        assert app.map_shown and app.query_one("#mapview").display
+        assert not app.query_one(RankTable).display
+
+    app = DashboardApp(open_feed(paths), fps=10, view="map")
+    try:
+        asyncio.run(main(app, mapped))
+    finally:
+        app.feed.close()
+
+
 def test_keys_on_a_recorded_failed_run(recorded: Path) -> None:
     async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
         await settled(app, pilot)

@@ -150,6 +150,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         (["--fps", "0"], "--fps must be a number > 0 and at most 30 (got 0)"),
         (["--fps", "1e9"], "--fps must be a number > 0 and at most 30 (got 1e+09)"),
         (["--connect", "localhost:5"], "expected tcp://HOST:PORT"),
+        (["--rank", "-1"], "--rank must be a rank number from 0 to 65535 (got -1)"),
+        (["--rank", "2"], "--rank and --view open a view of the dashboard: drop --headless"),
+        (["--view", "grid"], "invalid choice"),
         (["--summary-json", "/nonexistent/dir/s.json"], "does not exist"),
         (["nosuchrun", "--runs-dir", str(tmp_path), "--wait", "0"], "no runs under"),
     ]:

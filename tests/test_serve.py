@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from helpers import BIN, Detached, running, tagged_env, tagged_pids, wait_until_
 from ddtop.core.contract import UsageError
 from ddtop.dashboard import cli
 from ddtop.dashboard.serve import Address, parse_address, session_command
+from ddtop.dashboard.sessions import opened
 
 DDTOP = str(BIN / "ddtop")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -305,6 +307,45 @@ def test_the_page_shows_the_ranks_table(browser: Any, replayed: Server) -> None:
     assert "ddtop run recorded-ok" in text
     assert re.search(r"^\s+RANK\S*\s+HOST\s+DEVICE\s+STATE", text, re.MULTILINE), text
     assert re.search(RANK_ROW.format(rank=0), text, re.MULTILINE), text
+
+
+@pytest.mark.processes
+def test_the_page_asks_nothing_of_another_machine(browser: Any, replayed: Server) -> None:
+    """No web font (textual-serve's page asks Google for one: a page that waits on the
+    internet, or leaks that it was opened): every request goes to the server itself."""
+    page = browser.new_page(viewport={"width": 1600, "height": 900})
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
+    page.add_init_script(FIND_TERMINAL)
+    try:
+        page.goto(replayed.url)
+        screen_until(page, RANK_ROW.format(rank=1))
+    finally:
+        page.close()
+    origin = urllib.parse.urlsplit(replayed.url).netloc
+    assert asked and all(urllib.parse.urlsplit(url).netloc == origin for url in asked), asked
+    assert any(url.endswith("/static/js/textual.js") for url in asked), asked
+
+
+@pytest.mark.processes
+def test_a_deep_link_opens_a_rank_or_a_view(browser: Any, replayed: Server) -> None:
+    """#rank=1 opens rank 1's detail, #view=map the rank map: a link to paste in a chat."""
+    with page_of(browser, replayed.url + "#rank=1") as page:
+        text = screen_until(page, r"^\s*rank 1\s+finished")
+    assert "per step (ms)" in text and not re.search(RANK_ROW.format(rank=0), text, re.M)
+    with page_of(browser, replayed.url + "#view=map") as page:
+        text = screen_until(page, r"cursor r0")  # the map's line under its legend
+    assert not re.search(RANK_ROW.format(rank=0), text, re.MULTILINE), text
+    with page_of(browser, replayed.url + "#rank=x") as page:  # not a rank: the table
+        screen_until(page, RANK_ROW.format(rank=1))
+
+
+def test_what_a_deep_link_asks_is_checked() -> None:
+    assert opened("rank-3") == ["--rank", "3"] and opened("view-map") == ["--view", "map"]
+    assert opened("view-table") == ["--view", "table"] and opened(None) == []
+    for bad in ("rank-", "rank--1", "rank-1e3", "rank-9999999", "rank-65536", "view-x",
+                "x-1", "rank-3;rm", "", "rank-٣"):
+        assert opened(bad) == [], bad
 
 
 @pytest.mark.processes
