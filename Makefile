@@ -67,7 +67,8 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 # The edit loop's tier: no test that starts a process (tests/conftest.py enforces the mark),
-# nor one marked slow (the 16,384-rank map driven key by key: 19 s alone).
+# nor one marked slow (the 16,384-rank map driven key by key: 19 s alone; heartbeats
+# timed a second apart).
 # ruff and mypy run beside the tests (their output kept whole, each after it ends).
 test-fast: $(STAMP)
 	@$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck pytest-fast

@@ -173,42 +173,40 @@ def test_every_view_is_whole_at_80x24(recorded: Path) -> None:
 
 def test_rank_and_view_open_where_they_say(recorded: Path) -> None:
     """ddtop --rank 1 opens rank 1's detail at once (a page's #rank=1), and Escape goes
-    back to the table; --view map starts on the rank map (a page's #view=map)."""
+    back to the main view, which --view map makes the rank map (a page's #view=map);
+    --view table, the table."""
     paths = RunPaths(recorded / "recorded-ok")
     seen: list[str] = []
 
-    async def detail(app: DashboardApp, pilot: Pilot[None]) -> None:
+    async def script(app: DashboardApp, pilot: Pilot[None]) -> None:
         await until(pilot, lambda: isinstance(app.screen, RankDetail))
         await until(pilot, lambda: "per step (ms)" in screen_text(app))
         seen.append(screen_text(app))
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, RankDetail))
         await settled(app, pilot)
+        assert app.map_shown and app.query_one("#mapview").display
+        assert not app.query_one(RankTable).display
         seen.append(screen_text(app))
 
-    app = DashboardApp(open_feed(paths), fps=10, rank=1)
+    app = DashboardApp(open_feed(paths), fps=10, rank=1, view="map")
 
-    async def main(app: DashboardApp, script: Any) -> None:
+    async def main() -> None:
         async with app.run_test(size=(120, 40)) as pilot:
             await script(app, pilot)
 
     try:
-        asyncio.run(main(app, detail))
+        asyncio.run(main())
     finally:
         app.feed.close()
     assert seen[0].lstrip().startswith("rank 1") and "RANK" not in seen[0]
-    assert re.search(r"^\s+1\s+\S+", seen[1], re.MULTILINE) and "RANK" in seen[1]
-
-    async def mapped(app: DashboardApp, pilot: Pilot[None]) -> None:
-        await settled(app, pilot)
-        assert app.map_shown and app.query_one("#mapview").display
-        assert not app.query_one(RankTable).display
-
-    app = DashboardApp(open_feed(paths), fps=10, view="map")
-    try:
-        asyncio.run(main(app, mapped))
-    finally:
-        app.feed.close()
+    assert "cursor r0" in seen[1] and "RANK" not in seen[1]  # the map, not the table
+    for view, shown in (("table", False), (None, None)):  # None: by the ranks' count
+        feed = open_feed(paths)
+        try:
+            assert DashboardApp(feed, view=view).map_shown is shown
+        finally:
+            feed.close()
 
 
 def test_keys_on_a_recorded_failed_run(recorded: Path) -> None:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 from helpers import Collector, collecting
 
 from ddtop.core import wire
@@ -156,6 +157,7 @@ def beats_between(got: Collector, since: float, until: float) -> list[wire.Heart
     return [b for b in got.of(wire.Heartbeat) if since <= b.t <= until]
 
 
+@pytest.mark.slow  # seconds of heartbeats on the clock (7 s): make test runs it
 def test_a_stepping_rank_sends_no_heartbeats_a_blocked_or_sleeping_one_one_a_second() -> None:
     with live_rank() as (tel, got):
         n = steps(tel, 1, 15)  # 1.5 s
@@ -187,6 +189,7 @@ def test_a_stepping_rank_sends_no_heartbeats_a_blocked_or_sleeping_one_one_a_sec
     assert sum(s.steps for s in got.of(wire.Step)) == 20
 
 
+@pytest.mark.slow  # seconds on the clock (5 s): make test runs it
 def test_evaluation_is_said_at_once_and_so_is_its_end() -> None:
     with live_rank() as (tel, got):
         n = steps(tel, 1, 15)  # more than a second since the first heartbeat
