@@ -18,7 +18,7 @@ from ddtop.core.summary import LOST
 # A rank's identity, the same across its restarts (a series per rank, not per process);
 # what changes with its process is on ddtop_rank_info (INFO_LABELS).
 RANK_LABELS = ("run", "rank", "node", "host")
-INFO_LABELS = ("pid", "local_rank")
+INFO_LABELS = ("pid", "local_rank", "device")
 RANK_STATES: tuple[str, ...] = get_args(RankState)
 RUN_STATUSES: tuple[str, ...] = (*get_args(wire.RunStatusName), LOST)
 
@@ -29,6 +29,7 @@ class RankReading(msgspec.Struct, frozen=True, kw_only=True):
     labels: tuple[str, ...]  # RANK_LABELS' values
     pid: str  # its process's, "" before it said hello (INFO_LABELS)
     local_rank: str
+    device: str = ""  # as its hello said: "cpu", "cuda:3"
     state: str
     global_step: int
     last_step_t: float | None  # the rank's own clock: its newest step message's time
@@ -125,7 +126,8 @@ def read(state: RunState, now: float, host: str = "") -> Reading:
             compute = max(0.0, v.step_time_s - exposed)
         ranks.append(RankReading(
             labels=(state.run, str(r), str(node), v.host or (host if node == 0 else "")),
-            pid=_text(v.pid), local_rank=_text(v.local_rank), state=rank_state,
+            pid=_text(v.pid), local_rank=_text(v.local_rank), device=v.device,
+            state=rank_state,
             global_step=v.global_step, last_step_t=v.last_step_t,
             step_s=v.step_time_s, comm_s=v.comm_s, compute_s=compute, comm_share=v.comm_share,
             busbw_bytes=None if v.busbw_gbps is None else v.busbw_gbps * 1e9,

@@ -207,13 +207,15 @@ def families(reading: Reading, now: float | None = None) -> list[Any]:
                         cause.add_metric((*rank.labels, each), float(rank.cause == each))
             return cause
         if name == "rank_info":
-            info = InfoMetricFamily("ddtop_rank", "the rank's process now: its pid and its "
-                                    "index on its machine (a restart changes them)",
+            info = InfoMetricFamily("ddtop_rank", "the rank's process now: its pid, its "
+                                    "index on its machine and its device (a restart may "
+                                    "change them)",
                                     labels=RANK_LABELS)
             for rank in reading.ranks:
                 if rank.pid:
                     info.add_metric(rank.labels, {"pid": rank.pid,
-                                                  "local_rank": rank.local_rank})
+                                                  "local_rank": rank.local_rank,
+                                                  "device": rank.device})
             return info
         if name == "status":
             status = GaugeMetricFamily("ddtop_run_status", "1 for the run's status, 0 for the "

@@ -114,7 +114,7 @@ def test_a_rank_series_is_the_same_from_its_start_and_across_restarts() -> None:
     served = {f.name: f.samples for f in families(read(state, 52.0, host="here"))}
     assert [s.labels for s in served["ddtop_rank"]] == [
         {"run": "r", "rank": "0", "node": "0", "host": "here", "pid": "100",
-         "local_rank": "0"}]  # rank 1's process is not known yet: no sample
+         "local_rank": "0", "device": "cpu"}]  # rank 1's process is not known yet: no sample
     assert all(set(s.labels) == {"run", "rank", "node", "host"}
                for s in served["ddtop_rank_global_step"])
 

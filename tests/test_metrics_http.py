@@ -166,7 +166,7 @@ def test_a_scrape_reads_the_state_the_loop_hands_over() -> None:
     assert one.labels == {"run": "r", "rank": "1", "node": "0", "host": "h"}
     [info] = [s for s in second["ddtop_rank_info"] if s.labels["rank"] == "1"]
     assert info.labels == {"run": "r", "rank": "1", "node": "0", "host": "h", "pid": "101",
-                           "local_rank": "1"} and info.value == 1.0
+                           "local_rank": "1", "device": "cpu"} and info.value == 1.0
     assert by_rank(second["ddtop_rank_comm_share_ratio"], "ddtop_rank_comm_share_ratio") == {
         "0": 0.4, "1": 0.4}
     assert by_rank(second["ddtop_rank_bus_bandwidth_bytes_per_second"],
