@@ -281,6 +281,22 @@ def hold_run(paths: RunPaths) -> int:
     return fd
 
 
+def run_held(paths: RunPaths) -> bool:
+    """Whether a daemon holds the run's lock now (it supervises the run, or still ends
+    it); False once it has let go (gone, or only serving the final metrics)."""
+    try:
+        fd = os.open(paths.root / "daemon.lock", os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (a lock taken here goes with the descriptor)
+    return False
+
+
 # What a start writes before its first status (run.json) and before any rank.
 BEFORE_ANY_RANK = {"config.json", "daemon.lock", "daemon.log", "keys", "peer-keys", "logs",
                    "checkpoints", "sock"}

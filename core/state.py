@@ -90,6 +90,10 @@ class GlobalPoint(msgspec.Struct, array_like=True):
     train_accuracy: float
 
 
+def _counted(seconds: float) -> float:
+    return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
+
+
 def _merge_global(a: GlobalPoint, wa: int, b: GlobalPoint, wb: int) -> GlobalPoint:
     loss, accuracy = (mean(a.train_loss, wa, b.train_loss, wb),
                       mean(a.train_accuracy, wa, b.train_accuracy, wb))
@@ -294,10 +298,11 @@ class RunState(msgspec.Struct, kw_only=True):
         view.step_s_total += m.step_s
         view.comm_s_total += m.comm_s
         view.data_s_total += m.data_s
-        view.forward_s_total += m.forward_s
-        view.backward_s_total += m.backward_s
-        view.optimizer_s_total += m.optimizer_s
-        if m.steps > 0 and math.isfinite(m.step_s):
+        # (counters: what is not a finite, non-negative number is left out)
+        view.forward_s_total += _counted(m.forward_s)
+        view.backward_s_total += _counted(m.backward_s)
+        view.optimizer_s_total += _counted(m.optimizer_s)
+        if m.steps > 0 and math.isfinite(m.step_s) and m.step_s >= 0:
             view.step_buckets[bisect.bisect_left(STEP_BUCKETS, m.step_s / m.steps)] += m.steps
         if not isinstance(m.group_counts, msgspec.UnsetType):
             self.counts.add(m.rank, m.group_counts, self.world_size, self.ranks)

@@ -44,6 +44,8 @@ EVENTS_TAG = "events"
 LIFE = "restart"
 # The run's lines of one step, in one text (TensorBoard keeps one a step): a rule between.
 LINE_BREAK = "\n\n---\n\n"
+# The most lines one step's text holds (rewritten as it grows): the rest are counted.
+MAX_STEP_LINES = 200
 # Stragglers and hangs are read from the state at most this often (receiver time, s):
 # each reading goes over every rank.
 CHECK_S = 1.0
@@ -147,6 +149,7 @@ class Translator:
         self.line_step = 0
         self.line_wall = 0.0
         self.lines_written = 0  # of self.lines, those in the last Text given
+        self.lines_over = 0  # lines at this step past MAX_STEP_LINES: counted
         self.configured = first_life > 0  # the HParams are written (by the first daemon)
 
     def items(self, message: wire.Message, state: RunState, received: float) -> list[Item]:
@@ -191,7 +194,13 @@ class Translator:
         if self.step != self.line_step:
             out = self.pending()
             self.lines, self.lines_written, self.line_step = [], 0, self.step
-        self.lines.append(text)
+            self.lines_over = 0
+        if self.lines_over == 0 and len(self.lines) < MAX_STEP_LINES:
+            self.lines.append(text)
+        else:  # (a step that stands still: a hang, a long set-up) counted, not kept
+            self.lines_over += 2 if self.lines_over == 0 else 1  # the last kept gives way
+            self.lines[-1] = f"... and {self.lines_over} more lines at this step"
+            self.lines_written = min(self.lines_written, len(self.lines) - 1)
         self.line_wall = wall
         return out
 

@@ -380,7 +380,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = TrainConfig.from_dict(read_json(paths.config)).validate()
     print(f"ddtrain: daemon pid {os.getpid()} for run {paths.run_id} "
           f"({count_of(config.world_size, 'rank')})", flush=True)
-    return Supervisor(config, paths, out=sys.stdout, err=sys.stderr, echo=False).run()
+    supervisor = Supervisor(config, paths, out=sys.stdout, err=sys.stderr, echo=False)
+    code = supervisor.run()
+    supervisor.linger()  # --metrics: the final state, for the last scrapes
+    return code
 
 
 # -- main -------------------------------------------------------------------------

@@ -90,7 +90,8 @@ class Exporter:
             self.server = MetricServer(host, port, render, credential, tls)
         except OSError as e:
             raise UsageError(f"--metrics {address}: cannot listen there "
-                             f"({e.strerror or e})") from None
+                             f"({e.strerror or e}); a run that ended may still serve its "
+                             "final metrics there (ddtrain stop RUN ends that)") from None
         self.url = url(host, self.server.port, "/metrics", "https" if tls else "http")
 
     @property
@@ -138,15 +139,15 @@ class Exporter:
             return
         print(f"ddtrain: metrics at {self.url} kept for {seconds:g} s more, for the last "
               "scrapes (--metrics-linger; ddtrain stop or Ctrl-C ends it)", file=err, flush=True)
-        over = threading.Event()
+        over: list[int] = []  # a flag the handler sets (no lock: a handler may run anywhere)
         previous: dict[signal.Signals, Any] = {}
         with contextlib.suppress(ValueError):  # not the main thread: the full time, then
             for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, lambda *_: over.set())
+                previous[sig] = signal.signal(sig, lambda number, _: over.append(number))
         try:
             deadline = time.monotonic() + seconds
-            while not over.is_set() and (left := deadline - time.monotonic()) > 0:
-                over.wait(min(left, LINGER_TICK_S))
+            while not over and (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(left, LINGER_TICK_S))
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

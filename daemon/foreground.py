@@ -44,4 +44,5 @@ def supervise(args: argparse.Namespace, config: TrainConfig, paths: RunPaths,
     if printer is not None:
         for state in printed:  # over: the time of its last message, not of the clock
             printer.finish(state, state.updated or time.time())
+    supervisor.linger()  # --metrics: after the summary, the final state a while longer
     return code, supervisor

@@ -110,10 +110,13 @@ def read(state: RunState, now: float, host: str = "") -> Reading:
     ranks = []
     for r, rank_state in states.items():
         v = state.ranks.get(r)
+        # A multi-node job's rank whose node is not known yet: no node or host said.
+        known = r in state.rank_nodes or not state.node_states
         node = state.rank_nodes.get(r, 0)
+        own = host if known and node == 0 else ""
         if v is None:
-            ranks.append(RankReading(labels=(state.run, str(r), str(node),
-                                             host if node == 0 else ""), pid="", local_rank="",
+            ranks.append(RankReading(labels=(state.run, str(r), str(node) if known else "",
+                                             own), pid="", local_rank="",
                                      state=rank_state, global_step=0, last_step_t=None,
                                      step_s=None, comm_s=None, compute_s=None, comm_share=None,
                                      busbw_bytes=None, samples_per_s=None, loss=None,
@@ -125,7 +128,7 @@ def read(state: RunState, now: float, host: str = "") -> Reading:
             exposed = v.comm_s - (v.comm_overlap_s or 0.0)  # overlapped comm is compute time
             compute = max(0.0, v.step_time_s - exposed)
         ranks.append(RankReading(
-            labels=(state.run, str(r), str(node), v.host or (host if node == 0 else "")),
+            labels=(state.run, str(r), str(node) if known else "", v.host or own),
             pid=_text(v.pid), local_rank=_text(v.local_rank), device=v.device,
             state=rank_state,
             global_step=v.global_step, last_step_t=v.last_step_t,

@@ -17,7 +17,7 @@ from ddtop.core import control, manyranks, protocol
 from ddtop.core.contract import EXIT_FAILED, EXIT_OK, UsageError
 from ddtop.core.flagspec import default_runs_dir
 from ddtop.core.processes import LogTail, ProcessId, same_process, send_signal
-from ddtop.core.rundir import RunPaths, locate_run
+from ddtop.core.rundir import RunPaths, locate_run, run_held
 from ddtop.core.runinfo import RunInfo, list_runs
 from ddtop.core.summary import (
     LOST,
@@ -211,7 +211,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"ddtrain: run {rid} is not running ({info.status}{reused}){said}", flush=True)
         if info.status == LOST and daemon is not None and daemon.start is not None:
             _end_what_it_started(rid, daemon, args.timeout)
-        elif daemon is not None and info.daemon_here and not unverifiable:
+        elif (daemon is not None and info.daemon_here and not unverifiable
+              and not run_held(info.paths)):
             # Ended, its daemon still serving the final state for scrapes: ended now.
             send_signal(daemon, signal.SIGTERM)
             print(f"ddtrain: run {rid}: its daemon (pid {pid}), which kept serving its "
@@ -238,9 +239,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
         # Only the daemon itself: send_signal checks that the pid still names it.
         send_signal(daemon, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout + STOP_BACKSTOP_S
-    # Until the run has ended: its daemon may serve its final metrics a while longer
-    # (--metrics-linger).
-    while same_process(daemon) and RunInfo.load(info.paths).live:
+    # Until the run has ended and its daemon let go of it (a resume may start then):
+    # the daemon may serve the final metrics a while longer (--metrics-linger).
+    while same_process(daemon) and (RunInfo.load(info.paths).live or run_held(info.paths)):
         if time.monotonic() > deadline:
             print(f"ddtrain: the daemon (pid {pid}) is still there; killing it", flush=True)
             send_signal(daemon, signal.SIGKILL)

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import TextIO
 
 from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.keys import RunKeys, write_peer_folder
-from ddtop.core.rundir import RunPaths, hold_run, write_json_atomic
+from ddtop.core.processes import same_process, send_signal
+from ddtop.core.rundir import RunPaths, hold_run, run_held, write_json_atomic
+from ddtop.core.runinfo import RunInfo
 from ddtop.core.state import RunState
 from ddtop.core.text import count_of
 from ddtop.daemon.exits import Exits
@@ -57,6 +61,27 @@ def make_starter(config: TrainConfig, paths: RunPaths, port: int, started: float
     return starter
 
 
+LINGER_END_S = 5.0  # for an ended run's lingering daemon to exit on SIGTERM
+
+
+def end_lingering(paths: RunPaths, err: TextIO) -> None:
+    """This run's previous daemon, its run ended and its lock let go but still serving
+    the final metrics (--metrics-linger), ended (SIGTERM), and waited for: its port may
+    be the one this start listens on. Any other process is left alone."""
+    if not paths.status.exists() or run_held(paths):
+        return
+    info = RunInfo.load(paths)
+    daemon = info.daemon
+    if info.live or daemon is None or not info.daemon_here or info.unverifiable:
+        return
+    if send_signal(daemon, signal.SIGTERM):
+        print(f"ddtrain: ended the run's previous daemon (pid {daemon.pid}), which still "
+              "served its final metrics (--metrics-linger)", file=err, flush=True)
+        deadline = time.monotonic() + LINGER_END_S
+        while same_process(daemon) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 class Supervisor:
     """`run()`: the run set up, supervised by a RunLoop, and closed; its exit code.
     `starter` is the run's starter once made (`ddtrain watch` reads its command's
@@ -71,6 +96,7 @@ class Supervisor:
         # and once at the end: `ddtrain start --foreground --headless` prints from it.
         self.on_tick = on_tick
         self.starter: RankStarter | None = None
+        self.lingering: Exporter | NoExporter | None = None  # after run(): linger()
 
     def run(self) -> int:
         config, paths = self.config, self.paths
@@ -84,6 +110,9 @@ class Supervisor:
             lock = hold_run(paths)  # the one daemon of this run, until it exits
             write_json_atomic(paths.config, config.to_dict())
             # A port in use: refused before the journal exists (the folder is removed then).
+            # This run's previous daemon still serving its final state (a resume right
+            # after a stop): ended first, as it would be by ddtrain stop.
+            end_lingering(paths, self.err)
             exporter = open_exporter(config, self.err)
             hub = config.multi_node and config.is_hub
             bind = hub_bind_address(config) if hub else config.bind
@@ -144,6 +173,18 @@ class Supervisor:
             relay.close()  # its sockets (and a private sockets folder) go with it
             if lock is not None:
                 os.close(lock)  # the run's folder is free while its metrics linger
-            if ended:
-                exporter.linger(config.metrics_linger, self.err)
-            exporter.close()
+            if ended:  # its final state kept for the last scrapes: linger(), then closed
+                self.lingering = exporter
+            else:
+                exporter.close()
+
+    def linger(self) -> None:
+        """After the run (and whatever its caller prints of it): --metrics keeps serving
+        its final state for --metrics-linger seconds, then closes (SIGTERM or SIGINT
+        ends the wait)."""
+        exporter, self.lingering = self.lingering, None
+        if exporter is not None:
+            try:
+                exporter.linger(self.config.metrics_linger, self.err)
+            finally:
+                exporter.close()

@@ -59,11 +59,13 @@ class ChartData:
 
 def span(thinned: Thinned[P], recent: list[P], whole: bool) -> list[P]:
     """The points a chart draws: the newest readings as they came; with `whole`, the
-    whole run thinned (core/thinned.py), then the newest readings past its last point."""
-    if not whole or not thinned.points:
+    whole run thinned (core/thinned.py, its pending readings too), then the newest
+    readings past its last point."""
+    points = thinned.whole() if whole else []
+    if not points:
         return recent
-    last: int = thinned.points[-1].global_step
-    return thinned.points + [p for p in recent if p.global_step > last]
+    last: int = points[-1].global_step
+    return points + [p for p in recent if p.global_step > last]
 
 
 def global_loss(state: RunState, whole: bool = False) -> ChartData:

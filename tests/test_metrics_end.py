@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 import urllib.parse
 import urllib.request
@@ -31,10 +32,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from promserver import prometheus, quick_rules
 
 from ddtop.core import blame, endings, wire
+from ddtop.core.rundir import RunPaths, run_held
 from ddtop.core.state import RunState
 from ddtop.core.summary import Failure
 from ddtop.daemon.metricreading import read
 from ddtop.daemon.metrictable import families
+from ddtop.daemon.supervisor import end_lingering
 from ddtop.daemon.watching import NO_GOODBYE
 
 LINGER_S = 60.0  # long enough that only `ddtrain stop` can end it within the test
@@ -119,6 +122,19 @@ def test_a_rank_series_is_the_same_from_its_start_and_across_restarts() -> None:
                for s in served["ddtop_rank_global_step"])
 
 
+def test_a_rank_of_a_node_not_known_yet_gets_no_node_or_host() -> None:
+    """A multi-node job's hub: a rank whose node has not been heard of is not labelled
+    node 0 and the hub's host (a series that would stay wrong once its node says)."""
+    state = RunState(run="r")
+    state.apply(wire.RunStatus(run="r", rank=-1, seq=1, t=50.0, status="starting",
+                               world_size=4), 50.0)
+    state.node_states = {0: "up"}  # a multi-node job, node 0 heard of
+    state.rank_nodes = {0: 0, 1: 0}
+    labels = {r.labels[1]: r.labels for r in read(state, 51.0, host="hub").ranks}
+    assert labels["0"] == ("r", "0", "0", "hub") and labels["1"] == ("r", "1", "0", "hub")
+    assert labels["2"] == ("r", "2", "", "") and labels["3"] == ("r", "3", "", "")
+
+
 def scrape(url: str) -> dict[str, list[Any]]:
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
@@ -171,3 +187,32 @@ def test_a_failed_run_is_served_as_failed_until_stop_ends_the_linger(tmp_path: P
         assert time.monotonic() - ended < LINGER_S / 2  # ended by the stop, not the time
         log = (tmp_path / "runs" / "end" / "daemon.log").read_text()
         assert f"kept for {LINGER_S:g} s more, for the last scrapes" in log
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_start_of_the_same_run_ends_its_lingering_daemon_first(tmp_path: Path) -> None:
+    """A resume right after the end listens where the ended run's daemon still serves
+    its final metrics: that daemon (its lock let go, its run ended) is ended first."""
+    import io
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with detached("-n", "1", "--epochs", "1", "--synthetic-train-samples", "256",
+                  "--metrics", str(port), "--metrics-linger", f"{LINGER_S:g}",
+                  "--run-id", "again", cwd=tmp_path) as run:
+        assert run.started.returncode == 0, run.started.stdout + run.started.stderr
+        paths = RunPaths(tmp_path / "runs" / "again")
+        status = run.wait_for("again", lambda s: s["status"] == "succeeded", timeout=90)
+        deadline = time.monotonic() + 30
+        while run_held(paths) and time.monotonic() < deadline:  # the daemon ends the run
+            time.sleep(0.1)
+        assert not run_held(paths) and status["status"] == "succeeded"
+        assert scrape(f"http://127.0.0.1:{port}/metrics")["ddtop_run_outcome_info"]
+        said = io.StringIO()
+        started = time.monotonic()
+        end_lingering(paths, said)
+        assert "ended the run's previous daemon" in said.getvalue()
+        assert time.monotonic() - started < LINGER_S / 4
+        assert run.leftovers() == []

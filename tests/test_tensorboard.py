@@ -525,3 +525,18 @@ def test_a_rank_that_steps_back_goes_on_in_a_life_of_its_own(tmp_path: Path) -> 
     assert (text.folder, text.text) == ("run/restart2", f"**warning** · rank 0: a"
                                         f"{tbpoints.LINE_BREAK}**warning** · rank 0: b")
     assert resumed.pending() == []  # nothing new since
+
+
+def test_the_lines_of_a_step_that_stands_still_are_bounded() -> None:
+    """A hang or a long set-up: lines keep coming at one step; its one text keeps the
+    first MAX_STEP_LINES - 1 and counts the rest."""
+    translator, state = tbpoints.Translator(), RunState(run="r")
+    for seq in range(tbpoints.MAX_STEP_LINES + 50):
+        message = wire.Event(run="r", rank=0, seq=seq, t=1.0 + seq, type="warning",
+                             message=f"w{seq}")
+        state.apply(message, 1.0 + seq)
+        translator.items(message, state, 1.0 + seq)
+    [text] = translator.pending()
+    lines = text.text.split(tbpoints.LINE_BREAK)
+    assert len(lines) == tbpoints.MAX_STEP_LINES
+    assert lines[0].endswith(": w0") and lines[-1] == "... and 51 more lines at this step"
