@@ -236,7 +236,7 @@ def progress_text(state: RunState, now: float, short: bool = False,
             parts.append(f"ETA {seconds(eta)}")
         _, skew, slow = state.stragglers()
         if slow and ranks:
-            why = "".join(f"; rank {r} {c[1]}" for r, c in state.straggler_causes().items())
+            why = "".join(f"; rank {r} {c[1]}" for r, c in state.straggler_causes(slow).items())
             parts.append(f"stragglers: {', '.join(map(str, slow))} "
                          f"(+{1000 * skew:.1f} ms/step{why})")
         hang = state.hang(now)
@@ -262,7 +262,7 @@ def progress_record(state: RunState, now: float) -> dict[str, Any]:
         "global_step": done, "total_steps": total, "samples_per_s": state.throughput(now),
         "eta_s": state.eta(now), "stragglers": slow, "skew_s": skew,
         "straggler_causes": {str(r): {"cause": c[0], "words": c[1]}
-                             for r, c in state.straggler_causes().items()},
+                             for r, c in state.straggler_causes(slow).items()},
         "memory_creeping": {str(r): words for r, words in state.creeping().items()},
         "hang": state.hang(now), "telemetry_loss": state.telemetry_loss(),  # messages lost
         "ranks": [{"rank": r.rank, "state": r.state, "epoch": r.epoch, "step": r.step,

@@ -500,9 +500,12 @@ class RunState(msgspec.Struct, kw_only=True):
         return {r: words for r, v in self.ranks.items()
                 if not v.exited and (words := v.creep.words()) is not None}
 
-    def straggler_causes(self) -> dict[int, tuple[str, str]]:
-        """Each straggler's cause and its words (core/causes.py), where judged."""
-        _, _, slow = self.stragglers()
+    def straggler_causes(self, slow: list[int] | None = None) -> dict[int, tuple[str, str]]:
+        """Each straggler's cause and its words (core/causes.py), where judged; `slow`:
+        the stragglers where the caller has them already (stragglers() goes over every
+        rank)."""
+        if slow is None:
+            _, _, slow = self.stragglers()
         return {r: c for r in slow if (c := self.ranks[r].evidence.cause) is not None}
 
     def hang(self, now: float) -> str | None:
@@ -579,7 +582,7 @@ class RunState(msgspec.Struct, kw_only=True):
             failure=self.failure, global_step=done, total_steps=total,
             samples_per_s=self._throughput(now, states), telemetry_loss=self.telemetry_loss(),
             rejected=dict(self.rejected), slowest_rank=slowest, skew_s=skew, stragglers=slow,
-            straggler_causes={r: c[1] for r, c in self.straggler_causes().items()},
+            straggler_causes={r: c[1] for r, c in self.straggler_causes(slow).items()},
             memory_creeping=self.creeping(),
             journal_dropped=self.journal_dropped, hang=hung[1] if hung else None,
             ranks=told.rank_summaries(self.ranks, states, self.rank_nodes, now),

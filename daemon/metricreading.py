@@ -101,7 +101,7 @@ def read(state: RunState, now: float, host: str = "") -> Reading:
     hello, so that a rank's series are the same from its start."""
     states = state.rank_states(now)
     _, _, stragglers = state.stragglers()
-    why = state.straggler_causes()
+    why = state.straggler_causes(stragglers)
     hung = state.hung(now)
     waited = set(hung[0]) if hung is not None else set()
     blamed: dict[int, int] = {}

@@ -113,7 +113,7 @@ def header(state: RunState, now: float, note: str = "", width: int | None = None
     if slow:
         text.append(f" · stragglers: {', '.join(map(str, slow[:8]))}"
                     f"{'…' if len(slow) > 8 else ''}", "bold yellow")
-    cause = state.straggler_causes().get(slowest) if slowest is not None else None
+    cause = state.straggler_causes(slow).get(slowest) if slowest is not None else None
     if cause is not None:
         text.append(f" · {cause[1]}", "yellow")
     return text
@@ -266,8 +266,9 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
                 f"{v.sender_dropped} dropped by the rank\n")
     if (creep := v.creep.words()) is not None:
         text.append(creep + "\n", "bold yellow")
-    if rank in state.stragglers()[2]:  # why the mark, and why its row may read better
-        cause = state.straggler_causes().get(rank)  # (core/causes.py)
+    slow = state.stragglers()[2]
+    if rank in slow:  # why the mark, and why its row may read better
+        cause = state.straggler_causes(slow).get(rank)  # (core/causes.py)
         text.append(f"straggles (+{1000 * v.evidence.excess_s:.1f} ms/step): "
                     f"{cause[1] if cause is not None else 'cause not judged yet'}\n",
                     "bold yellow")
