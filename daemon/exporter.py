@@ -17,7 +17,7 @@ loop checks one flag a pass.
 of every family served) are pure; `Exporter` is the hand-off, and the server
 (daemon/metricserver.py: bounded threads and connections, timeouts, and the doors of
 --metrics-auth and --metrics-cert/--metrics-key; bound to 127.0.0.1 unless a host is
-given); the text is prometheus_client's encoder's. `NoExporter` stands in without
+given); the text is daemon/exposition.py's. `NoExporter` stands in without
 --metrics. docs/monitoring.md lists what is served.
 """
 
@@ -29,7 +29,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any, TextIO
 
 from ddtop.core import outlets
@@ -37,8 +36,9 @@ from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.outlets import parse_listen, url
 from ddtop.core.state import RunState
+from ddtop.daemon.exposition import encode, negotiate
 from ddtop.daemon.metricreading import Reading, read
-from ddtop.daemon.metrictable import families
+from ddtop.daemon.metrictable import Family, families
 
 # Seconds a scrape waits for the daemon's loop to take a reading before it is
 # answered with the previous one.
@@ -47,6 +47,8 @@ from ddtop.daemon.metrictable import families
 # old its numbers are then.
 ANSWER_S = 0.05
 LINGER_TICK_S = 0.2  # a lingering daemon looks for SIGTERM or SIGINT this often
+
+
 class Exporter:
     """The /metrics server (daemon/metricserver.py), and the hand-off of readings from
     the daemon's loop (`serve`, every pass) to scrapes (`collect`, the server's render
@@ -54,12 +56,6 @@ class Exporter:
     --metrics-key (core/outlets.py reads them), or none."""
 
     def __init__(self, address: str, auth: str = "", cert: str = "", key: str = "") -> None:
-        try:
-            from prometheus_client import CollectorRegistry
-            from prometheus_client.exposition import choose_encoder
-        except ImportError:
-            raise UsageError("--metrics needs prometheus_client, not installed here: "
-                             "pip install 'ddtop[metrics]'") from None
         from ddtop.daemon.metricserver import MetricServer
 
         try:  # checked by config.py already; read again here, as the server uses them
@@ -79,12 +75,10 @@ class Exporter:
         self._closed = False
         self._final = False  # the run has ended: its last reading answers every scrape
         self._host = socket.gethostname()  # its own ranks' host, before they say hello
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self)
 
         def render(accept: str) -> tuple[bytes, str]:  # a render worker: the text asked for
-            encoder, content_type = choose_encoder(accept)
-            return encoder(registry), content_type
+            openmetrics, content_type = negotiate(accept)
+            return encode(self.collect(), openmetrics), content_type
 
         try:
             self.server = MetricServer(host, port, render, credential, tls)
@@ -107,8 +101,8 @@ class Exporter:
             self._reading = read(state, time.time(), self._host)
             self._fresh.set()
 
-    def collect(self) -> Iterator[Any]:
-        """A scrape (a render worker): the loop's next reading, as metrics."""
+    def collect(self) -> list[Family]:
+        """A scrape (a render worker): the loop's next reading, as metric families."""
         with self._one:
             if not self._closed and not self._final:
                 self._fresh.clear()
@@ -117,8 +111,7 @@ class Exporter:
                     os.write(self._wake_write, b"!")
                 self._fresh.wait(ANSWER_S)
             reading = self._reading
-        if reading is not None:
-            yield from families(reading, time.time())
+        return [] if reading is None else families(reading, time.time())
 
     def prime(self, state: RunState) -> None:
         """The first reading, taken before the loop runs (the daemon's thread): a scrape

@@ -24,7 +24,7 @@ or shell could not start. Here, whatever the connections:
   time).
 
 `MetricServer` is given `render(accept) -> (body, content type)`; daemon/exporter.py
-gives prometheus_client's encoder of its registry.
+gives the run's reading written out by daemon/exposition.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `SERIES` has a row per family, in the order served: a `Series` (a gauge or a counter
 per rank or per run, its help, and how a reading gives its value), or the name of one
 labelled by what it counts, built in `families`. `families` turns one Reading
-(daemon/exporter.py) into prometheus_client's families; pure, tested without a server.
+(daemon/exporter.py) into `Family` records, which daemon/exposition.py writes out; pure,
+tested without a server.
 docs/monitoring.md lists the same families for users.
 """
 
@@ -25,6 +26,24 @@ from ddtop.daemon.metricreading import (
     RankReading,
     Reading,
 )
+
+# One sample of a family: the suffix of its name (counters' "_total", histograms'
+# "_bucket", ...), the values of its family's identity labels, the labels it adds (names
+# and values: a state, a cause, a bucket's bound), and its number.
+Sample = tuple[str, tuple[str, ...], tuple[tuple[str, str], ...], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One metric family of a scrape: its name, type (OpenMetrics': gauge, counter,
+    histogram, info), help text, the names of the labels every sample of it has
+    (RANK_LABELS, the run's, none), and its samples."""
+
+    name: str
+    kind: Literal["gauge", "counter", "histogram", "info"]
+    doc: str
+    labels: tuple[str, ...]
+    samples: list[Sample]
 
 
 @dataclass(frozen=True)
@@ -166,110 +185,93 @@ SERIES: tuple[Series | str, ...] = (
 )
 
 
-def families(reading: Reading, now: float | None = None) -> list[Any]:
-    """The metric families of one reading (SERIES walked), in prometheus_client's types
-    (imported here: only a daemon serving --metrics needs prometheus_client)."""
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-        InfoMetricFamily,
-    )
-
+def families(reading: Reading, now: float | None = None) -> list[Family]:
+    """The metric families of one reading (SERIES walked), in the order served; pure.
+    daemon/exposition.py writes them out in Prometheus' text formats."""
     run = (reading.run,)
 
-    def family(series: Series) -> Any:
-        kind = GaugeMetricFamily if series.kind == "gauge" else CounterMetricFamily
-        labelled = (RANK_LABELS if series.per == "rank" else ("run",))
-        made = kind(f"ddtop_{series.per}_{series.name}", series.doc, labels=labelled)
+    def family(series: Series) -> Family:
+        name = f"ddtop_{series.per}_{series.name}"
+        suffix = "_total" if series.kind == "counter" else ""
         rows = ([(rank.labels, series.value(rank)) for rank in reading.ranks]
                 if series.per == "rank" else [(run, series.value(reading))])
-        for labels, number in rows:
-            if number is not None:  # not known yet: no sample (never a made-up 0)
-                made.add_metric(labels, float(number))
-        return made
+        # A number not known yet: no sample (never a made-up 0).
+        return Family(name, series.kind, series.doc,
+                      RANK_LABELS if series.per == "rank" else ("run",),
+                      [(suffix, labels, (), float(number)) for labels, number in rows
+                       if number is not None])
 
-    def labelled(name: str) -> Any:
+    def labelled(name: str) -> Family:
         if name == "state":
-            state = GaugeMetricFamily("ddtop_rank_state", "1 for the state the rank is in, 0 "
-                                      "for the others", labels=(*RANK_LABELS, "state"))
-            for rank in reading.ranks:
-                for each in RANK_STATES:
-                    state.add_metric((*rank.labels, each), float(rank.state == each))
-            return state
+            return Family("ddtop_rank_state", "gauge", "1 for the state the rank is in, 0 for "
+                          "the others", RANK_LABELS,
+                          [("", rank.labels, (("state", each),), float(rank.state == each))
+                           for rank in reading.ranks for each in RANK_STATES])
         if name == "straggler_cause":
-            cause = GaugeMetricFamily("ddtop_rank_straggler_cause", "a straggler's cause: 1 for "
-                                      "it, 0 for the others (docs/monitoring.md)",
-                                      labels=(*RANK_LABELS, "cause"))
-            for rank in reading.ranks:
-                if rank.cause is not None:
-                    for each in causes.CAUSES:
-                        cause.add_metric((*rank.labels, each), float(rank.cause == each))
-            return cause
+            return Family("ddtop_rank_straggler_cause", "gauge", "a straggler's cause: 1 for "
+                          "it, 0 for the others (docs/monitoring.md)", RANK_LABELS,
+                          [("", rank.labels, (("cause", each),), float(rank.cause == each))
+                           for rank in reading.ranks if rank.cause is not None
+                           for each in causes.CAUSES])
         if name == "rank_info":
-            info = InfoMetricFamily("ddtop_rank", "the rank's process now: its pid, its "
-                                    "index on its machine and its device (a restart may "
-                                    "change them)",
-                                    labels=RANK_LABELS)
-            for rank in reading.ranks:
-                if rank.pid:
-                    info.add_metric(rank.labels, {"pid": rank.pid,
-                                                  "local_rank": rank.local_rank,
-                                                  "device": rank.device})
-            return info
+            return Family("ddtop_rank", "info", "the rank's process now: its pid, its index "
+                          "on its machine and its device (a restart may change them)",
+                          RANK_LABELS,
+                          [("_info", rank.labels, (("pid", rank.pid),
+                                                   ("local_rank", rank.local_rank),
+                                                   ("device", rank.device)), 1.0)
+                           for rank in reading.ranks if rank.pid])
         if name == "status":
-            status = GaugeMetricFamily("ddtop_run_status", "1 for the run's status, 0 for the "
-                                       "others", labels=("run", "status"))
-            for each in RUN_STATUSES:
-                status.add_metric((*run, each), float(reading.status == each))
-            return status
+            return Family("ddtop_run_status", "gauge", "1 for the run's status, 0 for the "
+                          "others", ("run",),
+                          [("", run, (("status", each),), float(reading.status == each))
+                           for each in RUN_STATUSES])
         if name == "outcome":
-            outcome = InfoMetricFamily("ddtop_run_outcome", "how the run ended (succeeded, "
-                                       "failed or stopped) and a failed run's cause; no "
-                                       "sample while it runs", labels=("run",))
-            if reading.outcome is not None:
-                outcome.add_metric(run, {"outcome": reading.outcome[0],
-                                         "cause": reading.outcome[1]})
-            return outcome
+            return Family("ddtop_run_outcome", "info", "how the run ended (succeeded, failed "
+                          "or stopped) and a failed run's cause; no sample while it runs",
+                          ("run",),
+                          [] if reading.outcome is None else
+                          [("_info", run, (("outcome", reading.outcome[0]),
+                                           ("cause", reading.outcome[1])), 1.0)])
         if name == "step_duration":
-            steps = HistogramMetricFamily("ddtop_rank_step_duration_seconds", "its steps by "
-                                          "time (each Step message's steps at their mean)",
-                                          labels=RANK_LABELS)
-            bounds = [*(format(b, "g") for b in STEP_BUCKETS), "+Inf"]
-            for rank in reading.ranks:
-                if rank.step_buckets:
-                    steps.add_metric(rank.labels, list(zip(
-                        bounds, itertools.accumulate(rank.step_buckets), strict=True)),
-                        rank.step_seconds_total)
-            return steps
+            return Family("ddtop_rank_step_duration_seconds", "histogram", "its steps by time "
+                          "(each Step message's steps at their mean)", RANK_LABELS,
+                          [sample for rank in reading.ranks if rank.step_buckets
+                           for sample in _histogram(rank)])
         if name == "age":
-            age = GaugeMetricFamily("ddtop_run_reading_age_seconds", "how old the numbers of "
-                                    "this scrape are: 0 but while the daemon's loop is busy "
-                                    "(starting or stopping ranks), or after the run's end",
-                                    labels=("run",))
-            if now is not None:
-                age.add_metric(run, max(0.0, now - reading.taken))
-            return age
+            return Family("ddtop_run_reading_age_seconds", "gauge", "how old the numbers of "
+                          "this scrape are: 0 but while the daemon's loop is busy (starting "
+                          "or stopping ranks), or after the run's end", ("run",),
+                          [] if now is None else [("", run, (), max(0.0, now - reading.taken))])
         if name == "failures":
-            failed = CounterMetricFamily("ddtop_run_failures", "failures of the run by cause "
-                                         "(docs/monitoring.md): every restart's, and the "
-                                         "last's of a failed run", labels=("run", "cause"))
-            for each in endings.CAUSES:
-                failed.add_metric((*run, each), float(reading.failures.get(each, 0)))
-            return failed
+            return Family("ddtop_run_failures", "counter", "failures of the run by cause "
+                          "(docs/monitoring.md): every restart's, and the last's of a failed "
+                          "run", ("run",),
+                          [("_total", run, (("cause", each),),
+                            float(reading.failures.get(each, 0))) for each in endings.CAUSES])
         if name == "info":
-            info = InfoMetricFamily("ddtop_run", "what the run trains", labels=("run",))
-            info.add_metric(run, reading.info)
-            return info
+            return Family("ddtop_run", "info", "what the run trains", ("run",),
+                          [("_info", run, tuple(reading.info.items()), 1.0)])
         if name == "build":
-            build = InfoMetricFamily("ddtop_build", "the ddtop, Python and torch versions of "
-                                     "this daemon's environment", labels=())
-            build.add_metric((), BUILD)
-            return build
-        rejected = CounterMetricFamily("ddtop_run_messages_rejected", "frames the daemon "
-                                       "refused, by reason", labels=("run", "reason"))
-        for reason, count in sorted(reading.rejected.items()):
-            rejected.add_metric((*run, reason), float(count))
-        return rejected
+            return Family("ddtop_build", "info", "the ddtop, Python and torch versions of "
+                          "this daemon's environment", (), [("_info", (), tuple(BUILD.items()),
+                                                             1.0)])
+        return Family("ddtop_run_messages_rejected", "counter", "frames the daemon refused, "
+                      "by reason", ("run",),
+                      [("_total", run, (("reason", reason),), float(count))
+                       for reason, count in sorted(reading.rejected.items())])
 
     return [labelled(row) if isinstance(row, str) else family(row) for row in SERIES]
+
+
+def _histogram(rank: RankReading) -> list[Sample]:
+    """A rank's step-time histogram: a sample per bucket (counted up to its bound), then
+    its count and its sum."""
+    counts = list(itertools.accumulate(rank.step_buckets))
+    return [*(("_bucket", rank.labels, (("le", bound),), float(count))
+              for bound, count in zip(_BOUNDS, counts, strict=True)),
+            ("_count", rank.labels, (), float(counts[-1])),
+            ("_sum", rank.labels, (), rank.step_seconds_total)]
+
+
+_BOUNDS = (*(format(b, "g") for b in STEP_BUCKETS), "+Inf")  # the histogram's `le` labels

@@ -76,3 +76,18 @@ def prometheus(folder: Path, targets: list[str], rules: Path | None = None
         yield Prometheus(port)
     finally:
         terminate(server)
+
+
+def served(reading: Any, now: float | None = None,
+           openmetrics: bool = True) -> dict[str, list[Any]]:
+    """What /metrics serves of a reading (daemon/metricreading.py), in OpenMetrics as
+    Prometheus asks for it (or the text format), parsed by prometheus_client's own
+    parser: a family's name -> its samples."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+    from prometheus_client.parser import text_string_to_metric_families as text
+
+    from ddtop.daemon.exposition import encode
+    from ddtop.daemon.metrictable import families
+
+    body = encode(families(reading, now), openmetrics).decode()
+    return {f.name: f.samples for f in (om if openmetrics else text)(body)}

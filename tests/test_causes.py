@@ -160,12 +160,11 @@ def test_a_busy_process_on_its_core_is_named_host(tmp_path: Path) -> None:
 
 
 def test_metrics_give_a_stragglers_cause_as_a_label() -> None:
-    pytest.importorskip("prometheus_client")  # (the metrics extra; make test installs it)
-    from ddtop.daemon.metricreading import read
-    from ddtop.daemon.metrictable import families
+    from promserver import served
 
-    found = {f.name: f for f in families(read(lockstep("data"), 200.0))}
-    samples = found["ddtop_rank_straggler_cause"].samples
+    from ddtop.daemon.metricreading import read
+
+    samples = served(read(lockstep("data"), 200.0))["ddtop_rank_straggler_cause"]
     assert {(s.labels["rank"], s.labels["cause"]): s.value for s in samples} == {
         ("3", each): float(each == "input") for each in causes.CAUSES}
 

@@ -49,7 +49,6 @@ def test_memory_that_grows_steadily_for_five_minutes_is_creeping() -> None:
 
 
 def test_a_creeping_rank_is_said_where_a_run_is_read() -> None:
-    pytest.importorskip("prometheus_client")
     from ddtop.daemon.metricreading import read
 
     state = RunState(run=RUN)

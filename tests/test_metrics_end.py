@@ -29,14 +29,13 @@ from typing import Any
 import pytest
 from helpers import detached
 from prometheus_client.parser import text_string_to_metric_families
-from promserver import prometheus, quick_rules
+from promserver import prometheus, quick_rules, served
 
 from ddtop.core import blame, endings, wire
 from ddtop.core.rundir import RunPaths, run_held
 from ddtop.core.state import RunState
 from ddtop.core.summary import Failure
 from ddtop.daemon.metricreading import read
-from ddtop.daemon.metrictable import families
 from ddtop.daemon.supervisor import end_lingering
 from ddtop.daemon.watching import NO_GOODBYE
 
@@ -95,10 +94,10 @@ def test_a_reading_of_an_ended_run_says_when_how_and_why() -> None:
     live = read(running, 51.0)
     assert (live.ended, live.outcome, live.failures) == (None, None, {})
     # Served: no end and no outcome sample while it runs, every cause counted from 0.
-    served = {f.name: f.samples for f in families(live)}
-    assert served["ddtop_run_end_timestamp_seconds"] == []
-    assert served["ddtop_run_outcome"] == []
-    assert {s.labels["cause"]: s.value for s in served["ddtop_run_failures"]} == {
+    found = served(live)
+    assert found["ddtop_run_end_timestamp_seconds"] == []
+    assert found["ddtop_run_outcome"] == []
+    assert {s.labels["cause"]: s.value for s in found["ddtop_run_failures"]} == {
         c: 0.0 for c in endings.CAUSES}
 
 
@@ -114,12 +113,12 @@ def test_a_rank_series_is_the_same_from_its_start_and_across_restarts() -> None:
     # Rank 1 has not said hello: its node's host (the daemon's) labels it already.
     assert before["1"].labels == ("r", "1", "0", "here") and before["1"].pid == ""
     assert before["0"].labels == ("r", "0", "0", "here") and before["0"].pid == "100"
-    served = {f.name: f.samples for f in families(read(state, 52.0, host="here"))}
-    assert [s.labels for s in served["ddtop_rank"]] == [
+    found = served(read(state, 52.0, host="here"))
+    assert [s.labels for s in found["ddtop_rank"]] == [
         {"run": "r", "rank": "0", "node": "0", "host": "here", "pid": "100",
          "local_rank": "0", "device": "cpu"}]  # rank 1's process is not known yet: no sample
     assert all(set(s.labels) == {"run", "rank", "node", "host"}
-               for s in served["ddtop_rank_global_step"])
+               for s in found["ddtop_rank_global_step"])
 
 
 def test_a_rank_of_a_node_not_known_yet_gets_no_node_or_host() -> None:

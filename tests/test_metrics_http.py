@@ -37,7 +37,7 @@ import msgspec
 import pytest
 from helpers import Detached, detached, terminate
 from prometheus_client.parser import text_string_to_metric_families
-from promserver import prometheus, quick_rules
+from promserver import prometheus, quick_rules, served
 from test_bad_input import in_tmp, usage_error_in_process
 
 from ddtop.core import wire
@@ -241,9 +241,7 @@ def test_a_reading_is_what_the_fold_says_at_that_moment() -> None:
 
 
 def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
-    from prometheus_client.exposition import generate_latest
-    from prometheus_client.registry import CollectorRegistry
-
+    from ddtop.daemon.exposition import encode
     from ddtop.daemon.metrictable import families
 
     t0 = 1000.0
@@ -257,13 +255,7 @@ def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
     # A stall: no step, the counters as they were (rate() of them: 0), unlike a gauge.
     assert {r.labels[1]: r for r in read(state, t0 + 60).ranks}["0"].steps_total == 3
 
-    class Once:
-        def collect(self) -> Any:
-            return families(read(state, t0 + 3.5))
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Once())  # type: ignore[arg-type]
-    text = generate_latest(registry).decode()
+    text = encode(families(read(state, t0 + 3.5)), openmetrics=False).decode()
     # What this daemon runs: ddtop's, Python's and torch's versions (ddtop_build_info).
     build = next(line for line in text.splitlines() if line.startswith("ddtop_build_info{"))
     assert 'python="3.' in build and 'torch="2.' in build and 'version="' in build, build
@@ -274,11 +266,6 @@ def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
 
 
 def test_steps_by_time_phases_and_a_stall_read_as_they_are() -> None:
-    from prometheus_client.exposition import generate_latest
-    from prometheus_client.registry import CollectorRegistry
-
-    from ddtop.daemon.metrictable import families
-
     t0 = 1000.0
     state = _state(t0)  # each rank: a step of 0.25 s
     # Rank 0: four more steps of 0.05 s each, in one message; then a checkpoint.
@@ -286,17 +273,7 @@ def test_steps_by_time_phases_and_a_stall_read_as_they_are() -> None:
     state.apply(wire.Event(run="r", rank=0, seq=3, t=t0 + 2.5, type="checkpoint",
                            message="checkpoint written"), t0 + 2.5)
 
-    def served(now: float) -> dict[str, list[Any]]:
-        class Once:
-            def collect(self) -> Any:
-                return families(read(state, now))
-
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(Once())  # type: ignore[arg-type]
-        return {f.name: f.samples
-                for f in text_string_to_metric_families(generate_latest(registry).decode())}
-
-    found = served(t0 + 3)
+    found = served(read(state, t0 + 3), openmetrics=False)
     buckets = {s.labels["le"]: s.value for s in found["ddtop_rank_step_duration_seconds"]
                if s.name.endswith("_bucket") and s.labels["rank"] == "0"}
     assert (buckets["0.025"], buckets["0.05"], buckets["0.1"], buckets["0.25"],
@@ -314,7 +291,7 @@ def test_steps_by_time_phases_and_a_stall_read_as_they_are() -> None:
     assert min(by_rank(found["ddtop_rank_samples_per_second"],
                        "ddtop_rank_samples_per_second").values()) > 0
     # A minute with no step: the ranks are silent, and their rate reads 0, not the last.
-    stalled = served(t0 + 60)
+    stalled = served(read(state, t0 + 60), openmetrics=False)
     assert by_rank(stalled["ddtop_rank_samples_per_second"],
                    "ddtop_rank_samples_per_second") == {"0": 0.0, "1": 0.0}
 
