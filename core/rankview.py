@@ -60,7 +60,10 @@ def merge_points(a: Point, wa: int, b: Point, wb: int) -> Point:
     """Two readings as one (core/thinned.py), weighted: at the later one's step and time."""
     return Point(b.t, b.global_step, mean(a.loss, wa, b.loss, wb),
                  mean(a.samples_per_s, wa, b.samples_per_s, wb),
-                 mean(a.comm_share, wa, b.comm_share, wb))
+                 mean(a.comm_share, wa, b.comm_share, wb),
+                 # The higher of the two: a thinned chart keeps the peaks (what runs out).
+                 b.memory if a.memory is None else a.memory if b.memory is None
+                 else max(a.memory, b.memory))
 
 
 def history_points(world_size: int) -> int:
@@ -77,6 +80,8 @@ class Point(msgspec.Struct, array_like=True):
     loss: float | None
     samples_per_s: float | None
     comm_share: float | None
+    memory: int | None = None  # bytes: CUDA allocated where it uses CUDA, else its RSS
+
 
 
 class RankView(msgspec.Struct, kw_only=True):

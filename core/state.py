@@ -361,7 +361,7 @@ class RunState(msgspec.Struct, kw_only=True):
         view.cuda_allocated, view.cuda_reserved, view.rss = m.cuda_allocated, m.cuda_reserved, m.rss
         view.rss_peak, view.cuda_peak = m.rss_peak, m.cuda_peak
         view.creep.add(received, view.memory)
-        point = Point(m.t, m.global_step, view.loss, rate, view.comm_share)
+        point = Point(m.t, m.global_step, view.loss, rate, view.comm_share, view.memory)
         view.history.append(point)
         if len(view.history) > (keep := history_points(self.world_size)):
             del view.history[: len(view.history) - keep]

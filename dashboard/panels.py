@@ -314,6 +314,15 @@ def detail(state: RunState, rank: int, now: float, width: int = 80) -> Text:
     return text
 
 
+def memory_title(v: RankView | None, charted: list[int]) -> str:
+    """The rank detail's memory chart's title (a narrow column: about 25 cells at 80x24):
+    what it charts (CUDA allocated where the rank uses CUDA, else its RSS) and the
+    newest reading."""
+    if v is None or not charted:
+        return "memory: not reported"
+    return f"memory: {'CUDA' if v.cuda_allocated is not None else 'RSS'} {size(charted[-1])}"
+
+
 def _peak(v: RankView) -> int | None:
     """The peak of the memory the rank's table shows (CUDA's where it uses CUDA)."""
     return v.cuda_peak if v.cuda_allocated is not None else v.rss_peak

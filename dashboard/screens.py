@@ -158,6 +158,8 @@ class RankDetail(Screen[None]):
                 yield Sparkline([], id="detail-rate")
                 yield Static("comm share of step", classes="chart-title")
                 yield Sparkline([], id="detail-comm")
+                yield Static("memory", classes="chart-title", id="detail-memory-title")
+                yield Sparkline([], id="detail-memory")
         with Horizontal(id="detail-bottom"):
             yield TextPanel(id="detail-events")
             yield TextPanel(id="detail-log")
@@ -203,6 +205,10 @@ class RankDetail(Screen[None]):
                                          if p.samples_per_s is not None])
             self._chart("#detail-comm", [p.comm_share for p in history
                                          if p.comm_share is not None])
+            memory = [p.memory for p in history if p.memory is not None]
+            self._chart("#detail-memory", [float(b) for b in memory])
+            self.query_one("#detail-memory-title", Static).update(
+                panels.memory_title(view, memory))
         self._show("#detail-log", self._log_tail())
 
     def _show(self, selector: str, content: Text) -> None:

@@ -169,6 +169,10 @@ def test_every_view_is_whole_at_80x24(recorded: Path) -> None:
     comm = next(line for line in seen["detail"].splitlines() if "all-reduce" in line
                 and "%" in line)
     assert comm.rstrip().endswith("(in backward)"), comm
+    # The four charts fit beside the numbers at 80x24, the memory one titled with what
+    # it charts and its range.
+    for title in ("loss", "samples/s", "comm share of step", "memory: RSS 471.6 MB"):
+        assert title in seen["detail"], (title, seen["detail"])
 
 
 def test_rank_and_view_open_where_they_say(recorded: Path) -> None:

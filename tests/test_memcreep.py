@@ -78,3 +78,32 @@ def test_a_creeping_rank_is_said_where_a_run_is_read() -> None:
 
     shown = panels.detail(state, 1, 370.0).plain
     assert words in shown and "memory 1.2 GB (peak 1.2 GB)" in shown, shown  # (decimal)
+
+
+def test_the_rank_detail_charts_each_ranks_memory() -> None:
+    """Each step's reading keeps the rank's memory (CUDA allocated where it uses CUDA,
+    else its RSS) for the rank detail's chart; thinning keeps the peaks; the chart's
+    title says what it charts."""
+    from ddtop.core.rankview import merge_points
+    from ddtop.dashboard.panels import memory_title
+
+    state = RunState(run=RUN)
+    for r in (0, 1):
+        state.apply(msgspec.structs.replace(hello(r), world_size=2), 0.0)
+    for i in range(1, 4):
+        for r in (0, 1):
+            state.apply(wire.Step(
+                run=RUN, rank=r, seq=i, t=float(i), epoch=0, step=i, steps_per_epoch=100,
+                global_step=i, steps=1, samples=32, loss_sum=64.0, lr=0.1, step_s=0.1,
+                data_s=0.0, forward_s=0.1, backward_s=0.0, optimizer_s=0.0, comm_s=0.0,
+                comm_bytes=0, comm_ops=0, algbw_gbps=0.0, busbw_gbps=0.0, sync_wait_s=0.0,
+                rss=GIB + i * MIB, cuda_allocated=(i * MIB if r == 1 else None)), float(i))
+    cpu, cuda = state.ranks[0], state.ranks[1]
+    assert [p.memory for p in cpu.history] == [GIB + MIB, GIB + 2 * MIB, GIB + 3 * MIB]
+    assert [p.memory for p in cuda.history] == [MIB, 2 * MIB, 3 * MIB]
+    assert memory_title(cpu, [p.memory for p in cpu.history]) == "memory: RSS 1.1 GB"
+    assert memory_title(cuda, [3 * MIB]) == "memory: CUDA 3.1 MB"
+    assert memory_title(cpu, []) == "memory: not reported"
+    high, low = cuda.history[2], cuda.history[0]
+    assert merge_points(high, 1, low, 1).memory == 3 * MIB  # the peak, not the later one
+    assert merge_points(msgspec.structs.replace(low, memory=None), 1, low, 1).memory == MIB
