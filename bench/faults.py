@@ -4,6 +4,7 @@
                                      [--phase-seconds 10] [--frozen-seconds 60]
                                      [--cycles 2]
                                      [--no-drills] [--drills NAME,...] [--no-dashboard]
+                                     [--step-delay S]
                                      [--tui-fps N] [--tui-pairs N] [--headless-pairs N]
                                      [--attached-pairs N] [--frozen-pairs N]
                                      [--waker-pairs N]
@@ -176,14 +177,15 @@ class Result:
     samples: int = 0
 
 
-def run_drill(drill: Drill, world: int, root: Path, index: int) -> Result:
+def run_drill(drill: Drill, world: int, root: Path, index: int,
+              step_delay: float = 0.0) -> Result:
     steps = 450 if drill.check in ("slow", "clean") else 300
     run_id = re.sub(r"[^A-Za-z0-9]+", "-", drill.name.split()[0]) + f"-{index}"
     cwd = root / run_id
     cwd.mkdir()
     inject = ["--inject", drill.spec] if drill.spec else []
     cmd = [DDTRAIN, "start", "--foreground", "--run-id", run_id, "--epochs", "1",
-           *run_args(world, steps),
+           *run_args(world, steps), *(["--step-delay", f"{step_delay:g}"] if step_delay else []),
            *inject, *drill.extra]
     with (cwd / "out.log").open("w") as out:
         code = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
@@ -261,7 +263,8 @@ def spread(values: list[float | None], unit: str = " s", digits: int = 2) -> str
     return text + (f", {missed} never" if missed else "")
 
 
-def part_drills(world: int, repeats: int, root: Path, only: set[str] | None = None) -> None:
+def part_drills(world: int, repeats: int, root: Path, only: set[str] | None = None,
+                step_delay: float = 0.0) -> None:
     chosen = [d for d in drills(world) if only is None or d.key in only]
     if any(d.key == "oom" for d in chosen) and (why := memcg.why_not_writable()):
         print(f"  oom: left out: {why}", file=sys.stderr)
@@ -270,7 +273,7 @@ def part_drills(world: int, repeats: int, root: Path, only: set[str] | None = No
     for index in range(repeats):
         for drill in chosen:
             started = time.monotonic()
-            result = run_drill(drill, world, root, index)
+            result = run_drill(drill, world, root, index, step_delay)
             results.setdefault(drill.name, []).append(result)
             print(f"  {drill.name:<15} run {index + 1}: named {result.named_s} s, failed "
                   f"{result.failed_s} s, steps {result.steps}, wrong {result.wrong}/"
@@ -598,6 +601,10 @@ def main() -> int:
                         help="only these drills: " + ", ".join(
                             d.key for d in drills(4)) + " (default: all)")
     parser.add_argument("--no-dashboard", action="store_true")
+    parser.add_argument("--step-delay", type=float, default=0.0, metavar="S",
+                        help="part 1: each step S seconds longer (ddtrain start --step-delay: "
+                             "a step of 0.1 s sends a Step message a step, as a real model's "
+                             "does; the built-in model's 5 ms steps pack 20 to a message)")
     parser.add_argument("--tui-fps", type=float, metavar="N",
                         help="the TUI's --fps in parts 2 and 3 (default: ddtop's own)")
     for flag, what in (("tui", "TUI running / frozen"),
@@ -620,7 +627,7 @@ def main() -> int:
     print(f"{os.cpu_count()} CPUs; world size {args.world_size}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_drills:
-            part_drills(args.world_size, args.repeats, Path(tmp), only)
+            part_drills(args.world_size, args.repeats, Path(tmp), only, args.step_delay)
         if not args.no_dashboard:
             part_dashboard(args.world_size, args.phase_seconds, args.frozen_seconds,
                            args.cycles, Path(tmp), args.tui_fps)
