@@ -67,7 +67,7 @@ pytest: $(STAMP)
 # mypy (a minute from a clean cache, one core) runs beside the tests, which leave a core
 # idle about a third of the time waiting on their processes; its output follows theirs.
 test: lint $(STAMP)
-	@rm -f .typecheck.log .typecheck.rc; \
+	@trap 'kill 0' INT TERM; rm -f .typecheck.log .typecheck.rc; \
 	( $(MAKE) --no-print-directory typecheck > .typecheck.log 2>&1; echo $$? > .typecheck.rc ) & \
 	$(MAKE) --no-print-directory pytest; tests=$$?; wait; \
 	echo "--- make typecheck (it ran beside the tests):"; cat .typecheck.log; \

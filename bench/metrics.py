@@ -170,7 +170,7 @@ def exporter_cpu(ranks: int, repeats: int) -> dict[str, float]:
             self.reading = reading
 
         def collect(self) -> object:
-            for family in families(self.reading):  # type: ignore[arg-type]
+            for family in families(self.reading, now):  # type: ignore[arg-type]
                 metric = Metric(family.name, family.doc, family.kind)
                 for suffix, values, more, value in family.samples:
                     metric.add_sample(family.name + suffix,

@@ -22,15 +22,17 @@ OPENMETRICS_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 def negotiate(accept: str) -> tuple[bool, str]:
     """From a scrape's Accept header: whether to write OpenMetrics, and the content type.
-    OpenMetrics where it is asked for in version 1 (or with no version), else the text
-    format, which every scraper reads."""
+    OpenMetrics where it is asked for in version 1 (or with no version) and not refused
+    (q=0), else the text format, which every scraper reads."""
     for offered in (accept or "").split(","):
         media, *params = (part.strip() for part in offered.split(";"))
         if media.lower() != "application/openmetrics-text":
             continue
-        versions = [p.partition("=")[2].strip() for p in params
-                    if p.partition("=")[0].strip().lower() == "version"]
-        if not versions or versions[0].startswith("1."):
+        given = {name.strip().lower(): value.strip().strip('"')
+                 for name, _, value in (p.partition("=") for p in params)}
+        if given.get("q", "1").rstrip("0").rstrip(".") in ("0", ""):
+            continue  # q=0, q=0.0: not acceptable
+        if given.get("version", "1.").startswith("1."):
             return True, OPENMETRICS_TYPE
     return False, TEXT_TYPE
 
@@ -65,7 +67,8 @@ def encode(families: Iterable[Family], openmetrics: bool) -> bytes:
                     extra = added[more] = ",".join(f'{label}="{_escape(text)}"'
                                                    for label, text in more)
                 labels = f"{labels},{extra}" if labels else extra
-            # Below a million, Go and Python spell a number alike (NaN fails the test).
+            # Below a million, repr is the spelling (Prometheus reads "1.0" as 1; NaN
+            # fails the test and is spelled by _number).
             number = repr(value) if -1e6 < value < 1e6 else _number(value)
             out.append(f"{name}{suffix}{{{labels}}} {number}\n" if labels
                        else f"{name}{suffix} {number}\n")

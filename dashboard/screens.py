@@ -193,6 +193,8 @@ class RankDetail(Screen[None]):
             events = panels.events(state, 12, rank=self.rank, title="events of this rank")
             view = state.ranks.get(self.rank)
             history = list(view.history) if view is not None else []
+            memory = [p.memory for p in history if p.memory is not None]
+            memory_title = panels.memory_title(view, memory)  # (reads the view: locked)
         # Wrapped here, at the panel's width (a TextPanel draws a line per row).
         self._show("#detail-info", Text("\n").join(info.wrap(self.app.console, max(1, width))))
         self._show("#detail-events", events)
@@ -205,10 +207,8 @@ class RankDetail(Screen[None]):
                                          if p.samples_per_s is not None])
             self._chart("#detail-comm", [p.comm_share for p in history
                                          if p.comm_share is not None])
-            memory = [p.memory for p in history if p.memory is not None]
             self._chart("#detail-memory", [float(b) for b in memory])
-            self.query_one("#detail-memory-title", Static).update(
-                panels.memory_title(view, memory))
+            self.query_one("#detail-memory-title", Static).update(memory_title)
         self._show("#detail-log", self._log_tail())
 
     def _show(self, selector: str, content: Text) -> None:

@@ -170,7 +170,7 @@ def test_every_view_is_whole_at_80x24(recorded: Path) -> None:
                 and "%" in line)
     assert comm.rstrip().endswith("(in backward)"), comm
     # The four charts fit beside the numbers at 80x24, the memory one titled with what
-    # it charts and its range.
+    # it charts and its newest reading.
     for title in ("loss", "samples/s", "comm share of step", "memory: RSS 471.6 MB"):
         assert title in seen["detail"], (title, seen["detail"])
 

@@ -88,7 +88,10 @@ def _parsed(text: str, openmetrics: bool) -> list[tuple[Any, ...]]:
 
 @pytest.mark.parametrize("openmetrics", [True, False], ids=["openmetrics", "text"])
 def test_the_text_reads_as_prometheus_clients_own(openmetrics: bool) -> None:
-    made = families(_reading(), 100.0)
+    # And a help text with what each format escapes its own way.
+    made = [*families(_reading(), 100.0),
+            Family("ddtop_test_help", "gauge", 'a "quoted" \\ path\nand a line', ("run",),
+                   [("", ("r",), (), 1.0)])]
     ours = encode(made, openmetrics).decode()
     theirs = _client_text(made, openmetrics)
     assert _parsed(ours, openmetrics) == _parsed(theirs, openmetrics)
@@ -106,18 +109,27 @@ def test_the_text_reads_as_prometheus_clients_own(openmetrics: bool) -> None:
 
 
 def test_numbers_are_spelled_as_prometheus_spells_them() -> None:
-    for value in (0.0, -0.0, 1.0, 0.25, 1e-7, 123456.0, 1234567.0, 1234567.5, 1e6, 2.5e15,
-                  1e16, 1.7e9 + 0.125, -1234567.0, float("inf"), float("-inf"), float("nan"),
-                  3 * 2.0**30, 12345678.5):
-        assert _number(value) == floatToGoString(value), value
+    spelled = {0.0: "0.0", 1.0: "1.0", 0.25: "0.25", 1e-7: "1e-07",
+               123456.0: "123456.0", 1234567.0: "1.234567e+06", 1234567.5: "1.2345675e+06",
+               1e6: "1e+06", 2.5e15: "2.5e+15", 1e16: "1e+16", 1.7e9 + 0.125: "1.700000000125e+09",
+               -1234567.0: "-1234567.0", float("inf"): "+Inf", float("-inf"): "-Inf",
+               3 * 2.0**30: "3.221225472e+09", 12345678.5: "1.23456785e+07"}
+    for value, words in spelled.items():
+        assert _number(value) == words, value
+        assert floatToGoString(value) == words, value  # prometheus_client's, alike
+    assert _number(float("nan")) == "NaN" and _number(-0.0) == "-0.0"
 
 
 def test_the_accept_header_picks_the_format() -> None:
     assert negotiate(PROMETHEUS_ACCEPT) == (True, OPENMETRICS_TYPE)
     assert negotiate("application/openmetrics-text") == (True, OPENMETRICS_TYPE)
     assert negotiate("Application/OpenMetrics-Text; version=1.0.0") == (True, OPENMETRICS_TYPE)
+    assert negotiate('application/openmetrics-text; version="1.0.0"') == (True,
+                                                                          OPENMETRICS_TYPE)
     for accept in ("", "*/*", "text/plain", "text/plain;version=0.0.4",
-                   "application/openmetrics-text;version=0.0.1", "application/json"):
+                   "application/openmetrics-text;version=0.0.1", "application/json",
+                   "application/openmetrics-text;q=0,text/plain;q=0.5",
+                   "application/openmetrics-text;version=1.0.0;q=0.0"):
         assert negotiate(accept) == (False, TEXT_TYPE), accept
 
 
