@@ -64,15 +64,7 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest $(call XDIST,$(PYTEST_WORKERS)) -m "not timing"
 	$(BIN)/python -m pytest -m timing
 
-# mypy (a minute from a clean cache, one core) runs beside the tests, which leave a core
-# idle about a third of the time waiting on their processes; its output follows theirs.
-test: lint $(STAMP)
-	@trap 'kill 0' INT TERM; rm -f .typecheck.log .typecheck.rc; \
-	( $(MAKE) --no-print-directory typecheck > .typecheck.log 2>&1; echo $$? > .typecheck.rc ) & \
-	$(MAKE) --no-print-directory pytest; tests=$$?; wait; \
-	echo "--- make typecheck (it ran beside the tests):"; cat .typecheck.log; \
-	[ "$$(cat .typecheck.rc)" = 0 ] || echo "make test: mypy found errors (above)"; \
-	[ $$tests = 0 ] && [ "$$(cat .typecheck.rc)" = 0 ]
+test: lint typecheck pytest
 
 # The edit loop's tier: no test that starts a process (tests/conftest.py enforces the mark),
 # nor one marked slow (the 16,384-rank map driven key by key: 19 s alone; heartbeats
