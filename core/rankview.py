@@ -83,7 +83,6 @@ class Point(msgspec.Struct, array_like=True):
     memory: int | None = None  # bytes: CUDA allocated where it uses CUDA, else its RSS
 
 
-
 class RankView(msgspec.Struct, kw_only=True):
     rank: int
     # From hello.

@@ -295,10 +295,11 @@ class RunState(msgspec.Struct, kw_only=True):
 
     def _apply_step(self, view: RankView, m: wire.Step, late: bool, received: float) -> None:
         view.samples += m.samples
-        view.step_s_total += m.step_s
-        view.comm_s_total += m.comm_s
-        view.data_s_total += m.data_s
-        # (counters: what is not a finite, non-negative number is left out)
+        # Counters (what a reading's _total series serve): what is not a finite,
+        # non-negative number is left out, never added (a NaN would stay for good).
+        view.step_s_total += _counted(m.step_s)
+        view.comm_s_total += _counted(m.comm_s)
+        view.data_s_total += _counted(m.data_s)
         view.forward_s_total += _counted(m.forward_s)
         view.backward_s_total += _counted(m.backward_s)
         view.optimizer_s_total += _counted(m.optimizer_s)

@@ -275,6 +275,23 @@ def test_counters_add_up_the_steps_so_a_stall_reads_as_one() -> None:
         assert f"\nddtop_rank_{name}_total{{" in text, name
 
 
+def test_a_step_with_seconds_that_are_no_number_leaves_every_counter_as_it_was() -> None:
+    """A rank's Step message is trusted for display only: a NaN, an infinity or a
+    negative time is not added to a counter (one NaN would read NaN for good)."""
+    t0 = 1000.0
+    state = _state(t0)
+    before = {r.labels[1]: r for r in read(state, t0 + 1.5).ranks}["0"]
+    for seq, bad in enumerate((float("nan"), float("inf"), -1.0), start=2):
+        state.apply(msgspec.structs.replace(
+            _step(0, seq, t0 + seq, seq), step_s=bad, comm_s=bad, data_s=bad, forward_s=bad,
+            backward_s=bad, optimizer_s=bad), t0 + seq)
+    after = {r.labels[1]: r for r in read(state, t0 + 5).ranks}["0"]
+    fields = ("compute_total", "comm_total", "data_total", "forward_total", "backward_total",
+              "optimizer_total", "step_seconds_total")
+    assert [getattr(after, f) for f in fields] == [getattr(before, f) for f in fields]
+    assert after.steps_total == 4 and sum(after.step_buckets) == sum(before.step_buckets)
+
+
 def test_steps_by_time_phases_and_a_stall_read_as_they_are() -> None:
     t0 = 1000.0
     state = _state(t0)  # each rank: a step of 0.25 s
