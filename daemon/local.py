@@ -30,8 +30,9 @@ from ddtop.daemon.relaunches import Relaunch
 from ddtop.daemon.starters import Rank, choose_port, rank_program
 
 # Seconds the forkserver and resource tracker get to exit once told to; after that one
-# that ran no CPU for HELPER_IDLE_S (waiting on a pipe a stray process holds) is killed.
-# One still busy (unloading torch on a loaded machine) is given up to HELPER_EXIT_MAX_S.
+# that slept through HELPER_IDLE_S with no CPU run (waiting on a pipe a stray process
+# holds) is killed. One still busy (unloading torch on a loaded machine: running, waiting
+# for a CPU or for the disk) is given up to HELPER_EXIT_MAX_S.
 HELPER_EXIT_S = 5.0
 HELPER_IDLE_S = 1.0
 HELPER_EXIT_MAX_S = 30.0
@@ -46,8 +47,10 @@ def _rank_entry(module: str, entry: str, *args: Any) -> None:
 
 def _kill_when_idle(name: str, pid: int | None, killed: dict[str, bool],
                    exited: threading.Event) -> None:
-    """Kill a helper told to exit that has not within HELPER_EXIT_S and has since run
-    no CPU for HELPER_IDLE_S (so is waiting, not exiting), or at HELPER_EXIT_MAX_S."""
+    """Kill a helper told to exit that has not within HELPER_EXIT_S and has since
+    slept through HELPER_IDLE_S with no CPU run (so is waiting, not exiting), or at
+    HELPER_EXIT_MAX_S. One runnable but given no CPU (state R: a loaded machine) or
+    reading the disk (D) is exiting, so is not idle."""
     helper = ProcessId.of(pid)
     if pid is None or exited.wait(HELPER_EXIT_S):
         return
@@ -57,7 +60,8 @@ def _kill_when_idle(name: str, pid: int | None, killed: dict[str, bool],
         now = read_stat(pid)
         if now is None or now.state == "Z":
             return  # gone (or exited, not yet reaped): nothing to kill
-        if last is not None and (now.cpu == last.cpu or waited >= HELPER_EXIT_MAX_S):
+        asleep = last is not None and now.cpu == last.cpu and now.state == last.state == "S"
+        if asleep or waited >= HELPER_EXIT_MAX_S:
             killed[name] = send_signal(helper, signal.SIGKILL)
             return
         last = now

@@ -65,6 +65,11 @@ FOCUS_OP = b"\xa5focus"  # "focus" in msgpack: a focus request's op, near its st
 # An internal error in one handler is said (stderr, a warning event) at most this often;
 # every one is counted.
 INTERNAL_ERROR_EVERY_S = 60.0
+# Once the ranks' processes have exited: how long their last messages (the final Step,
+# the bye) may still take to be read. They were sent before the exit, but on a loaded
+# machine this daemon's sockets can hand them over after it has seen the exit.
+LAST_WORDS_S = 1.0
+LAST_WORDS_POLL_S = 0.05
 
 
 # What the daemon says in its own name (as rank -1).
@@ -217,6 +222,18 @@ class Relay:
             self.guarded("control", self._drain_router)
         self.guarded("journal", self._flush_journal)
         return [fd for fd in fds if fd in ready]
+
+    def last_words(self, timeout_s: float = LAST_WORDS_S) -> None:
+        """The ranks have exited: serve until every rank that spoke and did not
+        fail (its exit seen clean, or not seen: a watched command's rank) has said
+        bye, or `timeout_s` has passed. What it sent last is on its way still."""
+        deadline = time.monotonic() + timeout_s
+        while any(v.bye_code is None and (not v.exited or v.exit_code == 0)
+                  for v in self.state.ranks.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.serve(min(left, LAST_WORDS_POLL_S))
 
     def _flush_journal(self) -> None:
         self.journal.flush()

@@ -275,6 +275,7 @@ class RunLoop:
         while True:
             running = self.exits.running()
             if not running:
+                self.relay.last_words()  # their final steps and byes, still on the way
                 if self.stopping is not None:
                     return Outcome("stopped", EXIT_INTERRUPTED)
                 if self.config.watch and not self.relay.state.ranks:

@@ -25,7 +25,10 @@
   initialised (never initialising it from this thread), else the process's
   resident memory, read at most every RSS_EVERY_S.
 - At close: the last round folds what it can (FINAL_BUDGET_S), sends it, the
-  events, then a bye, and gives them CLOSE_LINGER_MS to leave.
+  events, then a bye, and gives them CLOSE_LINGER_MS to leave; CONNECTED_LINGER_MS
+  where the daemon's socket is connected (a loaded machine may not give the socket's
+  thread a CPU within CLOSE_LINGER_MS, and the rank's last steps are the run's
+  record), the short one where nobody listens (so exiting is not held up).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from pathlib import Path
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ddtop.core import wire
 from ddtop.core.keys import secure
@@ -55,11 +59,25 @@ from ddtop.training.stepfold import Memory, StepFolder, StepWindow, step_message
 SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
 SEND_HWM = 64  # messages ZeroMQ may queue before sends fail (and are counted)
 MAX_QUEUED_EVENTS = 1000
-CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on exit
+CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on exit ...
+CONNECTED_LINGER_MS = 2000  # ... and with a connection to the daemon up
 CLOSE_TIMEOUT_S = 2.0
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
 RSS_EVERY_S = 1.0  # how often the process's resident memory is read again
+
+
+LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+def connected(link: zmq.Socket[bytes]) -> bool:
+    """Whether the socket `link` monitors is connected now: its last connect or
+    disconnect event (none yet: not connected)."""
+    up = False
+    while link.poll(0):
+        event = recv_monitor_message(link)
+        up = event["event"] == zmq.EVENT_CONNECTED
+    return up
 
 
 _MAIN = threading.main_thread().ident
@@ -182,6 +200,7 @@ class Sender:
         sock = self._context.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
+        link = sock.get_monitor_socket(LINK_EVENTS)  # whether the daemon is connected
         try:
             secure(sock, self.endpoint, None)  # the run's keys, when the daemon is on TCP
             sock.connect(self.endpoint)
@@ -215,7 +234,10 @@ class Sender:
             print(f"warning: telemetry to {self.endpoint} stopped: {e}", file=sys.stderr)
         finally:
             self._ended()  # nobody folds the marks from now on
-            sock.close(linger=CLOSE_LINGER_MS)
+            up = connected(link)
+            sock.disable_monitor()
+            link.close(linger=0)
+            sock.close(linger=CONNECTED_LINGER_MS if up else CLOSE_LINGER_MS)
             self._context.term()
 
     def _send_events(self, sock: zmq.Socket[bytes]) -> None:

@@ -1,0 +1,128 @@
+"""A rank's last words are kept: the final Step message and the bye a rank sends
+just before it exits can reach the daemon's sockets after the daemon has seen
+the exit (a loaded machine). The daemon's loop then serves on, up to
+LAST_WORDS_S, until every rank that spoke and exited cleanly has said bye; a
+failed rank is not waited for. Over the relay's real ipc sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from test_state import RUN, hello, step
+
+from ddtop.core import wire
+from ddtop.daemon.relay import LAST_WORDS_S, Relay
+
+SERVE_TIMEOUT_S = 10.0
+LATE_S = 0.3  # how long after the exit the rank's last messages arrive
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[tuple[Relay, zmq.Socket[bytes]]]:
+    relay = Relay(RUN, tmp_path / "telemetry.journal", tmp_path / "sock", world_size=2)
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    try:
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(relay.endpoints["telemetry"])
+        yield relay, push
+    finally:
+        push.close(linger=0)
+        context.term()
+        relay.close()
+
+
+def send(push: zmq.Socket[bytes], message: wire.Message) -> None:
+    push.send_multipart(wire.encode(message))
+
+
+def spoke(relay: Relay, push: zmq.Socket[bytes], rank: int, exit_code: int) -> None:
+    """Rank `rank` said hello and a first step; then the daemon saw it exit."""
+    send(push, hello(rank))
+    send(push, step(rank, 1, 10))
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while relay.state.ranks.get(rank) is None or relay.state.ranks[rank].global_step != 10:
+        assert time.monotonic() < deadline, relay.state.rejected
+        relay.serve(0.05)
+    relay.emit(wire.RankExit, exited=rank, pid=1000 + rank, exit_code=exit_code, signal=None,
+               culprit=exit_code != 0, reason=None)
+
+
+def test_the_final_step_and_bye_arriving_after_the_exit_are_read(
+        relay: tuple[Relay, zmq.Socket[bytes]]) -> None:
+    server, push = relay
+    spoke(server, push, 0, 0)
+    last = [step(0, 2, 15, steps=5), wire.Bye(run=RUN, rank=0, seq=3, t=103.0, exit_code=0)]
+    late = threading.Timer(LATE_S, lambda: [send(push, m) for m in last])
+    started = time.monotonic()
+    late.start()
+    try:
+        server.last_words()
+    finally:
+        late.join()
+    took = time.monotonic() - started
+    view = server.state.ranks[0]
+    assert view.global_step == 15 and view.bye_code == 0
+    assert LATE_S <= took < LAST_WORDS_S, took  # back once the bye was in
+
+
+def test_a_clean_rank_that_never_says_bye_is_waited_for_no_longer_than_the_limit(
+        relay: tuple[Relay, zmq.Socket[bytes]]) -> None:
+    server, push = relay
+    spoke(server, push, 0, 0)
+    started = time.monotonic()
+    server.last_words()
+    took = time.monotonic() - started
+    assert LAST_WORDS_S <= took < LAST_WORDS_S + 1.0, took
+    assert server.state.ranks[0].bye_code is None
+
+
+def test_a_failed_rank_or_one_that_said_bye_is_not_waited_for(
+        relay: tuple[Relay, zmq.Socket[bytes]]) -> None:
+    server, push = relay
+    spoke(server, push, 0, 1)  # failed: it says no more
+    spoke(server, push, 1, 0)
+    send(push, wire.Bye(run=RUN, rank=1, seq=2, t=102.0, exit_code=0))
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while server.state.ranks[1].bye_code is None:
+        assert time.monotonic() < deadline
+        server.serve(0.05)
+    started = time.monotonic()
+    server.last_words()
+    assert time.monotonic() - started < LAST_WORDS_S / 2
+
+
+def test_a_ranks_sender_knows_whether_the_daemon_is_connected(tmp_path: Path) -> None:
+    """The sender's exit waits up to CONNECTED_LINGER_MS for its last messages to
+    leave where the daemon's socket is connected, CLOSE_LINGER_MS where nobody
+    listens: `connected` reads the socket's monitor, as the sender does at close."""
+    from ddtop.training.sender import CLOSE_LINGER_MS, CONNECTED_LINGER_MS, LINK_EVENTS, connected
+
+    assert CLOSE_LINGER_MS < CONNECTED_LINGER_MS
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    link = push.get_monitor_socket(LINK_EVENTS)
+    pull = context.socket(zmq.PULL)
+    endpoint = f"ipc://{tmp_path}/telemetry"
+    try:
+        push.connect(endpoint)
+        assert not connected(link)  # nobody listens yet
+        pull.bind(endpoint)
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while not link.poll(50):
+            assert time.monotonic() < deadline
+        assert connected(link)
+        pull.close(linger=0)
+        while not link.poll(50):
+            assert time.monotonic() < deadline
+        assert not connected(link)  # the daemon went away
+    finally:
+        push.disable_monitor()
+        for sock in (link, push, pull):
+            sock.close(linger=0)
+        context.term()
