@@ -274,4 +274,11 @@ def _histogram(rank: RankReading) -> list[Sample]:
             ("_sum", rank.labels, (), rank.step_seconds_total)]
 
 
-_BOUNDS = (*(format(b, "g") for b in STEP_BUCKETS), "+Inf")  # the histogram's `le` labels
+def _canonical(bound: float) -> str:
+    """A bucket's `le` label as OpenMetrics spells it, and as Prometheus 3 stores every
+    scrape's: a whole number keeps its `.0` (`1.0`, not `1`: another series)."""
+    text = format(bound, "g")
+    return text if any(c in text for c in ".en") else text + ".0"
+
+
+_BOUNDS = (*(_canonical(b) for b in STEP_BUCKETS), "+Inf")  # the histogram's `le` labels

@@ -305,6 +305,9 @@ def test_steps_by_time_phases_and_a_stall_read_as_they_are() -> None:
                if s.name.endswith("_bucket") and s.labels["rank"] == "0"}
     assert (buckets["0.025"], buckets["0.05"], buckets["0.1"], buckets["0.25"],
             buckets["+Inf"]) == (0, 4, 4, 5, 5)
+    # `le` as OpenMetrics and Prometheus 3 spell it (and prometheus_client writes it).
+    assert list(buckets) == ["0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0",
+                             "2.5", "5.0", "10.0", "30.0", "60.0", "+Inf"]
     totals = {s.name: s.value for s in found["ddtop_rank_step_duration_seconds"]
               if s.labels["rank"] == "0" and not s.name.endswith("_bucket")}
     assert totals["ddtop_rank_step_duration_seconds_count"] == 5
