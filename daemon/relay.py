@@ -224,12 +224,14 @@ class Relay:
         return [fd for fd in fds if fd in ready]
 
     def last_words(self, timeout_s: float = LAST_WORDS_S) -> None:
-        """The ranks have exited: serve until every rank that spoke and did not
-        fail (its exit seen clean, or not seen: a watched command's rank) has said
-        bye, or `timeout_s` has passed. What it sent last is on its way still."""
+        """The ranks have exited: serve until every rank that spoke to this daemon and
+        exited cleanly (exit code 0, told by the daemon) has said bye, or `timeout_s`
+        has passed. What it sent last is on its way still. A rank never heard from
+        (its telemetry went elsewhere, or it died first), one that failed or was
+        stopped, and another node's rank (a hub's; no exit told here) are not waited for."""
         deadline = time.monotonic() + timeout_s
-        while any(v.bye_code is None and (not v.exited or v.exit_code == 0)
-                  for v in self.state.ranks.values()):
+        while any(v.exited and v.exit_code == 0 and v.bye_code is None
+                  and v.last_seen is not None for v in self.state.ranks.values()):
             left = deadline - time.monotonic()
             if left <= 0:
                 return

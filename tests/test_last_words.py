@@ -20,11 +20,12 @@ from ddtop.daemon.relay import LAST_WORDS_S, Relay
 
 SERVE_TIMEOUT_S = 10.0
 LATE_S = 0.3  # how long after the exit the rank's last messages arrive
+WAIT_S = 8.0
 
 
 @pytest.fixture
 def relay(tmp_path: Path) -> Iterator[tuple[Relay, zmq.Socket[bytes]]]:
-    relay = Relay(RUN, tmp_path / "telemetry.journal", tmp_path / "sock", world_size=2)
+    relay = Relay(RUN, tmp_path / "telemetry.journal", tmp_path / "sock", world_size=3)
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     try:
@@ -62,13 +63,13 @@ def test_the_final_step_and_bye_arriving_after_the_exit_are_read(
     started = time.monotonic()
     late.start()
     try:
-        server.last_words()
+        server.last_words(WAIT_S)  # (a limit far above the delay: a loaded machine's)
     finally:
         late.join()
     took = time.monotonic() - started
     view = server.state.ranks[0]
     assert view.global_step == 15 and view.bye_code == 0
-    assert LATE_S <= took < LAST_WORDS_S, took  # back once the bye was in
+    assert LATE_S <= took < WAIT_S, took  # back once the bye was in, not at the limit
 
 
 def test_a_clean_rank_that_never_says_bye_is_waited_for_no_longer_than_the_limit(
@@ -82,16 +83,21 @@ def test_a_clean_rank_that_never_says_bye_is_waited_for_no_longer_than_the_limit
     assert server.state.ranks[0].bye_code is None
 
 
-def test_a_failed_rank_or_one_that_said_bye_is_not_waited_for(
+def test_a_failed_rank_one_that_said_bye_or_one_never_heard_is_not_waited_for(
         relay: tuple[Relay, zmq.Socket[bytes]]) -> None:
     server, push = relay
     spoke(server, push, 0, 1)  # failed: it says no more
+    # Rank 2 exited cleanly, but its telemetry never reached this daemon (went elsewhere,
+    # or was off): nothing of it is on the way.
+    server.emit(wire.RankExit, exited=2, pid=1002, exit_code=0, signal=None, culprit=False,
+                reason=None)
     spoke(server, push, 1, 0)
     send(push, wire.Bye(run=RUN, rank=1, seq=2, t=102.0, exit_code=0))
     deadline = time.monotonic() + SERVE_TIMEOUT_S
     while server.state.ranks[1].bye_code is None:
         assert time.monotonic() < deadline
         server.serve(0.05)
+    assert server.state.ranks[2].exited and server.state.ranks[2].bye_code is None
     started = time.monotonic()
     server.last_words()
     assert time.monotonic() - started < LAST_WORDS_S / 2
@@ -117,6 +123,7 @@ def test_a_ranks_sender_knows_whether_the_daemon_is_connected(tmp_path: Path) ->
         while not link.poll(50):
             assert time.monotonic() < deadline
         assert connected(link)
+        assert connected(link, True)  # no event since: as it was
         pull.close(linger=0)
         while not link.poll(50):
             assert time.monotonic() < deadline

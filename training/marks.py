@@ -42,7 +42,7 @@ MAX_MARKS = 1 << 16  # marks not yet folded; beyond, the oldest are dropped
 FOLD_CHUNK = 64  # marks folded between two looks at the clocks (about ten steps)
 FOLD_BUDGET_S = 0.02  # CPU time a round may fold for (a fifth of the send interval)
 FOLD_WALL_S = 0.05  # and wall time, the GIL's waits included (half the send interval)
-FINAL_BUDGET_S = 0.5  # the last round, at close (which waits 2 s for the sender)
+FINAL_BUDGET_S = 0.5  # the last round, at close (which waits 3 s for the sender)
 MEASURE_S = 1.0  # marks that keep the deque full are measured this long, then said
 
 

@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import resource
@@ -61,7 +62,9 @@ SEND_HWM = 64  # messages ZeroMQ may queue before sends fail (and are counted)
 MAX_QUEUED_EVENTS = 1000
 CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on exit ...
 CONNECTED_LINGER_MS = 2000  # ... and with a connection to the daemon up
-CLOSE_TIMEOUT_S = 2.0
+# close() waits this long for the thread: the last fold (marks.FINAL_BUDGET_S) and the
+# linger, with the daemon connected.
+CLOSE_TIMEOUT_S = 3.0
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
 RSS_EVERY_S = 1.0  # how often the process's resident memory is read again
@@ -70,10 +73,9 @@ RSS_EVERY_S = 1.0  # how often the process's resident memory is read again
 LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
-def connected(link: zmq.Socket[bytes]) -> bool:
-    """Whether the socket `link` monitors is connected now: its last connect or
-    disconnect event (none yet: not connected)."""
-    up = False
+def connected(link: zmq.Socket[bytes], up: bool = False) -> bool:
+    """Whether the socket `link` monitors is connected now: its newest connect or
+    disconnect event, or `up` (what it was) when there is none since."""
     while link.poll(0):
         event = recv_monitor_message(link)
         up = event["event"] == zmq.EVENT_CONNECTED
@@ -200,14 +202,17 @@ class Sender:
         sock = self._context.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
-        link = sock.get_monitor_socket(LINK_EVENTS)  # whether the daemon is connected
+        link: zmq.Socket[bytes] | None = None  # the socket's monitor: is the daemon connected
+        up = False
         try:
+            link = sock.get_monitor_socket(LINK_EVENTS)
             secure(sock, self.endpoint, None)  # the run's keys, when the daemon is on TCP
             sock.connect(self.endpoint)
             next_step = time.monotonic()
             beats = self._beats
             while True:
                 stopping = self._stop.is_set()
+                up = connected(link, up)  # (read as they come: a reconnecting socket's pile)
                 self._send_events(sock)
                 flightrec.poll()  # the daemon asked for this rank's stacks: dumped beside
                 pendingworks.poll()  # an isend or irecv without a future, completed
@@ -234,9 +239,11 @@ class Sender:
             print(f"warning: telemetry to {self.endpoint} stopped: {e}", file=sys.stderr)
         finally:
             self._ended()  # nobody folds the marks from now on
-            up = connected(link)
-            sock.disable_monitor()
-            link.close(linger=0)
+            if link is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    up = connected(link, up)
+                    sock.disable_monitor()
+                link.close(linger=0)
             sock.close(linger=CONNECTED_LINGER_MS if up else CLOSE_LINGER_MS)
             self._context.term()
 
