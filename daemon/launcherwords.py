@@ -39,6 +39,9 @@ MPI_SIGNALLED = re.compile(r"^mpirun noticed that process rank (\d{1,8}) with PI
 EXITED = re.compile(r"Exited with exit code (\d{1,3})")
 CANCELLED = re.compile(r"\*\*\* (JOB|STEP) ([\w.+]{1,64}) (?:ON \S{1,256} )?CANCELLED AT \S{1,64}"
                        r"(?: DUE TO ([A-Z ]{1,64}?))? \*\*\*")
+# torchrun's words as it ends its other workers after one failed (or when stopped).
+TORCHRUN_CLOSING = re.compile(r"Sending process \d{1,10} closing signal SIG[A-Z]{2,8}$",
+                              re.MULTILINE)
 # The reasons SLURM gives for ending tasks that did not fail by themselves.
 STOPS = {None: "scancel", "TIME LIMIT": "the time limit", "PREEMPTION": "a preemption"}
 # strsignal()'s text of each signal, as slurmstepd reports a task's death.
@@ -87,3 +90,9 @@ def cancelled(log: str) -> str | None:
             what = "job step" if m[1] == "STEP" else "job"
             return f"by SLURM ({STOPS[why]} of {what} {m[2]})"
     return None
+
+
+def launcher_name(log: str) -> str:
+    """Who ended a watched command's ranks, in words: torchrun where its output says
+    it sent them a closing signal, else "its launcher"."""
+    return "torchrun" if TORCHRUN_CLOSING.search(log) else "its launcher"

@@ -88,6 +88,21 @@ class Rank:
                        left_early=self.left_early_at is not None, ended=self.ended)
 
 
+def stopped_by_launcher(ranks: list[Rank], launcher: str) -> None:
+    """The ranks a launcher (torchrun: `launcher`) ended with SIGTERM after another
+    rank failed, while the daemon stopped nothing: victims, as a daemon's stop
+    makes them, but said as the launcher's doing ("was stopped by torchrun
+    (SIGTERM) after rank 1 failed"), not the daemon's."""
+    failed = sorted(r.rank for r in ranks if r.rank >= 0 and r.exitcode and not r.stopped_by_us)
+    if not failed:
+        return
+    after = (f"rank {failed[0]}" if len(failed) == 1
+             else "ranks " + ", ".join(map(str, failed)))
+    for r in ranks:
+        if r.stopped_by_us and r.exitcode == -signal.SIGTERM and r.reason is None:
+            r.reason = f"was stopped by {launcher} (SIGTERM) after {after} failed"
+
+
 class RankStarter(Protocol):
     # The rendezvous port the ranks use (run.json shows it).
     port: int

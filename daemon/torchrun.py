@@ -40,7 +40,7 @@ from ddtop.core.rundir import RunPaths, write_json_atomic
 from ddtop.core.state import RunState
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.relaunches import Relaunch
-from ddtop.daemon.starters import AGENT, Rank, rank_program
+from ddtop.daemon.starters import AGENT, Rank, rank_program, stopped_by_launcher
 
 # torch.distributed.run, with the stores its agent hosts at a loopback address
 # listening there alone (started by name: the daemon imports nothing of training).
@@ -200,4 +200,6 @@ class TorchrunRanks:
                 code = -signal.SIGTERM
             ranks.append(Rank(k, ExitedProcess(pid, code), exitcode=code,
                               stopped_by_us=code == -signal.SIGTERM, noted=True))
+        if not exited.stopped_by_us:  # torchrun's own doing, not a stop of the daemon's
+            stopped_by_launcher(ranks, "torchrun")
         return ranks

@@ -59,7 +59,7 @@ from ddtop.core.state import RunState
 from ddtop.daemon import launcherwords
 from ddtop.daemon.leftovers import Leftover, with_environment
 from ddtop.daemon.relaunches import ATTEMPT_ENV, Lives, Relaunch
-from ddtop.daemon.starters import COMMAND, WATCH, Rank
+from ddtop.daemon.starters import COMMAND, WATCH, Rank, stopped_by_launcher
 from ddtop.daemon.torchrun import FAILURE_SUMMARY, REFUSED_MAX
 from ddtop.daemon.watchguard import start_guard
 
@@ -247,6 +247,8 @@ class WatchedCommand(_Ranks):
         stop = launcherwords.cancelled(log)
         ranks = self._ends(state, exited.exitcode, self._launcher_said(log),
                            quiet_is_lost=False, stop=stop)
+        if not exited.stopped_by_us and stop is None:  # the launcher's doing, not a stop
+            stopped_by_launcher(ranks, launcherwords.launcher_name(log))
         if (exited.exitcode and not exited.stopped_by_us and stop is None
                 and not any(r.exitcode and not r.stopped_by_us for r in ranks)):
             # No rank failed, yet the command did: the command is the culprit, said

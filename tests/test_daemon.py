@@ -261,6 +261,17 @@ def test_torchrun_launcher_restarts_a_killed_rank(restarted: Together) -> None:
     assert [(r["rank"], r["exit_code"]) for r in record["ranks"]] == [(0, 0), (1, 0)]
     (entry,) = record["timeline"]
     assert (entry["rank"], entry["signal"]) == (1, "SIGKILL")
+    # torchrun, not the daemon, ended rank 0 once rank 1 died, and it is said so (or,
+    # a race, rank 0 died of the lost peer first): a victim either way, not blamed.
+    exits = [m for m in (wire.decode([r.frame]) for r in journal.read(
+        tmp_path / "runs" / "tr" / "telemetry.journal")) if isinstance(m, wire.RankExit)]
+    rank0 = next(m for m in exits if m.exited == 0)
+    assert not rank0.culprit
+    if rank0.signal == "SIGTERM":
+        assert rank0.stopped_by_daemon, rank0
+        assert rank0.reason == "was stopped by torchrun (SIGTERM) after rank 1 failed", rank0
+    else:
+        assert blame.PEER_LOSS.search(rank0.message or ""), rank0
 
 
 def test_torchrun_launcher_stops_gracefully(tmp_path: Path) -> None:

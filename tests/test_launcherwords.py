@@ -69,3 +69,34 @@ def test_a_node_failure_or_no_cancel_is_not_a_stop() -> None:
     assert launcherwords.cancelled(failed) is None
     assert launcherwords.cancelled("srun: error: vm: task 1: Killed\n") is None
     assert launcherwords.cancelled("*** STEP 4.0 ON vm CANCELLED") is None
+
+
+def test_ranks_a_launcher_stopped_after_another_failed_are_said_to_be_its_doing() -> None:
+    """torchrun's words as it ends its other workers name it; the ranks it ended with
+    SIGTERM (victims, as a daemon's stop makes them) are said to be stopped by it,
+    after the ranks that failed; with no failed rank, or a reason already known
+    (SLURM's cancel), nothing changes."""
+    from ddtop.core.processes import ExitedProcess
+    from ddtop.daemon.starters import Rank, stopped_by_launcher
+
+    log = ("W1207 19:30:37.537000 946 torch/distributed/elastic/multiprocessing/api.py:1028] "
+           "Sending process 953 closing signal SIGTERM\n")
+    assert launcherwords.launcher_name(log) == "torchrun"
+    assert launcherwords.launcher_name("[rank0]: Sending process 9 closing signal SIGTERM "
+                                       "soon\n") == "its launcher"
+
+    def ranks() -> list[Rank]:
+        codes = {0: -signal.SIGTERM, 1: -signal.SIGKILL, 2: 1, 3: -signal.SIGTERM, 4: 0}
+        return [Rank(k, ExitedProcess(900 + k, code), exitcode=code,
+                     stopped_by_us=code in (0, -signal.SIGTERM), noted=True)
+                for k, code in codes.items()]
+
+    ended = ranks()
+    ended[3].reason = "was stopped by SLURM (scancel of job step 42.0)"
+    stopped_by_launcher(ended, "torchrun")
+    assert [r.reason for r in ended] == [
+        "was stopped by torchrun (SIGTERM) after ranks 1, 2 failed", None, None,
+        "was stopped by SLURM (scancel of job step 42.0)", None]
+    calm = [r for r in ranks() if r.rank in (0, 4)]  # nobody failed: a stop, not a launcher's
+    stopped_by_launcher(calm, "its launcher")
+    assert [r.reason for r in calm] == [None, None]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtop.core import journal, wire
+from ddtop.core import blame, journal, wire
 from ddtop.daemon import cli
 from tests.helpers import DDTRAIN, TORCHRUN, Run, ddtrain, finish, start, tagged_env
 
@@ -221,6 +221,16 @@ def test_a_killed_rank_is_named_and_the_exit_code_is_torchruns(watches: Watches)
     assert got["failure"]["rank"] == 1 and got["failure"]["signal"] == "SIGKILL"
     # No sampler was set_epoch'd: the epoch is not known, never "1".
     assert [r["epoch"] for r in got["ranks"]] == [None, None], got["ranks"]
+    # torchrun ended rank 0 (its log says so); the daemon stopped nothing: said so (or,
+    # a race, rank 0 died of the lost peer first): a victim either way, not blamed.
+    exits = {m.exited: m for m in (wire.decode([r.frame]) for r in journal.read(
+        tmp_path / "runs" / "crash" / "telemetry.journal")) if isinstance(m, wire.RankExit)}
+    assert not exits[0].culprit and exits[1].culprit and exits[1].reason is None, exits
+    if exits[0].signal == "SIGTERM":
+        assert exits[0].stopped_by_daemon, exits
+        assert exits[0].reason == "was stopped by torchrun (SIGTERM) after rank 1 failed", exits
+    else:
+        assert blame.PEER_LOSS.search(exits[0].message or ""), exits
     assert not run.leftovers
 
 
