@@ -68,7 +68,7 @@ INTERNAL_ERROR_EVERY_S = 60.0
 # Once the ranks' processes have exited: how long their last messages (the final Step,
 # the bye) may still take to be read. They were sent before the exit, but on a loaded
 # machine this daemon's sockets can hand them over after it has seen the exit.
-LAST_WORDS_S = 1.0
+LAST_WORDS_S = 2.0  # (a clean rank that never says bye, os._exit(0), holds the end this long)
 LAST_WORDS_POLL_S = 0.05
 
 

@@ -2,10 +2,13 @@
 just before it exits can reach the daemon's sockets after the daemon has seen
 the exit (a loaded machine). The daemon's loop then serves on, up to
 LAST_WORDS_S, until every rank that spoke and exited cleanly has said bye; a
-failed rank is not waited for. Over the relay's real ipc sockets."""
+failed rank is not waited for. Over the relay's real ipc sockets, and end to end
+through `ddtrain watch` with a rank that outlives its command."""
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +24,7 @@ from ddtop.daemon.relay import LAST_WORDS_S, Relay
 SERVE_TIMEOUT_S = 10.0
 LATE_S = 0.3  # how long after the exit the rank's last messages arrive
 WAIT_S = 8.0
+LIMIT_S = 0.5
 
 
 @pytest.fixture
@@ -77,9 +81,9 @@ def test_a_clean_rank_that_never_says_bye_is_waited_for_no_longer_than_the_limit
     server, push = relay
     spoke(server, push, 0, 0)
     started = time.monotonic()
-    server.last_words()
+    server.last_words(LIMIT_S)
     took = time.monotonic() - started
-    assert LAST_WORDS_S <= took < LAST_WORDS_S + 1.0, took
+    assert LIMIT_S <= took < LIMIT_S + 1.0, took
     assert server.state.ranks[0].bye_code is None
 
 
@@ -133,3 +137,55 @@ def test_a_ranks_sender_knows_whether_the_daemon_is_connected(tmp_path: Path) ->
         for sock in (link, push, pull):
             sock.close(linger=0)
         context.term()
+
+
+# A rank that outlives its command: the command waits until the daemon shows the rank's
+# third step, then exits 0; only then does the rank take two more steps and end. The
+# daemon has seen the command (so the run) end before those two steps and the bye.
+DRIVER = '''
+import json, os, subprocess, sys, time
+flag = sys.argv[1]
+subprocess.Popen([sys.executable, sys.argv[2], flag],
+                 env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    got = subprocess.run([sys.argv[3], "status", "late", "--json"], capture_output=True,
+                         text=True)
+    ranks = json.loads(got.stdout)["ranks"] if got.returncode == 0 else []
+    if ranks and ranks[0]["global_step"] == 3:
+        break
+    time.sleep(0.1)
+os.remove(flag)
+'''
+RANK = '''
+import os, sys, time
+import ddtop
+ddtop.init(total_steps=5)
+for _ in range(3):
+    ddtop.step(loss=1.0)
+flag = sys.argv[1]
+open(flag, "w").close()
+deadline = time.monotonic() + 60
+while os.path.exists(flag) and time.monotonic() < deadline:
+    time.sleep(0.02)
+time.sleep(0.1)  # the command has exited
+for _ in range(2):
+    ddtop.step(loss=1.0)
+'''
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_ranks_steps_and_bye_after_the_command_ended_are_in_the_record(tmp_path: Path
+                                                                         ) -> None:
+    from helpers import DDTRAIN, ddtrain
+
+    (tmp_path / "driver.py").write_text(DRIVER)
+    (tmp_path / "rank.py").write_text(RANK)
+    run = ddtrain("watch", "--run-id", "late", "--", sys.executable, "driver.py",
+                  str(tmp_path / "flag"), "rank.py", DDTRAIN, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    record = json.loads((tmp_path / "runs" / "late" / "run.json").read_text())
+    assert [(r["rank"], r["global_step"], r["state"]) for r in record["ranks"]] == [
+        (0, 5, "finished")], record["ranks"]
+    assert run.leftovers == []
