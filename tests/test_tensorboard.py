@@ -59,8 +59,11 @@ def journal_messages(run: Path) -> list[wire.Message]:
 
 
 def events_text(folder: Path) -> list[str]:
-    """The run's lines, each step's text split into its lines (one text a step)."""
-    return [line for e in read_back(folder).Tensors(tbpoints.EVENTS_TAG)
+    """The run's lines as TensorBoard shows them: each step's last text (a live
+    writer's flush can write a step's lines so far, then all of them again at that
+    step; TensorBoard keeps the last), split into its lines."""
+    last = {e.step: e for e in read_back(folder).Tensors(tbpoints.EVENTS_TAG)}
+    return [line for _, e in sorted(last.items())
             for line in e.tensor_proto.string_val[0].decode().split(tbpoints.LINE_BREAK)]
 
 
