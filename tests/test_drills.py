@@ -542,3 +542,30 @@ def test_a_p2p_hang_drill_waits_in_recv_for_its_peer_and_is_blamed(drills: Start
     assert summary["failure"]["rank"] == 1, summary["failure"]
     assert summary["failure"]["message"].startswith("hung for 3 s (--hang-timeout 3): "), summary
     assert run.leftovers == []
+
+
+def test_the_take_port_drill_finds_its_port_already_taken_and_leaves_it_so(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another process took the port the daemon picked before the drill could (a busy
+    machine; seen in CI): the drill's end, without the drill. It says so and holds
+    nothing; rank 0's own bind then fails as the drill would have made it fail."""
+    import socket
+
+    from ddtop.core.contract import ATTEMPT_ENV, FAULT_ENV
+    from ddtop.training import rendezvous
+
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        monkeypatch.setattr(rendezvous, "_drilled", False)
+        for name, value in ((FAULT_ENV, inject.encode([inject.parse("0:take-port")])),
+                            (ATTEMPT_ENV, "0"), ("MASTER_ADDR", "127.0.0.1"),
+                            ("MASTER_PORT", str(port))):
+            monkeypatch.setenv(name, value)
+        assert rendezvous.port_drill(0) is None
+        assert f"port {port} was already taken by another process" in capsys.readouterr().err
+        assert rendezvous.port_drill(0) is None  # once a process
+    finally:
+        other.close()

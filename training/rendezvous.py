@@ -28,6 +28,7 @@ sockets are torch's: docs/security.md says what they expose.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import socket
@@ -152,7 +153,16 @@ def port_drill(rank: int) -> socket.socket | None:
     _drilled = True
     holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    holder.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    try:
+        holder.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    except OSError as e:
+        holder.close()
+        if e.errno != errno.EADDRINUSE:
+            raise
+        # Another process took it first: the drill's end, without the drill.
+        print(f"ddtop drill 0:take-port: port {os.environ['MASTER_PORT']} was already "
+              "taken by another process", file=sys.stderr, flush=True)
+        return None
     holder.listen(1)
     print(f"ddtop drill 0:take-port: port {os.environ['MASTER_PORT']} bound before rank 0's "
           "rendezvous", file=sys.stderr, flush=True)
