@@ -151,3 +151,38 @@ def test_a_ranks_own_process_outliving_its_launcher_is_said_once_as_the_rank() -
         "rank 0 left 1 process behind (pid 4250 sleep): terminated"]
     assert leftovers.describe([own], set()) == [
         "rank 0 (pid 4242) was still running after its launcher exited: terminated"]
+
+
+@pytest.mark.processes
+def test_a_helper_is_killed_as_idle_only_while_it_sleeps(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The forkserver or resource tracker told to exit: one asleep with no CPU run
+    (waiting on a pipe a stray process holds) is killed once HELPER_IDLE_S shows it
+    idle; one not asleep (here stopped, state T; on a loaded machine runnable, R, or
+    reading the disk, D) is not idle, and is killed only at HELPER_EXIT_MAX_S. Real
+    processes; the limits shortened."""
+    import threading
+
+    from ddtop.daemon import local
+
+    monkeypatch.setattr(local, "HELPER_EXIT_S", 0.2)
+    monkeypatch.setattr(local, "HELPER_IDLE_S", 0.2)
+    monkeypatch.setattr(local, "HELPER_EXIT_MAX_S", 3.0)
+    for stop, least, most in ((False, 0.4, 2.5), (True, 3.0, 6.0)):
+        helper = subprocess.Popen(["sleep", "60"])
+        try:
+            if stop:
+                helper.send_signal(signal.SIGSTOP)
+            killed: dict[str, bool] = {}
+            started = time.monotonic()
+            watch = threading.Thread(target=local._kill_when_idle,
+                                     args=("forkserver", helper.pid, killed, threading.Event()))
+            watch.start()
+            watch.join(10)
+            took = time.monotonic() - started
+            assert killed == {"forkserver": True}
+            assert helper.wait(5) == -signal.SIGKILL
+            assert least <= took < most, (stop, took)
+        finally:
+            helper.kill()
+            helper.wait()
