@@ -344,9 +344,10 @@ def torch_aborted_at_exit(run: Run, what: str) -> bool:
     runs here; once in a start-up hook test's torchrun, and once (2026-12-06, a
     clean-clone run) in its script that starts its own second rank, and once
     (2026-12-06 again) in an FSDP2 script's rank under `ddtrain watch -- torchrun`,
-    after the script's destroy_process_group. Said, so that a rerun is never
+    after the script's destroy_process_group. `ddtrain watch` echoes its command's
+    output on stdout, so both streams are read. Said, so that a rerun is never
     silent."""
-    if run.returncode != 0 and TORCH_EXIT_ABORT in run.stderr:
+    if run.returncode != 0 and TORCH_EXIT_ABORT in run.stdout + run.stderr:
         print(f"\n{what} aborted at exit in torch ({TORCH_EXIT_ABORT!r}): running it again")
         return True
     return False
