@@ -30,6 +30,7 @@ from ddtop.core.config import TrainConfig
 from ddtop.core.contract import UsageError
 from ddtop.core.processes import LogTail, Process, ProcessId
 from ddtop.core.state import RunState
+from ddtop.core.text import rank_list
 from ddtop.daemon.leftovers import Leftover
 from ddtop.daemon.relaunches import Relaunch
 
@@ -96,8 +97,7 @@ def stopped_by_launcher(ranks: list[Rank], launcher: str) -> None:
     failed = sorted(r.rank for r in ranks if r.rank >= 0 and r.exitcode and not r.stopped_by_us)
     if not failed:
         return
-    after = (f"rank {failed[0]}" if len(failed) == 1
-             else "ranks " + ", ".join(map(str, failed)))
+    after = rank_list(failed)
     for r in ranks:
         if r.stopped_by_us and r.exitcode == -signal.SIGTERM and r.reason is None:
             r.reason = f"was stopped by {launcher} (SIGTERM) after {after} failed"

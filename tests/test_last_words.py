@@ -160,6 +160,7 @@ os.remove(flag)
 RANK = '''
 import os, sys, time
 import ddtop
+command = os.getppid()
 ddtop.init(total_steps=5)
 for _ in range(3):
     ddtop.step(loss=1.0)
@@ -168,7 +169,8 @@ open(flag, "w").close()
 deadline = time.monotonic() + 60
 while os.path.exists(flag) and time.monotonic() < deadline:
     time.sleep(0.02)
-time.sleep(0.1)  # the command has exited
+while os.getppid() == command and time.monotonic() < deadline:  # until the command exited
+    time.sleep(0.02)
 for _ in range(2):
     ddtop.step(loss=1.0)
 '''

@@ -95,7 +95,7 @@ def test_ranks_a_launcher_stopped_after_another_failed_are_said_to_be_its_doing(
     ended[3].reason = "was stopped by SLURM (scancel of job step 42.0)"
     stopped_by_launcher(ended, "torchrun")
     assert [r.reason for r in ended] == [
-        "was stopped by torchrun (SIGTERM) after ranks 1, 2 failed", None, None,
+        "was stopped by torchrun (SIGTERM) after ranks 1-2 failed", None, None,
         "was stopped by SLURM (scancel of job step 42.0)", None]
     calm = [r for r in ranks() if r.rank in (0, 4)]  # nobody failed: a stop, not a launcher's
     stopped_by_launcher(calm, "its launcher")

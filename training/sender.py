@@ -54,7 +54,7 @@ from ddtop.core.keys import secure
 from ddtop.training import flightrec, pendingworks, profiling
 from ddtop.training.beats import Beats
 from ddtop.training.hostreadings import HostReadings
-from ddtop.training.marks import FoldRounds, Marks
+from ddtop.training.marks import FINAL_BUDGET_S, FoldRounds, Marks
 from ddtop.training.stepfold import Memory, StepFolder, StepWindow, step_message
 
 SEND_INTERVAL_S = 0.1  # at most ~10 Step messages per second per rank
@@ -62,9 +62,9 @@ SEND_HWM = 64  # messages ZeroMQ may queue before sends fail (and are counted)
 MAX_QUEUED_EVENTS = 1000
 CLOSE_LINGER_MS = 250  # how long the last messages (bye) may take to leave on exit ...
 CONNECTED_LINGER_MS = 2000  # ... and with a connection to the daemon up
-# close() waits this long for the thread: the last fold (marks.FINAL_BUDGET_S) and the
-# linger, with the daemon connected.
-CLOSE_TIMEOUT_S = 3.0
+# close() waits this long for the thread: the last fold and the linger, with the daemon
+# connected, and a margin.
+CLOSE_TIMEOUT_S = FINAL_BUDGET_S + CONNECTED_LINGER_MS / 1000 + 0.5
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 STATM = Path("/proc/self/statm")
 RSS_EVERY_S = 1.0  # how often the process's resident memory is read again
